@@ -1,0 +1,35 @@
+# Everything a fresh machine of this kind needs: `make demo` and `make test` set up the environment
+# first when it is missing or out of date (scripts/setup_env.sh is idempotent and quick when current).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ASSETS ?= assets
+PYTEST_ARGS ?=
+
+.PHONY: install assets demo test test-fast quality style clean
+
+install:
+	@bash scripts/setup_env.sh
+
+assets: install
+	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.data.synthetic --task color --out $(ASSETS)/data/shapes-color
+
+demo: assets
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml
+
+test: install
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest tests -m "not slow" -x -q $(PYTEST_ARGS)
+
+quality: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+style: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache

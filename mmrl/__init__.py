@@ -1,0 +1,3 @@
+"""mmrl: reinforcement-learning post-training for vision-language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,283 @@
+"""The typed configuration tree of a run: ``PPOConfig(data, algorithm, worker, trainer)``.
+
+Every knob lives here with its meaning and unit. Key names follow EasyR1's where the meaning is the
+same, so its users' YAML files carry over (differences are listed in the README). Loading
+(:mod:`mmrl.trainer.config_loader`) merges dataclass defaults ← YAML ← ``key=value`` arguments,
+resolves relative paths, and validates once; the dataclasses are frozen afterwards, so the config
+printed at start is the config that runs. Derived values are properties, never written back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def split_dataset_spec(spec: str) -> tuple[str, str | None]:
+    """``"data/train.parquet@train"`` → ``("data/train.parquet", "train")``; no ``@`` → split None."""
+    path, sep, split = spec.rpartition("@")
+    if not sep or not path:
+        return spec, None
+    return path, split
+
+
+def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str]:
+    """``"reward.py:compute_score"`` → ``("reward.py", "compute_score")``; no ``:`` → EasyR1's ``main``."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or os.sep in name:
+        return spec, default_name
+    return path, name
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: str = (
+        ""  # jsonl/json/parquet file or a `datasets` folder, optional `@split`; comma-separated list
+    )
+    val_files: str = ""  # same forms as train_files; empty = no validation
+    prompt_key: str = "problem"  # column with the prompt text (may hold <image>/<video>/<audio> markers)
+    answer_key: str = "answer"  # column with the ground truth handed to the reward function
+    image_key: str = "images"  # column with a list of images (paths, bytes or {"bytes","path"} dicts)
+    video_key: str = "videos"  # column with a list of videos (paths)
+    audio_key: str = "audios"  # column with a list of audio files (paths)
+    media_dir: str | None = None  # base folder of relative media paths; null = the data file's folder
+    format_prompt: str | None = None  # Jinja template file applied to each prompt (gets `content` + columns)
+    system_prompt: str | None = None  # system message put before every prompt; null = the chat template's
+    max_prompt_length: int = 512  # tokens, media placeholders included
+    max_response_length: int = 512  # tokens generated per response
+    filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length at load (count is logged)
+    rollout_batch_size: int = 512  # prompts per training step
+    val_batch_size: int = -1  # prompts per validation batch; -1 = the whole validation set at once
+    shuffle: bool = True  # reshuffle the training prompts every epoch
+    seed: int = 1  # seed of the shuffling
+    min_pixels: int = 262144  # images smaller than this many pixels are upscaled (aspect kept)
+    max_pixels: int = 4194304  # images larger than this many pixels are downscaled (aspect kept)
+    dataloader_num_workers: int = 0  # worker processes decoding media for the driver's dataloader
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus | remax | gae
+    norm_adv_by_std: bool = True  # grpo only: divide by the group's std; false = Dr. GRPO
+    gamma: float = 1.0  # discount of future token rewards (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE lambda
+    disable_kl: bool = False  # no KL term at all (and no reference model)
+    use_kl_loss: bool = False  # true: KL as a loss term of the actor; false: KL as a reward penalty
+    kl_penalty: str = "low_var_kl"  # KL estimator: k1 (kl) | k2 (mse) | k3 (low_var_kl) | abs
+    kl_coef: float = 1e-3  # weight of the KL term (initial value when adaptive)
+    kl_type: str = "fixed"  # coefficient controller: fixed | adaptive (reward penalty only)
+    kl_target: float = 0.1  # adaptive controller: KL (nats per token) the coefficient steers towards
+    kl_horizon: float = 10000.0  # adaptive controller: responses over which the error is corrected
+
+    @property
+    def use_reference(self) -> bool:
+        return not self.disable_kl
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str | None = None  # Hugging Face folder (or hub id where the hub is reachable)
+    tokenizer_path: str | None = None  # null = model_path
+    override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
+    enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
+    trust_remote_code: bool = False  # allow the model folder's own Python code
+    freeze_vision_tower: bool = False  # keep the vision (and audio) encoder weights fixed
+
+    @property
+    def tokenizer_or_model_path(self) -> str | None:
+        return self.tokenizer_path or self.model_path
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6  # peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    weight_decay: float = 1e-2  # AdamW decoupled weight decay
+    strategy: str = "adamw"  # optimizer: adamw
+    lr_warmup_ratio: float = 0.0  # fraction of the training steps spent warming up linearly
+    lr_warmup_steps: int | None = None  # warm-up in steps; overrides lr_warmup_ratio when set
+    lr_scheduler_type: str = "constant"  # after warm-up: constant | cosine
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    enable_full_shard: bool = True  # shard parameters (ZeRO-3); false = replicate (DDP-like)
+    enable_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters live on CPU
+    torch_dtype: str = "auto"  # dtype of the stored weights: auto (fp32) | fp32 | bf16
+    mp_param_dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    mp_reduce_dtype: str = "fp32"  # gradient reduction dtype
+    mp_buffer_dtype: str = "fp32"  # buffer dtype
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    offload_params: bool = False  # move parameters to CPU between phases
+    offload_optimizer: bool = False  # move optimizer states to CPU between phases
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
+    micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
+    micro_batch_size_per_device_for_experience: int = 16  # responses per forward in log-prob passes
+    max_grad_norm: float = 1.0  # gradient clipping norm; a non-finite norm skips the step
+    clip_ratio_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float = 0.3  # PPO: ratio clipped above at 1 + clip_ratio_high (DAPO clip-higher)
+    clip_ratio_dual: float = 3.0  # dual-clip constant c (> 1): loss bounded by c·|A| for A < 0
+    loss_type: str = "ppo"  # policy loss: ppo | gspo | cispo
+    loss_avg_mode: str = (
+        "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    )
+    ppo_epochs: int = 1  # passes over each rollout batch
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
+    padding_free: bool = True  # train on packed sequences without padding tokens
+    ulysses_size: int = 1  # Ulysses sequence-parallel degree
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    micro_batch_size_per_device_for_experience: int | None = None  # null = the actor's
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    global_batch_size: int = 128  # prompts per optimizer step, as for the actor
+    micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward
+    micro_batch_size_per_device_for_experience: int = 16  # responses per forward in the value pass
+    max_grad_norm: float = 1.0  # gradient clipping norm
+    cliprange_value: float = 0.5  # values clipped to old value ± this in the value loss
+    loss_avg_mode: str = "token_mean"  # aggregation of the value loss
+    ppo_epochs: int = 1  # passes over each rollout batch
+    padding_free: bool = True  # train on packed sequences
+    model: ModelConfig = field(default_factory=ModelConfig)  # model_path None = the actor's model
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = "vllm"  # generation backend: vllm | hf (transformers generate)
+    n: int = 5  # responses sampled per prompt
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = -1  # top-k sampling; -1 = off
+    seed: int = 1  # sampling seed (the same on every rank of a tensor-parallel group)
+    dtype: str = "auto"  # engine dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism; 1 = one engine per training process
+    gpu_memory_utilization: float = 0.6  # vLLM: fraction of GPU memory for weights + KV cache
+    cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache size in GiB (its default takes 90% of RAM)
+    max_model_len: int | None = None  # vLLM context; null = max_prompt_length + max_response_length
+    max_num_batched_tokens: int = 8192  # vLLM scheduler token budget per step
+    enforce_eager: bool = False  # vLLM: no CUDA graphs
+    enable_chunked_prefill: bool = False  # vLLM chunked prefill
+    enable_sleep_mode: bool = True  # vLLM: free KV cache + weights while training (GPU only)
+    limit_images: int = 0  # vLLM: max images per prompt; 0 = no limit
+    disable_tqdm: bool = True  # hide the engine's progress bars
+    val_override_config: dict[str, Any] = field(
+        default_factory=dict
+    )  # sampling keys for validation, e.g. {temperature: 0, n: 1}
+
+    def sampling_for_validation(self) -> dict[str, Any]:
+        """Sampling parameters for validation: the training ones with val_override_config applied."""
+        params = {key: getattr(self, key) for key in SAMPLING_KEYS}
+        params.update(self.val_override_config)
+        return params
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    reward_function: str = ""  # `path/to/file.py:function` (function defaults to `main`)
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments
+    reward_type: str | None = None  # batch | sequential; null = the file's REWARD_TYPE (default batch)
+    skip_special_tokens: bool = True  # decode responses without special tokens
+    num_workers: int = 1  # reward worker processes (Ray actors)
+    num_cpus: float = 1.0  # CPUs reserved per reward worker
+    timeout_s: float = 600.0  # seconds a batch may take before the run stops with an error
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None  # existing cluster (`auto` after `ray start`); null = start a local one
+    num_cpus: int | None = None  # CPUs of a local cluster; null = all
+    include_dashboard: bool = False  # the dashboard costs ~0.7 GB of memory
+    object_store_memory_bytes: int | None = 2_000_000_000  # local object store size
+
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_epochs: int = 15  # passes over the training prompts
+    max_steps: int | None = None  # stop after this many steps (overrides total_epochs when smaller)
+    project_name: str = "mmrl"  # logger project
+    experiment_name: str = "demo"  # logger run name
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # any of LOGGERS
+    nnodes: int = 1  # machines
+    n_gpus_per_node: int = 8  # training processes per machine (GPUs; CPU processes on a CPU machine)
+    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    seed: int = 1  # seed of model init, dropout and sampling RNGs
+    critic_warmup: int = 0  # steps that update the critic only
+    val_freq: int = -1  # validate every this many steps; -1 = never during training
+    val_before_train: bool = True  # validate once before the first step
+    val_only: bool = False  # validate and exit
+    val_generations_to_log: int = 0  # sample generations written to the loggers per validation
+    save_freq: int = -1  # checkpoint every this many steps; -1 = only at the end
+    save_limit: int = -1  # keep at most this many checkpoints; -1 = all
+    save_checkpoint_path: str | None = None  # null = checkpoints/<project_name>/<experiment_name>
+    load_checkpoint_path: str | None = None  # a global_step_N folder to resume from
+    find_last_checkpoint: bool = True  # resume from the latest checkpoint under save_checkpoint_path
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def checkpoint_dir(self) -> str:
+        if self.save_checkpoint_path:
+            return self.save_checkpoint_path
+        return os.path.abspath(os.path.join("checkpoints", self.project_name, self.experiment_name))
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.data.rollout_batch_size * self.worker.rollout.n
+
+    @property
+    def responses_per_update(self) -> int:
+        """Responses in one actor optimizer step (EasyR1 multiplied the config value in place)."""
+        return self.worker.actor.global_batch_size * self.worker.rollout.n

@@ -1,0 +1,424 @@
+"""Load a :class:`PPOConfig`: dataclass defaults ← YAML file ← ``key=value`` arguments, then one
+validation pass.
+
+Every user mistake becomes a :class:`ConfigError` listing all problems at once, each naming the key,
+what was found and what to do; the command line turns it into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mmrl.trainer.config import (
+    LOGGERS,
+    SAMPLING_KEYS,
+    PPOConfig,
+    split_dataset_spec,
+    split_function_spec,
+)
+
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
+
+
+class ConfigError(ValueError):
+    """One or more user errors in the configuration; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {e}" for e in self.errors))
+
+
+# ---------------------------------------------------------------------------------------------
+# schema walking
+# ---------------------------------------------------------------------------------------------
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def schema_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the tree (leaves and free-form dicts), e.g. ``worker.rollout.n``."""
+    keys = []
+    for name, hint in _field_types(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            keys.extend(schema_keys(hint, key + "."))
+        else:
+            keys.append(key)
+    return keys
+
+
+def _unknown_keys(user: Any, cls: type, prefix: str = "") -> Iterator[tuple[str, list[str]]]:
+    """Yield ``(dotted_key, valid_sibling_names)`` for every user key that the schema lacks."""
+    if not isinstance(user, DictConfig):
+        return
+    fields = _field_types(cls)
+    for name in user.keys():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            yield key, list(fields)
+            continue
+        hint = fields[name]
+        if dataclasses.is_dataclass(hint):
+            yield from _unknown_keys(user[name], hint, key + ".")
+
+
+def _suggest(key: str, siblings: list[str]) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?"
+    anywhere = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.75)
+    if anywhere:
+        return f"did you mean '{anywhere[0]}'?"
+    return "see examples/config.yaml for every valid key"
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``config=x.yaml a.b=c ...`` into the YAML path and the ``key=value`` overrides."""
+    config_path, overrides, errors = None, [], []
+    for arg in argv:
+        if "=" not in arg or arg.startswith("="):
+            errors.append(f"argument '{arg}' is not of the form key=value (e.g. worker.rollout.n=8)")
+        elif arg.startswith("config="):
+            config_path = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    if errors:
+        raise ConfigError(errors)
+    return config_path, overrides
+
+
+def _load_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError([f"config file '{path}' does not exist (cwd: {os.getcwd()})"])
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError and friends: report, don't trace
+        raise ConfigError([f"config file '{path}' is not valid YAML: {err}"]) from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            [f"config file '{path}' must hold a mapping of sections, found {type(loaded).__name__}"]
+        )
+    return loaded
+
+
+def _merge(layers: list[tuple[str, DictConfig]]) -> DictConfig:
+    schema = OmegaConf.structured(PPOConfig)
+    errors = []
+    for source, layer in layers:
+        for key, siblings in _unknown_keys(layer, PPOConfig):
+            errors.append(f"unknown key '{key}' in {source}: {_suggest(key, siblings)}")
+    if errors:
+        raise ConfigError(errors)
+    merged = schema
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "?"
+            message = str(err).splitlines()[0]
+            raise ConfigError([f"'{key}' from {source}: {message}"]) from None
+    return merged
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else path
+
+
+def _resolve_paths(cfg: DictConfig) -> None:
+    """Make local paths absolute (against the launch directory) so every Ray process agrees."""
+
+    def dataset_specs(value: str) -> str:
+        specs = []
+        for spec in filter(None, (s.strip() for s in value.split(","))):
+            path, split = split_dataset_spec(spec)
+            if os.path.exists(path):
+                path = os.path.abspath(path)
+            specs.append(path if split is None else f"{path}@{split}")
+        return ",".join(specs)
+
+    cfg.data.train_files = dataset_specs(cfg.data.train_files)
+    cfg.data.val_files = dataset_specs(cfg.data.val_files)
+    cfg.data.format_prompt = _absolute(cfg.data.format_prompt)
+    cfg.data.media_dir = _absolute(cfg.data.media_dir)
+    for model in (cfg.worker.actor.model, cfg.worker.critic.model):
+        for key in ("model_path", "tokenizer_path"):
+            if model[key] and os.path.exists(model[key]):
+                model[key] = os.path.abspath(model[key])
+    if cfg.worker.reward.reward_function:
+        path, name = split_function_spec(cfg.worker.reward.reward_function)
+        cfg.worker.reward.reward_function = f"{os.path.abspath(path)}:{name}"
+    cfg.trainer.save_checkpoint_path = _absolute(cfg.trainer.save_checkpoint_path)
+    cfg.trainer.load_checkpoint_path = _absolute(cfg.trainer.load_checkpoint_path)
+
+
+def load_config(argv: Sequence[str] = (), check_paths: bool = True) -> PPOConfig:
+    """Build the run's config from command-line style arguments (``config=x.yaml a.b=c ...``).
+
+    Raises :class:`ConfigError` naming every problem. ``check_paths=False`` skips the checks that
+    files exist (for tooling that only inspects a config).
+    """
+    config_path, overrides = parse_cli(argv)
+    layers = []
+    if config_path:
+        layers.append((f"'{config_path}'", _load_yaml(config_path)))
+    if overrides:
+        try:
+            layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+        except OmegaConfBaseException as err:
+            raise ConfigError([f"command line: {err}"]) from None
+    # frozen dataclasses make the typed tree read-only: resolve paths on a plain copy, then re-type it
+    plain = OmegaConf.create(OmegaConf.to_container(_merge(layers)))
+    _resolve_paths(plain)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError([f"'{key}': {str(err).splitlines()[0]}"]) from None
+    errors = validate_config(cfg, check_paths=check_paths)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def config_to_yaml(cfg: PPOConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: every cross-field rule, in one place
+# ---------------------------------------------------------------------------------------------
+
+
+def _choice(errors: list[str], key: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        close = difflib.get_close_matches(str(value), list(valid), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        errors.append(f"{key}='{value}' is not one of {', '.join(valid)}{hint}")
+
+
+def _check_dataset(errors: list[str], key: str, value: str) -> None:
+    for spec in filter(None, (s.strip() for s in value.split(","))):
+        path, _ = split_dataset_spec(spec)
+        if os.path.exists(path):
+            continue
+        if HUB_ID.match(path) and not path.endswith(DATA_FILE_SUFFIXES):
+            continue  # a hub dataset id: only the loader can tell whether it is reachable
+        errors.append(f"{key}: '{path}' does not exist (a jsonl/json/parquet file or a `datasets` folder)")
+
+
+def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> None:
+    if not value:
+        if required:
+            errors.append(f"{key} is required (a Hugging Face model folder)")
+        return
+    if os.path.exists(value):
+        return
+    if HUB_ID.match(value) and os.environ.get("HF_HUB_OFFLINE") != "1":
+        return  # a hub id: downloaded by the workers
+    errors.append(f"{key}: '{value}' does not exist")
+
+
+def _algorithm_names() -> dict[str, Sequence[str]]:
+    from mmrl.trainer import core_algos  # imports torch: only when validating
+
+    return {
+        "adv_estimator": sorted(core_algos.ADV_ESTIMATORS),
+        "loss_type": sorted(core_algos.POLICY_LOSSES),
+        "loss_avg_mode": sorted(core_algos.LOSS_AGG_MODES),
+        "kl_penalty": sorted(core_algos.KL_ESTIMATORS),
+    }
+
+
+def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
+    data, actor, rollout, trainer = cfg.data, cfg.worker.actor, cfg.worker.rollout, cfg.trainer
+    world = trainer.world_size
+    if data.rollout_batch_size % actor.global_batch_size:
+        errors.append(
+            f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
+            f"worker.actor.global_batch_size={actor.global_batch_size} (each step runs whole mini-batches)"
+        )
+    if cfg.responses_per_update % world:
+        errors.append(
+            f"worker.actor.global_batch_size × worker.rollout.n = {cfg.responses_per_update} responses per update "
+            f"must divide evenly over trainer.nnodes × trainer.n_gpus_per_node = {world} processes"
+        )
+    else:
+        per_device = cfg.responses_per_update // world
+        if per_device % actor.micro_batch_size_per_device_for_update:
+            errors.append(
+                f"{per_device} responses per process per update are not a multiple of "
+                f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
+            )
+    if world % rollout.tensor_parallel_size:
+        errors.append(
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the "
+            f"{world} training processes"
+        )
+    if cfg.use_critic and cfg.data.rollout_batch_size % cfg.worker.critic.global_batch_size:
+        errors.append(
+            f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
+            f"worker.critic.global_batch_size={cfg.worker.critic.global_batch_size}"
+        )
+
+
+def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
+    positive = {
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "data.max_response_length": cfg.data.max_response_length,
+        "data.rollout_batch_size": cfg.data.rollout_batch_size,
+        "data.min_pixels": cfg.data.min_pixels,
+        "worker.actor.global_batch_size": cfg.worker.actor.global_batch_size,
+        "worker.actor.micro_batch_size_per_device_for_update": cfg.worker.actor.micro_batch_size_per_device_for_update,
+        "worker.actor.micro_batch_size_per_device_for_experience": cfg.worker.actor.micro_batch_size_per_device_for_experience,
+        "worker.actor.ppo_epochs": cfg.worker.actor.ppo_epochs,
+        "worker.actor.optim.lr": cfg.worker.actor.optim.lr,
+        "worker.rollout.n": cfg.worker.rollout.n,
+        "worker.rollout.tensor_parallel_size": cfg.worker.rollout.tensor_parallel_size,
+        "worker.reward.num_workers": cfg.worker.reward.num_workers,
+        "worker.reward.timeout_s": cfg.worker.reward.timeout_s,
+        "trainer.total_epochs": cfg.trainer.total_epochs,
+        "trainer.nnodes": cfg.trainer.nnodes,
+        "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            errors.append(f"{key}={value} must be > 0")
+    if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
+        errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
+    if cfg.data.min_pixels > cfg.data.max_pixels:
+        errors.append(f"data.min_pixels={cfg.data.min_pixels} exceeds data.max_pixels={cfg.data.max_pixels}")
+    actor = cfg.worker.actor
+    for key in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(actor, key) <= 0:
+            errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0")
+    if actor.clip_ratio_dual <= 1:
+        errors.append(
+            f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1 (dual-clip constant c)"
+        )
+
+
+def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
+    rollout = cfg.worker.rollout
+    _choice(errors, "worker.rollout.name", rollout.name, ("vllm", "hf"))
+    if rollout.temperature < 0:
+        errors.append(f"worker.rollout.temperature={rollout.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < rollout.top_p <= 1:
+        errors.append(f"worker.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if rollout.top_k == 0 or rollout.top_k < -1:
+        errors.append(f"worker.rollout.top_k={rollout.top_k} must be -1 (off) or >= 1")
+    for key in rollout.val_override_config:
+        if key not in SAMPLING_KEYS:
+            errors.append(
+                f"worker.rollout.val_override_config.{key} is not a sampling key; valid: {', '.join(SAMPLING_KEYS)}"
+            )
+    context = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < context:
+        errors.append(
+            f"worker.rollout.max_model_len={rollout.max_model_len} is shorter than data.max_prompt_length + "
+            f"data.max_response_length = {context}"
+        )
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(
+            f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
+        )
+
+
+def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
+    names = _algorithm_names()
+    algo, actor = cfg.algorithm, cfg.worker.actor
+    _choice(errors, "algorithm.adv_estimator", algo.adv_estimator, names["adv_estimator"])
+    _choice(errors, "worker.actor.loss_type", actor.loss_type, names["loss_type"])
+    _choice(errors, "worker.actor.loss_avg_mode", actor.loss_avg_mode, names["loss_avg_mode"])
+    _choice(errors, "worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, names["loss_avg_mode"])
+    _choice(errors, "algorithm.kl_penalty", algo.kl_penalty, names["kl_penalty"])
+    _choice(errors, "algorithm.kl_type", algo.kl_type, ("fixed", "adaptive"))
+    _choice(
+        errors, "worker.actor.optim.lr_scheduler_type", actor.optim.lr_scheduler_type, ("constant", "cosine")
+    )
+    if algo.adv_estimator in GROUP_ESTIMATORS and cfg.worker.rollout.n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a prompt: "
+            f"set worker.rollout.n >= 2 (found {cfg.worker.rollout.n})"
+        )
+    if algo.kl_type == "adaptive" and algo.use_kl_loss:
+        errors.append("algorithm.kl_type=adaptive steers the reward penalty: set algorithm.use_kl_loss=false")
+    if algo.kl_coef < 0:
+        errors.append(f"algorithm.kl_coef={algo.kl_coef} must be >= 0")
+    if not 0 <= algo.gamma <= 1 or not 0 <= algo.lam <= 1:
+        errors.append(f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
+
+
+def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
+    data = cfg.data
+    if not data.train_files:
+        errors.append("data.train_files is required (e.g. data.train_files=data/train.jsonl)")
+    _check_dataset(errors, "data.train_files", data.train_files)
+    _check_dataset(errors, "data.val_files", data.val_files)
+    if data.format_prompt and not os.path.isfile(data.format_prompt):
+        errors.append(f"data.format_prompt: template '{data.format_prompt}' does not exist")
+    if data.media_dir and not os.path.isdir(data.media_dir):
+        errors.append(f"data.media_dir: folder '{data.media_dir}' does not exist")
+    _check_model_path(
+        errors, "worker.actor.model.model_path", cfg.worker.actor.model.model_path, required=True
+    )
+    _check_model_path(
+        errors, "worker.actor.model.tokenizer_path", cfg.worker.actor.model.tokenizer_path, False
+    )
+    if cfg.use_critic:
+        _check_model_path(errors, "worker.critic.model.model_path", cfg.worker.critic.model.model_path, False)
+    reward = cfg.worker.reward.reward_function
+    if not reward:
+        errors.append(
+            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)"
+        )
+    else:
+        path, _ = split_function_spec(reward)
+        if not os.path.isfile(path):
+            errors.append(f"worker.reward.reward_function: file '{path}' does not exist")
+    if cfg.trainer.load_checkpoint_path and not os.path.isdir(cfg.trainer.load_checkpoint_path):
+        errors.append(
+            f"trainer.load_checkpoint_path: folder '{cfg.trainer.load_checkpoint_path}' does not exist"
+        )
+
+
+def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
+    """All cross-field rules of a run; returns one message per violated rule (empty when valid)."""
+    errors: list[str] = []
+    _check_positive(errors, cfg)
+    _check_batches(errors, cfg)
+    _check_rollout(errors, cfg)
+    _check_algorithm(errors, cfg)
+    reward_type = cfg.worker.reward.reward_type
+    if reward_type is not None:
+        _choice(errors, "worker.reward.reward_type", reward_type, ("batch", "sequential"))
+    for name in cfg.trainer.logger:
+        _choice(errors, "trainer.logger", name, LOGGERS)
+    _choice(errors, "trainer.device", cfg.trainer.device, ("auto", "cuda", "cpu"))
+    for key in ("mp_param_dtype", "torch_dtype"):
+        _choice(
+            errors, f"worker.actor.fsdp.{key}", getattr(cfg.worker.actor.fsdp, key), ("auto", "fp32", "bf16")
+        )
+    _choice(errors, "worker.rollout.dtype", cfg.worker.rollout.dtype, ("auto", "fp32", "bf16"))
+    if check_paths:
+        _check_paths(errors, cfg)
+    return errors

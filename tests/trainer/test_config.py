@@ -1,0 +1,246 @@
+"""Config merging (defaults ← YAML ← CLI), validation and every user-error path."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from mmrl.trainer.config import PPOConfig, split_dataset_spec, split_function_spec
+from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def run_files(tmp_path):
+    """Files a valid run points at: data, model folder, reward file, template."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(inputs):\n    return [{'overall': 1.0} for _ in inputs]\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ content }}")
+    return {
+        "data": str(data),
+        "model": str(model),
+        "reward": f"{reward}:compute_score",
+        "template": str(template),
+    }
+
+
+def valid_args(files, *extra):
+    return [
+        f"data.train_files={files['data']}",
+        f"worker.actor.model.model_path={files['model']}",
+        f"worker.reward.reward_function={files['reward']}",
+        "data.rollout_batch_size=8",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2",
+        "trainer.n_gpus_per_node=2",
+        *extra,
+    ]
+
+
+def errors_of(args) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    return info.value.errors
+
+
+def test_defaults_merge_yaml_then_cli(tmp_path, run_files):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("worker:\n  rollout:\n    n: 4\n    temperature: 0.7\ntrainer:\n  max_steps: 9\n")
+    cfg = load_config([f"config={config_file}", *valid_args(run_files, "worker.rollout.n=6")])
+    assert cfg.worker.rollout.n == 6  # CLI beats YAML
+    assert cfg.worker.rollout.temperature == 0.7  # YAML beats default
+    assert cfg.worker.rollout.top_p == 1.0  # default kept
+    assert cfg.trainer.max_steps == 9
+    assert isinstance(cfg, PPOConfig)
+
+
+def test_config_is_frozen_after_load(run_files):
+    cfg = load_config(valid_args(run_files))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.worker.actor.global_batch_size = 1  # type: ignore[misc]
+
+
+def test_relative_paths_become_absolute(tmp_path, run_files, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        valid_args(
+            run_files,
+            "data.train_files=train.jsonl@train",
+            "worker.reward.reward_function=reward.py",
+            "data.format_prompt=t.jinja",
+        )
+    )
+    assert cfg.data.train_files == f"{tmp_path}/train.jsonl@train"
+    assert cfg.worker.reward.reward_function == f"{tmp_path}/reward.py:main"  # EasyR1's default name
+    assert cfg.data.format_prompt == f"{tmp_path}/t.jinja"
+
+
+def test_printed_config_is_what_runs(tmp_path, run_files):
+    cfg = load_config(valid_args(run_files, "worker.rollout.val_override_config.temperature=0"))
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(config_to_yaml(cfg))
+    assert load_config([f"config={printed}"]) == cfg
+
+
+def test_unknown_keys_all_reported_with_suggestions(run_files):
+    errors = errors_of(
+        valid_args(run_files, "data.max_pixel=3", "worker.rollout.tempreature=1", "trainer.zzz=1")
+    )
+    assert len(errors) == 3
+    assert "unknown key 'data.max_pixel'" in errors[0] and "'data.max_pixels'" in errors[0]
+    assert "'worker.rollout.temperature'" in errors[1]
+    assert "examples/config.yaml" in errors[2]
+
+
+def test_unknown_section_key_in_yaml_names_the_file(tmp_path, run_files):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text("worker:\n  actr:\n    global_batch_size: 4\n")
+    (error,) = errors_of([f"config={config_file}", *valid_args(run_files)])
+    assert "worker.actr" in error and "bad.yaml" in error and "worker.actor" in error
+
+
+def test_free_form_dicts_accept_any_key(run_files):
+    cfg = load_config(valid_args(run_files, "worker.reward.reward_function_kwargs.format_weight=0.3"))
+    assert cfg.worker.reward.reward_function_kwargs == {"format_weight": 0.3}
+
+
+def test_type_error_names_the_key(run_files):
+    (error,) = errors_of(valid_args(run_files, "data.max_pixels=lots"))
+    assert "data.max_pixels" in error and "lots" in error
+
+
+def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
+    assert "not of the form key=value" in errors_of(["worker.rollout.n"])[0]
+    assert "does not exist" in errors_of([f"config={tmp_path}/nope.yaml"])[0]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [unclosed\n")
+    assert "not valid YAML" in errors_of([f"config={broken}"])[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["data.rollout_batch_size=6"], "must be a multiple of worker.actor.global_batch_size=4"),
+        (["worker.rollout.n=1"], "set worker.rollout.n >= 2"),
+        (
+            ["trainer.n_gpus_per_node=3"],
+            "must divide evenly over trainer.nnodes × trainer.n_gpus_per_node = 3",
+        ),
+        (["worker.actor.micro_batch_size_per_device_for_update=3"], "not a multiple of"),
+        (["worker.rollout.tensor_parallel_size=4"], "tensor_parallel_size=4 must divide"),
+        (["worker.rollout.top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["worker.rollout.temperature=-1"], "temperature=-1.0 must be >= 0"),
+        (["worker.rollout.val_override_config.tempreature=0"], "not a sampling key"),
+        (["worker.rollout.max_model_len=100"], "shorter than data.max_prompt_length"),
+        (["algorithm.adv_estimator=grp"], "did you mean 'grpo'"),
+        (["worker.actor.loss_avg_mode=token"], "token_mean"),
+        (["worker.rollout.name=sglang"], "is not one of vllm, hf"),
+        (["trainer.logger=[console,tensorbord]"], "did you mean 'tensorboard'"),
+        (["data.min_pixels=100", "data.max_pixels=10"], "exceeds data.max_pixels"),
+        (["data.max_response_length=0"], "data.max_response_length=0 must be > 0"),
+        (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "use_kl_loss=false"),
+        (["worker.actor.clip_ratio_dual=1.0"], "must be > 1"),
+    ],
+)
+def test_cross_field_rules(run_files, args, expected):
+    errors = errors_of(valid_args(run_files, *args))
+    assert any(expected in error for error in errors), errors
+
+
+def test_missing_paths_are_named(run_files, tmp_path):
+    errors = errors_of(
+        valid_args(
+            run_files,
+            f"data.train_files={tmp_path}/missing.jsonl",
+            f"data.val_files={tmp_path}/val.parquet@test",
+            f"worker.actor.model.model_path={tmp_path}/no_model",
+            f"worker.reward.reward_function={tmp_path}/no_reward.py:f",
+            f"data.format_prompt={tmp_path}/no.jinja",
+        )
+    )
+    joined = "\n".join(errors)
+    for name in ("missing.jsonl", "val.parquet", "no_model", "no_reward.py", "no.jinja"):
+        assert name in joined
+    assert len(errors) == 5
+
+
+def test_required_keys():
+    errors = errors_of([])
+    joined = "\n".join(errors)
+    assert "data.train_files is required" in joined
+    assert "worker.actor.model.model_path is required" in joined
+    assert "worker.reward.reward_function is required" in joined
+
+
+def test_hub_ids_are_accepted_without_checking(run_files, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cfg = load_config(valid_args(run_files, "data.val_files=hiyouga/geometry3k@test"))
+    assert cfg.data.val_files == "hiyouga/geometry3k@test"
+
+
+def test_spec_splitting():
+    assert split_dataset_spec("a/b.parquet@test") == ("a/b.parquet", "test")
+    assert split_dataset_spec("a/b.parquet") == ("a/b.parquet", None)
+    assert split_function_spec("r/m.py:score") == ("r/m.py", "score")
+    assert split_function_spec("r/m.py") == ("r/m.py", "main")
+
+
+def test_every_example_yaml_covers_and_validates():
+    paths = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
+    assert paths, "examples/*.yaml missing"
+    for path in paths:
+        cfg = load_config([f"config={path}"], check_paths=False)
+        assert isinstance(cfg, PPOConfig), path
+    # the reference file shows every key of the schema
+    with open(os.path.join(REPO, "examples", "config.yaml")) as handle:
+        shown = yaml.safe_load(handle)
+
+    def flatten(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and f"{prefix}{key}" not in free_form:
+                yield from flatten(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    free_form = {k for k in schema_keys() if k.endswith(("override_config", "kwargs"))}
+    assert set(flatten(shown)) == set(schema_keys())
+
+
+def test_cli_user_error_exits_2_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mmrl.trainer.main", "data.max_pixel=3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "did you mean 'data.max_pixels'" in result.stderr
+
+
+def test_cli_dry_run_prints_resolved_config(run_files, tmp_path):
+    args = valid_args(run_files)
+    result = subprocess.run(
+        [sys.executable, "-m", "mmrl.trainer.main", *args, "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout) == yaml.safe_load(config_to_yaml(load_config(args)))
+    assert textwrap.dedent(result.stdout).startswith("data:")

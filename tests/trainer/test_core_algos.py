@@ -1,0 +1,511 @@
+"""Tests for mmrl.trainer.core_algos against numbers worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.trainer import core_algos as ca
+
+SQRT_1_3 = math.sqrt(1 / 3)  # 0.5773503
+
+
+def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+
+
+def outcome_rewards(scores: list[float], lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_level_rewards with each score on the last valid token, and the response mask. [B, width]."""
+    rewards = torch.zeros(len(scores), width)
+    mask = torch.zeros(len(scores), width)
+    for row, (score, length) in enumerate(zip(scores, lengths)):
+        mask[row, :length] = 1
+        rewards[row, length - 1] = score
+    return rewards, mask
+
+
+# ------------------------------------------------------------------------------------------------
+# Advantage estimators
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grpo_group_of_three_by_hand():
+    # rewards [1, 0, 0]: mean = 1/3; deviations 2/3, -1/3, -1/3; squares 4/9 + 1/9 + 1/9 = 2/3
+    # unbiased var = (2/3) / (3 - 1) = 1/3, std = sqrt(1/3) = 0.57735
+    # A = (2/3) / 0.57735 = 1.15470, (-1/3) / 0.57735 = -0.57735 (eps 1e-6 is below the tolerance)
+    rewards, mask = outcome_rewards([1.0, 0.0, 0.0], lengths=[3, 1, 2], width=4)
+    advantages, returns = ca.compute_grpo_advantages(rewards, mask, index=["p", "p", "p"])
+    expected = torch.tensor([2 / 3, -1 / 3, -1 / 3]) / SQRT_1_3
+    close(advantages, expected.unsqueeze(-1) * mask)  # broadcast over tokens, 0 on padding
+    close(returns, advantages)
+    assert advantages[1, 1:].abs().sum() == 0
+
+
+def test_grpo_without_std_is_dr_grpo():
+    # Dr. GRPO: A = r - mean = [1 - 1/3, 0 - 1/3, 0 - 1/3] = [2/3, -1/3, -1/3]
+    rewards, mask = outcome_rewards([1.0, 0.0, 0.0], lengths=[2, 2, 2], width=2)
+    advantages, _ = ca.compute_grpo_advantages(rewards, mask, index=["p"] * 3, norm_adv_by_std=False)
+    close(advantages[:, 0], [2 / 3, -1 / 3, -1 / 3])
+
+
+def test_grpo_groups_by_uid_not_position():
+    # interleaved uids a, b, a, b, a, b. Group a = [1, 0, 0] -> [1.15470, -0.57735, -0.57735] (above).
+    # group b = [1, 1, 0]: mean 2/3, deviations 1/3, 1/3, -2/3, squares sum 2/3, unbiased std sqrt(1/3)
+    # -> [0.57735, 0.57735, -1.15470]
+    rewards, mask = outcome_rewards([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], lengths=[2] * 6, width=2)
+    index = np.array(["a", "b", "a", "b", "a", "b"], dtype=object)
+    advantages, _ = ca.compute_grpo_advantages(rewards, mask, index=index)
+    big, small = (2 / 3) / SQRT_1_3, (1 / 3) / SQRT_1_3
+    close(advantages[:, 0], [big, small, -small, small, -small, -big])
+
+    # permuting the batch permutes the advantages and nothing else
+    perm = torch.tensor([5, 2, 0, 4, 1, 3])
+    permuted, _ = ca.compute_grpo_advantages(rewards[perm], mask[perm], index=index[perm.numpy()])
+    close(permuted, advantages[perm])
+
+
+def test_grpo_size_one_group_gets_zero_advantage():
+    # "solo" has no peers: no baseline, advantage 0 (with and without std); the pair is [1, 0] ->
+    # mean 0.5, unbiased std sqrt(0.5) = 0.70711 -> A = +-0.5 / 0.70711 = +-0.70711
+    rewards, mask = outcome_rewards([1.0, 0.0, 5.0], lengths=[1, 1, 1], width=1)
+    advantages, _ = ca.compute_grpo_advantages(rewards, mask, index=["pair", "pair", "solo"])
+    close(advantages[:, 0], [math.sqrt(0.5), -math.sqrt(0.5), 0.0])
+    dr_advantages, _ = ca.compute_grpo_advantages(
+        rewards, mask, index=["pair", "pair", "solo"], norm_adv_by_std=False
+    )
+    close(dr_advantages[:, 0], [0.5, -0.5, 0.0])
+
+
+def test_grpo_ignores_rewards_outside_the_mask():
+    # a reward on a padding position must not count: scores are [1, 0] -> A = [+0.70711, -0.70711]
+    rewards, mask = outcome_rewards([1.0, 0.0], lengths=[2, 1], width=3)
+    rewards[1, 2] = 100.0
+    advantages, _ = ca.compute_grpo_advantages(rewards, mask, index=[7, 7])
+    close(advantages[:, 0], [math.sqrt(0.5), -math.sqrt(0.5)])
+
+
+def test_grpo_index_errors_name_the_problem():
+    rewards, mask = outcome_rewards([1.0, 0.0], lengths=[1, 1], width=1)
+    with pytest.raises(ValueError, match="index has 1 uids but the batch has 2"):
+        ca.compute_grpo_advantages(rewards, mask, index=["a"])
+    with pytest.raises(ValueError, match="pass index="):
+        ca.compute_grpo_advantages(rewards, mask)
+
+
+def test_rloo_by_hand():
+    # group p = [1, 0, 0]: A_0 = 1 - (0 + 0)/2 = 1; A_1 = 0 - (1 + 0)/2 = -0.5; A_2 = -0.5
+    # (same as n/(n-1) * (r - mean) = 3/2 * [2/3, -1/3, -1/3]); the size-1 group "solo" gets 0
+    rewards, mask = outcome_rewards([1.0, 0.0, 3.0, 0.0], lengths=[2, 1, 2, 2], width=2)
+    advantages, returns = ca.compute_rloo_advantages(rewards, mask, index=["p", "p", "solo", "p"])
+    close(advantages, torch.tensor([[1.0, 1.0], [-0.5, 0.0], [0.0, 0.0], [-0.5, -0.5]]))
+    close(returns, advantages)
+
+
+def test_reinforce_plus_plus_discounting_and_whitening_by_hand():
+    # gamma = 0.5. Row 0: mask [1,1,1], rewards [0,0,1] -> G = [0.25, 0.5, 1]
+    #              Row 1: mask [1,1,0], rewards [0,2,0] -> G = [2*0.5, 2, 0] = [1, 2, 0]
+    # valid G: 0.25, 0.5, 1, 1, 2 -> mean 4.75/5 = 0.95; deviations -0.7, -0.45, 0.05, 0.05, 1.05
+    # squares 0.49 + 0.2025 + 0.0025 + 0.0025 + 1.1025 = 1.8; unbiased var 1.8/4 = 0.45, std 0.670820
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages, returns = ca.compute_reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    close(returns, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
+    std = math.sqrt(0.45)
+    close(advantages, [[-0.7 / std, -0.45 / std, 0.05 / std], [0.05 / std, 1.05 / std, 0.0]])
+
+
+def test_remax_by_hand():
+    # scores [1, 0.5], greedy baselines [0.5, 0.5] -> A = [0.5, 0] on every valid token
+    rewards, mask = outcome_rewards([1.0, 0.5], lengths=[3, 2], width=3)
+    advantages, returns = ca.compute_remax_advantages(
+        rewards, mask, reward_baselines=torch.tensor([0.5, 0.5])
+    )
+    close(advantages, [[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    close(returns, [[1.0, 1.0, 1.0], [0.5, 0.5, 0.0]])  # undiscounted returns-to-go
+    with pytest.raises(ValueError, match="reward_baselines"):
+        ca.compute_remax_advantages(rewards, mask)
+
+
+def test_gae_single_sequence_by_hand():
+    # mask [1,1,1,0], rewards [0,0,1,0], values [0.5, 0.6, 0.8, 9.9 (padding junk, must not leak)]
+    # gamma = 1, lam = 0.5:
+    #   t=2: delta = 1 + 0 - 0.8 = 0.2;            A2 = 0.2
+    #   t=1: delta = 0 + 0.8 - 0.6 = 0.2;          A1 = 0.2 + 0.5 * 0.2 = 0.3
+    #   t=0: delta = 0 + 0.6 - 0.5 = 0.1;          A0 = 0.1 + 0.5 * 0.3 = 0.25
+    # returns = A + V = [0.75, 0.9, 1.0]; whitening [0.25, 0.3, 0.2]: mean 0.25, deviations 0, 0.05, -0.05,
+    # unbiased var (0.0025 + 0.0025)/2 = 0.0025, std 0.05 -> [0, 1, -1]
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.8, 9.9]])
+    advantages, returns = ca.compute_gae_advantages(rewards, mask, values=values, gamma=1.0, lam=0.5)
+    close(returns, [[0.75, 0.9, 1.0, 0.0]])
+    close(advantages, [[0.0, 1.0, -1.0, 0.0]], atol=1e-4)
+
+    # gamma = 0.9, lam = 0.5 (gamma * lam = 0.45):
+    #   t=2: delta = 1 - 0.8 = 0.2;                A2 = 0.2
+    #   t=1: delta = 0.9 * 0.8 - 0.6 = 0.12;       A1 = 0.12 + 0.45 * 0.2 = 0.21
+    #   t=0: delta = 0.9 * 0.6 - 0.5 = 0.04;       A0 = 0.04 + 0.45 * 0.21 = 0.1345
+    # returns = [0.6345, 0.81, 1.0]
+    _, returns = ca.compute_gae_advantages(rewards, mask, values=values, gamma=0.9, lam=0.5)
+    close(returns, [[0.6345, 0.81, 1.0, 0.0]])
+    with pytest.raises(ValueError, match="values="):
+        ca.compute_gae_advantages(rewards, mask)
+
+
+def test_gae_skips_masked_tokens_inside_a_response():
+    # mask [1, 0, 1] (a tool-output token in the middle), rewards [0, 5 (masked), 1], values [0.5, 7, 0.8]
+    # gamma = lam = 1. t=2: A2 = 1 - 0.8 = 0.2. t=1 is skipped: the next valid value stays 0.8.
+    # t=0: delta = 0 + 0.8 - 0.5 = 0.3, A0 = 0.3 + 0.2 = 0.5 -> returns [1.0, 0, 1.0]
+    rewards = torch.tensor([[0.0, 5.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 7.0, 0.8]])
+    _, returns = ca.compute_gae_advantages(rewards, mask, values=values, gamma=1.0, lam=1.0)
+    close(returns, [[1.0, 0.0, 1.0]])
+
+
+def test_every_estimator_accepts_the_common_signature():
+    rewards, mask = outcome_rewards([1.0, 0.0, 0.5, 0.5], lengths=[3, 2, 1, 3], width=3)
+    common = {
+        "index": ["a", "a", "b", "b"],
+        "values": torch.zeros(4, 3),
+        "reward_baselines": torch.zeros(4),
+        "gamma": 1.0,
+        "lam": 1.0,
+        "norm_adv_by_std": True,
+        "eps": 1e-6,
+    }
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "remax", "gae"):
+        advantages, returns = ca.get_adv_estimator(name)(rewards, mask, **common)
+        assert advantages.shape == returns.shape == (4, 3)
+        assert torch.isfinite(advantages).all()
+        assert (advantages * (1 - mask)).abs().sum() == 0, name
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy losses
+# ------------------------------------------------------------------------------------------------
+
+
+def test_ppo_clip_both_sides_and_dual_clip_by_hand():
+    # clip_ratio_low = 0.2, clip_ratio_high = 0.28 -> clip range [0.8, 1.28]; dual clip c = 3
+    # token: A,   ratio -> -A*r,  -A*clip(r),  PPO loss              gradient d/dlogp (of -A*r: -A*r)
+    #   0:  +1,  1.5   -> -1.5,  -1.28,       -1.28 (clipped high)  0
+    #   1:  +1,  0.5   -> -0.5,  -0.8,        -0.5                  -0.5
+    #   2:  -1,  0.5   ->  0.5,   0.8,         0.8 (clipped low)    0
+    #   3:  -1,  1.5   ->  1.5,   1.28,        1.5                  +1.5
+    #   4:  -1,  5.0   ->  5.0,   1.28,        5.0 -> dual min(5, 3) = 3  0
+    #   5:  +1,  5.0   -> -5.0,  -1.28,       -1.28 (no dual for A > 0)  0
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5, 5.0, 5.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0]])
+    old_log_probs = torch.full((1, 6), -1.0)
+    log_probs = (old_log_probs + ratios.log()).requires_grad_()
+    mask = torch.ones(1, 6)
+    loss, diagnostics = ca.compute_ppo_policy_loss(
+        old_log_probs,
+        log_probs,
+        advantages,
+        mask,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_dual=3.0,
+    )
+    close(loss.detach(), [[-1.28, -0.5, 0.8, 1.5, 3.0, -1.28]])
+    close(diagnostics["pg_clipfrac"], [[1.0, 0.0, 1.0, 0.0, 0.0, 1.0]])  # token 4: only the dual clip
+    close(diagnostics["pg_clipfrac_dual"], [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    close(diagnostics["ppo_kl"], -ratios.log())
+    loss.sum().backward()
+    close(log_probs.grad, [[0.0, -0.5, 0.0, 1.5, 0.0, 0.0]])
+
+    # without dual clip token 4 keeps the full -A*r = 5
+    loss, diagnostics = ca.compute_ppo_policy_loss(
+        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28
+    )
+    close(loss[0, 4].detach(), 5.0)
+    assert diagnostics["pg_clipfrac_dual"].sum() == 0
+    with pytest.raises(ValueError, match="clip_ratio_dual must be > 1"):
+        ca.compute_ppo_policy_loss(old_log_probs, log_probs, advantages, mask, clip_ratio_dual=0.5)
+
+
+def test_ppo_huge_log_ratio_stays_finite():
+    # log-ratio 200 would overflow exp in float32; clamped to 20, then clipped: loss = -1 * 1.2
+    log_probs = torch.tensor([[0.0]], requires_grad=True)
+    loss, _ = ca.compute_ppo_policy_loss(
+        torch.tensor([[-200.0]]), log_probs, torch.ones(1, 1), torch.ones(1, 1)
+    )
+    loss.sum().backward()
+    close(loss.detach(), [[-1.2]])
+    assert torch.isfinite(log_probs.grad).all()
+
+
+def test_gspo_sequence_ratio_and_gradient_versus_ppo():
+    # row 0: log-ratios [0.2, -0.1], padding junk 3.0 -> s = exp((0.2 - 0.1)/2) = exp(0.05) = 1.051271
+    #        inside [0.75, 1.25], A = +1: loss = -s on both tokens; gradient -A * s / N on every token
+    # row 1: log-ratios [0.0, 0.6] -> s = exp(0.3) = 1.349859 > 1.25, A = +1: clipped, loss -1.25, grad 0,
+    #        although token 0 alone (ratio 1) would be inside the clip range for token-level PPO.
+    log_ratio = torch.tensor([[0.2, -0.1, 3.0], [0.0, 0.6, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    advantages = torch.ones(2, 3)
+    old_log_probs = torch.full((2, 3), -2.0)
+
+    log_probs = (old_log_probs + log_ratio).requires_grad_()
+    loss, diagnostics = ca.compute_gspo_policy_loss(
+        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.25, clip_ratio_high=0.25
+    )
+    s = math.exp(0.05)
+    close(loss.detach() * mask, [[-s, -s, 0.0], [-1.25, -1.25, 0.0]])
+    close(diagnostics["pg_clipfrac"] * mask, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    ca.aggregate_loss(loss, mask, "token_mean").backward()  # N = 4 tokens
+    close(log_probs.grad, [[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]])
+
+    # token-level PPO on the same tokens: gradient -A * r_t / N differs per token (exp(0.2) = 1.2214 and
+    # exp(-0.1) = 0.9048 are inside the range); in row 1 token 0 (ratio 1) is not clipped, token 1
+    # (ratio exp(0.6) = 1.82) is
+    ppo_log_probs = (old_log_probs + log_ratio).requires_grad_()
+    ppo_loss, _ = ca.compute_ppo_policy_loss(
+        old_log_probs, ppo_log_probs, advantages, mask, clip_ratio_low=0.25, clip_ratio_high=0.25
+    )
+    ca.aggregate_loss(ppo_loss, mask, "token_mean").backward()
+    close(ppo_log_probs.grad, [[-math.exp(0.2) / 4, -math.exp(-0.1) / 4, 0.0], [-1.0 / 4, 0.0, 0.0]])
+
+
+def test_gspo_token_trick_matches_the_sequence_level_objective():
+    # GSPO objective: J = mean_i (-A_i * s_i) with s_i = exp(mean_t log-ratio). With seq_mean_token_mean
+    # aggregation the token-trick loss must give the same value and the same gradient.
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    old_log_probs = -torch.rand(3, 4)
+    log_ratio = 0.05 * torch.randn(3, 4)
+    advantages = torch.tensor([[1.0], [-0.5], [2.0]]).expand(3, 4)
+    wide = {"clip_ratio_low": 10.0, "clip_ratio_high": 10.0}  # no clipping in this comparison
+
+    log_probs = (old_log_probs + log_ratio).requires_grad_()
+    loss, _ = ca.compute_gspo_policy_loss(old_log_probs, log_probs, advantages, mask, **wide)
+    token_trick = ca.aggregate_loss(loss, mask, "seq_mean_token_mean")
+    token_trick.backward()
+
+    reference_log_probs = (old_log_probs + log_ratio).requires_grad_()
+    seq_ratio = torch.exp(ca.masked_mean(reference_log_probs - old_log_probs, mask, dim=-1))  # [B]
+    reference = (-advantages[:, 0] * seq_ratio).mean()
+    reference.backward()
+    close(token_trick.detach(), reference.detach())
+    close(log_probs.grad, reference_log_probs.grad)
+
+
+def test_cispo_gradient_is_clipped_weight_times_advantage():
+    # ratios [1.5, 0.5, 1.0], A [1, -1, 2], clip range [0.8, 1.28] -> weights [1.28, 0.8, 1.0]
+    # loss_t = -w_t * A_t * logp_t; token_mean over N = 3: d/dlogp_t = -w_t * A_t / 3
+    #   = [-1.28/3, +0.8/3, -2/3]: clipped tokens keep a gradient, unlike PPO
+    ratios = torch.tensor([[1.5, 0.5, 1.0]])
+    advantages = torch.tensor([[1.0, -1.0, 2.0]])
+    old_log_probs = torch.tensor([[-1.0, -2.0, -0.5]])
+    log_probs = (old_log_probs + ratios.log()).requires_grad_()
+    mask = torch.ones(1, 3)
+    loss, diagnostics = ca.compute_cispo_policy_loss(
+        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28
+    )
+    weights = torch.tensor([[1.28, 0.8, 1.0]])
+    close(loss.detach(), -weights * advantages * log_probs.detach())
+    close(diagnostics["pg_clipfrac"], [[1.0, 1.0, 0.0]])
+    ca.aggregate_loss(loss, mask, "token_mean").backward()
+    close(log_probs.grad, [[-1.28 / 3, 0.8 / 3, -2.0 / 3]])
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss aggregation
+# ------------------------------------------------------------------------------------------------
+
+
+def test_aggregation_modes_by_hand():
+    # rows [1, 2, 3] (3 tokens) and [4, 5, 100 (padding)] (2 tokens)
+    #   token_mean              = (1+2+3+4+5) / 5 = 3
+    #   seq_mean_token_mean     = (6/3 + 9/2) / 2 = (2 + 4.5) / 2 = 3.25
+    #   seq_mean_token_sum      = (6 + 9) / 2 = 7.5
+    #   seq_mean_token_sum_norm = (6 + 9) / (2 * 4) = 1.875   (max_response_length = 4)
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    close(ca.aggregate_loss(loss_mat, mask, "token_mean"), 3.0)
+    close(ca.aggregate_loss(loss_mat, mask, "seq_mean_token_mean"), 3.25)
+    close(ca.aggregate_loss(loss_mat, mask, "seq_mean_token_sum"), 7.5)
+    close(ca.aggregate_loss(loss_mat, mask, "seq_mean_token_sum_norm", max_response_length=4), 1.875)
+    with pytest.raises(ValueError, match="needs max_response_length"):
+        ca.aggregate_loss(loss_mat, mask, "seq_mean_token_sum_norm")
+
+
+def test_aggregation_of_an_empty_piece_is_zero():
+    loss_mat, mask = torch.ones(2, 3), torch.zeros(2, 3)
+    for mode in ca.LOSS_AGG_MODES:
+        close(ca.aggregate_loss(loss_mat, mask, mode, max_response_length=3), 0.0)
+
+
+@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+def test_micro_batch_and_rank_shares_sum_to_the_whole(mode):
+    # 9 sequences of lengths 1..6 (one empty row), split over 2 simulated ranks (5 + 4 rows) and then
+    # into uneven micro-batches, each trimmed to its own longest row (dynamic padding).
+    torch.manual_seed(0)
+    lengths = [3, 1, 6, 0, 2, 5, 4, 6, 1]
+    width = 6
+    loss_mat = torch.randn(len(lengths), width)
+    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(-1)).float()
+    whole = ca.aggregate_loss(loss_mat, mask, mode, max_response_length=width)
+
+    global_num_tokens = mask.sum()
+    global_num_seqs = (mask.sum(-1) > 0).sum()
+    ranks = [[[0, 1], [2], [3, 4]], [[5, 6, 7], [8]]]  # rows of each micro-batch, per rank
+    total = torch.zeros(())
+    for micro_batches in ranks:
+        for rows in micro_batches:
+            piece_width = max(max(lengths[r] for r in rows), 1)
+            share = ca.aggregate_loss(
+                loss_mat[rows, :piece_width],
+                mask[rows, :piece_width],
+                mode,
+                global_num_tokens=global_num_tokens,
+                global_num_seqs=global_num_seqs,
+                max_response_length=width,
+            )
+            total = total + share
+    close(total, whole)
+
+
+def test_mean_of_micro_batch_means_is_not_the_whole_token_mean():
+    # why the global normalisers exist: [1, 1, 1] and [4] -> token mean 7/4 = 1.75, mean of means 2.5
+    loss_mat = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    naive = (
+        ca.aggregate_loss(loss_mat[:1], mask[:1], "token_mean")
+        + ca.aggregate_loss(loss_mat[1:], mask[1:], "token_mean")
+    ) / 2
+    close(naive, 2.5)
+    close(ca.aggregate_loss(loss_mat, mask, "token_mean"), 1.75)
+
+
+# ------------------------------------------------------------------------------------------------
+# KL
+# ------------------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_by_hand():
+    # logp = [-1, -2], ref = [-1.5, -1] -> d = logp - ref = [0.5, -1]
+    #   k1  = [0.5, -1];  k2 = 0.5 * d^2 = [0.125, 0.5];  abs = [0.5, 1]
+    #   k3: x = ref - logp = [-0.5, 1]: e^x - x - 1 = [0.606531 + 0.5 - 1, 2.718282 - 2]
+    #                                               = [0.106531, 0.718282]
+    log_prob = torch.tensor([-1.0, -2.0])
+    ref_log_prob = torch.tensor([-1.5, -1.0])
+    close(ca.kl_penalty(log_prob, ref_log_prob, "k1"), [0.5, -1.0])
+    close(ca.kl_penalty(log_prob, ref_log_prob, "kl"), [0.5, -1.0])
+    close(ca.kl_penalty(log_prob, ref_log_prob, "k2"), [0.125, 0.5])
+    close(ca.kl_penalty(log_prob, ref_log_prob, "abs"), [0.5, 1.0])
+    k3 = [math.exp(-0.5) - 0.5, math.e - 2.0]
+    close(ca.kl_penalty(log_prob, ref_log_prob, "k3"), k3)
+    close(ca.kl_penalty(log_prob, ref_log_prob, "low_var_kl"), k3)
+    # ref - logp = 15: e^15 - 16 = 3.27e6 is clamped to 10
+    close(ca.kl_penalty(torch.tensor([-15.0]), torch.tensor([0.0]), "k3"), [10.0])
+
+
+def test_apply_kl_penalty_by_hand():
+    # kl (k1) = [[0.1, 0.2, 0.3], [0.4, 0.5, 9 (padding)]], kl_coef 0.5
+    # rewards = scores - 0.5 * kl * mask = [[-0.05, -0.1, 1 - 0.15], [-0.2, 2 - 0.25, 0]]
+    # mean_kl = mean(seq means) = mean(0.6/3, 0.9/2) = mean(0.2, 0.45) = 0.325
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    ref_log_prob = torch.full((2, 3), -1.0)
+    log_prob = ref_log_prob + torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0]])
+    rewards, mean_kl = ca.apply_kl_penalty(scores, log_prob, ref_log_prob, mask, kl_coef=0.5, kind="k1")
+    close(rewards, [[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]])
+    close(mean_kl, 0.325)
+
+
+def test_kl_controllers_by_hand():
+    fixed = ca.FixedKLController(kl_coef=0.05)
+    fixed.update(current_kl=100.0, n_steps=512)
+    assert fixed.value == 0.05
+
+    # init 0.1, target 6, horizon 10000
+    # update(kl=9, n=256): error = 9/6 - 1 = 0.5 -> clipped 0.2; value = 0.1 * (1 + 0.2*256/10000) = 0.100512
+    # update(kl=5.4, n=1000): error = 0.9 - 1 = -0.1; value = 0.100512 * (1 - 0.1*0.1) = 0.09950688
+    adaptive = ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
+    adaptive.update(current_kl=9.0, n_steps=256)
+    assert adaptive.value == pytest.approx(0.100512, abs=1e-12)
+    adaptive.update(current_kl=5.4, n_steps=1000)
+    assert adaptive.value == pytest.approx(0.09950688, abs=1e-12)
+    with pytest.raises(ValueError, match="horizon > 0"):
+        ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Value loss and logit helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def test_value_loss_clipping_by_hand():
+    # c = 0.2
+    # tok0: v=1.0, v_old=0.5 -> clip to 0.7; (1-1.5)^2 = 0.25, (0.7-1.5)^2 = 0.64 -> 0.5*0.64 = 0.32, clipped
+    # tok1: v=0.0, v_old=0.5 -> clip to 0.3; (0-1)^2 = 1, (0.3-1)^2 = 0.49   -> 0.5*1 = 0.5, not clipped
+    # tok2: v=2.0, v_old=1.0 -> clip to 1.2; (2-3)^2 = 1, (1.2-3)^2 = 3.24   -> 0.5*3.24 = 1.62, clipped
+    vpreds = torch.tensor([[1.0, 0.0, 2.0]])
+    returns = torch.tensor([[1.5, 1.0, 3.0]])
+    values_old = torch.tensor([[0.5, 0.5, 1.0]])
+    loss, diagnostics = ca.compute_value_loss(
+        vpreds, returns, values_old, torch.ones(1, 3), cliprange_value=0.2
+    )
+    close(loss, [[0.32, 0.5, 1.62]])
+    close(diagnostics["vf_clipfrac"], [[1.0, 0.0, 1.0]])
+
+
+def test_entropy_from_logits():
+    # uniform over V = 5: H = log 5; p = [1/4, 3/4] (logits [0, log 3]):
+    # H = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.346574 + 0.215762 = 0.562335
+    close(ca.entropy_from_logits(torch.zeros(2, 3, 5)), torch.full((2, 3), math.log(5)))
+    close(ca.entropy_from_logits(torch.tensor([0.0, math.log(3)])), 0.562335)
+    # a near one-hot distribution is stable: H ~ 0, no NaN from 0 * log 0
+    close(ca.entropy_from_logits(torch.tensor([1e4, 0.0, -1e4])), 0.0)
+
+
+def test_log_probs_from_logits_matches_log_softmax_gather():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7) * 4
+    labels = torch.randint(0, 7, (2, 3))
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    close(ca.log_probs_from_logits(logits, labels), expected)
+
+    # bf16 logits are upcast chunk by chunk; compare with the float32 log-softmax of the same values
+    bf16_logits = logits.bfloat16()
+    expected = torch.log_softmax(bf16_logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    result = ca.log_probs_from_logits(bf16_logits, labels, chunk_rows=4)
+    assert result.dtype == torch.float32
+    close(result, expected)
+
+
+def test_masked_whiten_and_mean():
+    # valid values [1, 2, 3] (4 is padding): mean 2, unbiased var (1 + 0 + 1)/2 = 1 -> [-1, 0, 1]
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    close(ca.masked_mean(values, mask), 2.0)
+    close(ca.masked_mean(values, mask, dim=-1), [1.5, 3.0])
+    close(ca.masked_whiten(values, mask) * mask, [[-1.0, 0.0], [1.0, 0.0]])
+
+
+# ------------------------------------------------------------------------------------------------
+# Registries
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'.*gae, grpo, reinforce_plus_plus"):
+        ca.get_adv_estimator("ppo")
+    with pytest.raises(ValueError, match="Unknown policy loss 'dpo'.*cispo, gspo, ppo"):
+        ca.get_policy_loss("dpo")
+    with pytest.raises(ValueError, match="Unknown KL estimator 'k4'.*abs, k1, k2, k3"):
+        ca.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+    with pytest.raises(ValueError, match="Valid modes: token_mean, seq_mean_token_mean"):
+        ca.aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "token-mean")
+
+
+def test_registries_hold_the_documented_names():
+    assert set(ca.ADV_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "remax", "gae"}
+    assert set(ca.POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
+    assert set(ca.KL_ESTIMATORS) == {"k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"}
