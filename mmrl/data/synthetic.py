@@ -4,8 +4,8 @@ Tasks (one image per sample, one-word answers, answers balanced over each split)
 
 - ``color``: one filled circle, square or triangle of one colour on a white background.
   "What colour is the shape? Answer with one word." -> ``red`` | ``green`` | ``blue`` | ``yellow``.
-- ``count``: 1-4 non-overlapping circles of one colour. "How many circles are there? Answer with a
-  number." -> ``1`` .. ``4``.
+- ``count``: 1-4 non-overlapping blue circles of radius 7 px. "How many circles are there? Answer with
+  a number." -> ``1`` .. ``4``.
 
 Shapes are drawn without anti-aliasing, so every pixel is either the background or the answer colour.
 A task is a ``SyntheticTask``: its question, its answers and a function that draws a sample for a given
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from PIL import Image, ImageDraw
 
 BUILD_MARKER = "mmrl_dataset.json"
 # Bumped when the drawing or the file layout changes, so stale folders are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 IMAGE_SIZE = 56  # px; a multiple of 28 (patch 14 x merge 2), so Qwen's resize keeps it as drawn
 BACKGROUND_RGB = (255, 255, 255)
@@ -55,6 +56,8 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle")
 MAX_CIRCLES = 4
+CIRCLE_RADIUS = 7  # px, every circle of the count task
+COUNT_RGB = COLORS["blue"]
 SPLITS = ("train", "val")
 
 
@@ -77,7 +80,9 @@ def _blank_image(size: int) -> Image.Image:
     return Image.new("RGB", (size, size), BACKGROUND_RGB)
 
 
-def draw_shape(image: Image.Image, shape: str, box: tuple[int, int, int, int], rgb: tuple[int, int, int]):
+def draw_shape(
+    image: Image.Image, shape: str, box: tuple[int, int, int, int], rgb: tuple[int, int, int]
+) -> None:
     """Fills ``shape`` inside ``box = (left, top, right, bottom)`` (inclusive pixels), no anti-aliasing."""
     draw = ImageDraw.Draw(image)
     left, top, right, bottom = box
@@ -102,17 +107,21 @@ def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
 
 
 def place_circles(
-    count: int, rng: np.random.Generator, size: int = IMAGE_SIZE, gap: int = 2, max_tries: int = 1000
+    count: int,
+    rng: np.random.Generator,
+    size: int = IMAGE_SIZE,
+    radius: int = CIRCLE_RADIUS,
+    gap: int = 2,
+    max_tries: int = 1000,
 ) -> list[tuple[int, int, int]]:
     """``count`` circles ``(center_x, center_y, radius)`` inside the image, at least ``gap`` px apart.
 
-    Rejection sampling; radii are 5-8 px so that 4 circles always fit in a 56 px image.
+    Rejection sampling; 4 circles of radius 7 fill ~20 % of a 56 px image, so they always fit.
     """
     circles: list[tuple[int, int, int]] = []
     for _ in range(max_tries):
         if len(circles) == count:
             return circles
-        radius = int(rng.integers(5, 9))
         center_x, center_y = (int(v) for v in rng.integers(radius, size - radius, size=2))
         if all((center_x - x) ** 2 + (center_y - y) ** 2 > (radius + r + gap) ** 2 for x, y, r in circles):
             circles.append((center_x, center_y, radius))
@@ -120,12 +129,15 @@ def place_circles(
 
 
 def draw_count_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:
-    """``int(answer)`` separate circles, all of one random colour."""
-    rgb = list(COLORS.values())[int(rng.integers(len(COLORS)))]
+    """``int(answer)`` separate blue circles of radius ``CIRCLE_RADIUS``.
+
+    One size and one colour on purpose: the coloured area then grows in steps with the count, a cue
+    that a 0.4M-parameter model picks up (with random radii and colours it stayed at chance).
+    """
     image = _blank_image(size)
     for center_x, center_y, radius in place_circles(int(answer), rng, size):
         box = (center_x - radius, center_y - radius, center_x + radius, center_y + radius)
-        draw_shape(image, "circle", box, rgb)
+        draw_shape(image, "circle", box, COUNT_RGB)
     return image
 
 
@@ -280,7 +292,7 @@ def generate_shapes_dataset(
             f"(no {BUILD_MARKER}); pass force=True (--force) to replace it or choose another folder"
         )
 
-    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp")
+    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     rng = np.random.default_rng(seed)
@@ -288,6 +300,9 @@ def generate_shapes_dataset(
     for split, n in zip(SPLITS, (n_train, n_val)):
         write_split(generate_split(spec, split, n, rng), tmp_dir, split, spec.data_source)
     (tmp_dir / BUILD_MARKER).write_text(json.dumps(request, indent=2) + "\n")
+    if _read_marker(out_dir) == request:  # another process finished the same build meanwhile
+        shutil.rmtree(tmp_dir)
+        return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp_dir.rename(out_dir)
     return out_dir

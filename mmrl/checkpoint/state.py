@@ -1,0 +1,336 @@
+"""Worker-side training state: model, optimizer, LR scheduler and random state, saved and loaded.
+
+Every rank of the training process group calls these functions together. One call writes one role's
+folder (``global_step_N.tmp/actor`` for instance)::
+
+    model/                    model weights, torch.distributed.checkpoint (DCP), sharded by rank
+    optimizer/                optimizer state, DCP (only when an optimizer is given)
+    extra_state_rank{r}.pt    LR scheduler state and rank r's RNG states, with the world size
+    extra.pt                  the caller's ``extra`` dict (rank 0; only when given)
+    huggingface/              config, generation config, tokenizer and processor files copied from
+                              the model's source folder (rank 0; only when ``hf_source_dir`` is given)
+    model_config.json         the trained model's own config (rank 0; Hugging Face models)
+    mmrl_state.json           world size, model class and parts written (rank 0)
+
+DCP stores each tensor with its global shape and the offsets of every rank's shard, so a checkpoint
+saved by N ranks loads on M ranks (or in one process without ``torch.distributed``) and into FSDP2
+(DTensor) or plain parameters alike. Random state is per rank: it is restored only when the world
+size is the one it was saved with; otherwise training resumes correctly but not bit-exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import logging
+import random
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+HF_DIR = "huggingface"
+EXTRA_FILE = "extra.pt"
+STATE_INFO_FILE = "mmrl_state.json"
+MODEL_CONFIG_FILE = "model_config.json"
+
+# Hugging Face files that describe a model without being its weights: configs, tokenizer, processor,
+# chat template, and remote code (``trust_remote_code`` folders).
+HF_METADATA_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "preprocessor_config.json",
+    "*processor_config.json",
+    "*.py",
+    "spk_dict.pt",  # Qwen2.5-Omni speaker table, read with the model
+)
+
+
+def rank_file(rank: int) -> str:
+    """Name of rank ``rank``'s scheduler + RNG file."""
+    return f"extra_state_rank{rank}.pt"
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process; that is exactly the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
+        yield
+
+
+def save_dcp(state_dict: dict[str, Any], directory: Path) -> None:
+    """``dcp.save`` of ``state_dict`` into ``directory``; collective, or single-process without a group."""
+    with _single_process_quietly():
+        dcp.save(state_dict, checkpoint_id=str(directory))
+
+
+def load_dcp(state_dict: dict[str, Any], directory: Path) -> None:
+    """``dcp.load`` into the tensors of ``state_dict`` (in place), resharding to their layout."""
+    if not (directory / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{directory} holds no torch.distributed.checkpoint (no .metadata file); expected a folder "
+            f"written by mmrl.checkpoint.save_train_state"
+        )
+    with _single_process_quietly():
+        dcp.load(state_dict, checkpoint_id=str(directory))
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python ``random``, numpy, torch CPU and (when available) the current CUDA device."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``; a saved CUDA state is ignored on a machine without CUDA."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+def model_class_path(model: nn.Module) -> str:
+    """``module:QualName`` of the model's own class, seen through FSDP2's dynamic ``FSDP<Name>`` class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return f"{cls.__module__}:{cls.__qualname__}"
+    raise TypeError(f"cannot find the model class of {type(model).__name__}")
+
+
+def copy_hf_metadata(source_dir: str | Path, target_dir: str | Path) -> list[str]:
+    """Copies the non-weight Hugging Face files (``HF_METADATA_PATTERNS``) of ``source_dir``; returns names."""
+    source_dir, target_dir = Path(source_dir), Path(target_dir)
+    if not source_dir.is_dir():
+        raise FileNotFoundError(
+            f"Hugging Face folder {source_dir} does not exist; expected the model folder with config.json "
+            f"and tokenizer files"
+        )
+    target_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(source_dir.iterdir()):
+        if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in HF_METADATA_PATTERNS):
+            shutil.copy2(path, target_dir / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _write_model_files(directory: Path, model: nn.Module, hf_source_dir: str | Path | None) -> None:
+    """Rank 0: the source folder's config/tokenizer/processor files into ``huggingface/``, and the live
+    model config as ``model_config.json``.
+
+    The live config records what was trained (overrides applied at load, a critic's ``num_labels``);
+    its ``architectures`` names the class the merger builds. ``huggingface/config.json`` stays the
+    source's, which may describe a larger class (Qwen2.5-Omni around the trained thinker).
+    """
+    if hf_source_dir is not None:
+        copy_hf_metadata(hf_source_dir, directory / HF_DIR)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config = copy.deepcopy(config)
+        config.architectures = [model_class_path(model).split(":")[1]]
+        config.to_json_file(str(directory / MODEL_CONFIG_FILE))
+
+
+def save_train_state(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+    hf_source_dir: str | Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Saves the training state of ``model`` into ``directory`` (layout in the module docstring).
+
+    Collective: every rank of the default process group calls it (or one process without one). Model
+    and optimizer are sharded DCP checkpoints of ``get_model_state_dict`` / ``get_optimizer_state_dict``
+    (FQN keys, so they load into FSDP2 and plain models alike). Returns after every rank has finished.
+    """
+    directory = Path(directory)
+    rank, world_size = _rank_and_world_size()
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    _barrier()
+
+    save_dcp(get_model_state_dict(model), directory / MODEL_DIR)
+    if optimizer is not None:
+        save_dcp(get_optimizer_state_dict(model, optimizer), directory / OPTIMIZER_DIR)
+
+    rank_state = {
+        "world_size": world_size,
+        "rank": rank,
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "rng": capture_rng_state(),
+    }
+    torch.save(rank_state, directory / rank_file(rank))
+    if rank == 0:
+        if extra is not None:
+            torch.save(extra, directory / EXTRA_FILE)
+        _write_model_files(directory, model, hf_source_dir)
+        info = {
+            "world_size": world_size,
+            "model_class": model_class_path(model),
+            "has_optimizer": optimizer is not None,
+            "has_lr_scheduler": lr_scheduler is not None,
+            "has_extra": extra is not None,
+        }
+        (directory / STATE_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    _barrier()
+
+
+def read_state_info(directory: str | Path) -> dict[str, Any]:
+    """The ``mmrl_state.json`` of a folder written by ``save_train_state``."""
+    path = Path(directory) / STATE_INFO_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: {directory} is not a complete mmrl checkpoint role folder (expected "
+            f"{MODEL_DIR}/, {rank_file(0)} and {STATE_INFO_FILE} written by save_train_state)"
+        )
+    return json.loads(path.read_text())
+
+
+def missing_state_files(directory: str | Path) -> list[str]:
+    """Files of a complete ``save_train_state`` folder that ``directory`` lacks ([] when complete)."""
+    directory = Path(directory)
+    if not (directory / STATE_INFO_FILE).is_file():
+        return [STATE_INFO_FILE]
+    info = read_state_info(directory)
+    required = [f"{MODEL_DIR}/.metadata", *(rank_file(rank) for rank in range(info["world_size"]))]
+    if info["has_optimizer"]:
+        required.append(f"{OPTIMIZER_DIR}/.metadata")
+    if info["has_extra"]:
+        required.append(EXTRA_FILE)
+    return [name for name in required if not (directory / name).is_file()]
+
+
+def _load_rank_state(directory: Path, rank: int) -> dict[str, Any]:
+    # Our own file with python/numpy RNG tuples, which the weights-only unpickler rejects.
+    return torch.load(directory / rank_file(rank), weights_only=False)
+
+
+def _drop_unsaved_parameter_states(optimizer_state: dict[str, Any], directory: Path) -> None:
+    """Removes the states of parameters that had none when saved (no gradient yet: e.g. a vision tower
+    before the first image batch), so they start fresh on their first step as in the original run.
+
+    DCP flattens ``optimizer_state["state"][fqn][name]`` to the key ``state.{fqn}.{name}``.
+    """
+    saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    for fqn, parameter_state in list(optimizer_state["state"].items()):
+        keys = [f"state.{fqn}.{name}" for name in parameter_state]
+        present = [key in saved_keys for key in keys]
+        if not any(present):
+            del optimizer_state["state"][fqn]
+        elif not all(present):
+            missing = [key for key, found in zip(keys, present) if not found]
+            raise KeyError(
+                f"optimizer checkpoint {directory} holds only part of the state of {fqn} (missing {missing}); "
+                f"was it saved with a different optimizer class?"
+            )
+
+
+def _load_optimizer_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    # get_optimizer_state_dict first creates every state tensor (a zero-lr step) if the optimizer has
+    # not stepped yet, so that DCP has tensors with this run's sharding to load into.
+    optimizer_state = get_optimizer_state_dict(model, optimizer)
+    _drop_unsaved_parameter_states(optimizer_state, directory)
+    load_dcp(optimizer_state, directory)
+    # strict=False: parameters dropped above are left without state instead of being an error.
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=False))
+
+
+def load_train_state(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Loads what ``save_train_state`` wrote into ``model`` / ``optimizer`` / ``lr_scheduler``, in place.
+
+    Collective, like the save. Works on any world size: weights and optimizer are resharded by DCP.
+    RNG states are restored only when the world size equals the saved one (a warning otherwise); the
+    scheduler comes from this rank's file then, else from rank 0's. Returns the saved ``extra`` dict
+    ({} when none was saved).
+    """
+    directory = Path(directory)
+    info = read_state_info(directory)
+    rank, world_size = _rank_and_world_size()
+
+    model_state = get_model_state_dict(model)
+    load_dcp(model_state, directory / MODEL_DIR)
+    set_model_state_dict(model, model_state)
+    if optimizer is not None:
+        if not info["has_optimizer"]:
+            raise ValueError(
+                f"{directory} was saved without an optimizer state; load it with optimizer=None or resume "
+                f"from a checkpoint written during training"
+            )
+        _load_optimizer_state(directory / OPTIMIZER_DIR, model, optimizer)
+
+    same_world_size = info["world_size"] == world_size
+    rank_state = _load_rank_state(directory, rank if same_world_size else 0)
+    if lr_scheduler is not None:
+        if rank_state["lr_scheduler"] is None:
+            raise ValueError(
+                f"{directory} was saved without an LR scheduler state; load it with lr_scheduler=None"
+            )
+        lr_scheduler.load_state_dict(rank_state["lr_scheduler"])
+    if same_world_size:
+        restore_rng_state(rank_state["rng"])
+    elif rank == 0:
+        logger.warning(
+            "checkpoint %s was saved by %d ranks and is loaded by %d: random states are not restored, so "
+            "the resumed run is correct but not bit-identical to an uninterrupted one",
+            directory,
+            info["world_size"],
+            world_size,
+        )
+    _barrier()
+    return torch.load(directory / EXTRA_FILE, weights_only=False) if info["has_extra"] else {}

@@ -1,0 +1,164 @@
+"""Loading Hugging Face models for training, and finding their parts (towers, decoder layers).
+
+Which class loads a folder:
+
+- Qwen2/2.5/3-VL and other image-text models: ``AutoModelForImageTextToText``.
+- Qwen2.5-Omni folders (``model_type: qwen2_5_omni``, a thinker plus an optional talker): only the
+  thinker is trained, loaded from the folder's ``thinker_config`` by ``AutoModelForImageTextToText``
+  (which maps ``qwen2_5_omni_thinker`` to ``Qwen2_5OmniThinkerForConditionalGeneration``; its
+  ``base_model_prefix = "thinker"`` strips the ``thinker.`` prefix of the stored weights).
+- Text models: ``AutoModelForCausalLM``.
+
+A critic is the same model whose ``lm_head`` is replaced by a value head ``nn.Linear(hidden, 1)``, so
+``model(...).logits`` is ``[B, L, 1]``: one value per position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+ROLES = ("actor", "critic")
+# Attribute names of encoder towers in the supported families (transformers v5): Qwen-VL keeps the
+# vision tower at `model.model.visual`, the Omni thinker at `model.visual` and `model.audio_tower`.
+TOWER_ATTRIBUTES = ("visual", "vision_tower", "audio_tower")
+# The value head starts from the same weights on every rank and in every run.
+_VALUE_HEAD_SEED = 0
+
+
+def load_model(
+    path: str,
+    role: str = "actor",
+    torch_dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """The trainable model in ``path`` on the CPU, as ``role`` ("actor" or "critic").
+
+    ``override_config`` entries are set on the Hugging Face config before the weights load; a nested
+    dict updates a sub-config (``{"text_config": {"rms_norm_eps": 1e-5}}``). The critic's value head
+    is initialised the same way on every rank (fixed seed), since FSDP shards whatever each rank holds.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if role not in ROLES:
+        raise ValueError(f"load_model: role must be one of {ROLES}, got {role!r}")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "thinker_config"):
+        config = config.thinker_config  # Qwen-Omni: the thinker is the policy; the talker is not trained
+    _apply_overrides(config, override_config or {}, where="override_config")
+    auto_class = AutoModelForImageTextToText if _is_image_text_config(config) else AutoModelForCausalLM
+    model = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    if role == "critic":
+        attach_value_head(model)
+    return model
+
+
+def _is_image_text_config(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
+        "AutoModelForImageTextToText" in auto_map
+    )
+
+
+def _apply_overrides(config, overrides: dict[str, Any], where: str) -> None:
+    """Set ``overrides`` on ``config``; dict values recurse into sub-configs. Unknown keys raise."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _apply_overrides(current, value, where=f"{where}.{key}")
+        elif hasattr(config, key):
+            setattr(config, key, value)
+        else:
+            raise KeyError(
+                f"{where}: {type(config).__name__} has no attribute {key!r}; check the spelling, or nest "
+                f"it under the sub-config that owns it (e.g. text_config)"
+            )
+
+
+def attach_value_head(model: nn.Module) -> nn.Linear:
+    """Replace ``model.lm_head`` by ``nn.Linear(hidden, 1)``: weights ~ N(0, 0.02^2/hidden), bias 0.
+
+    The small init keeps first values near 0, so early GAE advantages are close to the returns.
+    Word-embedding tying is switched off in the config, or a later ``tie_weights()`` would put the
+    embedding matrix back in place of the head.
+    """
+    hidden_size = model.config.get_text_config().hidden_size
+    reference = model.get_input_embeddings().weight
+    head = nn.Linear(hidden_size, 1, bias=True, dtype=reference.dtype)
+    generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * (0.02 / hidden_size**0.5))
+        head.bias.zero_()
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    model.lm_head = head
+    return head
+
+
+def tower_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every vision/audio encoder tower, e.g. ``model.visual``."""
+    towers = []
+    for prefix, owner in (("", model), ("model.", getattr(model, "model", None))):
+        if not isinstance(owner, nn.Module):
+            continue
+        for attribute in TOWER_ATTRIBUTES:
+            tower = getattr(owner, attribute, None)
+            if isinstance(tower, nn.Module):
+                towers.append((prefix + attribute, tower))
+    return towers
+
+
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """The encoder towers (vision, and audio for Omni); empty for a text model."""
+    return [tower for _, tower in tower_modules(model)]
+
+
+def is_multimodal(model: nn.Module) -> bool:
+    """True when the model has a vision or audio tower."""
+    return bool(vision_modules(model))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The language model's transformer blocks (``get_decoder().layers``)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__}: its decoder {type(decoder).__name__} has no `layers` ModuleList; "
+            "add this model family to mmrl.models.loading"
+        )
+    return layers
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Set ``requires_grad=False`` on every vision/audio tower parameter (projector included).
+
+    Returns the number of parameters frozen; raises for a model without towers, where the setting
+    must be a configuration mistake.
+    """
+    towers = vision_modules(model)
+    if not towers:
+        raise ValueError(
+            f"freeze_vision_tower: {type(model).__name__} has no vision or audio tower; "
+            "set worker.actor.model.freeze_vision_tower=false for text models"
+        )
+    frozen = 0
+    for tower in towers:
+        for parameter in tower.parameters():
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
+    return frozen

@@ -1,0 +1,626 @@
+"""Tiny random Qwen models with a locally trained tokenizer and processor, for tests and the CPU demo.
+
+Kinds (``build_tiny_model(kind, out_dir, size, seed)``), each a folder that the usual Hugging Face
+calls reload:
+
+- ``qwen2_5_vl``: ``Qwen2_5_VLForConditionalGeneration``; ``AutoModelForImageTextToText`` and
+  ``AutoProcessor`` (``Qwen2_5_VLProcessor``).
+- ``qwen2_5_omni``: the Qwen2.5-Omni thinker (text + vision + audio tower), saved the way the real
+  ``Qwen/Qwen2.5-Omni-*`` checkpoints are: a ``Qwen2_5OmniConfig`` (``enable_audio_output=False``,
+  no talker weights) with ``thinker.*`` weights, so vLLM serves it. Reload the trainable part with
+  ``Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained`` (no Auto class maps the
+  ``qwen2_5_omni`` model type to the thinker) and ``AutoProcessor`` (``Qwen2_5OmniProcessor``).
+- ``qwen2``: ``Qwen2ForCausalLM``; ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+
+Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
+0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
+(tiny) or 64 (small) wide: vLLM's CPU backend needs ``head_dim >= 32``. Weights are float32.
+
+The tokenizer is a byte-level BPE trained on ``TINY_CORPUS`` with Qwen's pre-tokenizer, Qwen's special
+tokens (the Omni names for Omni), ``<think>``/``</think>``/``<answer>``/``</answer>`` as whole tokens
+and a Qwen-style chat template. Every answer word of ``mmrl.data.synthetic`` is one token.
+
+A folder is complete when ``BUILD_MARKER`` exists (written last); building again with the same
+arguments returns at once.
+
+CLI: ``python -m mmrl.models.tiny --kind qwen2_5_vl --size tiny [--out DIR] [--seed 0] [--force]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mmrl.data.synthetic import COLORS, SHAPES, TASKS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
+
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2")
+BUILD_MARKER = "mmrl_tiny.json"
+# Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
+BUILD_VERSION = 1
+
+# Image / video resize bounds in pixels: 56x56 (4 patches of 28 after merging) up to 64 such patches.
+MIN_PIXELS = 28 * 28 * 4
+MAX_PIXELS = 28 * 28 * 64
+AUDIO_SAMPLING_RATE = 16000
+AUDIO_CHUNK_LENGTH_S = 10  # the Omni processor pads every clip to this length; longer clips are cut
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# Qwen's pre-tokenizer split (also what transformers' Qwen2Tokenizer rebuilds on load): letters with
+# one leading non-letter, single digits, punctuation runs, newlines, spaces.
+QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+REASONING_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+# Named multimodal tokens per kind, in Qwen's id order. Qwen2.5-Omni renames the Qwen2.5 tokens
+# (<|vision_start|> -> <|vision_bos|>, <|image_pad|> -> <|IMAGE|>, ...) and its processor reads them
+# from these tokenizer attributes.
+_VL_TOKENS = {
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+}
+_OMNI_TOKENS = {
+    "audio_token": "<|AUDIO|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+}
+NAMED_TOKENS: dict[str, dict[str, str]] = {
+    "qwen2_5_vl": _VL_TOKENS,
+    "qwen2_5_omni": _OMNI_TOKENS,
+    "qwen2": _VL_TOKENS,
+}
+CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Widths and depths of one size; ``head_dim = hidden_size / num_heads`` for every tower."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vision_hidden_size: int
+    vision_depth: int
+    vision_heads: int
+    vision_intermediate_size: int
+    audio_hidden_size: int
+    audio_layers: int
+    audio_heads: int
+    audio_ffn_size: int
+    num_mel_bins: int
+    vocab_size: int  # BPE target including special tokens; TINY_CORPUS yields ~460 tokens
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mrope_section(self) -> list[int]:
+        """Rotary pairs for (temporal, height, width), in Qwen's 1/4, 3/8, 3/8 split of head_dim / 2."""
+        pairs = self.head_dim // 2
+        temporal = pairs // 4
+        height = (pairs - temporal) // 2
+        return [temporal, height, pairs - temporal - height]
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
+        vision_hidden_size=64, vision_depth=2, vision_heads=2, vision_intermediate_size=128,
+        audio_hidden_size=64, audio_layers=1, audio_heads=2, audio_ffn_size=128, num_mel_bins=32,
+        vocab_size=1024,
+    ),
+    "small": ModelSize(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=2048,
+        vision_hidden_size=256, vision_depth=4, vision_heads=4, vision_intermediate_size=1024,
+        audio_hidden_size=256, audio_layers=2, audio_heads=4, audio_ffn_size=1024, num_mel_bins=80,
+        vocab_size=1024,
+    ),
+}  # fmt: skip
+
+
+def _answer_words() -> list[str]:
+    return sorted({answer for task in TASKS.values() for answer in task.answers})
+
+
+def _build_corpus() -> list[str]:
+    """Short English lines: the synthetic tasks' questions and answers, prompt templates, reasoning."""
+    questions = [task.question.replace("<image>", "") for task in TASKS.values()]
+    answers = _answer_words()
+    lines = [
+        DEFAULT_SYSTEM_PROMPT,
+        "You FIRST think about the reasoning process as an internal monologue and then provide the "
+        "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+        "answer MUST BE put in \\boxed{}.",
+        "Output the thinking process in <think> </think> and final answer in <answer> </answer> tags.",
+        "Please reason step by step, and put your final answer within \\boxed{}.",
+        "<think>I look at the image and count the circles one by one.</think><answer>3</answer>",
+        "<think>The shape in the picture is filled with one colour.</think><answer>red</answer>",
+        "The answer is \\boxed{4}. Let me think: two plus two is four, so the answer is 4.",
+        "What is in this picture? A small image with a circle, a square or a triangle on a white "
+        "background. How many shapes are there, and what colour are they?",
+        "the a an of to in is it that this there are was were be with on for as at by from and or not",
+        "one two three four five six seven eight nine ten zero number numbers count answer question",
+        "user assistant system image video audio picture sound beep beeps dot moves left right up down",
+        "0 1 2 3 4 5 6 7 8 9 10 11 12 100 3.14 1/2 x + y = z - 5 * 2",
+    ]
+    lines += [f"{question} {answer}" for question in questions for answer in answers]
+    lines += [f"The {color} {shape} is {color}." for color in COLORS for shape in SHAPES]
+    lines += [f"There are {n} circles. {n}" for n in range(1, 10)]
+    # Role names as the chat template writes them, so that "user" is one token (Omni's user_token_id).
+    lines += ["system\nuser\nassistant\n"] * 4
+    # Answers on their own and after a space, many times, so BPE merges each into one token.
+    lines += [f"{answer}\n {answer}\n{answer.capitalize()}" for answer in answers] * 8
+    return lines
+
+
+TINY_CORPUS: list[str] = _build_corpus()
+
+
+def chat_template(named_tokens: dict[str, str], system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> str:
+    """Qwen-style Jinja chat template: ``<|im_start|>role\\n...<|im_end|>\\n`` per message, a default
+    system message, media content items rendered as their placeholder between begin/end tokens."""
+    vision_bos = named_tokens.get("vision_bos_token", named_tokens.get("vision_start_token"))
+    vision_eos = named_tokens.get("vision_eos_token", named_tokens.get("vision_end_token"))
+    media = {
+        "image": f"{vision_bos}{named_tokens['image_token']}{vision_eos}",
+        "video": f"{vision_bos}{named_tokens['video_token']}{vision_eos}",
+    }
+    if "audio_token" in named_tokens:
+        audio_tokens = (
+            named_tokens["audio_bos_token"],
+            named_tokens["audio_token"],
+            named_tokens["audio_eos_token"],
+        )
+        media["audio"] = "".join(audio_tokens)
+    media_branches = "".join(
+        f"{{% elif content['type'] == '{kind}' or '{kind}' in content or '{kind}_url' in content %}}{text}"
+        for kind, text in media.items()
+    )
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'text' or ('text' in content and 'type' not in content) %}"
+        "{{ content['text'] }}"
+        f"{media_branches}"
+        "{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def _train_bpe(corpus: list[str], num_merged_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE vocabulary and merges, trained with Qwen's normaliser and pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=num_merged_tokens,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    model_json = json.loads(backend.to_str())["model"]
+    merges = [
+        tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model_json["merges"]
+    ]
+    return model_json["vocab"], merges
+
+
+def train_tokenizer(
+    corpus: list[str], vocab_size: int, kind: str = "qwen2_5_vl", system_prompt: str = DEFAULT_SYSTEM_PROMPT
+) -> PreTrainedTokenizerFast:
+    """A Qwen2 tokenizer (``PreTrainedTokenizerFast``) over a BPE trained on ``corpus``.
+
+    Ids: the trained byte-level vocabulary first (at most ``vocab_size`` minus the added tokens), then
+    ``<think>`` .. ``</answer>`` (normal added tokens), then the special tokens: ``<|endoftext|>``
+    (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and the kind's named multimodal tokens, which are also
+    tokenizer attributes (``tokenizer.image_token`` ...) as the Qwen processors expect.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    named_tokens = NAMED_TOKENS[kind]
+    special_tokens = [*CHAT_TOKENS, *named_tokens.values()]
+    vocab, merges = _train_bpe(corpus, vocab_size - len(REASONING_TOKENS) - len(special_tokens))
+    for token in [*REASONING_TOKENS, *special_tokens]:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=list(special_tokens),
+        model_specific_special_tokens=dict(named_tokens),
+        chat_template=chat_template(named_tokens, system_prompt),
+        model_max_length=4096,
+    )
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in REASONING_TOKENS])
+    return tokenizer
+
+
+def check_single_token_answers(tokenizer: PreTrainedTokenizerFast, words: list[str]) -> None:
+    """Raises unless every word is one token, alone and (for words) after a space.
+
+    Digits never merge with a leading space in Qwen's pre-tokenizer (" 3" is " " + "3"), so only their
+    bare form is checked.
+    """
+    for word in words:
+        variants = [word] if word.isdigit() else [word, " " + word]
+        for variant in variants:
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if len(ids) != 1:
+                pieces = tokenizer.convert_ids_to_tokens(ids)
+                raise AssertionError(
+                    f"answer word {variant!r} is {len(ids)} tokens {pieces}, expected 1; add it to TINY_CORPUS "
+                    f"more often or raise the vocabulary size"
+                )
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerFast, kind: str) -> dict[str, int]:
+    names = {"pad": PAD_TOKEN, "eos": EOS_TOKEN, **NAMED_TOKENS[kind]}
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in names.items()}
+
+
+def _text_config(size: ModelSize, vocab_size: int, ids: dict[str, int], mrope: bool) -> dict[str, Any]:
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    if mrope:
+        rope_parameters["mrope_section"] = size.mrope_section
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": size.hidden_size,
+        "intermediate_size": size.intermediate_size,
+        "num_hidden_layers": size.num_layers,
+        "num_attention_heads": size.num_heads,
+        "num_key_value_heads": size.num_kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": rope_parameters,
+        "bos_token_id": ids["pad"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
+    }
+
+
+def _vision_config(size: ModelSize) -> dict[str, Any]:
+    return {
+        "depth": size.vision_depth,
+        "hidden_size": size.vision_hidden_size,
+        "num_heads": size.vision_heads,
+        "intermediate_size": size.vision_intermediate_size,
+        "out_hidden_size": size.hidden_size,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        # The last block attends over the whole image, the others within windows, as in Qwen2.5-VL.
+        "fullatt_block_indexes": [size.vision_depth - 1],
+    }
+
+
+def _talker_config(size: ModelSize, ids: dict[str, int]) -> dict[str, Any]:
+    """A small talker config. No talker is built (``enable_audio_output=False``); its config still
+    describes one, and its token ids must lie inside the vocabularies to pass config validation."""
+    return {
+        "vocab_size": 8448,
+        "embedding_size": size.hidden_size,
+        "hidden_size": size.hidden_size,
+        "intermediate_size": size.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": size.num_heads,
+        "num_key_value_heads": size.num_kv_heads,
+        "head_dim": size.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": size.mrope_section,
+        },
+        "audio_token_index": ids["audio_token"],
+        "image_token_index": ids["image_token"],
+        "video_token_index": ids["video_token"],
+        "vision_start_token_id": ids["vision_bos_token"],
+        "vision_end_token_id": ids["vision_eos_token"],
+        "audio_start_token_id": ids["audio_bos_token"],
+        "audio_end_token_id": ids["audio_eos_token"],
+        # Text-side ids of the real talker (151859..151861) do not exist in the tiny vocabulary.
+        "tts_text_start_token_id": ids["pad"],
+        "tts_text_end_token_id": ids["pad"],
+        "tts_text_pad_token_id": ids["pad"],
+    }
+
+
+def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast) -> PreTrainedConfig:
+    """The Hugging Face config of ``kind`` at ``size``, with the tokenizer's vocabulary and ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5OmniConfig, Qwen2Config
+
+    ids = _token_ids(tokenizer, kind)
+    vocab_size = len(tokenizer)
+    if kind == "qwen2":
+        return Qwen2Config(**_text_config(size, vocab_size, ids, mrope=False), tie_word_embeddings=True)
+    if kind == "qwen2_5_vl":
+        text_config = {**_text_config(size, vocab_size, ids, mrope=True), "tie_word_embeddings": True}
+        return Qwen2_5_VLConfig(
+            text_config=text_config,
+            vision_config={**_vision_config(size), "tokens_per_second": 2},
+            image_token_id=ids["image_token"],
+            video_token_id=ids["video_token"],
+            vision_start_token_id=ids["vision_start_token"],
+            vision_end_token_id=ids["vision_end_token"],
+            tie_word_embeddings=True,
+        )
+    if kind == "qwen2_5_omni":
+        # Untied like Qwen2.5-Omni-7B: vLLM's thinker reads tying from the text config, transformers
+        # from the thinker config; keeping both False avoids a disagreement about lm_head.
+        text_config = {**_text_config(size, vocab_size, ids, mrope=True), "tie_word_embeddings": False}
+        audio_config = {
+            "num_mel_bins": size.num_mel_bins,
+            "encoder_layers": size.audio_layers,
+            "encoder_attention_heads": size.audio_heads,
+            "encoder_ffn_dim": size.audio_ffn_size,
+            "d_model": size.audio_hidden_size,
+            "output_dim": size.hidden_size,
+        }
+        thinker_config = {
+            "text_config": text_config,
+            "vision_config": _vision_config(size),
+            "audio_config": audio_config,
+            "audio_token_index": ids["audio_token"],
+            "image_token_index": ids["image_token"],
+            "video_token_index": ids["video_token"],
+            "audio_start_token_id": ids["audio_bos_token"],
+            "audio_end_token_id": ids["audio_eos_token"],
+            "vision_start_token_id": ids["vision_bos_token"],
+            "vision_end_token_id": ids["vision_eos_token"],
+            "user_token_id": tokenizer.convert_tokens_to_ids("user"),
+            "tie_word_embeddings": False,
+        }
+        return Qwen2_5OmniConfig(
+            thinker_config=thinker_config, talker_config=_talker_config(size, ids), enable_audio_output=False
+        )
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+
+
+def model_class(kind: str) -> type[PreTrainedModel]:
+    """The transformers class that builds the saved model of ``kind``; for Omni that is the full model
+    with the talker switched off, whose only submodule is the thinker."""
+    import transformers
+
+    names = {
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
+        "qwen2": "Qwen2ForCausalLM",
+    }
+    if kind not in names:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+    return getattr(transformers, names[kind])
+
+
+def build_processor(
+    kind: str, tokenizer: PreTrainedTokenizerFast, num_mel_bins: int = 128
+) -> ProcessorMixin | None:
+    """The multimodal processor of ``kind`` around ``tokenizer`` (None for the text-only ``qwen2``).
+
+    Images and videos are resized into ``[MIN_PIXELS, MAX_PIXELS]``; a 56x56 image gives a 4x4 patch
+    grid, i.e. 4 placeholder tokens after the 2x2 merge. Omni audio: 16 kHz log-mel features with
+    ``num_mel_bins`` bins (the audio tower's), padded to ``AUDIO_CHUNK_LENGTH_S``.
+    """
+    if kind == "qwen2":
+        return None
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2_5OmniProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    vision = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    image_processor = Qwen2VLImageProcessor(size=size, **vision)
+    video_processor = Qwen2VLVideoProcessor(
+        size=size, **vision, min_frames=2, max_frames=32, fps=2.0, cap_pixels_per_frame=True
+    )
+    template = tokenizer.chat_template
+    if kind == "qwen2_5_vl":
+        return Qwen2_5_VLProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=template,
+        )
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=num_mel_bins,
+        sampling_rate=AUDIO_SAMPLING_RATE,
+        chunk_length=AUDIO_CHUNK_LENGTH_S,
+        return_attention_mask=True,
+    )
+    return Qwen2_5OmniProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        feature_extractor=feature_extractor,
+        tokenizer=tokenizer,
+        chat_template=template,
+    )
+
+
+def _size(size: str) -> ModelSize:
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; expected one of {sorted(SIZES)}")
+    return SIZES[size]
+
+
+def _checked_tokenizer(kind: str, vocab_size: int) -> PreTrainedTokenizerFast:
+    """The tokenizer of ``kind`` trained on ``TINY_CORPUS`` (~10 ms, deterministic), answers checked."""
+    tokenizer = train_tokenizer(TINY_CORPUS, vocab_size, kind)
+    check_single_token_answers(tokenizer, _answer_words())
+    return tokenizer
+
+
+def count_parameters(kind: str, size: str = "tiny") -> int:
+    """Parameters of ``kind`` at ``size`` (shared tensors once), counted on the meta device."""
+    spec = _size(size)
+    config = build_config(kind, spec, _checked_tokenizer(kind, spec.vocab_size))
+    with torch.device("meta"):
+        model = model_class(kind)(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _read_marker(out_dir: Path) -> dict[str, Any] | None:
+    marker = out_dir / BUILD_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def is_complete(out_dir: str | Path, kind: str, size: str = "tiny", seed: int = 0) -> bool:
+    """True when ``out_dir`` holds a finished build of exactly this kind, size, seed and version."""
+    marker = _read_marker(Path(out_dir))
+    request = {"kind": kind, "size": size, "seed": seed, "version": BUILD_VERSION}
+    return marker is not None and all(marker.get(key) == value for key, value in request.items())
+
+
+def _set_generation_config(model: PreTrainedModel, ids: dict[str, int]) -> None:
+    from transformers import GenerationConfig
+
+    # Like Qwen's instruct checkpoints: stop at <|im_end|> or <|endoftext|>, greedy unless asked.
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["eos"], ids["pad"]], pad_token_id=ids["pad"], bos_token_id=ids["pad"]
+    )
+
+
+def build_tiny_model(
+    kind: str, out_dir: str | Path, size: str = "tiny", seed: int = 0, force: bool = False
+) -> Path:
+    """Builds (or finds complete) a random ``kind`` model of ``size`` with tokenizer and processor.
+
+    Writes safetensors weights, config, generation config, tokenizer and processor files into a
+    temporary sibling folder, then ``BUILD_MARKER``, then renames it to ``out_dir``. Same ``seed`` ->
+    identical weights. A folder without the marker is never overwritten unless ``force``.
+    """
+    out_dir = Path(out_dir)
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+    spec = _size(size)
+    if is_complete(out_dir, kind, size, seed) and not force:
+        return out_dir
+    if out_dir.exists() and _read_marker(out_dir) is None and any(out_dir.iterdir()) and not force:
+        raise FileExistsError(
+            f"{out_dir} exists, is not empty and was not written by mmrl.models.tiny (no {BUILD_MARKER}); "
+            "pass force=True (--force) to replace it or choose another folder"
+        )
+
+    tokenizer = _checked_tokenizer(kind, spec.vocab_size)
+    config = build_config(kind, spec, tokenizer)
+    with torch.random.fork_rng(devices=[]):  # seeds the init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = model_class(kind)(config).eval()
+    _set_generation_config(model, _token_ids(tokenizer, kind))
+
+    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    model.save_pretrained(tmp_dir)
+    processor = build_processor(kind, tokenizer, spec.num_mel_bins)
+    (processor or tokenizer).save_pretrained(tmp_dir)
+    if kind == "qwen2_5_omni":
+        # Qwen2_5OmniForConditionalGeneration.from_pretrained requires the speaker table of the talker.
+        torch.save({}, tmp_dir / "spk_dict.pt")
+    num_parameters = sum(parameter.numel() for parameter in model.parameters())
+    marker = {"kind": kind, "size": size, "seed": seed, "version": BUILD_VERSION,
+              "num_parameters": num_parameters, "vocab_size": len(tokenizer)}  # fmt: skip
+    (tmp_dir / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _move_into_place(tmp_dir, out_dir, lambda: is_complete(out_dir, kind, size, seed))
+    return out_dir
+
+
+def _move_into_place(tmp_dir: Path, out_dir: Path, done_elsewhere: Callable[[], bool]) -> None:
+    """Renames the finished ``tmp_dir`` to ``out_dir``; if another process finished the same build
+    first (several ranks or test workers asking at once), keeps theirs."""
+    if done_elsewhere():
+        shutil.rmtree(tmp_dir)
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        tmp_dir.rename(out_dir)
+    except OSError:
+        if not done_elsewhere():
+            raise
+        shutil.rmtree(tmp_dir)
+
+
+_FOLDER_NAMES = {"qwen2_5_vl": "qwen2.5-vl", "qwen2_5_omni": "qwen2.5-omni", "qwen2": "qwen2"}
+
+
+def tiny_model_path(kind: str, size: str = "tiny", root: str | Path = "assets/models") -> Path:
+    """Conventional folder of a built model, e.g. ``assets/models/tiny-qwen2.5-vl``."""
+    if kind not in _FOLDER_NAMES:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+    return Path(root) / f"{size}-{_FOLDER_NAMES[kind]}"
+
+
+def ensure_tiny_model(
+    kind: str, size: str = "tiny", root: str | Path = "assets/models", seed: int = 0
+) -> Path:
+    """``tiny_model_path(kind, size, root)``, built first if it is not complete."""
+    return build_tiny_model(kind, tiny_model_path(kind, size, root), size, seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Build a tiny random Qwen model with tokenizer and processor."
+    )
+    parser.add_argument("--kind", choices=KINDS, default="qwen2_5_vl")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--out", default=None, help="output folder (default: assets/models/<size>-<kind>)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out) if args.out else tiny_model_path(args.kind, args.size)
+    up_to_date = not args.force and is_complete(out_dir, args.kind, args.size, args.seed)
+    build_tiny_model(args.kind, out_dir, args.size, args.seed, args.force)
+    marker = _read_marker(out_dir)
+    print(
+        f"[mmrl.models.tiny] {'up to date' if up_to_date else 'built'}: {args.kind} ({args.size}), "
+        f"{marker['num_parameters']:,} parameters, vocabulary {marker['vocab_size']} -> {out_dir}"
+    )
+
+
+if __name__ == "__main__":
+    main()

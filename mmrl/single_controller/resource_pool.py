@@ -1,0 +1,160 @@
+"""Starting Ray and reserving one bundle of resources per training process.
+
+A `ResourcePool` holds one placement group per node, `STRICT_PACK`ed so that the `procs_per_node` bundles of
+a node really share a machine (NVLink, shared memory); bundle b of group n becomes rank
+`n * procs_per_node + b`. A bundle is `{"GPU": 1, "CPU": cpus_per_proc}` on GPU machines and
+`{"CPU": cpus_per_proc}` on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+__all__ = ["DEFAULT_WORKER_ENV_VARS", "ResourcePool", "ResourcePoolError", "init_ray", "nodes_that_fit"]
+
+# Set in every Ray worker process (before it imports anything) unless the caller overrides them.
+DEFAULT_WORKER_ENV_VARS = {
+    # Tokenizers forked into Ray workers otherwise warn and may deadlock on their thread pool.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ResourcePoolError(RuntimeError):
+    """The Ray cluster cannot hold the requested bundles (now, or within the timeout)."""
+
+
+def init_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    include_dashboard: bool = False,
+    object_store_memory_bytes: int | None = None,
+    runtime_env_vars: dict[str, str] | None = None,
+) -> None:
+    """Connect to Ray once per process; later calls are no-ops.
+
+    `address=None` starts a local cluster with `num_cpus` logical CPUs (None = all cores), no dashboard
+    (it costs ~0.7 GB) and an object store of `object_store_memory_bytes` (None = Ray's default, 30% of
+    memory). `address="auto"` or `"ip:port"` joins a cluster started with `ray start`; the local-cluster
+    arguments are then ignored. `runtime_env_vars` (PYTHONPATH, OMP_NUM_THREADS, HF_HOME, ...) are set in
+    every worker process at start, on top of `DEFAULT_WORKER_ENV_VARS`.
+    """
+    if ray.is_initialized():
+        return
+    env_vars = {**DEFAULT_WORKER_ENV_VARS, **(runtime_env_vars or {})}
+    options: dict[str, Any] = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}}
+    if address is None:
+        options.update(
+            num_cpus=num_cpus,
+            include_dashboard=include_dashboard,
+            object_store_memory=object_store_memory_bytes,
+        )
+    ray.init(address=address, **options)
+
+
+def nodes_that_fit(
+    node_resources: list[dict[str, float]], bundle: dict[str, float], procs_per_node: int
+) -> int:
+    """How many node groups of `procs_per_node` bundles the given nodes can hold, each group on one node.
+
+    A node holding `R[k]` of resource k fits `min_k floor(R[k] / (procs_per_node * bundle[k]))` groups.
+    """
+    total = 0
+    for resources in node_resources:
+        per_node = [
+            math.floor(resources.get(key, 0.0) / (amount * procs_per_node) + 1e-9)
+            for key, amount in bundle.items()
+            if amount > 0
+        ]
+        total += min(per_node) if per_node else 0
+    return total
+
+
+class ResourcePool:
+    """`nnodes × procs_per_node` bundles, reserved as one STRICT_PACK placement group per node.
+
+    Blocks until every group is placed; raises `ResourcePoolError` at once when the cluster can never hold
+    them, or after `timeout_s` when they would fit but the resources are in use. `remove()` frees them.
+    """
+
+    def __init__(
+        self,
+        nnodes: int,
+        procs_per_node: int,
+        use_gpu: bool,
+        cpus_per_proc: float = 1.0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if nnodes < 1 or procs_per_node < 1 or cpus_per_proc < 0:
+            raise ValueError(
+                f"ResourcePool needs nnodes >= 1, procs_per_node >= 1 and cpus_per_proc >= 0; got "
+                f"nnodes={nnodes}, procs_per_node={procs_per_node}, cpus_per_proc={cpus_per_proc}."
+            )
+        self.nnodes = nnodes
+        self.procs_per_node = procs_per_node
+        self.use_gpu = use_gpu
+        self.cpus_per_proc = cpus_per_proc
+        self.bundle: dict[str, float] = {"CPU": cpus_per_proc}
+        if use_gpu:
+            self.bundle = {"GPU": 1, "CPU": cpus_per_proc}
+
+        self._check_cluster_can_hold()
+        self.placement_groups: list[PlacementGroup] = [
+            placement_group([dict(self.bundle)] * procs_per_node, strategy="STRICT_PACK")
+            for _ in range(nnodes)
+        ]
+        self._wait_until_placed(timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.procs_per_node
+
+    def bundles(self) -> list[tuple[PlacementGroup, int]]:
+        """(placement group, bundle index) of every rank, in rank order."""
+        return [(group, index) for group in self.placement_groups for index in range(self.procs_per_node)]
+
+    def remove(self) -> None:
+        """Free the reserved resources (kill the actors placed on them first)."""
+        for group in self.placement_groups:
+            remove_placement_group(group)
+        self.placement_groups = []
+
+    def _request_text(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU"
+        return (
+            f"asked for {self.world_size} {kind} bundles {self.bundle} ({self.nnodes} node(s) × "
+            f"{self.procs_per_node} processes, each node's bundles on one machine)"
+        )
+
+    def _check_cluster_can_hold(self) -> None:
+        alive = [node["Resources"] for node in ray.nodes() if node.get("Alive", True)]
+        if nodes_that_fit(alive, self.bundle, self.procs_per_node) >= self.nnodes:
+            return
+        per_node = "; ".join(_describe(resources) for resources in alive) or "no alive nodes"
+        raise ResourcePoolError(
+            f"ResourcePool {self._request_text()}, but the Ray cluster cannot hold them: its nodes have "
+            f"[{per_node}]. Use fewer processes per node or nodes, lower the CPUs per process, or add "
+            "machines with `ray start --address=<head>:6379` (for a local cluster: raise ray num_cpus)."
+        )
+
+    def _wait_until_placed(self, timeout_s: float) -> None:
+        ready_refs = [group.ready() for group in self.placement_groups]
+        ready, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=timeout_s)
+        if len(ready) == len(ready_refs):
+            return
+        self.remove()
+        raise ResourcePoolError(
+            f"ResourcePool {self._request_text()}: only {len(ready)} of {self.nnodes} node groups were "
+            f"placed within {timeout_s:g} s. The cluster has {_describe(ray.cluster_resources())} in total "
+            f"but only {_describe(ray.available_resources())} free; another run or worker group holds the "
+            "rest. Free it (shut down the other group) or wait for it to finish."
+        )
+
+
+def _describe(resources: dict[str, float]) -> str:
+    """`{"CPU": 4.0, "GPU": 8.0, "memory": ...}` → `"4 CPU, 8 GPU"` (only the resources bundles use)."""
+    parts = [f"{resources.get(key, 0.0):g} {key}" for key in ("CPU", "GPU")]
+    return ", ".join(parts)

@@ -1,0 +1,429 @@
+"""`RayWorkerGroup`: one Ray actor per bundle of a `ResourcePool`, each a rank of one torch.distributed group.
+
+Start-up handshake (composition: the worker class inherits nothing and never sees Ray):
+
+1. one `_WorkerHost` actor starts per bundle and reports its node IP, node id and GPU ids;
+2. rank 0's host picks a free port on its own node → `MASTER_ADDR`, `MASTER_PORT`;
+3. every host sets the torchrun variables `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+   `MASTER_ADDR`, `MASTER_PORT` (and on GPU `CUDA_VISIBLE_DEVICES`, see `distributed_env`) in its
+   environment, then builds `worker_cls(*args, **kwargs)`. Its `__init__` may call
+   `torch.distributed.init_process_group(backend)`, whose default `env://` reads those variables.
+
+Afterwards `call` / `dispatch` run `getattr(worker, method)(...)` on every host.
+
+Fail fast: results are collected with `ray.wait`, so the first rank that raises or dies ends the call with
+a `WorkerGroupError` naming the rank, the method and the remote traceback, even while the other ranks are
+blocked in a collective waiting for it. The group then kills its actors (a broken collective cannot be
+recovered) and refuses further calls; `shutdown()` still frees the placement groups.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mmrl.single_controller.resource_pool import ResourcePool
+
+if TYPE_CHECKING:
+    # Every worker process imports this module for `_WorkerHost`; importing torch (via DataProto) only where
+    # it is used lets workers that need no torch (reward scorers, tests) start in ~2 s instead of ~6 s.
+    from mmrl.protocol import DataProto
+
+__all__ = ["RayWorkerGroup", "WorkerGroupError", "distributed_env", "merge_dp_outputs"]
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank raised, died or timed out. `rank` and `method` name the first failure; the message holds
+    the remote traceback. The worker group is shut down when this is raised."""
+
+    def __init__(self, message: str, rank: int | None = None, method: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+
+
+class _WorkerHost:
+    """The Ray actor behind one rank: sets up the rank's environment, then holds and runs the worker."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._worker: Any = None
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with its repr: `(actor_rank1 pid=...)`.
+        return self._label
+
+    def node_info(self) -> tuple[str, str, list[str]]:
+        """(node IP, Ray node id, GPU ids Ray assigned to this actor)."""
+        context = ray.get_runtime_context()
+        gpu_ids = [str(gpu) for gpu in context.get_accelerator_ids().get("GPU", [])]
+        return ray.util.get_node_ip_address(), context.get_node_id(), gpu_ids
+
+    def free_port(self) -> int:
+        """A TCP port free on this node now (the OS picks it; torch binds it moments later)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def start(self, env: dict[str, str], worker_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
+        os.environ.update(env)
+        self._worker = worker_cls(*args, **kwargs)
+
+    def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._worker, method)(*args, **kwargs)
+
+
+def distributed_env(
+    node_ids: Sequence[str], gpu_ids: Sequence[str | None], master_addr: str, master_port: int
+) -> list[dict[str, str]]:
+    """The torchrun environment of each rank, given where each rank landed.
+
+    `node_ids[r]` is the node of rank r and `gpu_ids[r]` its GPU (None on CPU). `LOCAL_RANK` is r's position
+    among the ranks on its node, in rank order. On GPU every rank of a node sees all of that node's GPUs of
+    the group, listed in local-rank order, so rank r's device is `cuda:LOCAL_RANK` as under torchrun (Ray
+    would show each actor only its own GPU as cuda:0; Ray Train shares them the same way, for NCCL P2P and
+    CUDA IPC between ranks of a node).
+    """
+    ranks_on_node: dict[str, list[int]] = {}
+    for rank, node_id in enumerate(node_ids):
+        ranks_on_node.setdefault(node_id, []).append(rank)
+    envs = []
+    for rank, node_id in enumerate(node_ids):
+        peers = ranks_on_node[node_id]
+        env = {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(node_ids)),
+            "LOCAL_RANK": str(peers.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(peers)),
+        }
+        if gpu_ids[rank] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu_ids[peer]) for peer in peers)
+        envs.append(env)
+    return envs
+
+
+def merge_dp_outputs(
+    outputs: Sequence[Any], dp_rank_of: Sequence[int], chunk_len: int, pad_size: int, method: str
+) -> DataProto:
+    """Join the DataProtos returned by `dispatch` into one, in data-parallel order, without the padding.
+
+    `outputs[r]` is rank r's result for chunk `dp_rank_of[r]` of `chunk_len` rows; ranks sharing a dp rank
+    (a sequence-parallel group) return the same rows, so the first of them is kept. A result may hold k rows
+    per input row (k equal for all ranks, e.g. n responses per prompt, repeated in place), so the padding
+    is the last `pad_size * k` rows. `meta_info["metrics"]` of every rank (a dict of scalars or lists) is
+    merged into one dict of lists, in rank order.
+    """
+    from mmrl.protocol import DataProto
+
+    metrics: dict[str, list[Any]] = {}
+    for rank, output in enumerate(outputs):
+        if not isinstance(output, DataProto):
+            raise TypeError(
+                f"dispatch({method!r}): rank {rank} returned {type(output).__name__}; dispatched methods must "
+                "return a DataProto (use `call` for other results)."
+            )
+        for name, value in output.meta_info.get("metrics", {}).items():
+            metrics.setdefault(name, []).extend(value if isinstance(value, (list, tuple)) else [value])
+
+    first_rank_of_dp: dict[int, int] = {}
+    for rank, dp_rank in enumerate(dp_rank_of):
+        first_rank_of_dp.setdefault(dp_rank, rank)
+    shards = [outputs[first_rank_of_dp[dp_rank]] for dp_rank in sorted(first_rank_of_dp)]
+
+    rows_per_input = len(shards[0]) // chunk_len if chunk_len else 1
+    lengths = [len(shard) for shard in shards]
+    if any(length != rows_per_input * chunk_len for length in lengths):
+        raise ValueError(
+            f"dispatch({method!r}): each dp rank got {chunk_len} rows but returned {lengths} rows; results "
+            "must hold the same whole number of rows per input row on every rank."
+        )
+    without_metrics = [
+        DataProto(
+            batch=shard.batch,
+            non_tensor_batch=shard.non_tensor_batch,
+            meta_info={key: value for key, value in shard.meta_info.items() if key != "metrics"},
+        )
+        for shard in shards
+    ]
+    try:
+        merged = DataProto.concat(without_metrics).unpad(pad_size * rows_per_input)
+    except ValueError as error:
+        raise ValueError(
+            f"dispatch({method!r}): cannot join the ranks' results: {error} Put per-rank values in "
+            "meta_info['metrics'], which is merged across ranks."
+        ) from error
+    if not metrics:
+        return merged
+    return DataProto(merged.batch, merged.non_tensor_batch, {**merged.meta_info, "metrics": metrics})
+
+
+class RayWorkerGroup:
+    """`resource_pool.world_size` ranks, each a Ray actor holding `worker_cls(*args, **kwargs)`.
+
+    `env` adds environment variables to this group's processes at start (before any import). `timeout_s`
+    bounds every call (None: wait as long as it takes); a call past it stops the group like a failure.
+    `start_timeout_s` bounds each start-up step (process start, then `worker_cls.__init__`, which may load a
+    model); None leaves it to torch's own rendezvous timeout.
+    Keyword arguments are forwarded to the worker's method, except those named in a method's signature here
+    (`dp_size`, `dp_rank_of` for `dispatch`). If a rank fails while the group starts, the constructor raises
+    `WorkerGroupError` after killing the actors; the pool stays reserved until `resource_pool.remove()`.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type,
+        resource_pool: ResourcePool,
+        *,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        name_prefix: str = "worker",
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        start_timeout_s: float | None = None,
+    ) -> None:
+        self.worker_cls = worker_cls
+        self.resource_pool = resource_pool
+        self.name_prefix = name_prefix
+        self.timeout_s = timeout_s
+        self._failure: str | None = None
+        self._async_labels: dict[ray.ObjectRef, tuple[int, str]] = {}
+        self._hosts = self._create_hosts(env or {})
+
+        node_infos = self._collect(
+            [host.node_info.remote() for host in self._hosts], "node_info", timeout_s=start_timeout_s
+        )
+        master_port = self._collect(
+            [self._hosts[0].free_port.remote()], "free_port", ranks=[0], timeout_s=start_timeout_s
+        )[0]
+        gpu_ids = [gpus[0] if resource_pool.use_gpu else None for _, _, gpus in node_infos]
+        envs = distributed_env(
+            node_ids=[node_id for _, node_id, _ in node_infos],
+            gpu_ids=gpu_ids,
+            master_addr=node_infos[0][0],
+            master_port=master_port,
+        )
+        shared_cls, shared_args, shared_kwargs = (
+            ray.put(value) for value in (worker_cls, args, kwargs or {})
+        )
+        start_refs = [
+            host.start.remote(env, shared_cls, shared_args, shared_kwargs)
+            for host, env in zip(self._hosts, envs)
+        ]
+        self._collect(start_refs, "__init__", timeout_s=start_timeout_s)
+
+    def _create_hosts(self, env: dict[str, str]) -> list[Any]:
+        pool = self.resource_pool
+        remote_host = ray.remote(_WorkerHost)
+        hosts = []
+        for rank, (placement_group, bundle_index) in enumerate(pool.bundles()):
+            options: dict[str, Any] = {
+                "num_cpus": pool.cpus_per_proc,
+                "num_gpus": 1 if pool.use_gpu else 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle_index
+                ),
+            }
+            if env:
+                options["runtime_env"] = {"env_vars": {key: str(value) for key, value in env.items()}}
+            hosts.append(remote_host.options(**options).remote(self._label(rank)))
+        return hosts
+
+    @property
+    def world_size(self) -> int:
+        return self.resource_pool.world_size
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `worker.method(*args, **kwargs)` on every rank; the results in rank order."""
+        return self.collect(self.call_async(method, *args, **kwargs))
+
+    def call_rank(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run `worker.method(*args, **kwargs)` on one rank only and return its result."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"{self.name_prefix}: rank {rank} is not in [0, {self.world_size}).")
+        self._check_callable(method)
+        ref = self._hosts[rank].execute.remote(method, *args, **kwargs)
+        return self._collect([ref], method, ranks=[rank], timeout_s=self.timeout_s)[0]
+
+    def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Start `worker.method(*args, **kwargs)` on every rank; pass the refs to `collect` for the results.
+
+        Arguments are put in the object store once and shared by all ranks.
+        """
+        self._check_callable(method)
+        shared_args = [_share(value) for value in args]
+        shared_kwargs = {key: _share(value) for key, value in kwargs.items()}
+        refs = [host.execute.remote(method, *shared_args, **shared_kwargs) for host in self._hosts]
+        self._async_labels.update({ref: (rank, method) for rank, ref in enumerate(refs)})
+        return refs
+
+    def collect(self, refs: Sequence[ray.ObjectRef], timeout_s: float | None = None) -> list[Any]:
+        """Results of `call_async` refs in order, failing fast (see module doc). `timeout_s` overrides the
+        group's."""
+        labels = [self._async_labels.pop(ref, (-1, "?")) for ref in refs]
+        method = labels[0][1] if labels else "?"
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._collect(list(refs), method, ranks=[rank for rank, _ in labels], timeout_s=timeout_s)
+
+    def dispatch(
+        self,
+        method: str,
+        data: DataProto,
+        /,
+        *args: Any,
+        dp_size: int | None = None,
+        dp_rank_of: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> DataProto:
+        """Split `data` over the data-parallel ranks, run `worker.method(chunk, *args, **kwargs)`, join.
+
+        `data` is padded (`pad_to_divisor`) to a multiple of `dp_size` and cut into `dp_size` chunks; rank r
+        gets chunk `dp_rank_of[r]`. By default `dp_size = world_size` and, for a smaller `dp_size`, ranks
+        form consecutive sequence-parallel groups of `world_size // dp_size` (a `(dp, sp)` device mesh:
+        `dp_rank_of[r] = r // sp_size`). Results are joined by `merge_dp_outputs`: B rows in the input order.
+        """
+        self._check_callable(method)
+        dp_rank_of = self._dp_rank_of(dp_size, dp_rank_of)
+        num_chunks = max(dp_rank_of) + 1
+        padded, pad_size = data.pad_to_divisor(num_chunks)
+        chunk_refs = [ray.put(chunk) for chunk in padded.chunk(num_chunks)]
+        shared_args = [_share(value) for value in args]
+        shared_kwargs = {key: _share(value) for key, value in kwargs.items()}
+        refs = [
+            host.execute.remote(method, chunk_refs[dp_rank_of[rank]], *shared_args, **shared_kwargs)
+            for rank, host in enumerate(self._hosts)
+        ]
+        outputs = self._collect(refs, method, timeout_s=self.timeout_s)
+        return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, method)
+
+    def _dp_rank_of(self, dp_size: int | None, dp_rank_of: Sequence[int] | None) -> list[int]:
+        world_size = self.world_size
+        if dp_rank_of is None:
+            dp_size = world_size if dp_size is None else dp_size
+            if dp_size < 1 or world_size % dp_size != 0:
+                raise ValueError(
+                    f"dispatch: dp_size={dp_size} must divide the world size {world_size} (each dp rank's "
+                    "sequence-parallel group has world_size // dp_size ranks)."
+                )
+            return [rank // (world_size // dp_size) for rank in range(world_size)]
+        dp_rank_of = list(dp_rank_of)
+        expected = set(range(max(dp_rank_of, default=-1) + 1))
+        if len(dp_rank_of) != world_size or set(dp_rank_of) != expected:
+            raise ValueError(
+                f"dispatch: dp_rank_of must give each of the {world_size} ranks a dp rank, using every dp rank "
+                f"0..n-1 at least once; got {dp_rank_of}."
+            )
+        if dp_size is not None and dp_size != len(expected):
+            raise ValueError(f"dispatch: dp_size={dp_size} but dp_rank_of uses {len(expected)} dp ranks.")
+        return dp_rank_of
+
+    # ------------------------------------------------------------------ failures and shutdown
+
+    def _collect(
+        self,
+        refs: list[ray.ObjectRef],
+        method: str,
+        ranks: Sequence[int] | None = None,
+        *,
+        timeout_s: float | None,
+    ) -> list[Any]:
+        """`ray.get` of every ref, in order, raising `WorkerGroupError` at the first failure (no waiting for
+        the other ranks) or when `timeout_s` (None: no limit) runs out."""
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        position = {ref: index for index, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = sorted(ranks[position[ref]] for ref in pending)
+                self._abort(f"ranks {late} did not finish {method!r} within {timeout_s:g} s")
+                raise WorkerGroupError(
+                    f"{self.name_prefix}: ranks {late} did not finish {method!r} within {timeout_s:g} s "
+                    "(a hang in a collective, or a timeout too short for the work); the worker group was "
+                    "shut down.",
+                    rank=late[0],
+                    method=method,
+                )
+            for ref in ready:
+                index = position[ref]
+                try:
+                    results[index] = ray.get(ref)
+                except RayError as error:
+                    message = self._failure_message(ranks[index], method, error)
+                    self._abort(message)
+                    raise WorkerGroupError(message, rank=ranks[index], method=method) from None
+        return results
+
+    def _failure_message(self, rank: int, method: str, error: RayError) -> str:
+        if isinstance(error, RayTaskError):
+            what = "raised an exception"
+        elif isinstance(error, RayActorError):
+            what = "lost its process (a crash, os._exit, a signal or the OOM killer)"
+        else:
+            what = f"failed ({type(error).__name__})"
+        remote_text = _ANSI_ESCAPE.sub("", str(error)).strip()
+        return (
+            f"{self._label(rank)} (rank {rank} of {self.world_size}) {what} in {method!r}; the other ranks "
+            f"were stopped and the worker group shut down.\n--- remote error ---\n{remote_text}"
+        )
+
+    def _abort(self, reason: str) -> None:
+        """Kill every actor, so no rank stays blocked in a collective waiting for a failed peer."""
+        self._failure = reason
+        for host in self._hosts:
+            ray.kill(host, no_restart=True)
+        self._hosts = []
+        self._async_labels.clear()
+
+    def _check_callable(self, method: str) -> None:
+        if not self._hosts:
+            reason = (self._failure or "no reason recorded").splitlines()[0]
+            raise WorkerGroupError(
+                f"{self.name_prefix}: the worker group is shut down ({reason}).", method=method
+            )
+        if not callable(getattr(self.worker_cls, method, None)):
+            public = sorted(
+                name
+                for name in dir(self.worker_cls)
+                if not name.startswith("_") and callable(getattr(self.worker_cls, name))
+            )
+            raise AttributeError(
+                f"{self.name_prefix}: {self.worker_cls.__name__} has no method {method!r}; it has {public}."
+            )
+
+    def _label(self, rank: int) -> str:
+        return f"{self.name_prefix}_rank{rank}"
+
+    def shutdown(self, remove_placement_groups: bool = True) -> None:
+        """Kill the actors and (unless another group shares the pool) free the placement groups."""
+        if self._hosts:
+            self._abort("shutdown() was called")
+        if remove_placement_groups:
+            self.resource_pool.remove()
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _share(value: Any) -> Any:
+    """Put an argument in the object store once, so N ranks read one copy instead of N serialized ones."""
+    return value if isinstance(value, ray.ObjectRef) else ray.put(value)

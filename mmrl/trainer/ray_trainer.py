@@ -1,0 +1,418 @@
+"""The driver: one process holding the algorithm, steering Ray worker groups that hold the models.
+
+``RayPPOTrainer.fit`` reads as the algorithm: rollout → reward → log-probs → advantages → update →
+log → checkpoint. Every phase is a named method; the models live in the workers
+(``mmrl.workers.fsdp_workers``) and the maths in ``mmrl.trainer.core_algos``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.checkpoint.tracker import (
+    CheckpointLayout,
+    find_last_checkpoint,
+    load_trainer_state,
+    save_trainer_state,
+)
+from mmrl.data.collate import collate_prompts
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.loader import PromptLoader
+from mmrl.logging import build_loggers
+from mmrl.protocol import DataProto
+from mmrl.trainer import core_algos
+from mmrl.trainer.config import PPOConfig
+from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
+
+logger = logging.getLogger(__name__)
+
+VAL_METRIC = "val/reward/overall"  # the checkpoint tracker's "best" follows this
+
+
+def load_tokenizer_and_processor(model_path: str, trust_remote_code: bool = False) -> tuple[Any, Any | None]:
+    """The model's tokenizer, and its multimodal processor (None for text-only models)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        processor = None
+    if processor is not None and not hasattr(processor, "image_processor"):
+        processor = None  # a text model's "processor" is its tokenizer
+    return tokenizer, processor
+
+
+def build_dataset(config: PPOConfig, files: str, tokenizer: Any, processor: Any) -> PromptDataset:
+    data = config.data
+    return PromptDataset(
+        files,
+        tokenizer,
+        processor,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        image_key=data.image_key,
+        video_key=data.video_key,
+        audio_key=data.audio_key,
+        media_dir=data.media_dir,
+        format_prompt=data.format_prompt,
+        system_prompt=data.system_prompt,
+        max_prompt_length=data.max_prompt_length,
+        min_pixels=data.min_pixels,
+        max_pixels=data.max_pixels,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+    )
+
+
+def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
+    steps = config.trainer.total_epochs * batches_per_epoch
+    return min(steps, config.trainer.max_steps) if config.trainer.max_steps else steps
+
+
+def local_cluster_cpus(config: PPOConfig) -> int:
+    """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
+    workers size their own thread pools; Ray's CPU count only gates scheduling)."""
+    workers = config.trainer.world_size * (2 if config.use_critic else 1)
+    rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
+    return max(os.cpu_count() or 1, int(workers + rewards + 1))
+
+
+class RayPPOTrainer:
+    """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
+
+    def __init__(self, config: PPOConfig):
+        from mmrl.single_controller import RayWorkerGroup, ResourcePool
+        from mmrl.workers.fsdp_workers import CriticWorker, HybridWorker
+        from mmrl.workers.reward_worker import RewardWorkers
+
+        self.config = config
+        model = config.worker.actor.model
+        self.tokenizer, processor = load_tokenizer_and_processor(
+            model.tokenizer_or_model_path, model.trust_remote_code
+        )
+        data = config.data
+        train_set = build_dataset(config, data.train_files, self.tokenizer, processor)
+        collate = self._collate
+        self.train_loader = PromptLoader(train_set, data.rollout_batch_size, collate, data.shuffle, data.seed)
+        self.val_loader = None
+        if data.val_files:
+            val_set = build_dataset(config, data.val_files, self.tokenizer, processor)
+            val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
+            self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
+        self.total_steps = total_training_steps(config, len(self.train_loader))
+        self.filtered_prompts = train_set.num_filtered
+
+        use_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
+        trainer = config.trainer
+        pool = ResourcePool(
+            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+        )
+        worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
+        self.actor = RayWorkerGroup(HybridWorker, pool, kwargs=worker_kwargs, name_prefix="actor")
+        self.critic = None
+        if config.use_critic:
+            critic_pool = ResourcePool(
+                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+            )
+            self.critic = RayWorkerGroup(
+                CriticWorker, critic_pool, kwargs=worker_kwargs, name_prefix="critic"
+            )
+        reward = config.worker.reward
+        self.rewards = RewardWorkers(
+            reward.num_workers,
+            reward.num_cpus,
+            reward.timeout_s,
+            tokenizer_path=model.tokenizer_or_model_path,
+            reward_function=reward.reward_function,
+            reward_function_kwargs=dict(reward.reward_function_kwargs),
+            reward_type=reward.reward_type,
+            skip_special_tokens=reward.skip_special_tokens,
+        )
+        algo = config.algorithm
+        if algo.kl_type == "adaptive":
+            self.kl_ctrl = core_algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        else:
+            self.kl_ctrl = core_algos.FixedKLController(algo.kl_coef)
+        self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
+        self.global_step = 0
+        self.tracker = None
+
+    def _collate(self, items: list[dict[str, Any]]) -> DataProto:
+        return collate_prompts(items, self.tokenizer.pad_token_id)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train to ``total_steps``; returns the last step's metrics."""
+        self.resume()
+        self.tracker = self._build_tracker()
+        last_metrics: dict[str, float] = {}
+        if self.val_loader is not None and self.config.trainer.val_before_train:
+            last_metrics = self.validate()
+            self.tracker.log(last_metrics, self.global_step)
+        if self.config.trainer.val_only:
+            return last_metrics
+        batches = self._training_batches()
+        while self.global_step < self.total_steps:
+            metrics = self.train_step(next(batches))
+            self.global_step += 1
+            if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
+                metrics.update(self.validate() if self.val_loader is not None else {})
+            self.tracker.log(metrics, self.global_step)
+            if self._due(self.config.trainer.save_freq) or self.global_step == self.total_steps:
+                self.save_checkpoint(metrics.get(VAL_METRIC))
+            last_metrics = metrics
+        return last_metrics
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """One PPO step on a batch of prompts; returns its metrics."""
+        timings: dict[str, float] = {}
+        batch.meta_info["global_step"] = self.global_step
+        with timer("step", timings):
+            with timer("gen", timings):
+                batch = self.actor.dispatch("generate", batch)
+            pending_rewards = self.rewards.launch(batch)  # scored in the background
+            with timer("old_log_prob", timings):
+                batch = batch.union(self.actor.dispatch("compute_log_probs", batch))
+            if self.config.algorithm.use_reference:
+                with timer("ref_log_prob", timings):
+                    batch = batch.union(self.actor.dispatch("compute_ref_log_probs", batch))
+            if self.critic is not None:
+                with timer("values", timings):
+                    batch = batch.union(self.critic.dispatch("compute_values", batch))
+            with timer("reward", timings):
+                batch = batch.union(
+                    self.rewards.collect(pending_rewards).select(
+                        batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"]
+                    )
+                )
+                if self.config.algorithm.adv_estimator == "remax":
+                    batch = batch.union(self._greedy_baselines(batch))
+            with timer("adv", timings):
+                batch, kl_metrics = self.compute_advantages(batch)
+            update_metrics = self.update_models(batch, timings)
+        return {
+            **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
+            **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
+            **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
+            **kl_metrics,
+            **update_metrics,
+            "actor/entropy_rollout": float(
+                core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
+            ),
+            **self._rollout_gap(batch),
+        }
+
+    # ---- phases ---------------------------------------------------------------------------------
+
+    def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        algo, tensors = self.config.algorithm, batch.batch
+        metrics: dict[str, float] = {}
+        rewards = tensors["token_level_scores"]
+        if algo.use_reference and not algo.use_kl_loss:
+            rewards, mean_kl = core_algos.apply_kl_penalty(
+                rewards,
+                tensors["old_log_probs"],
+                tensors["ref_log_probs"],
+                tensors["response_mask"],
+                self.kl_ctrl.value,
+                algo.kl_penalty,
+            )
+            metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
+            self.kl_ctrl.update(float(mean_kl), n_steps=len(batch))
+        estimator = core_algos.get_adv_estimator(algo.adv_estimator)
+        advantages, returns = estimator(
+            rewards,
+            tensors["response_mask"],
+            index=batch.non_tensor_batch["uid"],
+            values=tensors["values"] if "values" in tensors.keys() else None,
+            reward_baselines=tensors["reward_baselines"] if "reward_baselines" in tensors.keys() else None,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std,
+        )
+        added = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
+        return batch.union(DataProto.from_dict(tensors=added)), metrics
+
+    def update_models(self, batch: DataProto, timings: dict[str, float]) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer("update_critic", timings):
+                metrics.update(self._worker_metrics(self.critic.dispatch("update_critic", batch)))
+        if self.global_step >= self.config.trainer.critic_warmup:
+            with timer("update_actor", timings):  # includes pushing the new weights into the rollout
+                metrics.update(self._worker_metrics(self.actor.dispatch("update_actor", batch)))
+        return metrics
+
+    def _greedy_baselines(self, batch: DataProto) -> DataProto:
+        """ReMax: the reward of each prompt's greedy response, broadcast to its n samples by uid."""
+        uids = batch.non_tensor_batch["uid"]
+        first_rows = sorted({uid: row for row, uid in reversed(list(enumerate(uids)))}.values())
+        prompts = batch[first_rows].select(
+            batch_keys=["input_ids", "attention_mask"]
+            + (["mm_token_type_ids"] if "mm_token_type_ids" in batch.batch.keys() else [])
+        )
+        prompts = DataProto.from_dict(
+            tensors={k: v[:, : batch.batch["prompts"].shape[-1]] for k, v in prompts.batch.items()},
+            non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
+            meta_info={"global_step": self.global_step, "sampling_override": {"n": 1, "temperature": 0.0}},
+        )
+        greedy = self.actor.dispatch("generate", prompts)
+        scores = self.rewards.collect(self.rewards.launch(greedy)).batch["token_level_scores"].sum(-1)
+        baseline_of = dict(zip(greedy.non_tensor_batch["uid"], scores.tolist()))
+        baselines = torch.tensor([baseline_of[uid] for uid in uids], dtype=torch.float32)
+        return DataProto.from_dict(tensors={"reward_baselines": baselines})
+
+    def validate(self) -> dict[str, float]:
+        """Generate for every validation prompt (validation sampling) and score; means per data source."""
+        scores, sources, samples = [], [], []
+        for batch in self._validation_batches():
+            batch.meta_info.update(validate=True, global_step=self.global_step)
+            output = self.actor.dispatch("generate", batch)
+            scored = self.rewards.collect(self.rewards.launch(output))
+            scores.extend(scored.non_tensor_batch["reward_scores"])
+            sources.extend(
+                output.non_tensor_batch.get("data_source", np.full(len(output), "data", dtype=object))
+            )
+            samples.extend(self._generation_samples(output, scored))
+        metrics = {f"val/{key}": value for key, value in reduce_reward_metrics(scores).items()}
+        for source in sorted(set(sources)):
+            picked = [score["overall"] for score, s in zip(scores, sources) if s == source]
+            metrics[f"val/{source}/overall"] = float(np.mean(picked))
+        if self.config.trainer.val_generations_to_log and self.tracker is not None:
+            self.tracker.log_generations(
+                samples[: self.config.trainer.val_generations_to_log], self.global_step
+            )
+        return metrics
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, val_metric: float | None = None) -> None:
+        tmp_dir = str(self.checkpoints.begin(self.global_step))
+        self.actor.call("save_checkpoint", tmp_dir)
+        parts = ["actor", "trainer_state.json"]
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", tmp_dir)
+            parts.append("critic")
+        state = {
+            "global_step": self.global_step,
+            "loader": self.train_loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+        }
+        save_trainer_state(tmp_dir, state)
+        self.checkpoints.commit(self.global_step, parts, metric=val_metric, metric_name=VAL_METRIC)
+
+    def resume(self) -> None:
+        trainer = self.config.trainer
+        path = trainer.load_checkpoint_path
+        if path is None and trainer.find_last_checkpoint:
+            path = find_last_checkpoint(trainer.checkpoint_dir)
+        if path is None:
+            return
+        logger.warning("resuming from %s", path)
+        self.actor.call("load_checkpoint", str(path))
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", str(path))
+        state = load_trainer_state(path)
+        self.global_step = state["global_step"]
+        self.train_loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _build_tracker(self):
+        trainer = self.config.trainer
+        log_dir = os.path.join(trainer.checkpoint_dir, "logs")
+        return build_loggers(
+            trainer.logger,
+            trainer.project_name,
+            trainer.experiment_name,
+            log_dir,
+            asdict(self.config),
+            self.total_steps,
+            start_step=self.global_step,
+        )
+
+    def _training_batches(self) -> Iterator[DataProto]:
+        while True:
+            yield from self.train_loader
+
+    def _validation_batches(self) -> Iterator[DataProto]:
+        self.val_loader.load_state_dict({"epoch": 0, "batch_index": 0})
+        yield from self.val_loader
+
+    def _due(self, frequency: int) -> bool:
+        return frequency > 0 and self.global_step % frequency == 0
+
+    @staticmethod
+    def _worker_metrics(output: DataProto) -> dict[str, float]:
+        return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
+
+    @staticmethod
+    def _token_counts(batch: DataProto) -> dict[str, int]:
+        response_tokens = int(batch.batch["response_mask"].sum())
+        all_tokens = int(batch.batch["attention_mask"].sum())
+        return {
+            "gen": response_tokens,
+            "step": all_tokens,
+            "update_actor": all_tokens,
+            "old_log_prob": all_tokens,
+        }
+
+    @staticmethod
+    def _rollout_gap(batch: DataProto) -> dict[str, float]:
+        """|rollout − trainer| log-prob gap of the sampled tokens: the two engines should agree."""
+        if "rollout_log_probs" not in batch.batch.keys():
+            return {}
+        mask = batch.batch["response_mask"].bool()
+        gap = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+        return {"rollout/log_prob_gap_mean": float(gap.mean()), "rollout/log_prob_gap_max": float(gap.max())}
+
+    def _generation_samples(self, output: DataProto, scored: DataProto) -> list[dict[str, Any]]:
+        prompts = self.tokenizer.batch_decode(output.batch["prompts"], skip_special_tokens=True)
+        truths = output.non_tensor_batch.get("ground_truth", [None] * len(output))
+        return [
+            {"prompt": prompt, "response": response, "ground_truth": truth, "score": score["overall"]}
+            for prompt, response, truth, score in zip(
+                prompts,
+                scored.non_tensor_batch["response_text"],
+                truths,
+                scored.non_tensor_batch["reward_scores"],
+            )
+        ]
+
+    def shutdown(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish()
+        self.rewards.shutdown()
+
+
+def run(config: PPOConfig) -> int:
+    """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    from mmrl.single_controller import WorkerGroupError, init_ray
+
+    ray_cfg = config.trainer.ray
+    init_ray(
+        address=ray_cfg.address,
+        num_cpus=ray_cfg.num_cpus or local_cluster_cpus(config),
+        include_dashboard=ray_cfg.include_dashboard,
+        object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
+    )
+    trainer = RayPPOTrainer(config)
+    try:
+        trainer.fit()
+    except (WorkerGroupError, RewardFunctionError) as err:
+        print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        trainer.shutdown()
+    return 0

@@ -1,0 +1,216 @@
+"""The policy: log-probabilities of responses, and the PPO-style update (PPO, GSPO, CISPO losses).
+
+Batch keys (see the engine contract): ``input_ids``/``attention_mask`` [B, P + R], ``responses`` and
+``response_mask`` [B, R], optional ``mm_token_type_ids`` [B, P + R] and the object column
+``multi_modal_inputs``; the update also reads ``old_log_probs`` and ``advantages`` (and
+``ref_log_probs`` with the KL loss), all [B, R].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmrl.models.inputs import response_head_outputs
+from mmrl.protocol import DataProto
+from mmrl.trainer.core_algos import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    entropy_from_logits,
+    get_kl_estimator,
+    get_policy_loss,
+    kl_penalty,
+    log_probs_from_logits,
+    masked_sum,
+)
+from mmrl.workers.fsdp_engine import train_on_batch
+
+FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids",)
+MEDIA_COLUMN = "multi_modal_inputs"
+
+
+def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataProto:
+    """The columns a forward pass needs (plus ``extra_keys``), so micro-batches move nothing else."""
+    batch_keys = [*FORWARD_KEYS, *extra_keys]
+    batch_keys += [key for key in OPTIONAL_FORWARD_KEYS if key in data.batch.keys()]
+    missing = [key for key in batch_keys if key not in data.batch.keys()]
+    if missing:
+        raise KeyError(f"the batch lacks {missing}; it has {sorted(data.batch.keys())}")
+    media = [MEDIA_COLUMN] if MEDIA_COLUMN in data.non_tensor_batch else []
+    return data.select(batch_keys=batch_keys, non_tensor_keys=media, meta_info_keys=[])
+
+
+def micro_batch_head_outputs(module: nn.Module, micro_batch: DataProto) -> torch.Tensor:
+    """The model's head outputs at the positions predicting each response token: [b, R, D]."""
+    batch = micro_batch.batch
+    media = micro_batch.non_tensor_batch.get(MEDIA_COLUMN)
+    return response_head_outputs(
+        module,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["responses"].shape[-1],
+        None if media is None else list(media),
+        batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
+    )
+
+
+class PolicyActor:
+    """A policy model with its optimizer and scheduler, and the loss settings of its update.
+
+    Without an optimizer it only scores responses (the reference policy). ``dp_group`` is the group
+    FSDP averages gradients over (None: the default group, or a single process).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dp_group: dist.ProcessGroup | None = None,
+        loss_type: str = "ppo",
+        loss_avg_mode: str = "token_mean",
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.3,
+        clip_ratio_dual: float | None = None,
+        entropy_coeff: float = 0.0,
+        use_kl_loss: bool = False,
+        kl_penalty: str = "low_var_kl",
+        kl_coef: float = 0.0,
+        max_grad_norm: float = 1.0,
+        max_response_length: int | None = None,
+    ):
+        if loss_avg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_avg_mode {loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
+        self.policy_loss_fn = get_policy_loss(loss_type)
+        if use_kl_loss:
+            get_kl_estimator(kl_penalty)  # fail at construction, not in the middle of the first update
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.device = torch.device(device)
+        self.dp_group = dp_group
+        self.loss_type = loss_type
+        self.loss_avg_mode = loss_avg_mode
+        self.clip_ratio_low = clip_ratio_low
+        self.clip_ratio_high = clip_ratio_high
+        self.clip_ratio_dual = clip_ratio_dual
+        self.entropy_coeff = entropy_coeff
+        self.use_kl_loss = use_kl_loss
+        self.kl_penalty = kl_penalty
+        self.kl_coef = kl_coef
+        self.max_grad_norm = max_grad_norm
+        self.max_response_length = max_response_length
+
+    def _response_logits(self, micro_batch: DataProto, temperature: float) -> torch.Tensor:
+        return micro_batch_head_outputs(self.module, micro_batch) / temperature  # [b, R, V]
+
+    @torch.no_grad()
+    def compute_log_probs(
+        self, data: DataProto, micro_batch_size: int, temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``log softmax(logits / temperature)[responses]`` [B, R] float32 on the CPU, and the entropy
+        of the same distribution [B, R] when ``with_entropy``. Padding positions hold finite junk."""
+        self.module.eval()
+        log_probs, entropies = [], []
+        for micro_batch in forward_columns(data).split(micro_batch_size):
+            micro_batch = micro_batch.to(self.device)
+            logits = self._response_logits(micro_batch, temperature)
+            log_probs.append(log_probs_from_logits(logits, micro_batch.batch["responses"]).float().cpu())
+            if with_entropy:
+                entropies.append(entropy_from_logits(logits.float()).cpu())
+        return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None
+
+    def update_policy(
+        self,
+        data: DataProto,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        ppo_epochs: int,
+        temperature: float,
+    ) -> dict[str, float]:
+        """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
+        advances once per call (one training step). Sizes count this rank's rows.
+
+        Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
+        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means), ``kl_loss``
+        (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``.
+        """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "PolicyActor.update_policy needs an optimizer; this actor only scores (reference)"
+            )
+        extra_keys = ("response_mask", "old_log_probs", "advantages")
+        extra_keys += ("ref_log_probs",) if self.use_kl_loss else ()
+        self.module.train()
+        metrics = train_on_batch(
+            self.module,
+            self.optimizer,
+            forward_columns(data, extra_keys),
+            functools.partial(self._micro_batch_loss, temperature=temperature),
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            epochs=ppo_epochs,
+            max_grad_norm=self.max_grad_norm,
+            device=self.device,
+            group=self.dp_group,
+        )
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return metrics
+
+    def _micro_batch_loss(
+        self, micro_batch: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the mini-batch loss
+        ``pg_loss - entropy_coeff * entropy + kl_coef * kl`` (each aggregated by ``loss_avg_mode``)."""
+        batch = micro_batch.batch
+        response_mask = batch["response_mask"]
+        aggregate = functools.partial(
+            aggregate_loss,
+            mask=response_mask,
+            mode=self.loss_avg_mode,
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs,
+            max_response_length=self.max_response_length,
+        )
+        logits = self._response_logits(micro_batch, temperature)  # [b, R, V]
+        log_probs = log_probs_from_logits(logits, batch["responses"])  # [b, R]
+        pg_loss_mat, diagnostics = self.policy_loss_fn(
+            batch["old_log_probs"],
+            log_probs,
+            batch["advantages"],
+            response_mask,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_dual=self.clip_ratio_dual,
+        )
+        pg_loss = aggregate(pg_loss_mat)
+        loss = pg_loss
+        if self.entropy_coeff != 0.0:
+            entropy = entropy_from_logits(logits.float())
+            loss = loss - self.entropy_coeff * aggregate(entropy)
+        else:  # logged only: no graph through the softmax
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach().float())
+
+        def token_share(values: torch.Tensor) -> torch.Tensor:
+            return masked_sum(values.detach().float(), response_mask) / num_tokens.clamp(min=1.0)
+
+        shares = {
+            "pg_loss": pg_loss.detach(),
+            "pg_clipfrac": token_share(diagnostics["pg_clipfrac"]),
+            "pg_clipfrac_dual": token_share(diagnostics["pg_clipfrac_dual"]),
+            "ppo_kl": token_share(diagnostics["ppo_kl"]),
+            "entropy": token_share(entropy),
+        }
+        if self.use_kl_loss:
+            kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))
+            loss = loss + self.kl_coef * kl_loss
+            shares["kl_loss"] = kl_loss.detach()
+        return loss, shares

@@ -1,0 +1,125 @@
+"""The critic: values of the states before each response token, and the clipped value-loss update.
+
+The module is a model loaded with ``role="critic"`` (``lm_head`` replaced by ``nn.Linear(hidden, 1)``).
+As in verl, the value of response token ``t`` is read at the position that predicts it (the last
+prompt token for ``t = 0``), i.e. it estimates the return of the state before the token is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmrl.protocol import DataProto
+from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss, masked_sum
+from mmrl.workers.actor import forward_columns, micro_batch_head_outputs
+from mmrl.workers.fsdp_engine import train_on_batch
+
+
+class ValueCritic:
+    """A value model with its optimizer and scheduler; ``dp_group`` as in :class:`PolicyActor`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dp_group: dist.ProcessGroup | None = None,
+        max_grad_norm: float = 1.0,
+        max_response_length: int | None = None,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.device = torch.device(device)
+        self.dp_group = dp_group
+        self.max_grad_norm = max_grad_norm
+        self.max_response_length = max_response_length
+
+    def _values(self, micro_batch: DataProto) -> torch.Tensor:
+        return micro_batch_head_outputs(self.module, micro_batch)[..., 0].float()  # [b, R]
+
+    @torch.no_grad()
+    def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
+        """Values [B, R] float32 on the CPU (finite junk on padding; mask them)."""
+        self.module.eval()
+        values = [
+            self._values(micro_batch.to(self.device)).cpu()
+            for micro_batch in forward_columns(data).split(micro_batch_size)
+        ]
+        return torch.cat(values)
+
+    def update_critic(
+        self,
+        data: DataProto,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        ppo_epochs: int,
+        cliprange_value: float,
+        loss_avg_mode: str,
+    ) -> dict[str, float]:
+        """Minimise ``compute_value_loss`` (clipped around the rollout's ``values``, targets
+        ``returns``) aggregated by ``loss_avg_mode``; steps and normalisation as
+        :meth:`PolicyActor.update_policy`. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (token
+        means), ``grad_norm``, ``skipped_steps``, ``lr``."""
+        if self.optimizer is None:
+            raise RuntimeError("ValueCritic.update_critic needs an optimizer")
+        if loss_avg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_avg_mode {loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
+        self.module.train()
+        micro_batch_loss = functools.partial(
+            self._micro_batch_loss, cliprange_value=cliprange_value, loss_avg_mode=loss_avg_mode
+        )
+        metrics = train_on_batch(
+            self.module,
+            self.optimizer,
+            forward_columns(data, ("response_mask", "values", "returns")),
+            micro_batch_loss,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            epochs=ppo_epochs,
+            max_grad_norm=self.max_grad_norm,
+            device=self.device,
+            group=self.dp_group,
+        )
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return metrics
+
+    def _micro_batch_loss(
+        self,
+        micro_batch: DataProto,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+        cliprange_value: float,
+        loss_avg_mode: str,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch = micro_batch.batch
+        response_mask = batch["response_mask"]
+        vpreds = self._values(micro_batch)  # [b, R]
+        loss_mat, diagnostics = compute_value_loss(
+            vpreds, batch["returns"], batch["values"], response_mask, cliprange_value
+        )
+        vf_loss = aggregate_loss(
+            loss_mat,
+            response_mask,
+            loss_avg_mode,
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs,
+            max_response_length=self.max_response_length,
+        )
+
+        def token_share(values: torch.Tensor) -> torch.Tensor:
+            return masked_sum(values.detach().float(), response_mask) / num_tokens.clamp(min=1.0)
+
+        shares = {
+            "vf_loss": vf_loss.detach(),
+            "vf_clipfrac": token_share(diagnostics["vf_clipfrac"]),
+            "vpred_mean": token_share(vpreds),
+        }
+        return vf_loss, shares

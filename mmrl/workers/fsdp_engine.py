@@ -1,0 +1,312 @@
+"""FSDP2 training engine: sharding, mixed precision, offload, optimizer, scheduler, gradient steps.
+
+One code path for CPU (gloo) and GPU (NCCL): the device comes from the mesh, and everything that
+only matters on an accelerator (pinned memory, fused AdamW, moving shards between phases) switches
+itself off on the CPU.
+
+Gradient accounting. FSDP *averages* gradients over the ranks of its mesh. Every loss here is a
+micro-batch's share of the global (mini-batch, all ranks) mean, so the shares are summed by gradient
+accumulation and multiplied by the data-parallel size before ``backward``: the step then equals the
+one computed on the whole mini-batch at once, however it is split over micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from mmrl.models.loading import decoder_layers
+from mmrl.protocol import DataProto
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+SCHEDULER_TYPES = ("constant", "cosine")
+
+# A micro-batch loss: (micro-batch, global valid-token count, global sequence count) ->
+# (its share of the mini-batch loss, {metric name: its share of the metric}).
+MicroBatchLoss = Callable[
+    [DataProto, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``"auto"`` → bf16 on CUDA, fp32 on CPU; ``"bf16"``/``"fp32"`` (or their long names) as named."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place with ``fully_shard``: one unit per decoder layer, the input embedding
+    (when not tied to ``lm_head``), then the root, which holds the rest.
+
+    The vision/audio towers stay in the root unit on purpose. A rank whose micro-batch holds no image
+    never calls the tower, so a separately sharded tower would miss the all-gather and reduce-scatter
+    that the other ranks issue and the job would hang. In the root unit its parameters are gathered
+    with the root's on every rank, and ``set_reduce_scatter_unused_params`` reduces zeros for its
+    unused gradients. (Cost: the towers stay unsharded during the pass, ~1.3 GB in bf16 for the
+    0.67B-parameter Qwen2.5-VL tower.) Parameters are moved to the mesh's device unless offloaded.
+    """
+    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory needs an accelerator; without CUDA pinning fails (ENVIRONMENT.md).
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mixed_precision, offload_policy=offload)
+    for layer in decoder_layers(model):
+        shard(layer, reshard_after_forward=reshard_after_forward)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is not embeddings.weight:
+        shard(embeddings, reshard_after_forward=reshard_after_forward)
+    # None lets FSDP keep the root gathered after forward: backward would gather it again at once.
+    shard(model, reshard_after_forward=None if reshard_after_forward else False)
+    model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each layer's activations in backward (non-reentrant, so it composes with FSDP2)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float] | list[float], weight_decay: float
+) -> torch.optim.AdamW:
+    """AdamW over the parameters that require grad; the fused kernel when they all live on CUDA."""
+    trainable = [param for param in params if param.requires_grad]
+    if not trainable:
+        raise ValueError("build_optimizer: no parameter requires grad; is the whole model frozen?")
+    on_cuda = all(param.device.type == "cuda" for param in trainable)
+    return torch.optim.AdamW(
+        trainable, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=True if on_cuda else None
+    )
+
+
+def lr_factor(
+    step: int, num_training_steps: int, warmup_steps: int, scheduler_type: str, min_lr_ratio: float
+) -> float:
+    """Multiplier of the peak lr at 0-based ``step``.
+
+    Warm-up: ``(step + 1) / warmup_steps`` (the first step already learns). Then ``constant``: 1;
+    ``cosine``: ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2`` with progress
+    ``p = (step - warmup_steps) / (num_training_steps - warmup_steps)``, clamped to [0, 1].
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if scheduler_type == "constant":
+        return 1.0
+    progress = min(max((step - warmup_steps) / max(1, num_training_steps - warmup_steps), 0.0), 1.0)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    num_training_steps: int,
+    warmup_steps: int = 0,
+    scheduler_type: str = "constant",
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
+    """A ``LambdaLR`` following :func:`lr_factor`; its ``state_dict`` round-trips (a partial, no lambda)."""
+    if scheduler_type not in SCHEDULER_TYPES:
+        raise ValueError(f"unknown lr scheduler type {scheduler_type!r}; expected one of {SCHEDULER_TYPES}")
+    factor = functools.partial(
+        lr_factor,
+        num_training_steps=num_training_steps,
+        warmup_steps=warmup_steps,
+        scheduler_type=scheduler_type,
+        min_lr_ratio=min_lr_ratio,
+    )
+    return LambdaLR(optimizer, factor)
+
+
+# ------------------------------------------------------------------ moving state between phases
+
+
+def _first_tensor_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    return next((tensor.device for tensor in tensors), None)
+
+
+def offload_fsdp_params(model: nn.Module) -> None:
+    """Move the (sharded) parameters to host memory; no-op when they already live there.
+
+    Not for models built with ``cpu_offload=True``: FSDP keeps those on the host itself.
+    """
+    device = _first_tensor_device(model.parameters())
+    if device is not None and device.type != "cpu":
+        model.to("cpu")
+
+
+def load_fsdp_params(model: nn.Module, device: torch.device | str) -> None:
+    """Move the (sharded) parameters back to ``device``; no-op on the CPU."""
+    if torch.device(device).type != "cpu":
+        model.to(device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on the host
+                state[key] = value.to(device, non_blocking=True)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer's moment tensors to host memory; no-op when they already live there."""
+    device = _first_tensor_device(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+    if device is not None and device.type != "cpu":
+        _move_optimizer_state(optimizer, "cpu")
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move the optimizer's moment tensors back to ``device``; no-op on the CPU."""
+    if torch.device(device).type != "cpu":
+        _move_optimizer_state(optimizer, device)
+
+
+# ------------------------------------------------------------------ gradient steps
+
+
+def collective_device(tensor: torch.Tensor) -> torch.device:
+    """Where collectives on ``tensor`` run: the mesh's device for a DTensor (host shards included)."""
+    if isinstance(tensor, DTensor) and tensor.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Global L2 norm of all gradients (every rank's shards) and, when it exceeds ``max_norm`` > 0,
+    scale the gradients by ``max_norm / (norm + 1e-6)``.
+
+    A non-finite norm is returned without touching the gradients: the caller skips the step.
+    """
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):  # a partial norm over this rank's shards; reduce over the mesh
+        total = total.to(collective_device(total)).full_tensor()
+    total_norm = float(total)
+    if max_norm > 0 and math.isfinite(total_norm) and total_norm > max_norm:
+        scale = max_norm / (total_norm + 1e-6)
+        for grad in grads:
+            grad.mul_(scale)
+    return total_norm
+
+
+def data_parallel_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (None = default group); 1 without torch.distributed."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place (nothing to do without torch.distributed)."""
+    if data_parallel_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def global_counts(
+    response_mask: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid tokens N, sequences S with at least one valid token) of ``response_mask`` [B, R],
+    summed over the ranks of ``group``: the normalisers of ``core_algos.aggregate_loss``."""
+    tokens_per_row = response_mask.sum(-1).float()  # [B]
+    counts = torch.stack([tokens_per_row.sum(), (tokens_per_row > 0).float().sum()])
+    all_reduce_sum(counts, group)
+    return counts[0], counts[1]
+
+
+def all_reduce_metrics(
+    local_sums: dict[str, torch.Tensor], device: torch.device | str, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Each metric summed over the ranks of ``group``, in one collective (names sorted, so every rank
+    packs them in the same order)."""
+    if not local_sums:
+        return {}
+    names = sorted(local_sums)
+    totals = torch.stack([local_sums[name].to(device, torch.float64) for name in names])
+    all_reduce_sum(totals, group)
+    return dict(zip(names, totals.tolist()))
+
+
+def optimizer_step(
+    module: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float
+) -> tuple[float, bool]:
+    """Clip, step unless the gradient norm is non-finite, zero the gradients. Returns (norm, stepped)."""
+    grad_norm = clip_grad_norm(module, max_grad_norm)
+    stepped = math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+def train_on_batch(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: DataProto,
+    micro_batch_loss: MicroBatchLoss,
+    *,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    max_grad_norm: float,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
+    ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows.
+
+    Every rank must hold the same number of rows (the same number of steps and forward passes, or
+    FSDP's collectives would not pair up). Metrics are the micro-batch shares summed over
+    micro-batches and ranks (i.e. mini-batch values), averaged over mini-batches, plus ``grad_norm``
+    (mean over steps with a finite norm), ``skipped_steps`` and ``lr`` (at the first step).
+    """
+    dp_size = data_parallel_size(group)
+    metric_sums: dict[str, torch.Tensor] = {}
+    grad_norms: list[float] = []
+    skipped_steps = 0
+    num_steps = 0
+    lr = optimizer.param_groups[0]["lr"]
+    for _ in range(epochs):
+        for mini_batch in data.split(mini_batch_size):
+            mini_batch = mini_batch.to(device)
+            num_tokens, num_seqs = global_counts(mini_batch.batch["response_mask"], group)
+            for micro_batch in mini_batch.split(micro_batch_size):
+                loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
+                (loss * dp_size).backward()
+                for name, share in shares.items():
+                    share = share.detach().double()
+                    metric_sums[name] = metric_sums[name] + share if name in metric_sums else share
+            grad_norm, stepped = optimizer_step(module, optimizer, max_grad_norm)
+            num_steps += 1
+            if stepped:
+                grad_norms.append(grad_norm)
+            else:
+                skipped_steps += 1
+    totals = all_reduce_metrics(metric_sums, device, group)
+    metrics = {name: total / max(num_steps, 1) for name, total in totals.items()}
+    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics["skipped_steps"] = float(skipped_steps)
+    metrics["lr"] = float(lr)
+    return metrics

@@ -1,0 +1,117 @@
+"""Reward scoring in Ray worker processes, launched asynchronously and overlapped with log-prob passes.
+
+``RewardScorer`` is the plain object that turns a rollout batch into scores (decode → user function
+→ token-level scores); ``RewardWorkers`` runs one or more of them as Ray actors and hands the driver
+a handle to collect later. A user error inside the reward file reaches the driver as a
+``RewardFunctionError`` naming the file and sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.protocol import DataProto
+from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_reward_function
+
+# object columns that are model inputs, not sample data: never handed to reward functions
+MODEL_INPUT_COLUMNS = ("multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
+
+
+def scores_to_token_level(overall: list[float], response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome scores → ``[B, R]`` rewards, each on the response's last valid token."""
+    token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(-1).long()
+    last = (lengths - 1).clamp(min=0)
+    token_level[torch.arange(len(overall)), last] = torch.tensor(overall, dtype=torch.float32)
+    return token_level
+
+
+class RewardScorer:
+    """Decodes responses and scores them with the user's reward function."""
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        reward_function: str,
+        reward_function_kwargs: dict[str, Any] | None = None,
+        reward_type: str | None = None,
+        skip_special_tokens: bool = True,
+    ):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.function = load_reward_function(reward_function, reward_function_kwargs)
+        if reward_type is not None:  # config overrides the file's REWARD_TYPE (old EasyR1 files lack it)
+            self.function = dataclasses.replace(self.function, reward_type=reward_type)
+        self.skip_special_tokens = skip_special_tokens
+
+    def score(self, batch: DataProto) -> DataProto:
+        response_mask = batch.batch["response_mask"]
+        lengths = response_mask.sum(-1).tolist()
+        responses = [row[:length].tolist() for row, length in zip(batch.batch["responses"], lengths)]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=self.skip_special_tokens)
+        columns = {k: v for k, v in batch.non_tensor_batch.items() if k not in MODEL_INPUT_COLUMNS}
+        ground_truths = columns.pop("ground_truth", np.full(len(batch), None, dtype=object))
+        inputs = build_reward_inputs(texts, lengths, ground_truths, columns)
+        scores = self.function(inputs)
+        token_level = scores_to_token_level([s["overall"] for s in scores], response_mask)
+        return DataProto.from_dict(
+            tensors={"token_level_scores": token_level},
+            non_tensors={"reward_scores": scores, "response_text": texts},
+        )
+
+
+@dataclasses.dataclass
+class PendingRewards:
+    """What ``RewardWorkers.launch`` returns: Ray refs of the scored shards, in batch order."""
+
+    refs: list[Any]
+    pad_size: int
+
+
+class RewardWorkers:
+    """``num_workers`` Ray actors running :class:`RewardScorer`; the batch is split among them."""
+
+    def __init__(self, num_workers: int, num_cpus: float, timeout_s: float, **scorer_kwargs: Any):
+        import ray
+
+        remote_cls = ray.remote(num_cpus=num_cpus)(RewardScorer)
+        self.actors = [remote_cls.remote(**scorer_kwargs) for _ in range(num_workers)]
+        self.timeout_s = timeout_s
+
+    def launch(self, batch: DataProto) -> PendingRewards:
+        scoring_columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS]
+        light = batch.select(batch_keys=["responses", "response_mask"], non_tensor_keys=scoring_columns)
+        padded, pad_size = light.pad_to_divisor(len(self.actors))
+        shards = padded.chunk(len(self.actors))
+        return PendingRewards(
+            [actor.score.remote(shard) for actor, shard in zip(self.actors, shards)], pad_size
+        )
+
+    def collect(self, pending: PendingRewards) -> DataProto:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayTaskError
+
+        try:
+            shards = ray.get(pending.refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise RewardFunctionError(
+                f"reward scoring did not finish within worker.reward.timeout_s={self.timeout_s} s "
+                "(raise it, or look for a reward function that hangs)"
+            ) from None
+        except RayTaskError as err:
+            cause = err.as_instanceof_cause()
+            if isinstance(cause, RewardFunctionError):
+                raise RewardFunctionError(str(cause).split("\n\nThe above exception")[0]) from None
+            raise
+        return DataProto.concat(shards).unpad(pending.pad_size)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)

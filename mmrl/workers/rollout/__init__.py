@@ -1,0 +1,87 @@
+"""Rollout: sampling responses for a batch of prompts, with weights pushed in after every update.
+
+Two backends implement :class:`Rollout`: ``hf`` (transformers ``generate``, here) and ``vllm``
+(vLLM in SPMD mode). Both return the same batch layout (see :func:`assemble_rollout_batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from mmrl.protocol import DataProto
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_tokens: int = 512  # response width R
+    seed: int = 1
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def override(self, **changes: Any) -> SamplingParams:
+        return replace(self, **changes)
+
+
+class Rollout(Protocol):
+    def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        """Prompts (left-padded, see ``mmrl.data.collate``) → ``len(prompts) * n`` responses."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights, given one full tensor at a time under Hugging Face names."""
+
+
+def response_mask_until_eos(
+    responses: torch.Tensor, eos_token_ids: list[int], ignore_eos: bool = False
+) -> torch.Tensor:
+    """``[B, R]`` 1 up to and including each row's first EOS token, 0 after (all 1 without EOS)."""
+    if ignore_eos:
+        return torch.ones_like(responses)
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    # eos_before[t] counts EOS tokens strictly before position t
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
+    return (eos_before == 0).long()
+
+
+def assemble_rollout_batch(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    ignore_eos: bool = False,
+    rollout_log_probs: torch.Tensor | None = None,
+) -> DataProto:
+    """Join the (already repeated) prompt batch with its ``[B, R]`` responses into a training batch.
+
+    Adds ``prompts``, ``responses``, ``response_mask``, and extends ``input_ids``, ``attention_mask``
+    (and ``mm_token_type_ids``) over the response; tokens after EOS become ``pad_token_id``.
+    """
+    response_mask = response_mask_until_eos(responses, eos_token_ids, ignore_eos)
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    batch = prompts.batch
+    tensors = {
+        "prompts": batch["input_ids"],
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([batch["input_ids"], responses], dim=-1),  # [B, P+R]
+        "attention_mask": torch.cat([batch["attention_mask"], response_mask], dim=-1),
+    }
+    if "mm_token_type_ids" in batch.keys():
+        tensors["mm_token_type_ids"] = torch.cat(
+            [batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1
+        )
+    if rollout_log_probs is not None:
+        tensors["rollout_log_probs"] = rollout_log_probs.masked_fill(response_mask == 0, 0.0)
+    return DataProto.from_dict(
+        tensors=tensors, non_tensors=dict(prompts.non_tensor_batch), meta_info=dict(prompts.meta_info)
+    )

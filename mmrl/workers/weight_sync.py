@@ -1,0 +1,113 @@
+"""Full weights out of a sharded model, one tensor at a time, for the rollout engine.
+
+Names. transformers v5 keeps modules and checkpoint files under different names for some families
+and converts while loading and saving. Qwen2.5-VL: in memory ``model.language_model.*``,
+``model.visual.*``, ``lm_head.weight``; on disk (what ``save_pretrained`` writes) ``model.*``,
+``visual.*`` and no ``lm_head.weight`` when tied. ``from_pretrained`` accepts both spellings (its
+renaming patterns leave the in-memory names alone); ``load_state_dict`` takes only the in-memory ones.
+:func:`iter_full_state_dict` yields the in-memory names by default (``state_dict()`` keys) and the
+on-disk names with ``checkpoint_format=True``; :func:`load_into` takes either. A tied weight
+(``lm_head.weight`` = input embedding) is yielded once, under its first name.
+
+Qwen2.5-Omni: the thinker's names carry no ``thinker.`` prefix, while the files of a full Omni
+checkpoint do; prepend it where a consumer expects the whole Omni model's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mmrl.workers.fsdp_engine import collective_device
+
+
+def _unique_state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``state_dict`` entries (parameters and persistent buffers) in order, each tensor once."""
+    seen: set[int] = set()
+    entries = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # a tied alias, e.g. lm_head.weight of a tied-embedding model
+            continue
+        seen.add(id(tensor))
+        entries.append((name, tensor))
+    return entries
+
+
+def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
+    """``state_dict`` key → the key ``save_pretrained`` writes for it (identity where nothing is renamed).
+
+    Uses transformers' own reverse conversion (``revert_weight_conversion``) on placeholder tensors.
+    Families whose conversion merges or splits tensors (fused MoE experts) are refused, since their
+    on-disk tensors are not the in-memory ones.
+    """
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    keys = list(model.state_dict().keys())
+    if not isinstance(model, PreTrainedModel):
+        return {key: key for key in keys}
+    placeholders = {key: torch.empty(0) for key in keys}
+    key_of_placeholder = {id(tensor): key for key, tensor in placeholders.items()}
+    mapping = {}
+    for saved_key, tensor in revert_weight_conversion(model, dict(placeholders)).items():
+        if id(tensor) not in key_of_placeholder:
+            raise NotImplementedError(
+                f"{type(model).__name__}: saving converts {saved_key!r} from several tensors; mmrl's weight "
+                "sync only handles renamed weights. Use checkpoint_format=False (in-memory names)."
+            )
+        mapping[key_of_placeholder[id(tensor)]] = saved_key
+    return {key: mapping.get(key, key) for key in keys}
+
+
+@torch.no_grad()
+def iter_full_state_dict(
+    model: nn.Module,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    checkpoint_format: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every parameter and persistent buffer, one at a time.
+
+    A sharded (DTensor) entry is all-gathered on its mesh's device (``full_tensor``), then moved to
+    ``device`` and cast to ``dtype`` (None keeps it): peak memory is one full tensor, never a second
+    copy of the model. Collective: every rank of the mesh must consume the iterator in step.
+    """
+    key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
+    for name, tensor in _unique_state_tensors(model):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to(collective_device(tensor)).full_tensor()
+        yield key_mapping.get(name, name), tensor.detach().to(device=device, dtype=dtype or tensor.dtype)
+
+
+@torch.no_grad()
+def load_into(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+) -> None:
+    """Copy ``(name, tensor)`` pairs into an unsharded model in place (cast to each target's dtype and
+    device). Names may be in-memory or on-disk spellings. With ``strict``, every parameter and
+    persistent buffer (tied aliases count once) must be written, or a KeyError lists the missing ones.
+    """
+    targets = model.state_dict(keep_vars=True)
+    saved_to_own = {saved: own for own, saved in checkpoint_key_mapping(model).items()}
+    written: set[int] = set()
+    for name, tensor in named_tensors:
+        own_name = name if name in targets else saved_to_own.get(name)
+        if own_name is None:
+            raise KeyError(
+                f"load_into: {name!r} is neither a state_dict key of {type(model).__name__} nor the saved "
+                f"name of one (e.g. {next(iter(targets), None)!r}); is this the same model family?"
+            )
+        target = targets[own_name]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"load_into: {name!r} has shape {tuple(tensor.shape)} but the model's {own_name!r} has "
+                f"{tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        written.add(id(target))
+    missing = [name for name, tensor in _unique_state_tensors(model) if id(tensor) not in written]
+    if strict and missing:
+        raise KeyError(f"load_into: {len(missing)} tensors were not given, e.g. {missing[:5]}")

@@ -1,0 +1,73 @@
+"""Session fixtures shared by all tests: tiny models and a synthetic dataset, built once per session.
+
+They are built into pytest's per-session temporary folder rather than cached under ``assets/``:
+building all three models and the dataset takes well under a second once torch and transformers are
+imported, so a cache would save little, while building fresh means every run tests the current
+builder code (a stale cache could hide a change), never writes into the repository, and lets parallel
+sessions run side by side. Code that wants the persistent copies (the demo) uses
+``mmrl.models.tiny.ensure_tiny_model`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Child processes (spawned ranks, Ray workers) inherit these: one OpenMP thread each, since the test
+# machine has 2 cores shared by several processes; no tokenizers thread pool that forking would break.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Threads of the test process itself; tiny models gain nothing from more.
+TEST_TORCH_THREADS = int(os.environ.get("MMRL_TEST_TORCH_THREADS", "2"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _limit_torch_threads():
+    import torch
+
+    torch.set_num_threads(min(TEST_TORCH_THREADS, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen2.5-VL (seed 0): AutoModelForImageTextToText + AutoProcessor."""
+    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen2_5_vl"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen2.5-Omni (thinker weights only, seed 0):
+    Qwen2_5OmniThinkerForConditionalGeneration + AutoProcessor."""
+    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen2_5_omni"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen2 text model (seed 0): AutoModelForCausalLM + AutoTokenizer."""
+    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen2"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def shapes_data_dir(tmp_path_factory) -> Path:
+    """The ``color`` task as jsonl: 32 train / 8 val rows (seed 0), images under ``images/``."""
+    from mmrl.data.synthetic import generate_shapes_dataset
+
+    out_dir = tmp_path_factory.mktemp("data") / "shapes-color"
+    return generate_shapes_dataset("color", out_dir, n_train=32, n_val=8, seed=0, fmt="jsonl")

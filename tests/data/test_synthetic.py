@@ -1,0 +1,177 @@
+"""Synthetic shapes tasks: the drawn pixels agree with the answer, splits are balanced, files readable."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmrl.data import synthetic
+from mmrl.data.synthetic import BACKGROUND_RGB, COLORS, draw_sample, generate_shapes_dataset
+
+
+def _foreground(image: Image.Image) -> np.ndarray:
+    """[H, W] bool: pixels that differ from the background."""
+    pixels = np.asarray(image.convert("RGB"))
+    return (pixels != np.array(BACKGROUND_RGB)).any(axis=-1)
+
+
+def _count_components(mask: np.ndarray) -> int:
+    """4-connected components of a [H, W] bool mask (flood fill; no scipy on the test machine)."""
+    seen = np.zeros_like(mask)
+    components = 0
+    for start in zip(*np.nonzero(mask)):
+        if seen[start]:
+            continue
+        components += 1
+        stack = [start]
+        seen[start] = True
+        while stack:
+            row, col = stack.pop()
+            for next_row, next_col in ((row + 1, col), (row - 1, col), (row, col + 1), (row, col - 1)):
+                inside = 0 <= next_row < mask.shape[0] and 0 <= next_col < mask.shape[1]
+                if inside and mask[next_row, next_col] and not seen[next_row, next_col]:
+                    seen[next_row, next_col] = True
+                    stack.append((next_row, next_col))
+    return components
+
+
+def test_draw_sample_is_deterministic_per_seed():
+    first = draw_sample("color", np.random.default_rng(7))
+    second = draw_sample("color", np.random.default_rng(7))
+    assert first[1:] == second[1:]
+    assert np.array_equal(np.asarray(first[0]), np.asarray(second[0]))
+    assert first[0].size == (56, 56) and first[0].mode == "RGB"
+
+
+def test_color_pixels_match_the_answer():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        image, question, answer = draw_sample("color", rng)
+        assert question == "<image>What colour is the shape? Answer with one word."
+        pixels = np.asarray(image)
+        foreground = _foreground(image)
+        assert foreground.sum() >= 200  # the smallest shape, a triangle of side 22 px, covers ~242 px
+        # No anti-aliasing: the mean non-background colour is exactly the answer's colour.
+        assert pixels[foreground].mean(axis=0).tolist() == list(COLORS[answer])
+
+
+def test_circle_count_matches_connected_components_and_area():
+    one_circle = Image.new("RGB", (56, 56), BACKGROUND_RGB)
+    synthetic.draw_shape(one_circle, "circle", (10, 10, 24, 24), synthetic.COUNT_RGB)  # radius 7
+    circle_area = _foreground(one_circle).sum()
+    rng = np.random.default_rng(1)
+    answers = []
+    for _ in range(40):
+        image, question, answer = draw_sample("count", rng)
+        assert question == "<image>How many circles are there? Answer with a number."
+        assert _count_components(_foreground(image)) == int(answer)
+        # Equal circles, no overlap, no anti-aliasing: the coloured area is count x one circle.
+        assert _foreground(image).sum() == int(answer) * circle_area
+        answers.append(answer)
+    assert set(answers) == {"1", "2", "3", "4"}
+
+
+def test_placed_circles_keep_their_gap():
+    circles = synthetic.place_circles(4, np.random.default_rng(3), size=56, radius=7, gap=2)
+    for index, (x, y, r) in enumerate(circles):
+        assert r == 7 and r <= x <= 56 - r and r <= y <= 56 - r
+        for other_x, other_y, other_r in circles[index + 1 :]:
+            assert (x - other_x) ** 2 + (y - other_y) ** 2 > (r + other_r + 2) ** 2
+
+
+def test_balanced_answers_differ_by_at_most_one():
+    answers = synthetic.balanced_answers(("a", "b", "c", "d"), 10, np.random.default_rng(0))
+    assert sorted(Counter(answers).values()) == [2, 2, 3, 3]
+
+
+def test_unknown_task_names_the_choices():
+    with pytest.raises(ValueError, match="color"):
+        draw_sample("colour", np.random.default_rng(0))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_dataset_rows_counts_balance_and_relative_paths(shapes_data_dir):
+    train, val = _read_jsonl(shapes_data_dir / "train.jsonl"), _read_jsonl(shapes_data_dir / "val.jsonl")
+    assert (len(train), len(val)) == (32, 8)
+    assert Counter(row["answer"] for row in train) == dict.fromkeys(COLORS, 8)
+    assert Counter(row["answer"] for row in val) == dict.fromkeys(COLORS, 2)
+    for row in train + val:
+        assert set(row) == {"problem", "answer", "images", "data_source"}
+        assert row["problem"].startswith("<image>") and row["data_source"] == "shapes_color"
+        (relative,) = row["images"]
+        assert not Path(relative).is_absolute()
+        image = Image.open(shapes_data_dir / relative)
+        pixels = np.asarray(image.convert("RGB"))
+        assert pixels[_foreground(image)].mean(axis=0).tolist() == list(COLORS[row["answer"]])
+
+
+def test_parquet_embeds_the_same_images_as_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl_dir = generate_shapes_dataset("count", tmp_path / "jsonl", n_train=12, n_val=4, seed=5, fmt="jsonl")
+    parquet_dir = generate_shapes_dataset(
+        "count", tmp_path / "pq", n_train=12, n_val=4, seed=5, fmt="parquet"
+    )
+
+    table = pq.read_table(parquet_dir / "train.parquet")
+    assert table.num_rows == 12
+    image_type = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    assert table.schema.field("images").type == image_type
+    features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
+    assert features["images"] == {"feature": {"_type": "Image"}, "_type": "Sequence"}
+
+    jsonl_rows = _read_jsonl(jsonl_dir / "train.jsonl")
+    for parquet_row, jsonl_row in zip(table.to_pylist(), jsonl_rows):
+        assert parquet_row["answer"] == jsonl_row["answer"] and parquet_row["problem"] == jsonl_row["problem"]
+        (embedded,) = parquet_row["images"]
+        assert embedded["bytes"] == (jsonl_dir / jsonl_row["images"][0]).read_bytes()
+        image = Image.open(io.BytesIO(embedded["bytes"]))
+        assert _count_components(_foreground(image)) == int(parquet_row["answer"])
+    assert Counter(row["answer"] for row in jsonl_rows) == {"1": 3, "2": 3, "3": 3, "4": 3}
+
+
+def test_second_call_skips_changed_arguments_rebuild_and_foreign_folders_are_refused(tmp_path):
+    out_dir = generate_shapes_dataset("color", tmp_path / "data", n_train=4, n_val=4, seed=0)
+    stamp = (out_dir / "train.jsonl").stat().st_mtime_ns
+    generate_shapes_dataset("color", out_dir, n_train=4, n_val=4, seed=0)
+    assert (out_dir / "train.jsonl").stat().st_mtime_ns == stamp
+
+    generate_shapes_dataset("color", out_dir, n_train=8, n_val=4, seed=0)
+    assert len(_read_jsonl(out_dir / "train.jsonl")) == 8
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="force"):
+        generate_shapes_dataset("color", foreign, n_train=4, n_val=4)
+
+
+def test_cli_writes_then_reports_up_to_date(tmp_path, capsys):
+    args = [
+        "--task",
+        "count",
+        "--out",
+        str(tmp_path / "cli"),
+        "--n_train",
+        "8",
+        "--n_val",
+        "4",
+        "--format",
+        "parquet",
+    ]
+    synthetic.main(args)
+    synthetic.main(args)
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith("[mmrl.data.synthetic] built: task=count train=8 val=4 format=parquet")
+    assert second.startswith("[mmrl.data.synthetic] up to date")
+    assert (tmp_path / "cli" / "val.parquet").is_file()

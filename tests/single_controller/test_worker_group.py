@@ -1,0 +1,275 @@
+"""RayWorkerGroup on a real local Ray cluster (CPU, gloo): the torchrun environment, collectives, dispatch of a
+DataProto with padding, and failing fast when a rank raises or dies while its peer waits in a barrier."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from mmrl.protocol import DataProto
+from mmrl.single_controller import (
+    RayWorkerGroup,
+    ResourcePool,
+    ResourcePoolError,
+    WorkerGroupError,
+    distributed_env,
+    init_ray,
+    merge_dp_outputs,
+    nodes_that_fit,
+)
+
+pytestmark = pytest.mark.distributed
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+FAST_S = 8.0  # a failure must surface within this, although the other rank blocks for up to 60 s
+CPUS_PER_RANK = 0.5  # two ranks and the driver share the machine's two cores
+
+
+class GlooWorker:
+    """Joins a gloo process group from the environment in __init__, as a training worker does."""
+
+    def __init__(self, scale: float) -> None:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        self.rank = dist.get_rank()
+        self.scale = scale
+
+    def environment(self) -> dict[str, str | None]:
+        return {key: os.environ.get(key) for key in (*ENV_KEYS, "TOKENIZERS_PARALLELISM", "MMRL_TEST_FLAG")}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def all_reduce_rank_plus_one(self) -> float:
+        value = torch.tensor([self.rank + 1.0])
+        dist.all_reduce(value)
+        return value.item()
+
+    def add(self, a: int, b: int = 0) -> int:
+        return self.rank * 100 + a + b
+
+    def raise_or_wait(self, failing_rank: int) -> str:
+        if self.rank == failing_rank:
+            raise ValueError(f"rank {self.rank} cannot read sample 3")
+        dist.barrier()  # blocks until the failing rank arrives, which it never does
+        return "passed"
+
+    def exit_or_wait(self, failing_rank: int) -> str:
+        if self.rank == failing_rank:
+            os._exit(1)
+        dist.barrier()
+        return "passed"
+
+
+class DataWorker(GlooWorker):
+    """Adds a dispatched method; kept apart so the failure tests' processes skip importing tensordict."""
+
+    def scale_rows(self, data: DataProto) -> DataProto:
+        """y = scale * x per row; tags each row with the rank that computed it."""
+        return DataProto.from_dict(
+            tensors={"y": data.batch["x"] * self.scale},
+            non_tensors={"uid": data.non_tensor_batch["uid"], "rank": [self.rank] * len(data)},
+            meta_info={"metrics": {"rows": len(data), "rank": [self.rank]}},
+        )
+
+
+class Sleeper:
+    """Needs no torch, so its process starts in ~2 s (worker_group imports DataProto only where used)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Worker processes cannot import this test module by name; ship its classes by value instead.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    started_here = not ray.is_initialized()
+    init_ray(num_cpus=4, object_store_memory_bytes=150_000_000)
+    assert ray.cluster_resources()["CPU"] == 4, "these tests expect the 4-CPU local cluster started here"
+    yield
+    if started_here:
+        ray.shutdown()
+
+
+def make_group(worker_cls: type, name_prefix: str, **kwargs) -> RayWorkerGroup:
+    pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+    return RayWorkerGroup(worker_cls, pool, args=(10.0,), name_prefix=name_prefix, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    worker_group = make_group(DataWorker, "train", env={"MMRL_TEST_FLAG": "1"})
+    yield worker_group
+    worker_group.shutdown()
+
+
+def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:
+    envs = group.call("environment")
+    assert [env["RANK"] for env in envs] == ["0", "1"]
+    assert [env["LOCAL_RANK"] for env in envs] == ["0", "1"]
+    assert {(env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) for env in envs} == {("2", "2")}
+    assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == ray.util.get_node_ip_address()
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+    # init_ray's defaults and the group's own env both reach the worker processes.
+    assert {env["TOKENIZERS_PARALLELISM"] for env in envs} == {"false"}
+    assert {env["MMRL_TEST_FLAG"] for env in envs} == {"1"}
+    # (0 + 1) + (1 + 1) summed over the two ranks of a real gloo group.
+    assert group.call("all_reduce_rank_plus_one") == [3.0, 3.0]
+
+
+def test_call_rank_and_async_calls(group: RayWorkerGroup) -> None:
+    assert group.call("add", 1, b=2) == [3, 103]
+    assert group.call_rank(1, "add", 5) == 105
+    refs = group.call_async("add", 7)
+    assert group.collect(refs) == [7, 107]
+    with pytest.raises(AttributeError, match="no method 'missing'"):
+        group.call("missing")
+
+
+def test_dispatch_pads_splits_and_rejoins_in_order(group: RayWorkerGroup) -> None:
+    uids = ["a", "b", "c", "d", "e"]
+    data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": uids})
+
+    out = group.dispatch("scale_rows", data)
+    # 5 rows padded to 6: rank 0 gets rows 0-2, rank 1 rows 3, 4 and the pad copy of row 0 (dropped).
+    assert torch.equal(out.batch["y"], torch.tensor([0.0, 10.0, 20.0, 30.0, 40.0]))
+    assert out.non_tensor_batch["uid"].tolist() == uids
+    assert out.non_tensor_batch["rank"].tolist() == [0, 0, 0, 1, 1]
+    assert out.meta_info["metrics"] == {"rows": [3, 3], "rank": [0, 1]}
+
+    # dp_size=1: both ranks form one sequence-parallel group, get all 5 rows, and rank 0's copy is kept.
+    whole = group.dispatch("scale_rows", data, dp_size=1)
+    assert whole.non_tensor_batch["rank"].tolist() == [0] * 5
+    assert whole.meta_info["metrics"] == {"rows": [5, 5], "rank": [0, 1]}
+
+
+def _assert_processes_exit(pids: list[int], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _process_alive(pid)]
+        time.sleep(0.1)
+    assert not alive, f"worker processes {alive} still run after the group failed"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of the raylet may linger as a zombie until reaped; it no longer runs.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
+    group = make_group(GlooWorker, "raiser")
+    pids = group.call("pid")
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as failure:
+        group.call("raise_or_wait", failing_rank=1)
+    assert time.monotonic() - start < FAST_S
+    assert (failure.value.rank, failure.value.method) == (1, "raise_or_wait")
+    message = str(failure.value)
+    assert "raiser_rank1 (rank 1 of 2) raised an exception in 'raise_or_wait'" in message
+    assert "ValueError: rank 1 cannot read sample 3" in message
+    assert "in raise_or_wait" in message  # the remote traceback's frame
+    # The rank stuck in the barrier was killed, and the group refuses further work.
+    _assert_processes_exit(pids, within_s=FAST_S)
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.call("pid")
+    group.shutdown()
+
+
+def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
+    group = make_group(GlooWorker, "crasher", timeout_s=60.0)
+    pids = group.call("pid")
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as failure:
+        group.call("exit_or_wait", failing_rank=0)
+    assert time.monotonic() - start < FAST_S
+    assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
+    assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
+    _assert_processes_exit(pids, within_s=FAST_S)
+    group.shutdown()
+
+
+def test_call_past_timeout_stops_the_group(ray_cluster) -> None:
+    pool = ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+    group = RayWorkerGroup(Sleeper, pool, name_prefix="sleeper", timeout_s=1.0)
+    pids = group.call("pid")
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not finish 'sleep' within 1 s"):
+        group.call("sleep", 60.0)
+    assert time.monotonic() - start < FAST_S
+    _assert_processes_exit(pids, within_s=FAST_S)
+    group.shutdown()
+
+
+def test_resource_pool_reports_what_the_cluster_lacks(group: RayWorkerGroup) -> None:
+    # 2 × 2.5 CPU on one node: more than the 4 CPUs the single node has, so no waiting.
+    with pytest.raises(ResourcePoolError, match=r"asked for 2 CPU bundles .* nodes have \[4 CPU, 0 GPU\]"):
+        ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=2.5)
+    with pytest.raises(ResourcePoolError, match="asked for 1 GPU bundles"):
+        ResourcePool(nnodes=1, procs_per_node=1, use_gpu=True)
+
+    # Fits the cluster, but the module's group holds 2 × 0.5 CPU: the wait times out with what is free.
+    start = time.monotonic()
+    with pytest.raises(ResourcePoolError, match=r"within 1 s\. .* only 3 CPU, 0 GPU free"):
+        ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=4.0, timeout_s=1.0)
+    assert time.monotonic() - start < FAST_S
+
+
+# ---------------------------------------------------------------------- pure helpers, no Ray needed
+
+
+def test_distributed_env_local_ranks_and_shared_gpus() -> None:
+    # Ranks landed on nodes a, b, a, b with GPUs 3, 0, 5, 1.
+    envs = distributed_env(
+        ["a", "b", "a", "b"], ["3", "0", "5", "1"], master_addr="10.0.0.1", master_port=29500
+    )
+    assert [env["LOCAL_RANK"] for env in envs] == ["0", "0", "1", "1"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["3,5", "0,1", "3,5", "0,1"]
+    assert {(env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) for env in envs} == {
+        ("4", "2", "29500")
+    }
+    cpu_envs = distributed_env(["a", "a"], [None, None], master_addr="10.0.0.1", master_port=1)
+    assert all("CUDA_VISIBLE_DEVICES" not in env for env in cpu_envs)
+
+
+def test_nodes_that_fit() -> None:
+    nodes = [{"CPU": 16.0, "GPU": 8.0}, {"CPU": 8.0, "GPU": 4.0}, {"CPU": 64.0}]
+    # 4 bundles of {GPU 1, CPU 2} per group: the first node holds 2 groups, the second 1, the third none.
+    assert nodes_that_fit(nodes, {"GPU": 1, "CPU": 2}, procs_per_node=4) == 3
+    assert nodes_that_fit(nodes, {"CPU": 0.5}, procs_per_node=4) == 8 + 4 + 32
+
+
+def test_merge_dp_outputs_with_two_rows_per_input() -> None:
+    """3 prompts on 2 dp ranks: padded to 4, chunks of 2; each rank returns 2 responses per prompt."""
+
+    def shard(prompt_ids: list[int]) -> DataProto:
+        rows = np.repeat(prompt_ids, 2)  # interleaved: [p, p, q, q]
+        return DataProto.from_dict(
+            tensors={"prompt": torch.tensor(rows)}, meta_info={"temperature": 1.0, "metrics": {"n": 2.0}}
+        )
+
+    outputs = [shard([0, 1]), shard([2, 0]), shard([0, 1])]  # rank 2 is rank 0's sequence-parallel peer
+    merged = merge_dp_outputs(outputs, dp_rank_of=[0, 1, 0], chunk_len=2, pad_size=1, method="generate")
+    assert merged.batch["prompt"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert merged.meta_info == {"temperature": 1.0, "metrics": {"n": [2.0, 2.0, 2.0]}}
+    with pytest.raises(ValueError, match="returned \\[4, 3\\] rows"):
+        merge_dp_outputs(
+            [shard([0, 1]), shard([2, 0])[:3]], [0, 1], chunk_len=2, pad_size=1, method="generate"
+        )

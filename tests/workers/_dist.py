@@ -1,0 +1,87 @@
+"""Run a function on N torch.distributed gloo ranks in spawned processes and collect what it returns.
+
+Each rank runs with one torch thread (ranks share the machine's cores), joins a gloo group on a free
+local port, calls ``fn(rank, world_size, *args)`` and saves the result with ``torch.save``. It then
+passes a barrier, destroys the group and leaves with ``os._exit``: letting gloo's threads shut down
+with the interpreter intermittently aborts the process (ENVIRONMENT.md). ``fn`` must be a module-level
+function, since spawned processes import it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    exit_code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
+        exit_code = 1
+    os._exit(exit_code)
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each computed in its own process.
+
+    A rank that raises makes this raise with its traceback; the other ranks (which would wait for it
+    in a collective) are killed. Ranks still running after ``timeout_s`` are killed too.
+    """
+    out_dir = tempfile.mkdtemp(prefix="mmrl-dist-")
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, out_dir, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    while any(process.is_alive() for process in processes) and time.monotonic() < deadline:
+        if any(process.exitcode not in (None, 0) for process in processes):
+            break
+        time.sleep(0.05)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    errors = sorted(Path(out_dir).glob("rank*.error"))
+    if errors:
+        raise RuntimeError("\n".join(f"{path.stem} failed:\n{path.read_text()}" for path in errors))
+    exit_codes = [process.exitcode for process in processes]
+    if any(code != 0 for code in exit_codes):
+        raise RuntimeError(f"ranks exited with codes {exit_codes} (timeout {timeout_s} s or a crash)")
+    results = [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return results

@@ -1,0 +1,622 @@
+"""The FSDP2 training engine: model loading, forward inputs, sharded log-probs/updates, weight sync.
+
+Distributed checks run the tiny Qwen2.5-VL on 2 gloo ranks (spawned processes, one thread each) once
+per module (`two_rank_results`) and compare with the same computation in this process on the
+unsharded model. The batch has 2 image rows (different image sizes) and 2 text rows, so with 2 ranks
+the second rank never calls the vision tower: the case that hangs a naively sharded model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _dist import run_on_ranks
+from PIL import Image
+
+from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
+from mmrl.models.loading import (
+    decoder_layers,
+    freeze_vision_tower,
+    is_multimodal,
+    load_model,
+    tower_modules,
+    vision_modules,
+)
+from mmrl.protocol import DataProto
+from mmrl.trainer.core_algos import log_probs_from_logits
+from mmrl.workers.actor import PolicyActor
+from mmrl.workers.critic import ValueCritic
+from mmrl.workers.fsdp_engine import (
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm,
+    load_fsdp_params,
+    load_optimizer,
+    lr_factor,
+    offload_fsdp_params,
+    offload_optimizer,
+    resolve_dtype,
+)
+from mmrl.workers.weight_sync import checkpoint_key_mapping, iter_full_state_dict, load_into
+
+TEMPERATURE = 0.7
+RESPONSE_LENGTHS = (5, 3, 6, 2)  # valid tokens per row; the response width is 6
+IMAGE_SIZES = ((56, 56), (84, 56), None, None)  # (width, height) per row; None = text-only row
+# Loss settings of the split-invariance checks: every term of the policy loss is active.
+ACTOR_SETTINGS = {
+    "loss_type": "ppo",
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.3,
+    "clip_ratio_dual": 3.0,
+    "entropy_coeff": 0.01,
+    "use_kl_loss": True,
+    "kl_penalty": "low_var_kl",
+    "kl_coef": 0.1,
+    "max_grad_norm": 0.5,  # below the step's gradient norm, so clipping is part of what must agree
+    "max_response_length": 6,
+}
+SGD_LR = 1.0  # plain SGD: the weight change is the gradient itself (Adam's first step is ~sign(grad))
+CRITIC_CLIP = 0.2
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _image(size: tuple[int, int], seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _encode_prompt(processor, image_size: tuple[int, int] | None, seed: int) -> dict:
+    content = [{"type": "text", "text": "What colour is the shape?"}]
+    if image_size is not None:
+        content.insert(0, {"type": "image"})
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    images = [_image(image_size, seed)] if image_size is not None else None
+    return dict(processor(text=[prompt], images=images, return_tensors="pt"))
+
+
+def build_batch(
+    processor, image_sizes=IMAGE_SIZES, response_lengths=RESPONSE_LENGTHS, seed: int = 0
+) -> DataProto:
+    """Left-padded prompts + right-padded random responses, as the rollout would hand them over."""
+    generator = torch.Generator().manual_seed(seed)
+    encoded = [_encode_prompt(processor, size, seed + row) for row, size in enumerate(image_sizes)]
+    prompt_width = max(item["input_ids"].shape[1] for item in encoded)
+    response_width = max(response_lengths)
+    pad_id = processor.tokenizer.pad_token_id
+    rows = len(encoded)
+    prompts = torch.full((rows, prompt_width), pad_id)
+    prompt_mask = torch.zeros(rows, prompt_width, dtype=torch.long)
+    prompt_types = torch.zeros(rows, prompt_width, dtype=torch.long)
+    for row, item in enumerate(encoded):
+        length = item["input_ids"].shape[1]
+        prompts[row, prompt_width - length :] = item["input_ids"][0]
+        prompt_mask[row, prompt_width - length :] = 1
+        prompt_types[row, prompt_width - length :] = item["mm_token_type_ids"][0]
+    response_mask = (torch.arange(response_width) < torch.tensor(response_lengths)[:, None]).long()
+    # Ordinary BPE tokens only: a sampled image placeholder would break re-scoring.
+    responses = torch.randint(50, 300, (rows, response_width), generator=generator)
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    media = [{k: v for k, v in item.items() if k in ("pixel_values", "image_grid_thw")} for item in encoded]
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "response_mask": response_mask,
+            "mm_token_type_ids": torch.cat([prompt_types, torch.zeros_like(responses)], dim=1),
+        },
+        non_tensors={"multi_modal_inputs": media, "uid": [f"p{row // 2}" for row in range(rows)]},
+    )
+
+
+def add_training_columns(batch: DataProto, model_path: Path, seed: int = 1) -> DataProto:
+    """``old_log_probs`` near the model's own (so some ratios clip), ``ref_log_probs``, advantages,
+    critic ``values`` and ``returns``."""
+    generator = torch.Generator().manual_seed(seed)
+    log_probs, _ = PolicyActor(load_model(str(model_path))).compute_log_probs(batch, 4, TEMPERATURE)
+    mask = batch.batch["response_mask"].float()
+    shape = log_probs.shape
+    columns = {
+        "old_log_probs": log_probs + 0.3 * torch.randn(shape, generator=generator),
+        "ref_log_probs": log_probs + 0.5 * torch.randn(shape, generator=generator),
+        "advantages": torch.randn(shape[0], 1, generator=generator) * mask,
+        "values": 0.1 * torch.randn(shape, generator=generator),
+        "returns": torch.randn(shape[0], 1, generator=generator) * mask,
+    }
+    return batch.union(DataProto.from_dict(tensors=columns))
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tiny_vl_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_vl_path)
+
+
+@pytest.fixture(scope="module")
+def vl_batch(tiny_vl_path, vl_processor) -> DataProto:
+    return add_training_columns(build_batch(vl_processor), tiny_vl_path)
+
+
+# ---------------------------------------------------------------- what each rank computes
+
+
+def _sharded(model_path: str, mesh, role="actor", freeze=False, checkpointing=False, cpu_offload=False):
+    from mmrl.workers.fsdp_engine import apply_fsdp2, enable_gradient_checkpointing
+
+    model = load_model(model_path, role=role)
+    if freeze:
+        freeze_vision_tower(model)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    return apply_fsdp2(model, mesh, torch.float32, torch.float32, cpu_offload=cpu_offload)
+
+
+def _response_log_prob_sum(model, batch: DataProto) -> torch.Tensor:
+    """Sum of the valid response tokens' log-probs: a loss that reaches every parameter."""
+    media = batch.non_tensor_batch["multi_modal_inputs"]
+    logits = response_head_outputs(
+        model,
+        batch.batch["input_ids"],
+        batch.batch["attention_mask"],
+        batch.batch["responses"].shape[1],
+        list(media),
+        batch.batch["mm_token_type_ids"],
+    )
+    log_probs = log_probs_from_logits(logits / TEMPERATURE, batch.batch["responses"])
+    return (log_probs * batch.batch["response_mask"]).sum()
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    return dict(iter_full_state_dict(model))
+
+
+def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> dict:
+    """Everything the 2-rank tests compare, from one start-up of the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = data.chunk(world_size)[rank]
+    rows = len(shard)
+    results: dict = {}
+
+    model = _sharded(model_path, mesh)
+    actor = PolicyActor(model, **ACTOR_SETTINGS)
+    results["log_probs"], results["entropy"] = actor.compute_log_probs(
+        shard, 1, TEMPERATURE, with_entropy=True
+    )
+    results["state_dict"] = _full_state(model)
+    results["checkpoint_names"] = [name for name, _ in iter_full_state_dict(model, checkpoint_format=True)]
+
+    # FSDP averages gradients over ranks: scaled by the world size they sum over all rows.
+    (_response_log_prob_sum(model, shard) * world_size).backward()
+    results["grads"] = {
+        name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None
+    }
+
+    # The second variant also recomputes activations in backward (gradient checkpointing).
+    for mode, micro_batch_size, checkpointing in (("token_mean", 1, False), ("seq_mean_token_mean", 2, True)):
+        model = _sharded(model_path, mesh, checkpointing=checkpointing)
+        optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, "loss_avg_mode": mode})
+        metrics = actor.update_policy(shard, rows, micro_batch_size, 1, TEMPERATURE)
+        results[f"update_{mode}"] = (_full_state(model), metrics)
+
+    model = _sharded(model_path, mesh, freeze=True)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(shard, rows, 1, 1, TEMPERATURE)
+    results["frozen_update"] = _full_state(model)
+
+    critic_model = _sharded(model_path, mesh, role="critic", cpu_offload=True)
+    critic = ValueCritic(
+        critic_model, torch.optim.SGD(critic_model.parameters(), lr=SGD_LR), max_grad_norm=1e9
+    )
+    results["values"] = critic.compute_values(shard, 1)
+    metrics = critic.update_critic(shard, rows, 1, 1, CRITIC_CLIP, "token_mean")
+    # Between phases the worker parks shards and optimizer states on the host: no-ops on the CPU.
+    offload_fsdp_params(critic_model)
+    offload_optimizer(critic.optimizer)
+    load_fsdp_params(critic_model, "cpu")
+    load_optimizer(critic.optimizer, "cpu")
+    results["critic_update"] = (_full_state(critic_model), metrics)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_vl_path, vl_batch) -> list[dict]:
+    return run_on_ranks(_rank_job, 2, str(tiny_vl_path), vl_batch)
+
+
+# ---------------------------------------------------------------- in-process references
+
+
+def _unique_state(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in iter_full_state_dict(model)}
+
+
+def _reference_update(model_path, batch, micro_batch_size, **overrides):
+    model = load_model(str(model_path))
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
+    metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+    return _unique_state(model), metrics
+
+
+def _assert_states_close(actual: dict, expected: dict, atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_load_model_finds_towers_layers_and_auto_class(tiny_vl_path, tiny_omni_path, tiny_text_path):
+    vl = load_model(str(tiny_vl_path))
+    assert type(vl).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert [name for name, _ in tower_modules(vl)] == ["model.visual"]
+    assert is_multimodal(vl) and len(decoder_layers(vl)) == 2
+
+    # A full Omni folder: the thinker is loaded from it, with its vision and audio towers.
+    omni = load_model(str(tiny_omni_path), override_config={"text_config": {"rms_norm_eps": 1e-5}})
+    assert type(omni).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert [name for name, _ in tower_modules(omni)] == ["visual", "audio_tower"]
+    assert omni.config.get_text_config().rms_norm_eps == 1e-5
+
+    text = load_model(str(tiny_text_path), torch_dtype=torch.bfloat16)
+    assert type(text).__name__ == "Qwen2ForCausalLM" and text.dtype == torch.bfloat16
+    assert not is_multimodal(text) and vision_modules(text) == []
+    with pytest.raises(ValueError, match="no vision or audio tower"):
+        freeze_vision_tower(text)
+    with pytest.raises(KeyError, match="override_config: .* no attribute 'rms_norm_epz'"):
+        load_model(str(tiny_text_path), override_config={"rms_norm_epz": 1e-5})
+
+
+def test_critic_has_an_untied_small_value_head(tiny_vl_path):
+    critic = load_model(str(tiny_vl_path), role="critic")
+    head = critic.lm_head
+    assert tuple(head.weight.shape) == (1, 64) and torch.equal(head.bias, torch.zeros(1))
+    assert 0 < head.weight.abs().max() < 0.02
+    critic.tie_weights()  # what a later from_pretrained-style call would do: must not re-tie
+    assert critic.lm_head is head and critic.get_input_embeddings().weight.shape[0] > 1
+    # The same head on every load (ranks must agree before FSDP shards them).
+    assert torch.equal(load_model(str(tiny_vl_path), role="critic").lm_head.weight, head.weight)
+
+
+def test_freeze_vision_tower_freezes_exactly_the_tower(tiny_vl_path):
+    model = load_model(str(tiny_vl_path))
+    frozen = freeze_vision_tower(model)
+    tower = {id(p) for p in model.model.visual.parameters()}
+    assert frozen == sum(p.numel() for p in model.model.visual.parameters())
+    assert all(p.requires_grad == (id(p) not in tower) for p in model.parameters())
+
+
+# ---------------------------------------------------------------- forward inputs
+
+
+def test_concat_pads_audio_features_and_keeps_row_order():
+    rows = [
+        {"input_features": torch.ones(1, 2, 3), "feature_attention_mask": torch.ones(1, 3, dtype=torch.long)},
+        {},
+        {
+            "input_features": torch.full((2, 2, 5), 2.0),
+            "feature_attention_mask": torch.ones(2, 5, dtype=torch.long),
+        },
+    ]
+    joined = concat_multi_modal_inputs(rows)
+    assert joined["input_features"].shape == (3, 2, 5)
+    assert joined["input_features"][0, :, 3:].abs().sum() == 0 and joined["input_features"][1:].eq(2).all()
+    assert joined["feature_attention_mask"].sum(-1).tolist() == [3, 5, 5]
+
+
+def test_mrope_positions_match_the_models_own_and_hand_derived(tiny_vl_path, vl_processor):
+    model = load_model(str(tiny_vl_path)).eval()
+    encoded = _encode_prompt(vl_processor, (84, 56), seed=0)  # 6 x 4 patches -> 3 x 2 merged tokens
+    media = {key: encoded[key] for key in ("pixel_values", "image_grid_thw")}
+    inputs = build_forward_inputs(model, encoded["input_ids"], encoded["attention_mask"], [media])
+    positions = inputs["position_ids"][:, 0]  # [3, L]
+    image = (encoded["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
+    start = int(image[0])
+    # Text before the image counts 0, 1, ...; the image's 6 tokens take (t, h, w) = (s, s + i, s + j);
+    # text after it continues from s + max(h, w) = s + 3.
+    assert torch.equal(positions[:, :start], torch.arange(start).expand(3, -1))
+    expected_image = [
+        [start] * 6,
+        [start + i for i in range(2) for _ in range(3)],
+        [start + j for _ in range(2) for j in range(3)],
+    ]
+    assert positions[:, image].tolist() == expected_image
+    assert positions[0, int(image[-1]) + 1] == start + 3
+    with torch.no_grad():
+        own = model(**encoded).logits  # the model computes its positions itself
+        explicit = model(**inputs).logits
+    torch.testing.assert_close(explicit, own, atol=0, rtol=0)
+
+
+def _logits_own_vs_explicit(model, encoded: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with positions left to the model, and with those of ``build_forward_inputs``."""
+    token_keys = ("input_ids", "attention_mask", "mm_token_type_ids")
+    media = {key: value for key, value in encoded.items() if key not in token_keys}
+    inputs = build_forward_inputs(
+        model, encoded["input_ids"], encoded["attention_mask"], [media], encoded.get("mm_token_type_ids")
+    )
+    with torch.no_grad():
+        return model(**encoded).logits, model(**inputs).logits
+
+
+def test_video_and_audio_positions_match_the_models_own(tiny_vl_path, tiny_omni_path, vl_processor):
+    from transformers import AutoProcessor
+
+    frames = np.random.default_rng(0).integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
+    prompt = vl_processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    video = dict(vl_processor(text=[prompt], videos=[frames], return_tensors="pt"))
+    assert "second_per_grid_ts" in video  # used for the positions, not passed to the forward
+    own, explicit = _logits_own_vs_explicit(load_model(str(tiny_vl_path)).eval(), video)
+    torch.testing.assert_close(explicit, own, atol=0, rtol=0)
+
+    omni_processor = AutoProcessor.from_pretrained(tiny_omni_path)
+    content = [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "What is it?"}]
+    prompt = omni_processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    audio = np.random.default_rng(1).standard_normal(8000).astype(np.float32)
+    encoded = dict(
+        omni_processor(text=[prompt], images=[_image((56, 56), 0)], audio=[audio], return_tensors="pt")
+    )
+    own, explicit = _logits_own_vs_explicit(load_model(str(tiny_omni_path)).eval(), encoded)
+    torch.testing.assert_close(explicit, own, atol=0, rtol=0)
+
+
+def test_left_padding_changes_no_logit(tiny_vl_path, tiny_text_path, vl_processor):
+    for path in (tiny_vl_path, tiny_text_path):
+        model = load_model(str(path)).eval()
+        if path == tiny_vl_path:
+            encoded = _encode_prompt(vl_processor, (56, 56), seed=0)
+            media, token_types = (
+                [{k: encoded[k] for k in ("pixel_values", "image_grid_thw")}],
+                encoded["mm_token_type_ids"],
+            )
+        else:
+            encoded = {
+                "input_ids": torch.randint(50, 300, (1, 12)),
+                "attention_mask": torch.ones(1, 12, dtype=torch.long),
+            }
+            media, token_types = None, None
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        pad = 5
+        padded_ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), ids], dim=1)
+        padded_mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), mask], dim=1)
+        padded_types = (
+            None
+            if token_types is None
+            else torch.cat([torch.zeros(1, pad, dtype=torch.long), token_types], 1)
+        )
+        with torch.no_grad():
+            plain = model(**build_forward_inputs(model, ids, mask, media, token_types)).logits
+            padded = model(**build_forward_inputs(model, padded_ids, padded_mask, media, padded_types)).logits
+        torch.testing.assert_close(padded[:, pad:], plain, atol=1e-5, rtol=0)
+        if media is None:  # text: positions are the valid-token count, not the column index
+            positions = build_forward_inputs(model, padded_ids, padded_mask, None)["position_ids"]
+            assert positions[0].tolist() == [0] * pad + list(range(12))
+
+
+def test_response_head_outputs_are_the_positions_before_each_response_token(tiny_text_path):
+    model = load_model(str(tiny_text_path)).eval()
+    ids = torch.randint(50, 300, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits
+        kept = response_head_outputs(model, ids, mask, response_length=4)
+    torch.testing.assert_close(kept, full[:, 4:8], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- engine pieces
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16 and resolve_dtype("fp32", "cuda") == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_lr_schedule_warmup_constant_and_cosine():
+    # Warm-up of 4 steps: 1/4, 2/4, 3/4, 4/4 of the peak, then the schedule proper.
+    assert [lr_factor(s, 10, 4, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = [lr_factor(s, 10, 2, "cosine", 0.1) for s in range(2, 11)]
+    assert cosine[0] == pytest.approx(1.0) and cosine[-1] == pytest.approx(0.1)
+    assert cosine[4] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: (1 + cos(pi / 2)) / 2 = 1/2
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=2.0)
+    scheduler = build_lr_scheduler(optimizer, 10, 2, "cosine", 0.1)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * lr_factor(3, 10, 2, "cosine", 0.1))
+    restored = build_lr_scheduler(torch.optim.SGD([parameter], lr=2.0), 10, 2, "cosine", 0.1)
+    restored.load_state_dict(scheduler.state_dict())
+    assert restored.last_epoch == 3 and restored.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_clip_grad_norm_matches_torch_and_leaves_nonfinite_alone():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+    norm = clip_grad_norm(model, max_norm=0.1)
+    assert norm == pytest.approx(expected, rel=1e-6)
+    for before, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, before * 0.1 / (expected + 1e-6))
+    model[0].weight.grad[0, 0] = float("nan")
+    kept = [p.grad.clone() for p in model.parameters()]
+    assert math.isnan(clip_grad_norm(model, max_norm=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(kept[1:], [p.grad for p in model.parameters()][1:]))
+
+
+def test_build_optimizer_takes_only_trainable_parameters(tiny_vl_path):
+    model = load_model(str(tiny_vl_path))
+    freeze_vision_tower(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=[0.9, 0.95], weight_decay=0.1)
+    group = optimizer.param_groups[0]
+    assert sum(p.numel() for p in group["params"]) == sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
+    assert group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
+
+
+# ---------------------------------------------------------------- single-process updates
+
+
+def test_update_is_independent_of_micro_batch_size(tiny_vl_path, vl_batch):
+    whole, whole_metrics = _reference_update(tiny_vl_path, vl_batch, micro_batch_size=4)
+    split, split_metrics = _reference_update(tiny_vl_path, vl_batch, micro_batch_size=1)
+    _assert_states_close(split, whole, atol=1e-6)
+    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm"):
+        assert split_metrics[name] == pytest.approx(whole_metrics[name], rel=1e-5, abs=1e-7), name
+    assert whole_metrics["grad_norm"] > ACTOR_SETTINGS["max_grad_norm"]  # clipping was active
+    assert 0 < whole_metrics["pg_clipfrac"] < 1 and whole_metrics["skipped_steps"] == 0
+
+
+def test_one_step_changes_every_trainable_tensor_vision_tower_included(tiny_vl_path, vl_batch):
+    model = load_model(str(tiny_vl_path))
+    before = _unique_state(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
+    after = _unique_state(model)
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert unchanged == []
+    assert any(name.startswith("model.visual.") for name in before)
+
+
+def test_frozen_vision_tower_stays_unchanged(tiny_vl_path, vl_batch):
+    model = load_model(str(tiny_vl_path))
+    freeze_vision_tower(model)
+    before = _unique_state(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
+    after = _unique_state(model)
+    for name in before:
+        assert torch.equal(before[name], after[name]) == name.startswith("model.visual."), name
+
+
+def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
+    model = load_model(str(tiny_vl_path))
+    batch = add_training_columns(
+        build_batch(vl_processor, image_sizes=(None, None), response_lengths=(4, 2)), tiny_vl_path
+    )
+    batch.batch["advantages"][0, 0] = float("inf")  # inf * ratio: the gradient norm is NaN
+    before = _unique_state(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    metrics = PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(batch, 2, 2, 1, TEMPERATURE)
+    assert metrics["skipped_steps"] == 1 and math.isnan(metrics["grad_norm"])
+    assert all(torch.equal(before[name], tensor) for name, tensor in _unique_state(model).items())
+
+
+# ---------------------------------------------------------------- two ranks vs one
+
+
+@pytest.mark.distributed
+def test_two_rank_log_probs_and_grads_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
+    model = load_model(str(tiny_vl_path))
+    actor = PolicyActor(model, **ACTOR_SETTINGS)
+    log_probs, entropy = actor.compute_log_probs(vl_batch, 4, TEMPERATURE, with_entropy=True)
+    mask = vl_batch.batch["response_mask"].bool()
+    sharded_log_probs = torch.cat([result["log_probs"] for result in two_rank_results])
+    sharded_entropy = torch.cat([result["entropy"] for result in two_rank_results])
+    torch.testing.assert_close(sharded_log_probs[mask], log_probs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(sharded_entropy[mask], entropy[mask], atol=1e-5, rtol=0)
+
+    _response_log_prob_sum(model, vl_batch).backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = two_rank_results[0]["grads"]
+    assert grads.keys() == expected.keys() and any(name.startswith("model.visual.") for name in grads)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_two_rank_update_equals_one_rank(tiny_vl_path, vl_batch, two_rank_results, mode):
+    expected, expected_metrics = _reference_update(
+        tiny_vl_path, vl_batch, micro_batch_size=4, loss_avg_mode=mode
+    )
+    initial = two_rank_results[0]["state_dict"]
+    for result in two_rank_results:
+        state, metrics = result[f"update_{mode}"]
+        _assert_states_close(state, expected, atol=1e-6)
+        for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr"):
+            assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
+    # Not vacuous: the step moved every tensor, and by more than the tolerance.
+    state, _ = two_rank_results[0][f"update_{mode}"]
+    assert all(not torch.equal(state[name], initial[name]) for name in initial)
+    assert max((state[name] - initial[name]).abs().max().item() for name in initial) > 1e-3
+
+
+@pytest.mark.distributed
+def test_two_rank_frozen_tower_unchanged(two_rank_results):
+    initial = two_rank_results[0]["state_dict"]
+    updated = two_rank_results[0]["frozen_update"]
+    for name in initial:
+        assert torch.equal(initial[name], updated[name]) == name.startswith("model.visual."), name
+
+
+@pytest.mark.distributed
+def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
+    model = load_model(str(tiny_vl_path), role="critic")
+    critic = ValueCritic(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), max_grad_norm=1e9)
+    values = critic.compute_values(vl_batch, 4)
+    mask = vl_batch.batch["response_mask"].bool()
+    sharded_values = torch.cat([result["values"] for result in two_rank_results])
+    torch.testing.assert_close(sharded_values[mask], values[mask], atol=1e-6, rtol=0)
+    head_before = model.lm_head.weight.detach().clone()
+    metrics = critic.update_critic(vl_batch, 4, 4, 1, CRITIC_CLIP, "token_mean")
+    assert metrics["vf_loss"] > 0 and 0 <= metrics["vf_clipfrac"] <= 1
+    assert not torch.equal(model.lm_head.weight, head_before)
+    state, sharded_metrics = two_rank_results[0]["critic_update"]
+    _assert_states_close(state, _unique_state(model), atol=1e-6)
+    assert sharded_metrics["vf_loss"] == pytest.approx(metrics["vf_loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_full_state_dict_of_sharded_model_loads_into_a_fresh_model(
+    tiny_vl_path, vl_processor, two_rank_results
+):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    reference = load_model(str(tiny_vl_path)).eval()
+    assert reference.lm_head.weight is reference.get_input_embeddings().weight
+    # The unsharded state_dict, less the tied alias lm_head.weight (sent once, as the embedding).
+    expected = {name: tensor for name, tensor in reference.state_dict().items() if name != "lm_head.weight"}
+    for result in two_rank_results:  # every rank gets the full tensors
+        _assert_states_close(result["state_dict"], expected, atol=0)
+    # On-disk names: exactly the keys save_pretrained wrote.
+    with safe_open(str(tiny_vl_path / "model.safetensors"), "pt") as stored:
+        assert sorted(two_rank_results[0]["checkpoint_names"]) == sorted(stored.keys())
+    assert checkpoint_key_mapping(reference)["model.language_model.layers.0.mlp.up_proj.weight"] == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+
+    torch.manual_seed(123)
+    fresh = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tiny_vl_path)).eval()
+    load_into(fresh, two_rank_results[1]["state_dict"].items())
+    inputs = _encode_prompt(vl_processor, (56, 56), seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(**inputs).logits, reference(**inputs).logits, atol=0, rtol=0)
+    with pytest.raises(KeyError, match="tensors were not given"):
+        load_into(fresh, list(two_rank_results[1]["state_dict"].items())[:-1])
