@@ -10,12 +10,15 @@ PYTEST_ARGS ?=
 install:
 	@bash scripts/setup_env.sh
 
+# tiny random Qwen2.5-VL, the synthetic colour task, and the answer-format warm-up the demo starts from
 assets: install
 	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
-	@$(PY) -m mmrl.data.synthetic --task color --out $(ASSETS)/data/shapes-color
+	@$(PY) -m mmrl.data.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
+	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/shapes-color/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-warm
 
 demo: assets
-	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml $(ARGS)
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)

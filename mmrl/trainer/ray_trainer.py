@@ -102,7 +102,14 @@ class RayPPOTrainer:
         data = config.data
         train_set = build_dataset(config, data.train_files, self.tokenizer, processor)
         collate = self._collate
-        self.train_loader = PromptLoader(train_set, data.rollout_batch_size, collate, data.shuffle, data.seed)
+        self.train_loader = PromptLoader(
+            train_set,
+            data.rollout_batch_size,
+            collate,
+            data.shuffle,
+            data.seed,
+            num_workers=data.dataloader_num_workers,
+        )
         self.val_loader = None
         if data.val_files:
             val_set = build_dataset(config, data.val_files, self.tokenizer, processor)

@@ -9,6 +9,7 @@ a handle to collect later. A user error inside the reward file reaches the drive
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,18 @@ from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_r
 
 # object columns that are model inputs, not sample data: never handed to reward functions
 MODEL_INPUT_COLUMNS = ("multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
+_CHAINED_LINE = "\n\nThe above exception was the direct cause of the following exception:"
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the process names in remote tracebacks
+
+
+def reward_error_message(error: RewardFunctionError, remote_text: str) -> str:
+    """``error``'s message (file, function, sample), then the reward file's own traceback when ``error``
+    was chained from the user's exception. Ray renders a remote error (``remote_text``) with the
+    exceptions it was chained from first, so that traceback is the part before the chaining line."""
+    if _CHAINED_LINE not in remote_text:
+        return str(error)
+    user_traceback = _ANSI_ESCAPE.sub("", remote_text.split(_CHAINED_LINE)[0]).strip()
+    return f"{error}\n--- traceback in the reward function ---\n{user_traceback}"
 
 
 def scores_to_token_level(overall: list[float], response_mask: torch.Tensor) -> torch.Tensor:
@@ -104,9 +117,8 @@ class RewardWorkers:
                 "(raise it, or look for a reward function that hangs)"
             ) from None
         except RayTaskError as err:
-            cause = err.as_instanceof_cause()
-            if isinstance(cause, RewardFunctionError):
-                raise RewardFunctionError(str(cause).split("\n\nThe above exception")[0]) from None
+            if isinstance(err.cause, RewardFunctionError):  # the scorer's own exception, unpickled
+                raise RewardFunctionError(reward_error_message(err.cause, str(err))) from None
             raise
         return DataProto.concat(shards).unpad(pending.pad_size)
 

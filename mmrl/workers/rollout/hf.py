@@ -7,14 +7,16 @@ receives them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
+from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
+from mmrl.workers.weight_sync import load_into
 
 # Tokens that only the processor may place: sampling one breaks re-scoring of the response
 # ("Image features and image tokens do not match"), so they are suppressed during generation.
@@ -53,22 +55,6 @@ def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) ->
     return sorted(ids)
 
 
-def concat_media_inputs(
-    rows: Sequence[dict[str, torch.Tensor]], device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    """Per-row processor outputs (``pixel_values``, ``image_grid_thw``, ...) → one micro-batch.
-
-    Every media tensor is stacked along dim 0 in row order, which is how Qwen-VL processors batch
-    several images: patches of all images, then one grid row per image.
-    """
-    keys = sorted({key for row in rows for key in row})
-    merged = {}
-    for key in keys:
-        parts = [row[key] for row in rows if key in row]
-        merged[key] = torch.cat(parts, dim=0).to(device)
-    return merged
-
-
 class HFRollout:
     """Samples with ``model.generate`` on this process's share of the prompts."""
 
@@ -93,14 +79,8 @@ class HFRollout:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"rollout model has no parameter '{name}' (weight sync name mismatch)")
-            params[name].copy_(tensor.to(params[name].dtype))
+        load_into(self.model, named_tensors)  # every tensor must arrive: a partial sync is an error
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         return GenerationConfig(
@@ -128,7 +108,9 @@ class HFRollout:
         if "mm_token_type_ids" in batch.batch.keys():
             inputs["mm_token_type_ids"] = batch.batch["mm_token_type_ids"].to(device)
         if "multi_modal_inputs" in batch.non_tensor_batch:
-            inputs.update(concat_media_inputs(list(batch.non_tensor_batch["multi_modal_inputs"]), device))
+            inputs.update(
+                concat_multi_modal_inputs(list(batch.non_tensor_batch["multi_modal_inputs"]), device)
+            )
         prompt_width = inputs["input_ids"].shape[-1]
         output = self.model.generate(**inputs, generation_config=self._generation_config(sampling))
         responses = output.sequences[:, prompt_width:]  # [b, r <= max_tokens]

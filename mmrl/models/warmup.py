@@ -1,0 +1,108 @@
+"""Answer-format warm-up of a random tiny model, so that RL starts from chance rather than from noise.
+
+A random model samples a valid one-word answer about 1 % of the time, and RL from there takes far
+longer than a demo should. This supervised pass teaches the answer *format* but not the task: every
+training prompt is paired with every answer of the task's answer set once, so the target is the
+uniform distribution over answers whatever the image. The warmed model answers with a valid word and
+stops, at chance accuracy (1/4 for four colours), and with maximal entropy over the answers, which is
+what RL needs to explore. (Random labels instead would let the model memorise a skewed answer per
+image, which RL must first unlearn.) What RL then gains is the use of the image.
+
+CLI: ``python -m mmrl.models.warmup --model assets/models/tiny-qwen2.5-vl --data
+assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.dataset import PromptDataset
+from mmrl.models.inputs import response_head_outputs
+from mmrl.models.loading import load_model
+from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
+from mmrl.workers.rollout import response_mask_until_eos
+
+MARKER = "mmrl_warmup.json"
+
+
+def answer_batch(answers: list[str], tokenizer, width: int) -> torch.Tensor:
+    """Answers as response tokens ``[B, width]``: the answer, EOS, then padding."""
+    rows = [tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id] for answer in answers]
+    out = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = torch.tensor(row[:width])
+    return out
+
+
+def warm_up(
+    model_dir: str, data_file: str, out_dir: str, steps: int = 100, batch_size: int = 8, lr: float = 2e-3, seed: int = 0
+) -> Path:
+    """Supervised answer-format pass (see module docstring); writes a Hugging Face folder to ``out_dir``."""
+    out = Path(out_dir)
+    settings = {"model_dir": str(model_dir), "data_file": str(data_file), "steps": steps, "lr": lr, "seed": seed}
+    if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
+        print(f"[mmrl.models.warmup] {out} is up to date")
+        return out
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tokenizer, processor = load_tokenizer_and_processor(model_dir)
+    model = load_model(model_dir)
+    dataset = PromptDataset(data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
+    width = max(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answer_set) + 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        items = [dataset[int(i)] for i in rng.choice(len(dataset), batch_size, replace=False)]
+        prompts = collate_prompts(items, tokenizer.pad_token_id).repeat(len(answer_set), interleave=True)
+        responses = answer_batch(answer_set * batch_size, tokenizer, width)  # every answer for every prompt
+        mask = response_mask_until_eos(responses, [tokenizer.eos_token_id])
+        batch = prompts.batch
+        input_ids = torch.cat([batch["input_ids"], responses], dim=-1)  # [B, P + R]
+        attention_mask = torch.cat([batch["attention_mask"], mask], dim=-1)
+        mm_types = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
+        logits = response_head_outputs(
+            model, input_ids, attention_mask, width, list(prompts.non_tensor_batch["multi_modal_inputs"]), mm_types
+        )
+        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses, reduction="none")
+        loss = (token_loss * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 20 == 0 or step == steps - 1:
+            print(f"[mmrl.models.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if processor is not None:
+        processor.save_pretrained(tmp)
+    (tmp / MARKER).write_text(json.dumps(settings))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"[mmrl.models.warmup] wrote {out} (answers: {', '.join(answer_set)})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="tiny model folder to start from")
+    parser.add_argument("--data", required=True, help="training jsonl of the task")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    warm_up(args.model, args.data, args.out, steps=args.steps, lr=args.lr, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()

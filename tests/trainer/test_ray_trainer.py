@@ -1,0 +1,589 @@
+"""End-to-end tests of the training engine: ``python -m mmrl.trainer.main`` in a subprocess.
+
+Real Ray, two FSDP2 ranks over gloo, the transformers rollout, a reference model with the KL loss and
+a reward actor, on the tiny random Qwen2.5-VL and the synthetic colour task (session fixtures). The
+reward is ``assets/fingerprint_reward.py``: dense, so GRPO advantages are non-zero and the weights
+really move (lr 0.02), plus a fingerprint of the response texts, so that equal metrics mean equal
+generations.
+
+One uninterrupted 4-step run (``run_a``, module scope) serves the tests of the run itself, of the exact
+resume after SIGKILL, of the resume on one worker and of the merger. Every trainer process starts in a
+session of its own: a kill of its process group takes Ray's head processes with it, and whatever is
+left can be found by session id (Ray's workers have their own process groups but keep the session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from mmrl.trainer.config_loader import config_to_yaml, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ASSETS = Path(__file__).resolve().parent / "assets"
+FINGERPRINT_REWARD = f"{ASSETS / 'fingerprint_reward.py'}:compute_score"
+RAISING_REWARD = f"{ASSETS / 'raising_reward.py'}:compute_score"
+
+# A trainer run takes 20-45 s on a 2-core machine; the limits only keep a hang from stalling CI.
+RUN_TIMEOUT_S = 240.0
+EXIT_AFTER_WORKER_DEATH_S = 120.0
+SESSION_EXIT_TIMEOUT_S = 60.0  # Ray's workers exit a few seconds after its head processes
+TEST_TIMEOUT_S = 900  # several runs plus the module's shared run
+
+WORLD_SIZE = 2
+TOTAL_STEPS = 4
+SAVE_FREQ = 2
+ROLLOUT_BATCH_SIZE = 4  # prompts per step; the train set has 32, so 8 steps per epoch
+RESPONSES_PER_PROMPT = 4
+MAX_RESPONSE_LENGTH = 4
+LEARNING_RATE = 0.02  # large enough for greedy validation answers to change within 4 steps
+TIME_BASED_PREFIXES = ("timing_s/", "throughput/")
+
+
+def trainer_e2e(test: Callable) -> Callable:
+    """Marks a test that runs the trainer: slow, spawns a Ray cluster, with a bounded duration."""
+    return pytest.mark.slow(pytest.mark.distributed(pytest.mark.timeout(TEST_TIMEOUT_S)(test)))
+
+
+# ---- configs and processes ----------------------------------------------------------------------
+
+
+def trainer_overrides(model_path: Path, data_dir: Path, save_dir: Path) -> list[str]:
+    """A complete tiny run: 2 CPU workers, 4 prompts x 4 responses of 4 tokens, 4 steps."""
+    return [
+        f"data.train_files={data_dir / 'train.jsonl'}",
+        f"data.val_files={data_dir / 'val.jsonl'}",
+        "data.max_prompt_length=64",
+        f"data.max_response_length={MAX_RESPONSE_LENGTH}",
+        f"data.rollout_batch_size={ROLLOUT_BATCH_SIZE}",
+        "data.min_pixels=3136",
+        "data.max_pixels=50176",
+        "data.seed=1",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.disable_kl=false",
+        "algorithm.use_kl_loss=true",
+        "algorithm.kl_coef=0.01",
+        f"worker.actor.model.model_path={model_path}",
+        "worker.actor.model.enable_gradient_checkpointing=false",
+        f"worker.actor.global_batch_size={ROLLOUT_BATCH_SIZE}",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.actor.micro_batch_size_per_device_for_experience=8",
+        "worker.actor.max_grad_norm=1.0",
+        f"worker.actor.optim.lr={LEARNING_RATE}",
+        "worker.actor.optim.weight_decay=0.0",
+        "worker.rollout.name=hf",
+        f"worker.rollout.n={RESPONSES_PER_PROMPT}",
+        "worker.rollout.temperature=1.0",
+        "worker.rollout.val_override_config.temperature=0",
+        "worker.rollout.val_override_config.n=1",
+        f"worker.reward.reward_function={FINGERPRINT_REWARD}",
+        f"trainer.max_steps={TOTAL_STEPS}",
+        "trainer.logger=[jsonl]",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={WORLD_SIZE}",
+        "trainer.device=cpu",
+        "trainer.val_freq=2",
+        "trainer.val_before_train=true",
+        f"trainer.save_freq={SAVE_FREQ}",
+        "trainer.save_limit=-1",
+        f"trainer.save_checkpoint_path={save_dir}",
+    ]
+
+
+def write_config(path: Path, overrides: Sequence[str]) -> Path:
+    """Validates ``overrides`` here (a ``ConfigError`` names any bad key) and writes the resolved config
+    that the trainer subprocess is started with."""
+    path.write_text(config_to_yaml(load_config(list(overrides))))
+    return path
+
+
+def trainer_env() -> dict[str, str]:
+    # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(actor_rankN pid=...)"
+    # prefix, which the dying-worker test reads.
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+
+
+def start_trainer(config_file: Path, log_path: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """The trainer CLI in a new session (its pid is the session id), output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "mmrl.trainer.main", f"config={config_file}", *extra],
+            cwd=REPO_ROOT,
+            env=trainer_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def read_log(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")
+
+
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """Live (not zombie) processes of the session ``session_id``."""
+    found = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(process.pid) == session_id and process.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (OSError, psutil.Error):
+            continue  # exited meanwhile
+    return found
+
+
+def leftover_processes(session_id: int, timeout_s: float) -> list[str]:
+    """Waits up to ``timeout_s`` for the session to empty; describes the processes still running."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := session_processes(session_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    described = []
+    for process in alive:
+        try:
+            described.append(f"{process.pid} {process.name()}")
+        except psutil.Error:
+            continue
+    return described
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """Kills the trainer's process group and every process left in its session, by pid; never raises."""
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+    for leftover in session_processes(process.pid):
+        with contextlib.suppress(psutil.Error):
+            leftover.kill()
+
+
+def wait_for_exit(process: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        pytest.fail(
+            f"the trainer did not exit within {timeout_s:g} s; its output ends:\n{read_log(log_path)[-4000:]}"
+        )
+
+
+def wait_until(
+    condition: Callable[[], bool], process: subprocess.Popen, log_path: Path, what: str, timeout_s: float
+) -> None:
+    """Polls ``condition`` while the trainer runs; fails if it exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if process.poll() is not None:
+            pytest.fail(
+                f"the trainer exited (code {process.returncode}) before {what}; its output ends:\n"
+                f"{read_log(log_path)[-4000:]}"
+            )
+        if time.monotonic() > deadline:
+            kill_session(process)
+            pytest.fail(f"no {what} within {timeout_s:g} s; the output ends:\n{read_log(log_path)[-4000:]}")
+        time.sleep(0.1)
+
+
+@dataclass
+class TrainerRun:
+    returncode: int
+    output: str
+    save_dir: Path
+    leftovers: list[str]  # processes of the run's session still running a while after it exited
+
+
+def run_trainer(
+    config_file: Path,
+    save_dir: Path,
+    log_path: Path,
+    extra: Sequence[str] = (),
+    timeout_s: float = RUN_TIMEOUT_S,
+) -> TrainerRun:
+    process = start_trainer(config_file, log_path, extra)
+    try:
+        returncode = wait_for_exit(process, log_path, timeout_s)
+        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+    finally:
+        kill_session(process)
+    return TrainerRun(returncode, read_log(log_path), save_dir, leftovers)
+
+
+# ---- run artefacts ------------------------------------------------------------------------------
+
+
+def metrics_lines(save_dir: Path) -> list[dict[str, float]]:
+    path = save_dir / "logs" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def logged_steps(save_dir: Path) -> int:
+    """Lines in metrics.jsonl so far, counted without parsing (the trainer may be writing one)."""
+    path = save_dir / "logs" / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.is_file() else 0
+
+
+def metrics_by_step(lines: Sequence[dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The last line of each step (a resumed run appends to the file), without the ``step`` key."""
+    by_step = {}
+    for line in lines:
+        by_step[line["step"]] = {key: value for key, value in line.items() if key != "step"}
+    return by_step
+
+
+def latest_committed_step(save_dir: Path) -> int | None:
+    try:
+        return json.loads((save_dir / "checkpoint_tracker.json").read_text())["latest_step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def deterministic_part(metrics: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in metrics.items() if not key.startswith(TIME_BASED_PREFIXES)}
+
+
+def val_part(metrics: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in metrics.items() if key.startswith("val/")}
+
+
+def token_log_probs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for t >= 1: [B, L - 1]."""
+    with torch.no_grad():
+        logits = model(**inputs).logits  # [B, L, V]
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return log_probs.gather(-1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
+
+
+# ---- the shared uninterrupted run ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def e2e_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray_trainer")
+
+
+@pytest.fixture(scope="module")
+def run_a_config(e2e_dir, tiny_vl_path, shapes_data_dir) -> Path:
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, e2e_dir / "run_a")
+    return write_config(e2e_dir / "run_a.yaml", overrides)
+
+
+@pytest.fixture(scope="module")
+def run_a(e2e_dir, run_a_config) -> TrainerRun:
+    """4 steps on 2 workers, uninterrupted: checkpoints at steps 2 and 4, validation at 0, 2 and 4."""
+    return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log")
+
+
+def assert_succeeded(run: TrainerRun) -> None:
+    assert run.returncode == 0, (
+        f"the trainer exited with {run.returncode}; output ends:\n{run.output[-4000:]}"
+    )
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+@trainer_e2e
+def test_training_run_logs_validates_and_checkpoints(run_a):
+    assert_succeeded(run_a)
+    assert run_a.leftovers == [], f"processes still running after the trainer exited: {run_a.leftovers}"
+
+    metrics = metrics_by_step(metrics_lines(run_a.save_dir))
+    assert sorted(metrics) == [0, 1, 2, 3, 4]
+    assert set(metrics[0]) == {
+        "val/reward/overall",
+        "val/reward/fingerprint",
+        "val/shapes_color/overall",
+    }  # validation before training only
+    for step in range(1, TOTAL_STEPS + 1):
+        step_metrics = metrics[step]
+        for key in (
+            "reward/overall",
+            "reward/fingerprint",
+            "critic/score/mean",
+            "critic/advantages/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "actor/lr",
+            "response_length/mean",
+            "response_length/max",
+            "prompt_length/mean",
+            "timing_s/step",
+            "timing_s/gen",
+            "timing_s/old_log_prob",
+            "timing_s/ref_log_prob",
+            "timing_s/update_actor",
+            "throughput/tokens_per_s",
+        ):
+            assert key in step_metrics, f"step {step} has no {key}: {sorted(step_metrics)}"
+        assert 1 <= step_metrics["response_length/max"] <= MAX_RESPONSE_LENGTH
+        assert step_metrics["actor/lr"] == pytest.approx(LEARNING_RATE)
+        assert step_metrics["actor/grad_norm"] > 0  # the dense reward gives non-zero advantages
+        assert step_metrics["timing_s/step"] > 0
+        assert ("val/reward/overall" in step_metrics) == (step % 2 == 0)  # val_freq=2 and the last step
+    # the policy moved: greedy validation answers differ after training
+    assert metrics[4]["val/reward/fingerprint"] != metrics[0]["val/reward/fingerprint"]
+
+    save_dir = run_a.save_dir
+    assert sorted(path.name for path in save_dir.iterdir()) == [
+        "checkpoint_tracker.json",
+        "global_step_2",
+        "global_step_4",
+        "logs",
+    ]  # no .tmp folder left
+    tracker = json.loads((save_dir / "checkpoint_tracker.json").read_text())
+    assert tracker["latest_step"] == 4
+    assert tracker["metric_name"] == "val/reward/overall"
+    # the best step follows val/reward/overall; a tie keeps the earlier step
+    best = 4 if metrics[4]["val/reward/overall"] > metrics[2]["val/reward/overall"] else 2
+    assert tracker["best_step"] == best
+    step_dir = save_dir / "global_step_4"
+    assert sorted(path.name for path in step_dir.iterdir()) == ["actor", "trainer_state.json"]
+    trainer_state = json.loads((step_dir / "trainer_state.json").read_text())
+    assert trainer_state["global_step"] == 4
+    assert trainer_state["loader"] == {"epoch": 0, "batch_index": 4}  # 4 of the epoch's 8 batches
+    state_info = json.loads((step_dir / "actor" / "mmrl_state.json").read_text())
+    assert state_info["world_size"] == WORLD_SIZE and state_info["has_optimizer"]
+    for name in ("model/.metadata", "optimizer/.metadata", "extra_state_rank0.pt", "extra_state_rank1.pt"):
+        assert (step_dir / "actor" / name).is_file(), name
+
+
+@trainer_e2e
+def test_sigkill_and_resume_reproduce_the_uninterrupted_metrics(
+    run_a, e2e_dir, tiny_vl_path, shapes_data_dir
+):
+    """Run B (run A's config) is killed with SIGKILL once step 2 is committed, then resumed to step 4:
+    every metric of steps 3 and 4 except timings equals run A's exactly."""
+    assert_succeeded(run_a)
+    save_dir = e2e_dir / "run_b"
+    config_file = write_config(
+        e2e_dir / "run_b.yaml", trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir)
+    )
+    log_path = e2e_dir / "run_b_killed.log"
+    process = start_trainer(config_file, log_path)
+    try:
+        wait_until(
+            lambda: (latest_committed_step(save_dir) or 0) >= 2,
+            process,
+            log_path,
+            "committed checkpoint of step 2",
+            RUN_TIMEOUT_S,
+        )
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+    finally:
+        kill_session(process)
+    assert process.returncode == -signal.SIGKILL
+    assert leftovers == [], f"processes of the killed run still running: {leftovers}"
+    assert (save_dir / "global_step_2").is_dir()
+    assert not (save_dir / "global_step_4").exists(), "the run finished before it was killed"
+    killed_run = metrics_by_step(metrics_lines(save_dir))
+    lines_before_resume = len(metrics_lines(save_dir))
+
+    resumed = run_trainer(
+        config_file, save_dir, e2e_dir / "run_b_resumed.log", extra=["trainer.find_last_checkpoint=true"]
+    )
+    assert_succeeded(resumed)
+    assert f"resuming from {save_dir / 'global_step_2'}" in resumed.output
+    new_lines = metrics_lines(save_dir)[lines_before_resume:]
+    assert [line["step"] for line in new_lines] == [2, 3, 4]  # validation at the resumed step, then 3, 4
+    assert set(new_lines[0]) - {"step"} == set(val_part(new_lines[0]))
+
+    expected, found = metrics_by_step(metrics_lines(run_a.save_dir)), metrics_by_step(new_lines)
+    # before the kill both runs are the same run: any difference here is nondeterminism, not resume
+    assert deterministic_part(killed_run[1]) == deterministic_part(expected[1])
+    assert val_part(found[2]) == val_part(expected[2])
+    for step in (3, 4):
+        assert set(found[step]) == set(expected[step])
+        assert deterministic_part(found[step]) == deterministic_part(expected[step]), f"step {step}"
+        assert "actor/pg_loss" in deterministic_part(found[step])
+    assert latest_committed_step(save_dir) == 4
+
+
+@trainer_e2e
+def test_resume_on_one_worker_from_a_two_worker_checkpoint(run_a, e2e_dir, tiny_vl_path, shapes_data_dir):
+    """Run A's last checkpoint (2 ranks) resumed on 1 rank for one more step. Greedy validation at the
+    resumed step reproduces run A's step-4 validation, so the loaded weights are run A's."""
+    from mmrl.checkpoint.merger import load_full_state_dict
+
+    assert_succeeded(run_a)
+    save_dir = e2e_dir / "run_one_worker"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.n_gpus_per_node=1",
+        f"trainer.max_steps={TOTAL_STEPS + 1}",
+        f"trainer.load_checkpoint_path={run_a.save_dir / 'global_step_4'}",
+    ]
+    config_file = write_config(e2e_dir / "run_one_worker.yaml", overrides)
+    resumed = run_trainer(config_file, save_dir, e2e_dir / "run_one_worker.log")
+    assert_succeeded(resumed)
+
+    expected = metrics_by_step(metrics_lines(run_a.save_dir))
+    found = metrics_by_step(metrics_lines(save_dir))
+    assert sorted(found) == [4, 5]
+    # validation must see a trained model for this to identify the weights (checked in run A too)
+    assert expected[4]["val/reward/fingerprint"] != expected[0]["val/reward/fingerprint"]
+    assert found[4] == val_part(expected[4])
+    assert "actor/pg_loss" in found[5] and "val/reward/overall" in found[5]
+
+    step_dir = save_dir / "global_step_5"
+    assert json.loads((step_dir / "trainer_state.json").read_text())["loader"] == {
+        "epoch": 0,
+        "batch_index": 5,
+    }
+    assert json.loads((step_dir / "actor" / "mmrl_state.json").read_text())["world_size"] == 1
+    saved = load_full_state_dict(run_a.save_dir / "global_step_4" / "actor" / "model")
+    trained_on = load_full_state_dict(step_dir / "actor" / "model")
+    assert saved.keys() == trained_on.keys()
+    assert any(not torch.equal(saved[key], trained_on[key]) for key in saved)  # step 5 trained
+
+
+@trainer_e2e
+def test_merged_trainer_checkpoint_loads_with_from_pretrained(run_a, e2e_dir, tiny_vl_path, shapes_data_dir):
+    """scripts/model_merger.py on run A's step-4 actor gives a Hugging Face folder whose model scores
+    an image prompt exactly like the DCP checkpoint loaded in-process, and unlike the initial model."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmrl.checkpoint.merger import load_full_state_dict
+
+    assert_succeeded(run_a)
+    actor_dir = run_a.save_dir / "global_step_4" / "actor"
+    merged_dir = e2e_dir / "merged_step_4"
+    merge = subprocess.run(
+        [
+            sys.executable,
+            "scripts/model_merger.py",
+            "--local_dir",
+            str(actor_dir),
+            "--target_dir",
+            str(merged_dir),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert merge.returncode == 0, merge.stderr[-4000:]
+
+    processor = AutoProcessor.from_pretrained(merged_dir)  # the merged folder is complete
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}],
+        }
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True) + "red<|im_end|>"
+    image = Image.open(shapes_data_dir / "images" / "val_00000.png").convert("RGB")
+    inputs = dict(processor(text=[text], images=[image], return_tensors="pt"))
+    assert "pixel_values" in inputs
+
+    merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    from_checkpoint = AutoModelForImageTextToText.from_pretrained(tiny_vl_path, dtype=torch.float32).eval()
+    from_checkpoint.load_state_dict(load_full_state_dict(actor_dir / "model"), strict=True)
+    initial = AutoModelForImageTextToText.from_pretrained(tiny_vl_path, dtype=torch.float32).eval()
+
+    merged_log_probs = token_log_probs(merged, inputs)
+    torch.testing.assert_close(merged_log_probs, token_log_probs(from_checkpoint, inputs), rtol=0, atol=1e-6)
+    assert (merged_log_probs - token_log_probs(initial, inputs)).abs().max() > 1e-3
+
+
+@trainer_e2e
+def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny_vl_path, shapes_data_dir):
+    """SIGKILL of rank 1's process mid-run: the trainer exits 1 within a bounded time, naming the rank."""
+    save_dir = e2e_dir / "run_worker_dies"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.max_steps=1000",  # never reached: the run must end because of the kill
+        "trainer.val_before_train=false",
+        "trainer.val_freq=0",
+        "trainer.save_freq=0",
+    ]
+    config_file = write_config(e2e_dir / "run_worker_dies.yaml", overrides)
+    log_path = e2e_dir / "run_worker_dies.log"
+    process = start_trainer(config_file, log_path)
+    try:
+        wait_until(lambda: logged_steps(save_dir) >= 1, process, log_path, "logged step", RUN_TIMEOUT_S)
+        rank1 = re.compile(r"\(actor_rank1 pid=(\d+)\)")
+        wait_until(
+            lambda: rank1.search(read_log(log_path)) is not None, process, log_path, "line of rank 1", 30
+        )
+        rank1_pid = int(rank1.search(read_log(log_path)).group(1))
+        worker = psutil.Process(rank1_pid)
+        assert os.getsid(rank1_pid) == process.pid and worker.name().startswith("ray::")
+        worker.kill()
+        killed_at = time.monotonic()
+        returncode = wait_for_exit(process, log_path, EXIT_AFTER_WORKER_DEATH_S)
+        seconds_to_exit = time.monotonic() - killed_at
+        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+    finally:
+        kill_session(process)
+    output = read_log(log_path)
+    assert returncode == 1, output[-4000:]
+    assert seconds_to_exit < EXIT_AFTER_WORKER_DEATH_S
+    assert "mmrl: training stopped: actor_rank1 (rank 1 of 2) lost its process" in output, output[-4000:]
+    assert leftovers == [], f"processes still running after the trainer exited: {leftovers}"
+
+
+@trainer_e2e
+def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
+    e2e_dir, tiny_vl_path, shapes_data_dir
+):
+    """The reward raises on the answer of train row 2; unshuffled, the first batch holds rows 0-3 and
+    response i belongs to prompt i // n, so the first failing sample is n x (first row with that answer)."""
+    first_batch = [
+        json.loads(line)["answer"]
+        for line in (shapes_data_dir / "train.jsonl").read_text().splitlines()[:ROLLOUT_BATCH_SIZE]
+    ]
+    fail_on = first_batch[2]
+    first_failing_sample = first_batch.index(fail_on) * RESPONSES_PER_PROMPT
+    save_dir = e2e_dir / "run_raising_reward"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        f"worker.reward.reward_function={RAISING_REWARD}",
+        f"worker.reward.reward_function_kwargs.fail_on_answer={fail_on}",
+        "data.shuffle=false",
+        "trainer.val_before_train=false",
+    ]
+    config_file = write_config(e2e_dir / "run_raising_reward.yaml", overrides)
+    run = run_trainer(config_file, save_dir, e2e_dir / "run_raising_reward.log")
+
+    assert run.returncode == 1, run.output[-4000:]
+    batch_responses = ROLLOUT_BATCH_SIZE * RESPONSES_PER_PROMPT
+    expected = (
+        f"mmrl: training stopped: Reward function `compute_score` from {ASSETS / 'raising_reward.py'} "
+        f"(reward 'raising', sequential) raised ValueError on sample {first_failing_sample} of {batch_responses}: "
+        f"refusing to score a sample whose answer is {fail_on!r}"
+    )
+    assert expected in run.output, run.output[-4000:]
+    assert f'File "{ASSETS / "raising_reward.py"}", line' in run.output  # the user's failing line
+    assert metrics_lines(save_dir) == []  # it failed in the first step
+
+
+def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_data_dir):
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, tmp_path / "run")
+    bad = "worker.actor.micro_batch_size_per_device_for_update=3"
+    result = subprocess.run(
+        [sys.executable, "-m", "mmrl.trainer.main", *overrides, bad],
+        cwd=REPO_ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "worker.actor.micro_batch_size_per_device_for_update=3" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing started

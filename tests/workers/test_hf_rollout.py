@@ -1,0 +1,139 @@
+"""The transformers rollout backend: response layout, sampling controls, parity with the trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.dataset import PromptDataset
+from mmrl.models.loading import load_model
+from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.protocol import DataProto
+from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
+from mmrl.workers.actor import PolicyActor
+from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
+from mmrl.workers.rollout.hf import HFRollout, placeholder_token_ids
+
+
+@pytest.fixture(scope="module")
+def vl_parts(tiny_vl_path):
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    return tiny_vl_path, tokenizer, processor
+
+
+@pytest.fixture(scope="module")
+def prompts(vl_parts, shapes_data_dir) -> DataProto:
+    _, tokenizer, processor = vl_parts
+    dataset = PromptDataset(
+        str(shapes_data_dir / "train.jsonl"),
+        tokenizer,
+        processor,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+    return collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+
+
+def make_rollout(vl_parts, **kwargs) -> HFRollout:
+    path, tokenizer, _ = vl_parts
+    return HFRollout(load_model(str(path)), tokenizer, **kwargs)
+
+
+def test_response_mask_until_eos_by_hand():
+    responses = torch.tensor([[5, 2, 7, 2], [5, 5, 5, 5], [2, 9, 9, 9]])
+    assert response_mask_until_eos(responses, [2]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert response_mask_until_eos(responses, [2, 9]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert response_mask_until_eos(responses, [2], ignore_eos=True).tolist() == [[1] * 4] * 3
+
+
+def test_assemble_pads_after_eos_and_extends_masks():
+    prompts = DataProto.from_dict(
+        tensors={
+            "input_ids": torch.tensor([[0, 11, 12], [13, 14, 15]]),
+            "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            "mm_token_type_ids": torch.tensor([[0, 1, 0], [0, 0, 0]]),
+        },
+        non_tensors={"uid": ["a", "b"]},
+    )
+    batch = assemble_rollout_batch(
+        prompts, torch.tensor([[7, 2, 7], [8, 8, 8]]), eos_token_ids=[2], pad_token_id=0
+    )
+    assert batch.batch["responses"].tolist() == [[7, 2, 0], [8, 8, 8]]
+    assert batch.batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch.batch["input_ids"].tolist() == [[0, 11, 12, 7, 2, 0], [13, 14, 15, 8, 8, 8]]
+    assert batch.batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert batch.batch["mm_token_type_ids"].tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert list(batch.non_tensor_batch["uid"]) == ["a", "b"]
+
+
+def test_n_samples_per_prompt_keep_uid_and_media(vl_parts, prompts):
+    rollout = make_rollout(vl_parts)
+    batch = rollout.generate(prompts, SamplingParams(n=4, max_tokens=5, seed=3))
+    assert len(batch) == 12 and batch.batch["responses"].shape == (12, 5)
+    uids = list(batch.non_tensor_batch["uid"])
+    assert uids == [uid for uid in prompts.non_tensor_batch["uid"] for _ in range(4)]
+    for row in range(12):
+        assert torch.equal(batch.batch["prompts"][row], prompts.batch["input_ids"][row // 4])
+        assert (
+            batch.non_tensor_batch["multi_modal_inputs"][row]
+            is prompts.non_tensor_batch["multi_modal_inputs"][row // 4]
+        )
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(vl_parts, prompts):
+    rollout = make_rollout(vl_parts)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=11)
+    first = rollout.generate(prompts, sampled).batch["responses"]
+    assert torch.equal(first, rollout.generate(prompts, sampled).batch["responses"])
+    assert not torch.equal(first, rollout.generate(prompts, sampled.override(seed=12)).batch["responses"])
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6, seed=1)
+    assert torch.equal(
+        rollout.generate(prompts, greedy).batch["responses"],
+        rollout.generate(prompts, greedy.override(seed=99)).batch["responses"],
+    )
+
+
+def test_placeholder_tokens_are_never_sampled(vl_parts, prompts):
+    _, tokenizer, _ = vl_parts
+    blocked = placeholder_token_ids(tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in blocked
+    assert tokenizer.eos_token_id not in blocked
+    # near-uniform sampling over the ~460-token vocabulary: without the block, 1,152 draws hit one of
+    # the placeholders (expected ~10) with probability > 0.9999
+    hot = SamplingParams(n=48, temperature=1000.0, max_tokens=8, seed=5, ignore_eos=True)
+    rollout = make_rollout(vl_parts)
+    responses = rollout.generate(prompts, hot).batch["responses"]
+    assert not torch.isin(responses, torch.tensor(blocked)).any()
+    rollout.blocked_token_ids = []
+    unblocked = rollout.generate(prompts, hot).batch["responses"]
+    assert torch.isin(unblocked, torch.tensor(blocked)).any()
+
+
+def test_rollout_log_probs_match_the_trainer(vl_parts, prompts):
+    path, _, _ = vl_parts
+    rollout = make_rollout(vl_parts, return_log_probs=True)
+    sampling = SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2)
+    batch = rollout.generate(prompts, sampling)
+    actor = PolicyActor(load_model(str(path)))
+    log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
+    assert gap.max() < 1e-5
+
+
+def test_update_weights_changes_the_policy(vl_parts, prompts):
+    rollout = make_rollout(vl_parts)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    before = rollout.generate(prompts, greedy).batch["responses"]
+    other = load_model(str(vl_parts[0]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    rollout.update_weights(other.state_dict().items())
+    for name, parameter in rollout.model.state_dict().items():
+        assert torch.equal(parameter, other.state_dict()[name]), name
+    assert not torch.equal(before, rollout.generate(prompts, greedy).batch["responses"])
+    with pytest.raises(KeyError, match="'not.a.weight' is neither a state_dict key"):
+        rollout.update_weights([("not.a.weight", torch.zeros(1))])
