@@ -35,7 +35,9 @@ MARKER = "mmrl_warmup.json"
 
 def answer_batch(answers: list[str], tokenizer, width: int) -> torch.Tensor:
     """Answers as response tokens ``[B, width]``: the answer, EOS, then padding."""
-    rows = [tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id] for answer in answers]
+    rows = [
+        tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id] for answer in answers
+    ]
     out = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     for index, row in enumerate(rows):
         out[index, : len(row)] = torch.tensor(row[:width])
@@ -43,11 +45,23 @@ def answer_batch(answers: list[str], tokenizer, width: int) -> torch.Tensor:
 
 
 def warm_up(
-    model_dir: str, data_file: str, out_dir: str, steps: int = 100, batch_size: int = 8, lr: float = 2e-3, seed: int = 0
+    model_dir: str,
+    data_file: str,
+    out_dir: str,
+    steps: int = 100,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    seed: int = 0,
 ) -> Path:
     """Supervised answer-format pass (see module docstring); writes a Hugging Face folder to ``out_dir``."""
     out = Path(out_dir)
-    settings = {"model_dir": str(model_dir), "data_file": str(data_file), "steps": steps, "lr": lr, "seed": seed}
+    settings = {
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+    }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.models.warmup] {out} is up to date")
         return out
@@ -70,7 +84,12 @@ def warm_up(
         attention_mask = torch.cat([batch["attention_mask"], mask], dim=-1)
         mm_types = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
         logits = response_head_outputs(
-            model, input_ids, attention_mask, width, list(prompts.non_tensor_batch["multi_modal_inputs"]), mm_types
+            model,
+            input_ids,
+            attention_mask,
+            width,
+            list(prompts.non_tensor_batch["multi_modal_inputs"]),
+            mm_types,
         )
         token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses, reduction="none")
         loss = (token_loss * mask).sum() / mask.sum()

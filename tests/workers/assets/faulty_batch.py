@@ -10,7 +10,13 @@ def scaled(reward_inputs, scale=1.0, bonus=0.0):
 
 def numeric_types(reward_inputs):
     return [
-        {"overall": True, "count": 3, "ratio": np.float32(0.25), "flag": np.bool_(False), "array": np.array(2.5)}
+        {
+            "overall": True,
+            "count": 3,
+            "ratio": np.float32(0.25),
+            "flag": np.bool_(False),
+            "array": np.array(2.5),
+        }
         for _ in reward_inputs
     ]
 
