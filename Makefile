@@ -5,12 +5,17 @@ PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
 
-.PHONY: install assets demo test test-fast quality style clean
+.PHONY: install lock assets demo test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
 
 # tiny random Qwen2.5-VL, the synthetic colour task, and the answer-format warm-up the demo starts from
+# re-freeze every installed version after changing dependencies (then `make install` reproduces it)
+lock: install
+	@{ head -2 scripts/constraints-cpu.lock; $(VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^mmrl'; } > scripts/constraints-cpu.lock.new
+	@mv scripts/constraints-cpu.lock.new scripts/constraints-cpu.lock
+
 assets: install
 	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
 	@$(PY) -m mmrl.data.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64

@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 CONSTRAINTS=scripts/constraints-cpu.txt
+LOCK=scripts/constraints-cpu.lock  # every version, frozen by `make lock`
 STAMP="$VENV/.mmrl-env-stamp"
-INPUTS=(pyproject.toml "$CONSTRAINTS" scripts/setup_env.sh scripts/torchvision_cpu_fix.py)
+INPUTS=(pyproject.toml "$CONSTRAINTS" "$LOCK" scripts/setup_env.sh scripts/torchvision_cpu_fix.py)
 WANT=$(cat "${INPUTS[@]}" | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
@@ -19,8 +20,10 @@ fi
 start=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
+# this machine's pip config lists local index folders that lack most packages: drop that noise
+exec 2> >(grep -v "is neither a file nor a directory" >&2)
 # Every resolution goes through the pins, so nothing can pull a CUDA torch.
-export PIP_CONSTRAINT="$PWD/$CONSTRAINTS"
+export PIP_CONSTRAINT="$PWD/$CONSTRAINTS $PWD/$LOCK"
 "${PIP[@]}" install torch==2.13.0
 "${PIP[@]}" install -e ".[dev]"
 # torchaudio/torchcodec from PyPI are CUDA builds that fail to load on CPU torch; anything that

@@ -24,9 +24,8 @@ from mmrl.trainer.core_algos import (
     get_policy_loss,
     kl_penalty,
     log_probs_from_logits,
-    masked_sum,
 )
-from mmrl.workers.fsdp_engine import train_on_batch
+from mmrl.workers.fsdp_engine import token_share, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
 OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids",)
@@ -199,15 +198,12 @@ class PolicyActor:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach().float())
 
-        def token_share(values: torch.Tensor) -> torch.Tensor:
-            return masked_sum(values.detach().float(), response_mask) / num_tokens.clamp(min=1.0)
-
         shares = {
             "pg_loss": pg_loss.detach(),
-            "pg_clipfrac": token_share(diagnostics["pg_clipfrac"]),
-            "pg_clipfrac_dual": token_share(diagnostics["pg_clipfrac_dual"]),
-            "ppo_kl": token_share(diagnostics["ppo_kl"]),
-            "entropy": token_share(entropy),
+            "pg_clipfrac": token_share(diagnostics["pg_clipfrac"], response_mask, num_tokens),
+            "pg_clipfrac_dual": token_share(diagnostics["pg_clipfrac_dual"], response_mask, num_tokens),
+            "ppo_kl": token_share(diagnostics["ppo_kl"], response_mask, num_tokens),
+            "entropy": token_share(entropy, response_mask, num_tokens),
         }
         if self.use_kl_loss:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mmrl.protocol import DataProto
-from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss, masked_sum
+from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
 from mmrl.workers.actor import forward_columns, micro_batch_head_outputs
-from mmrl.workers.fsdp_engine import train_on_batch
+from mmrl.workers.fsdp_engine import token_share, train_on_batch
 
 
 class ValueCritic:
@@ -114,12 +114,9 @@ class ValueCritic:
             max_response_length=self.max_response_length,
         )
 
-        def token_share(values: torch.Tensor) -> torch.Tensor:
-            return masked_sum(values.detach().float(), response_mask) / num_tokens.clamp(min=1.0)
-
         shares = {
             "vf_loss": vf_loss.detach(),
-            "vf_clipfrac": token_share(diagnostics["vf_clipfrac"]),
-            "vpred_mean": token_share(vpreds),
+            "vf_clipfrac": token_share(diagnostics["vf_clipfrac"], response_mask, num_tokens),
+            "vpred_mean": token_share(vpreds, response_mask, num_tokens),
         }
         return vf_loss, shares

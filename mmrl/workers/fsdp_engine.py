@@ -236,6 +236,12 @@ def global_counts(
     return counts[0], counts[1]
 
 
+def token_share(values: torch.Tensor, response_mask: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of a token-mean diagnostic over the whole mini-batch (``num_tokens``
+    valid tokens on all ranks): summing the shares of all micro-batches and ranks gives the mean."""
+    return (values.detach().float() * response_mask).sum() / num_tokens.clamp(min=1.0)
+
+
 def all_reduce_metrics(
     local_sums: dict[str, torch.Tensor], device: torch.device | str, group: dist.ProcessGroup | None = None
 ) -> dict[str, float]:

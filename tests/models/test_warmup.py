@@ -1,0 +1,51 @@
+"""The answer-format warm-up: valid, image-blind, near-uniform answers; idempotent; reloadable."""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.dataset import PromptDataset
+from mmrl.models.inputs import response_head_outputs
+from mmrl.models.loading import load_model
+from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.models.warmup import warm_up
+from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
+
+
+def first_token_probs(model_dir, data_file) -> tuple[torch.Tensor, list[int]]:
+    tokenizer, processor = load_tokenizer_and_processor(str(model_dir))
+    model = load_model(str(model_dir)).eval()
+    dataset = PromptDataset(
+        str(data_file), tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+    )
+    batch = collate_prompts([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    # one dummy response token: the head output at the last prompt position predicts the first token
+    tensors = batch.batch
+    dummy = tensors["input_ids"][:, :1]
+    with torch.no_grad():
+        logits = response_head_outputs(
+            model,
+            torch.cat([tensors["input_ids"], dummy], -1),
+            torch.cat([tensors["attention_mask"], torch.ones_like(dummy)], -1),
+            1,
+            list(batch.non_tensor_batch["multi_modal_inputs"]),
+            torch.cat([tensors["mm_token_type_ids"], torch.zeros_like(dummy)], -1),
+        )
+    answers = [
+        tokenizer.encode(word, add_special_tokens=False)[0] for word in ("blue", "green", "red", "yellow")
+    ]
+    return logits[:, 0].softmax(-1), answers
+
+
+def test_warm_up_teaches_the_answer_format_but_not_the_task(tiny_vl_path, shapes_data_dir, tmp_path, capsys):
+    out = warm_up(str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(tmp_path / "warm"), steps=40)
+    probs, answers = first_token_probs(out, shapes_data_dir / "val.jsonl")
+    before, _ = first_token_probs(tiny_vl_path, shapes_data_dir / "val.jsonl")
+    assert before[:, answers].sum(-1).max() < 0.05  # the random model rarely starts with an answer word
+    answer_probs = probs[:, answers]  # [prompts, 4]
+    assert answer_probs.sum(-1).min() > 0.7  # it now answers with a colour word...
+    assert answer_probs.min() > 0.12 and answer_probs.max() < 0.38  # ...at chance, whatever the image
+    capsys.readouterr()
+    warm_up(str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(tmp_path / "warm"), steps=40)
+    assert "is up to date" in capsys.readouterr().out
