@@ -1,0 +1,337 @@
+"""vLLM rollout in SPMD mode: one engine inside every training process, weights pushed in-process.
+
+Every training process builds one ``vllm.LLM`` with ``distributed_executor_backend="external_launcher"``:
+the engine joins the torch.distributed group that the worker already formed (gloo on CPU, NCCL on
+GPU) instead of starting processes of its own. Consecutive ranks form its tensor-parallel groups;
+with ``tensor_parallel_size=1`` every rank runs an independent engine on its own prompts.
+
+Life cycle. The engine is built once, with random (``load_format="dummy"``) weights, and lives for the
+whole run: its shutdown destroys the default process group. The worker pushes the actor's weights
+right after construction and after every update (:meth:`VLLMRollout.update_weights`), one full
+tensor at a time under Hugging Face names (``iter_full_state_dict(..., checkpoint_format=True)``).
+On a GPU with sleep mode, the engine sleeps after each generation (level 1 offloads the weights to the
+host and frees the KV cache; level 2 frees both) and wakes for the next weight push or generation.
+
+Sampling. Rows come out interleaved, ``[a, a, b, b]`` for ``n=2``, as :class:`HFRollout` returns them.
+Each prompt gets its own seed (the n samples of one prompt ``seed_i, seed_i + 1, ...`` in vLLM), so
+a batch samples the same tokens however vLLM schedules it. Vision placeholder tokens get a -100 logit
+bias (vLLM's bound), which keeps them out of every sample.
+
+Log-probabilities. The trainer scores ``log_softmax(logits / T)`` over the whole vocabulary. vLLM's
+``processed_logprobs`` are taken after the placeholder bias (and top-p/top-k), so they are
+renormalised over the allowed tokens and differ from the trainer's by ``log(1 - p_blocked)`` (~0.03
+nats on the random test models); its ``raw_logprobs`` are taken before temperature. So the engine
+runs with ``logprobs_mode="raw_logprobs"`` and the temperature is moved into the model's logits
+scale for the duration of a call (vLLM then samples at temperature 1 from ``logits / T``: the same
+distribution). Raw log-probs are then exactly the trainer's, as with :class:`HFRollout`.
+
+``vllm`` is imported inside the functions that need it, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mmrl.protocol import DataProto
+from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
+from mmrl.workers.rollout.hf import eos_token_ids, placeholder_token_ids
+
+logger = logging.getLogger(__name__)
+
+BLOCKED_TOKEN_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
+# Seeds of consecutive steps and ranks differ by 1 or 2 (see HybridWorker._sampling); spreading them
+# by this prime keeps every prompt's n seeds of one call apart from those of other calls.
+SEED_STRIDE = 1_000_003
+MAX_SEED = 2**31 - 1
+
+
+def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
+    """vLLM inputs of a prompt batch: unexpanded prompt ids (one placeholder per image; vLLM's processor
+    expands them) and the decoded images, from the dataset's ``raw_prompt_ids`` and ``multi_modal_data``."""
+    columns = prompts.non_tensor_batch
+    if "raw_prompt_ids" not in columns:
+        raise KeyError(
+            "VLLMRollout.generate: the prompt batch has no 'raw_prompt_ids' column (the unexpanded prompt "
+            f"token ids that mmrl.data.dataset.PromptDataset items carry); it has {sorted(columns)}"
+        )
+    media = columns.get("multi_modal_data", [None] * len(prompts))
+    inputs = []
+    for raw_ids, row_media in zip(columns["raw_prompt_ids"], media):
+        item: dict[str, Any] = {"prompt_token_ids": [int(token) for token in raw_ids]}
+        images = (row_media or {}).get("images")
+        if images:
+            item["multi_modal_data"] = {"image": list(images)}
+        inputs.append(item)
+    return inputs
+
+
+def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """One seed per prompt; vLLM gives the n samples of prompt i the seeds ``seeds[i] + 0 .. n - 1``."""
+    return [(seed * SEED_STRIDE + index * n) % MAX_SEED for index in range(num_prompts)]
+
+
+def completion_tensors(
+    outputs: Sequence[Any], n: int, width: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``responses`` [B * n, width] (right-padded) and their sampled-token log-probs [B * n, width]
+    (0 on padding) from vLLM ``RequestOutput``s; the n completions of a prompt stay adjacent."""
+    responses = torch.full((len(outputs) * n, width), pad_token_id, dtype=torch.long)
+    log_probs = torch.zeros(len(outputs) * n, width, dtype=torch.float32)
+    for prompt_index, output in enumerate(outputs):
+        completions = sorted(output.outputs, key=lambda completion: completion.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {prompt_index}, not {n}")
+        for sample, completion in enumerate(completions):
+            row = prompt_index * n + sample
+            token_ids = list(completion.token_ids)
+            if not token_ids:
+                continue
+            responses[row, : len(token_ids)] = torch.tensor(token_ids)
+            # with logprobs=0 each step's dict holds the sampled token (and nothing else)
+            steps = [step[token] for token, step in zip(token_ids, completion.logprobs)]
+            log_probs[row, : len(token_ids)] = torch.tensor([step.logprob for step in steps])
+    return responses, log_probs
+
+
+def _set_logits_temperature(model: torch.nn.Module, temperature: float) -> int:
+    """Divide the logits of ``model`` by ``temperature`` from now on (1 restores them); returns how many
+    vLLM logits processors were changed. Runs inside the engine, through ``LLM.apply_model``."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, LogitsProcessor):
+            if not hasattr(module, "mmrl_base_scale"):
+                module.mmrl_base_scale = module.scale  # some families scale their logits already
+            module.scale = module.mmrl_base_scale / temperature
+            changed += 1
+    return changed
+
+
+def _device_memory_used_gib() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+class VLLMRollout:
+    """One vLLM engine per training process; see the module docstring.
+
+    ``dtype`` is the engine's (fp32 on CPU keeps it equal to the fp32 trainer). The KV cache is
+    ``cpu_kv_cache_gib`` on the CPU (vLLM's default takes 90% of the RAM) and ``gpu_memory_utilization``
+    of the GPU otherwise. ``enable_sleep_mode`` applies on GPUs only (vLLM's CPU backend refuses it).
+    ``seed`` must be the same on every rank of a tensor-parallel group. Needs ``LOCAL_RANK`` set and,
+    when ``torch.distributed`` is initialised, every rank of the group to build its engine together.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: Any,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: torch.dtype | str = torch.float32,
+        seed: int = 1,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        enforce_eager: bool = False,
+        enable_chunked_prefill: bool = False,
+        gpu_memory_utilization: float = 0.6,
+        cpu_kv_cache_gib: float = 1.0,
+        enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
+        limit_images: int = 0,
+        trust_remote_code: bool = False,
+        hf_overrides: Any = None,
+    ):
+        from transformers import GenerationConfig
+        from vllm import LLM
+
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMRollout: sleep_level must be 1 or 2, got {sleep_level}")
+        os.environ.setdefault("LOCAL_RANK", "0")  # the external launcher reads it
+        on_gpu = torch.cuda.is_available()
+        self.tokenizer = tokenizer
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # no generation_config.json
+            generation_config = None
+        self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        )
+        self.blocked_token_ids = placeholder_token_ids(tokenizer)
+        self.sleep_level = sleep_level
+        self.sleep_enabled = enable_sleep_mode and on_gpu
+        engine_args: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": getattr(tokenizer, "name_or_path", None) or model_path,
+            "load_format": "dummy",  # the real weights arrive through update_weights
+            "distributed_executor_backend": "external_launcher",
+            "tensor_parallel_size": tensor_parallel_size,
+            "dtype": dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enforce_eager": enforce_eager,
+            "enable_chunked_prefill": enable_chunked_prefill,
+            "enable_prefix_caching": True,
+            "enable_sleep_mode": self.sleep_enabled,
+            "logprobs_mode": "raw_logprobs",  # with the temperature in the logits scale: see module doc
+            # the dummy loader randomises the buffers of on-device image normalisation
+            "mm_device_do_normalize": False,
+            "trust_remote_code": trust_remote_code,
+            "disable_log_stats": True,
+        }
+        if on_gpu:
+            engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            engine_args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
+        if limit_images > 0:
+            engine_args["limit_mm_per_prompt"] = {"image": limit_images}
+        if hf_overrides:
+            engine_args["hf_overrides"] = hf_overrides
+        self.llm = LLM(**engine_args)
+        self.tp_size = tensor_parallel_size
+        self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
+        self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating
+        self.memory_gib: dict[str, float | None] = {}  # device memory in use around the last sleep / wake
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream full tensors under Hugging Face (on-disk) names into the engine, in place: vLLM shards
+        each one as it arrives (peak: one layer's tensors). Collective over a tensor-parallel group."""
+        if "weights" in self.sleeping:
+            self._wake(["weights"])
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self.weights_discarded = False
+        # cached prompt KV and image embeddings were computed with the old weights
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
+    # ---- sleep / wake (GPU only) --------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights (level 1: offload to the host; 2: discard) until the next
+        weight push or generation. A no-op without sleep mode."""
+        if not self.sleep_enabled or self.sleeping:
+            return
+        before = _device_memory_used_gib()
+        self.llm.sleep(level=self.sleep_level)
+        self.sleeping = {"weights", "kv_cache"}
+        self.weights_discarded = self.sleep_level == 2
+        self.memory_gib.update(before_sleep=before, after_sleep=_device_memory_used_gib())
+        logger.info("vLLM sleep(level=%d): device memory in use (GiB) %s", self.sleep_level, self.memory_gib)
+
+    def wake_up(self) -> None:
+        """Reallocate whatever sleeps (weights, KV cache); after a level-2 sleep, push weights first."""
+        if not self.sleeping:
+            return
+        if self.weights_discarded:
+            raise RuntimeError(
+                "VLLMRollout: the engine discarded its weights in a level-2 sleep; push weights with "
+                "update_weights before generating (HybridWorker does so when weights_discarded is set)"
+            )
+        self._wake(sorted(self.sleeping))
+
+    def _wake(self, tags: list[str]) -> None:
+        before = _device_memory_used_gib()
+        self.llm.wake_up(tags=tags)
+        self.sleeping -= set(tags)
+        self.memory_gib.update(before_wake=before, after_wake=_device_memory_used_gib())
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def _engine_sampling(self, sampling: SamplingParams, seed: int):
+        from vllm import SamplingParams as EngineSamplingParams
+
+        return EngineSamplingParams(
+            n=sampling.n,
+            # sampled calls draw from logits / T at temperature 1 (T sits in the logits scale)
+            temperature=0.0 if sampling.greedy else 1.0,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),  # 0 = off
+            max_tokens=sampling.max_tokens,
+            seed=seed,
+            ignore_eos=sampling.ignore_eos,
+            stop_token_ids=None if sampling.ignore_eos else self.eos_token_ids,
+            logprobs=0,  # the sampled token's log-prob only
+            logit_bias={token: BLOCKED_TOKEN_BIAS for token in self.blocked_token_ids} or None,
+            detokenize=False,
+        )
+
+    @contextlib.contextmanager
+    def _temperature_in_logits(self, temperature: float) -> Iterator[None]:
+        if temperature == 1.0:
+            yield
+            return
+        changed = self.llm.apply_model(functools.partial(_set_logits_temperature, temperature=temperature))
+        if not all(changed):
+            raise RuntimeError(
+                "VLLMRollout: the vLLM model has no LogitsProcessor to carry the sampling temperature; "
+                "this model family is not supported by the vllm rollout yet"
+            )
+        try:
+            yield
+        finally:
+            self.llm.apply_model(functools.partial(_set_logits_temperature, temperature=1.0))
+
+    def _gather_tp_requests(
+        self, inputs: list[dict[str, Any]], sampling: SamplingParams
+    ) -> tuple[list[dict[str, Any]], list[int], int]:
+        """All prompts of this rank's tensor-parallel group (its ranks run one engine together and must
+        submit identical requests), their seeds, and where this rank's prompts start."""
+        seeds = prompt_seeds(sampling.seed, len(inputs), sampling.n)
+        if self.tp_size == 1:
+            return inputs, seeds, 0
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        gathered: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(gathered, (inputs, seeds, sampling.override(seed=0)), group=group.cpu_group)
+        if any(other != sampling.override(seed=0) for _, _, other in gathered):
+            raise ValueError(
+                "VLLMRollout: ranks of one tensor-parallel group asked for different sampling settings "
+                f"{[other for _, _, other in gathered]}; they share one engine and must agree"
+            )
+        start = sum(len(rank_inputs) for rank_inputs, _, _ in gathered[: group.rank_in_group])
+        all_inputs = [item for rank_inputs, _, _ in gathered for item in rank_inputs]
+        all_seeds = [seed for _, rank_seeds, _ in gathered for seed in rank_seeds]
+        return all_inputs, all_seeds, start
+
+    def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        """``len(prompts) * n`` responses, rows interleaved; ``rollout_log_probs`` are
+        ``log_softmax(logits / T)`` (T = 1 when greedy) of the sampled tokens, as the trainer scores them."""
+        self.wake_up()
+        inputs, seeds, start = self._gather_tp_requests(engine_prompts(prompts), sampling)
+        engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
+        with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+            outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=False)
+        self.sleep()
+        responses, log_probs = completion_tensors(
+            outputs[start : start + len(prompts)], sampling.n, sampling.max_tokens, self.pad_token_id
+        )
+        return assemble_rollout_batch(
+            prompts.repeat(sampling.n, interleave=True),  # [a, a, b, b]: uid order kept
+            responses,
+            self.eos_token_ids,
+            self.pad_token_id,
+            ignore_eos=sampling.ignore_eos,
+            rollout_log_probs=log_probs,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine. This destroys the default process group too (vLLM's teardown)."""
+        self.llm.llm_engine.engine_core.shutdown()
