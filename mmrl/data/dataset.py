@@ -4,6 +4,29 @@ A row holds a prompt (with ``<image>``/``<video>``/``<audio>`` markers placing i
 truth and any other columns. One item is the tokenized prompt and its media, encoded by the model's
 own processor, plus the unexpanded prompt ids and decoded media that a rollout engine takes, plus the
 row's other columns for the reward function. Every error names the file and row.
+
+Media are decoded once per item (the n responses of a prompt share the item's objects) and reach the
+model's Hugging Face processor as transformers v5 expects them:
+
+- images: PIL images (``images=``);
+- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``),
+  with ``video_metadata`` (Qwen2.5-VL derives ``second_per_grid_ts`` from its sampled fps) and ``fps``
+  (Qwen2.5-Omni reads one fps per call; each video's own ``video_second_per_grid`` is set afterwards),
+  and ``size`` = the ``video_min_pixels``/``video_max_pixels`` range, which Qwen2.5-Omni's processor
+  would otherwise replace with its own default;
+- audio: mono float32 waveforms at the feature extractor's rate (``audio=``), in the order of their
+  markers; with ``use_audio_in_video`` (Qwen2.5-Omni) each video's sound track joins the list at the
+  video's place, as the processor interleaves them.
+
+``multi_modal_data`` holds what a rollout engine takes: ``{"images": [PIL], "videos": [(frames,
+metadata dict)], "audios": [(waveform, sampling_rate)]}`` (only the kinds present; vLLM's item forms).
+
+Bad samples (unreadable media, marker/media count mismatch, media the model cannot take) raise
+:class:`DataError` naming the file and row; with ``skip_bad_samples`` they are logged, counted in
+``num_skipped`` (``skipped`` maps each to its reason) and left out: at load when the overlong-prompt
+filter encodes every prompt anyway, else at ``__getitem__``, which then returns the next good sample
+(wrapping around), so the same position always gives the same stand-in. Skips found inside dataloader
+worker processes are logged and counted there, not in the main process.
 """
 
 from __future__ import annotations
@@ -20,7 +43,7 @@ from typing import Any
 import torch
 from jinja2 import StrictUndefined, Template, TemplateError
 
-from mmrl.data.media import MediaError, load_image
+from mmrl.data.media import DecodedVideo, MediaError, load_audio, load_image, load_video
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +131,7 @@ class PromptDataset(torch.utils.data.Dataset):
     ``processor`` is the model's Hugging Face processor (None for text-only models, then the
     tokenizer's chat template is used). Overlong prompts are dropped at construction when
     ``filter_overlong_prompts`` (their count is logged and kept in ``num_filtered``), else they raise.
+    Video and audio options mean what the ``data.*`` keys of the same names do (config.py).
     """
 
     def __init__(
@@ -127,6 +151,14 @@ class PromptDataset(torch.utils.data.Dataset):
         min_pixels: int = 262144,
         max_pixels: int = 4194304,
         filter_overlong_prompts: bool = True,
+        video_fps: float = 2.0,
+        num_video_frames: int | None = None,
+        max_video_frames: int = 64,
+        video_min_pixels: int = 100352,
+        video_max_pixels: int = 602112,
+        max_audio_seconds: float = 30.0,
+        use_audio_in_video: bool = False,
+        skip_bad_samples: bool = False,
     ):
         self.tokenizer = tokenizer
         self.processor = processor
@@ -135,12 +167,41 @@ class PromptDataset(torch.utils.data.Dataset):
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.video_fps, self.num_video_frames, self.max_video_frames = (
+            video_fps,
+            num_video_frames,
+            max_video_frames,
+        )
+        self.video_min_pixels, self.video_max_pixels = video_min_pixels, video_max_pixels
+        self.video_processor = getattr(processor, "video_processor", None)
+        self.feature_extractor = getattr(processor, "feature_extractor", None)  # Qwen-Omni's audio features
+        self.audio_seconds = self._audio_seconds(max_audio_seconds)
+        if use_audio_in_video and self.feature_extractor is None:
+            raise DataError(
+                "data.use_audio_in_video=true, but the model's processor takes no audio (Qwen2.5-Omni's does)"
+            )
+        self.use_audio_in_video = use_audio_in_video
+        self.skip_bad_samples = skip_bad_samples
+        self.skipped: dict[str, str] = {}  # "file row r" -> why it was skipped
         self.template = self._load_template(format_prompt)
         self.files = [load_rows(spec.strip(), media_dir) for spec in data_files.split(",") if spec.strip()]
         self.index = [(f, r) for f, rows in enumerate(self.files) for r in range(len(rows.table))]
         self.num_filtered = 0
         if filter_overlong_prompts:
-            self._filter_overlong()
+            self._filter_at_load()
+
+    def _audio_seconds(self, max_audio_seconds: float) -> float:
+        """``max_audio_seconds``, and no more than the feature extractor's window, beyond which it
+        would cut the clip itself without a word (Qwen2.5-Omni pads every clip to that window)."""
+        window_samples = getattr(self.feature_extractor, "n_samples", None)
+        if window_samples is None:
+            return max_audio_seconds
+        return min(max_audio_seconds, window_samples / self.feature_extractor.sampling_rate)
+
+    @property
+    def num_skipped(self) -> int:
+        """Bad samples left out so far (data.skip_bad_samples=true)."""
+        return len(self.skipped)
 
     @staticmethod
     def _load_template(path: str | None) -> Template | None:
@@ -208,34 +269,152 @@ class PromptDataset(torch.utils.data.Dataset):
             messages.append({"role": "user", "content": parts})
         return messages
 
+    def _check_model_takes(self, refs: dict[str, list[Any]], where: str) -> None:
+        takes = {
+            "image": self.processor is not None,
+            "video": self.video_processor is not None,
+            "audio": self.feature_extractor is not None,
+        }
+        for kind, items in refs.items():
+            if items and not takes[kind]:
+                raise DataError(
+                    f"{where}: the sample has {len(items)} {kind}(s) in column '{self.media_keys[kind]}', but the "
+                    f"model's processor takes no {kind}s"
+                )
+
+    def _decode_media(
+        self, refs: dict[str, list[Any]], base_dir: str | None, where: str
+    ) -> tuple[list[Any], list[DecodedVideo], list[Any]]:
+        """``(images, videos, audios)`` of one row, decoded and scaled; errors name the row."""
+        sampling_rate = getattr(self.feature_extractor, "sampling_rate", None)
+        try:
+            images = [load_image(ref, self.min_pixels, self.max_pixels, base_dir) for ref in refs["image"]]
+            videos = [
+                load_video(
+                    ref,
+                    self.video_min_pixels,
+                    self.video_max_pixels,
+                    fps=self.video_fps,
+                    num_frames=self.num_video_frames,
+                    max_frames=self.max_video_frames,
+                    frame_multiple=getattr(self.video_processor, "temporal_patch_size", 1),
+                    base_dir=base_dir,
+                    audio_sampling_rate=sampling_rate if self.use_audio_in_video else None,
+                    max_audio_seconds=self.audio_seconds,
+                )
+                for ref in refs["video"]
+            ]
+            audios = [load_audio(ref, sampling_rate, self.audio_seconds, base_dir) for ref in refs["audio"]]
+        except MediaError as err:
+            raise DataError(f"{where}: {err}") from None
+        return images, videos, audios
+
+    def _audio_inputs(
+        self, parts: list[dict[str, str]], videos: list[DecodedVideo], audios: list[Any]
+    ) -> list[Any]:
+        """The processor's audio list: clips, and with ``use_audio_in_video`` the videos' sound tracks,
+        in the order of their markers, which is the order Qwen2.5-Omni's processor consumes them in."""
+        next_video, next_audio = iter(videos), iter(audios)
+        ordered = []
+        for part in parts:
+            if part["type"] == "audio":
+                ordered.append(next(next_audio))
+            elif part["type"] == "video":
+                video = next(next_video)
+                if self.use_audio_in_video:
+                    ordered.append(video.audio)
+        return ordered
+
+    def _processor_media_kwargs(
+        self, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
+    ) -> dict[str, Any]:
+        """Media keyword arguments of the processor call (see the module docstring)."""
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            if self.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
+                raise DataError(
+                    f"{where}: with data.use_audio_in_video the videos of one sample must be sampled at one fps "
+                    f"(found {sorted({video.sampled_fps for video in videos})}): Qwen2.5-Omni's processor takes "
+                    "one fps per call; use one video per sample, or videos of equal frame rate and length"
+                )
+            kwargs["videos"] = [video.frames for video in videos]
+            videos_kwargs = {
+                "do_sample_frames": False,
+                "video_metadata": [video.metadata() for video in videos],
+                "fps": videos[0].sampled_fps,
+                "size": {"shortest_edge": self.video_min_pixels, "longest_edge": self.video_max_pixels},
+            }
+            if self.feature_extractor is not None:
+                videos_kwargs["use_audio_in_video"] = self.use_audio_in_video
+            kwargs["videos_kwargs"] = videos_kwargs
+        if audio_inputs:
+            kwargs["audio"] = audio_inputs
+            kwargs["audio_kwargs"] = {"sampling_rate": self.feature_extractor.sampling_rate}
+        return kwargs
+
+    def _run_processor(
+        self, prompt: str, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
+    ) -> dict[str, Any]:
+        if self.processor is None:
+            return dict(self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt"))
+        kwargs = self._processor_media_kwargs(images, videos, audio_inputs, where)
+        try:
+            encoded = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
+        except (ValueError, RuntimeError) as err:
+            raise DataError(f"{where}: the model's processor rejected the sample: {err}") from err
+        if videos and "video_second_per_grid" in encoded:
+            # Qwen2.5-Omni derives seconds per temporal patch from one fps per call: use each video's own
+            patch = self.video_processor.temporal_patch_size
+            encoded["video_second_per_grid"] = torch.tensor([patch / video.sampled_fps for video in videos])
+        if videos and self.use_audio_in_video:
+            encoded["use_audio_in_video"] = True  # read by the thinker's get_rope_index (mmrl.models.inputs)
+        return encoded
+
     def _encode(self, position: int) -> dict[str, Any]:
         row, base_dir = self._row(position)
         where = self.where(position)
         text = self._prompt_text(row, where)
-        images_refs = self._media_list(row, "image", where)
-        for kind in ("video", "audio"):
-            if self._media_list(row, kind, where):
-                raise DataError(
-                    f"{where}: {kind} inputs are not supported yet (issue 'Video, audio and packed sequences')"
-                )
-        messages = self._messages(text, {"image": len(images_refs)}, where)
-        try:
-            images = [load_image(ref, self.min_pixels, self.max_pixels, base_dir) for ref in images_refs]
-        except MediaError as err:
-            raise DataError(f"{where}: {err}") from None
+        refs = {kind: self._media_list(row, kind, where) for kind in MEDIA_MARKERS}
+        messages = self._messages(text, {kind: len(items) for kind, items in refs.items()}, where)
+        self._check_model_takes(refs, where)
+        images, videos, audios = self._decode_media(refs, base_dir, where)
+        audio_inputs = self._audio_inputs(split_by_markers(text), videos, audios)
         chat = self.processor if self.processor is not None else self.tokenizer
         prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if images and self.processor is None:
-            raise DataError(f"{where}: the sample has images but the model has no processor")
-        if self.processor is not None:
-            encoded = self.processor(text=[prompt], images=images or None, return_tensors="pt")
-        else:
-            encoded = self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")
-        return {"row": row, "prompt": prompt, "images": images, "encoded": dict(encoded)}
+        media: dict[str, list[Any]] = {}
+        if images:
+            media["images"] = images
+        if videos:
+            media["videos"] = [(video.frames, video.metadata()) for video in videos]
+        if audio_inputs:
+            media["audios"] = [(waveform, self.feature_extractor.sampling_rate) for waveform in audio_inputs]
+        encoded = self._run_processor(prompt, images, videos, audio_inputs, where)
+        return {"row": row, "prompt": prompt, "media": media, "encoded": encoded}
 
-    def _filter_overlong(self) -> None:
-        kept = [pos for pos in range(len(self.index)) if self._prompt_length(pos) <= self.max_prompt_length]
-        self.num_filtered = len(self.index) - len(kept)
+    # ---- load-time filtering and bad samples --------------------------------------------------
+
+    def _skip(self, position: int, err: DataError) -> None:
+        self.skipped[self.where(position)] = str(err)
+        logger.warning("data.skip_bad_samples: skipping a bad sample (%d so far): %s", self.num_skipped, err)
+
+    def _filter_at_load(self) -> None:
+        """Drops overlong prompts (counted in ``num_filtered``) and, with ``skip_bad_samples``, bad ones."""
+        kept, overlong = [], 0
+        for position in range(len(self.index)):
+            try:
+                length = self._prompt_length(position)
+            except DataError as err:
+                if not self.skip_bad_samples:
+                    raise
+                self._skip(position, err)
+                continue
+            if length <= self.max_prompt_length:
+                kept.append(position)
+            else:
+                overlong += 1
+        self.num_filtered = overlong
         if self.num_filtered:
             logger.warning(
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
@@ -243,12 +422,37 @@ class PromptDataset(torch.utils.data.Dataset):
                 len(self.index),
                 self.max_prompt_length,
             )
-        self.index = [self.index[pos] for pos in kept]
+        self.index = [self.index[position] for position in kept]
 
     def _prompt_length(self, position: int) -> int:
         return int(self._encode(position)["encoded"]["input_ids"].shape[-1])
 
     def __getitem__(self, position: int) -> dict[str, Any]:
+        if self.where(position) not in self.skipped:
+            try:
+                return self._item(position)
+            except DataError as err:
+                if not self.skip_bad_samples:
+                    raise
+                self._skip(position, err)
+        return self._replacement(position)
+
+    def _replacement(self, position: int) -> dict[str, Any]:
+        """The first good sample after ``position`` (wrapping around): a stand-in for a bad one."""
+        for offset in range(1, len(self)):
+            candidate = (position + offset) % len(self)
+            if self.where(candidate) in self.skipped:
+                continue
+            try:
+                return self._item(candidate)
+            except DataError as err:
+                self._skip(candidate, err)
+        raise DataError(
+            f"every sample of the dataset is bad ({self.num_skipped} skipped); the first: "
+            f"{next(iter(self.skipped.values()))}"
+        )
+
+    def _item(self, position: int) -> dict[str, Any]:
         item = self._encode(position)
         encoded, row = item["encoded"], item["row"]
         length = encoded["input_ids"].shape[-1]
@@ -264,7 +468,7 @@ class PromptDataset(torch.utils.data.Dataset):
         return {
             **tokens,
             "raw_prompt_ids": self.tokenizer.encode(item["prompt"], add_special_tokens=False),
-            "multi_modal_data": {"images": item["images"]} if item["images"] else {},
+            "multi_modal_data": item["media"],
             "multi_modal_inputs": media_inputs,
             "ground_truth": row.get(self.answer_key),
             "uid": uuid.uuid4().hex,  # groups the n responses of this prompt; its value affects nothing

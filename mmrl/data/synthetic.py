@@ -1,30 +1,38 @@
-"""Synthetic image tasks that a tiny model can learn by RL, written as ready-to-train datasets.
+"""Synthetic image, video and audio tasks that a tiny model can learn by RL, as ready-to-train datasets.
 
-Tasks (one image per sample, one-word answers, answers balanced over each split):
+Tasks (one image, video or audio clip per sample, one-word answers, answers balanced over each split):
 
 - ``color``: one filled circle, square or triangle of one colour on a white background.
   "What colour is the shape? Answer with one word." -> ``red`` | ``green`` | ``blue`` | ``yellow``.
 - ``count``: 1-4 non-overlapping blue circles of radius 7 px. "How many circles are there? Answer with
   a number." -> ``1`` .. ``4``.
+- ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
+  3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
+- ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
+  "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
 Shapes are drawn without anti-aliasing, so every pixel is either the background or the answer colour.
-A task is a ``SyntheticTask``: its question, its answers and a function that draws a sample for a given
-answer. Video and audio tasks plug in as more entries of ``TASKS`` with a media kind of their own.
+Beeps have one length and loudness, so (as with the circles) the sound's energy grows in steps with the
+count. A task is a ``SyntheticTask``: its question, its answers, its media kind and a function that
+draws a sample (a PIL image, ``[T, H, W, 3]`` uint8 frames, or a float32 waveform) for a given answer.
 
 Output folder (``generate_shapes_dataset``), rows with columns ``problem`` (the question with an
-``<image>`` marker), ``answer``, ``images`` and ``data_source``:
+``<image>``, ``<video>`` or ``<audio>`` marker), ``answer``, the media column (``images``, ``videos``
+or ``audios``) and ``data_source``:
 
-- ``jsonl``: ``train.jsonl``, ``val.jsonl`` and ``images/{split}_{index:05d}.png``; ``images`` holds
+- ``jsonl``: ``train.jsonl``, ``val.jsonl`` and ``images/{split}_{index:05d}.png`` (``videos/...mp4``:
+  H.264 with lossless luma, written with PyAV; ``audios/...wav``: 16-bit PCM); the media column holds
   paths relative to the jsonl file's folder.
-- ``parquet``: ``train.parquet``, ``val.parquet``; ``images`` holds ``{"bytes": png, "path": name}``
-  structs like a Hugging Face ``datasets`` image column (the schema carries the ``datasets`` features,
-  so ``load_dataset("parquet", ...)`` decodes them to PIL images).
+- ``parquet``: ``train.parquet``, ``val.parquet``; the media column holds ``{"bytes", "path": name}``
+  structs like a Hugging Face ``datasets`` image column (for images the schema carries the ``datasets``
+  features, so ``load_dataset("parquet", ...)`` decodes them to PIL images).
 
 The folder is complete when ``BUILD_MARKER`` exists (written last); a second call with the same
 arguments returns at once.
 
 CLI: ``python -m mmrl.data.synthetic --task color --out assets/data/shapes-color --n_train 512
---n_val 128 --seed 0 [--format jsonl|parquet] [--force]``
+--n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_direction`` /
+``audio_beeps`` for the video and audio tasks)
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import io
 import json
 import os
 import shutil
+import wave
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,20 +69,41 @@ CIRCLE_RADIUS = 7  # px, every circle of the count task
 COUNT_RGB = COLORS["blue"]
 SPLITS = ("train", "val")
 
+VIDEO_FRAMES = 8
+VIDEO_FPS = 2  # frames per second of the written file: data.video_fps=2 (the default) samples every frame
+DOT_RADIUS = 5  # px
+DOT_SPEEDS = (3, 4, 5)  # px per frame; at most 35 px over the 7 steps of an 8-frame video
+DOT_RGB = COLORS["blue"]
+AUDIO_SAMPLING_RATE = 16000  # Hz, Whisper's and Qwen2.5-Omni's feature extractor rate
+AUDIO_SECONDS = 1.5  # every clip has this length, so only the beeps tell the count
+BEEP_SECONDS = 0.2
+BEEP_HZ = 880.0
+BEEP_AMPLITUDE = 0.5
+BEEP_FADE_SECONDS = 0.005  # linear fade in/out, no clicks
+MIN_BEEP_GAP_SECONDS = 0.15  # silence between two beeps
+AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
+MAX_BEEPS = 3
+
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    """A generated task: ``draw(answer, rng)`` returns an image whose correct answer is ``answer``."""
+    """A generated task: ``draw(answer, rng)`` returns media whose correct answer is ``answer``: a PIL
+    image, ``[T, H, W, 3]`` uint8 video frames or a ``[N]`` float32 waveform, by ``media``."""
 
     name: str
     question: str  # with the media marker, e.g. "<image>What colour ..."
     answers: tuple[str, ...]
-    draw: Callable[[str, np.random.Generator], Image.Image]
-    media: str = "image"  # column kind: "image" now; "video" / "audio" tasks come later
+    draw: Callable[[str, np.random.Generator], Any]
+    media: str = "image"  # image | video | audio
 
     @property
     def data_source(self) -> str:
-        return f"shapes_{self.name}"
+        return f"shapes_{self.name}" if self.media == "image" else f"synthetic_{self.name}"
+
+    @property
+    def column(self) -> str:
+        """The dataset column (and jsonl media folder) of this task's media: images, videos or audios."""
+        return f"{self.media}s"
 
 
 def _blank_image(size: int) -> Image.Image:
@@ -141,6 +171,58 @@ def draw_count_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
     return image
 
 
+def draw_direction_video(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
+    """``[VIDEO_FRAMES, size, size, 3]`` uint8: a blue dot moving ``answer`` (left | right) in a straight
+    horizontal line at a constant 3-5 px per frame, fully inside every frame, at a random height."""
+    if answer not in ("left", "right"):
+        raise ValueError(f"direction must be 'left' or 'right', found {answer!r}")
+    speed = int(rng.choice(DOT_SPEEDS))
+    travel = speed * (VIDEO_FRAMES - 1)
+    start = int(rng.integers(DOT_RADIUS, size - DOT_RADIUS - travel))  # leftmost centre of the path
+    step = speed if answer == "right" else -speed
+    if answer == "left":
+        start += travel
+    center_y = int(rng.integers(DOT_RADIUS, size - DOT_RADIUS))
+    frames = []
+    for index in range(VIDEO_FRAMES):
+        image = _blank_image(size)
+        center_x = start + index * step
+        box = (center_x - DOT_RADIUS, center_y - DOT_RADIUS, center_x + DOT_RADIUS, center_y + DOT_RADIUS)
+        draw_shape(image, "circle", box, DOT_RGB)
+        frames.append(np.asarray(image))
+    return np.stack(frames)
+
+
+def place_beeps(count: int, rng: np.random.Generator) -> list[float]:
+    """Start times (s) of ``count`` beeps in an ``AUDIO_SECONDS`` clip: in order, ``MIN_BEEP_GAP_SECONDS``
+    or more apart, ``AUDIO_MARGIN_SECONDS`` from the ends; the spare time is spread at random."""
+    busy = count * BEEP_SECONDS + (count - 1) * MIN_BEEP_GAP_SECONDS + 2 * AUDIO_MARGIN_SECONDS
+    slack = AUDIO_SECONDS - busy
+    if slack < 0:
+        raise ValueError(f"{count} beeps do not fit in {AUDIO_SECONDS} s")
+    offsets = np.sort(rng.uniform(0.0, slack, size=count))
+    return [
+        AUDIO_MARGIN_SECONDS + float(offsets[i]) + i * (BEEP_SECONDS + MIN_BEEP_GAP_SECONDS)
+        for i in range(count)
+    ]
+
+
+def draw_beeps_audio(answer: str, rng: np.random.Generator) -> np.ndarray:
+    """``[AUDIO_SECONDS × 16000]`` float32: ``int(answer)`` equal beeps in silence (see ``place_beeps``)."""
+    waveform = np.zeros(int(AUDIO_SECONDS * AUDIO_SAMPLING_RATE), dtype=np.float32)
+    beep_samples = int(BEEP_SECONDS * AUDIO_SAMPLING_RATE)
+    fade = int(BEEP_FADE_SECONDS * AUDIO_SAMPLING_RATE)
+    time_s = np.arange(beep_samples) / AUDIO_SAMPLING_RATE
+    envelope = np.minimum(
+        1.0, np.minimum(np.arange(beep_samples) + 1, beep_samples - np.arange(beep_samples)) / fade
+    )
+    beep = (BEEP_AMPLITUDE * envelope * np.sin(2 * np.pi * BEEP_HZ * time_s)).astype(np.float32)
+    for start_s in place_beeps(int(answer), rng):
+        start = int(round(start_s * AUDIO_SAMPLING_RATE))
+        waveform[start : start + beep_samples] = beep
+    return waveform
+
+
 TASKS: dict[str, SyntheticTask] = {
     "color": SyntheticTask(
         name="color",
@@ -154,6 +236,20 @@ TASKS: dict[str, SyntheticTask] = {
         answers=tuple(str(n) for n in range(1, MAX_CIRCLES + 1)),
         draw=draw_count_image,
     ),
+    "video_direction": SyntheticTask(
+        name="video_direction",
+        question="<video>Which way does the dot move? Answer left or right.",
+        answers=("left", "right"),
+        draw=draw_direction_video,
+        media="video",
+    ),
+    "audio_beeps": SyntheticTask(
+        name="audio_beeps",
+        question="<audio>How many beeps are there? Answer with a number.",
+        answers=tuple(str(n) for n in range(1, MAX_BEEPS + 1)),
+        draw=draw_beeps_audio,
+        media="audio",
+    ),
 }
 
 
@@ -163,8 +259,8 @@ def get_task(task: str) -> SyntheticTask:
     return TASKS[task]
 
 
-def draw_sample(task: str, rng: np.random.Generator) -> tuple[Image.Image, str, str]:
-    """A random sample of ``task``: ``(image, question, answer)``; the answer is drawn uniformly."""
+def draw_sample(task: str, rng: np.random.Generator) -> tuple[Any, str, str]:
+    """A random sample of ``task``: ``(media, question, answer)``; the answer is drawn uniformly."""
     spec = get_task(task)
     answer = spec.answers[int(rng.integers(len(spec.answers)))]
     return spec.draw(answer, rng), spec.question, answer
@@ -182,30 +278,70 @@ def _png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def mp4_bytes(frames: np.ndarray, fps: int = VIDEO_FPS) -> bytes:
+    """``[T, H, W, 3]`` uint8 frames (H, W even) as an H.264 mp4; quantiser 0 keeps luma lossless
+    (colour is subsampled 2×2, so edges of coloured shapes blur slightly). Same frames, same bytes."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qp": "0", "preset": "ultrafast"}
+        for frame in frames:
+            container.mux(
+                stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24"))
+            )
+        container.mux(stream.encode(None))  # flush the encoder's delayed frames
+    return buffer.getvalue()
+
+
+def wav_bytes(waveform: np.ndarray, sampling_rate: int = AUDIO_SAMPLING_RATE) -> bytes:
+    """A mono float waveform in [-1, 1] as 16-bit PCM wav (standard library ``wave``)."""
+    pcm = np.round(np.clip(waveform, -1.0, 1.0) * 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(sampling_rate)
+        file.writeframes(pcm.tobytes())
+    return buffer.getvalue()
+
+
+# media kind -> (file suffix, encoder of what the task's draw returns)
+MEDIA_FILES: dict[str, tuple[str, Callable[[Any], bytes]]] = {
+    "image": (".png", _png_bytes),
+    "video": (".mp4", mp4_bytes),
+    "audio": (".wav", wav_bytes),
+}
+
+
 def generate_split(spec: SyntheticTask, split: str, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
-    """Rows ``{"problem", "answer", "image_name", "png"}`` of one split, answers balanced."""
+    """Rows ``{"problem", "answer", "file_name", "file_bytes"}`` of one split, answers balanced."""
+    suffix, encode = MEDIA_FILES[spec.media]
     rows = []
     for index, answer in enumerate(balanced_answers(spec.answers, n, rng)):
-        image = spec.draw(answer, rng)
+        media = spec.draw(answer, rng)
         rows.append(
-            {"problem": spec.question, "answer": answer, "image_name": f"{split}_{index:05d}.png",
-             "png": _png_bytes(image)}
+            {"problem": spec.question, "answer": answer, "file_name": f"{split}_{index:05d}{suffix}",
+             "file_bytes": encode(media)}
         )  # fmt: skip
     return rows
 
 
-def write_jsonl_split(rows: list[dict[str, Any]], out_dir: Path, split: str, data_source: str) -> Path:
-    """``{split}.jsonl`` with image paths relative to ``out_dir``, PNGs under ``out_dir/images``."""
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+def write_jsonl_split(rows: list[dict[str, Any]], out_dir: Path, split: str, spec: SyntheticTask) -> Path:
+    """``{split}.jsonl`` with media paths relative to ``out_dir``, files under ``out_dir/<column>``."""
+    (out_dir / spec.column).mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{split}.jsonl"
     with path.open("w", encoding="utf-8") as file:
         for row in rows:
-            (out_dir / "images" / row["image_name"]).write_bytes(row["png"])
+            (out_dir / spec.column / row["file_name"]).write_bytes(row["file_bytes"])
             record = {
                 "problem": row["problem"],
                 "answer": row["answer"],
-                "images": [f"images/{row['image_name']}"],
-                "data_source": data_source,
+                spec.column: [f"{spec.column}/{row['file_name']}"],
+                "data_source": spec.data_source,
             }
             file.write(json.dumps(record) + "\n")
     return path
@@ -221,26 +357,32 @@ _DATASETS_FEATURES = {
 }
 
 
-def write_parquet_split(rows: list[dict[str, Any]], out_dir: Path, split: str, data_source: str) -> Path:
-    """``{split}.parquet`` with images embedded as ``list<struct<bytes, path>>``."""
+def write_parquet_split(rows: list[dict[str, Any]], out_dir: Path, split: str, spec: SyntheticTask) -> Path:
+    """``{split}.parquet`` with the media embedded as ``list<struct<bytes, path>>``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    file_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    # only images carry `datasets` features: its Video/Audio features would decode with torchcodec
+    metadata = (
+        {"huggingface": json.dumps({"info": {"features": _DATASETS_FEATURES}})}
+        if spec.media == "image"
+        else None
+    )
     schema = pa.schema(
         [
             ("problem", pa.string()),
             ("answer", pa.string()),
-            ("images", pa.list_(image_type)),
+            (spec.column, pa.list_(file_type)),
             ("data_source", pa.string()),
         ],
-        metadata={"huggingface": json.dumps({"info": {"features": _DATASETS_FEATURES}})},
+        metadata=metadata,
     )
     columns = {
         "problem": [row["problem"] for row in rows],
         "answer": [row["answer"] for row in rows],
-        "images": [[{"bytes": row["png"], "path": row["image_name"]}] for row in rows],
-        "data_source": [data_source] * len(rows),
+        spec.column: [[{"bytes": row["file_bytes"], "path": row["file_name"]}] for row in rows],
+        "data_source": [spec.data_source] * len(rows),
     }
     path = out_dir / f"{split}.parquet"
     pq.write_table(pa.table(columns, schema=schema), path)
@@ -298,7 +440,7 @@ def generate_shapes_dataset(
     rng = np.random.default_rng(seed)
     write_split = write_jsonl_split if fmt == "jsonl" else write_parquet_split
     for split, n in zip(SPLITS, (n_train, n_val)):
-        write_split(generate_split(spec, split, n, rng), tmp_dir, split, spec.data_source)
+        write_split(generate_split(spec, split, n, rng), tmp_dir, split, spec)
     (tmp_dir / BUILD_MARKER).write_text(json.dumps(request, indent=2) + "\n")
     if _read_marker(out_dir) == request:  # another process finished the same build meanwhile
         shutil.rmtree(tmp_dir)
@@ -309,7 +451,7 @@ def generate_shapes_dataset(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a synthetic shapes dataset (see module docstring).")
+    parser = argparse.ArgumentParser(description="Write a synthetic dataset (see module docstring).")
     parser.add_argument("--task", choices=sorted(TASKS), default="color")
     parser.add_argument("--out", required=True, help="output folder, e.g. assets/data/shapes-color")
     parser.add_argument("--n_train", type=int, default=512)

@@ -9,8 +9,11 @@ them from the sequence length counts left padding as positions and so shifts eve
   on the thinker itself for Omni, taking the audio lengths).
 - Text models: ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` ``[B, L]``.
 
-:func:`response_head_outputs` is the one place a micro-batch goes through the model; a packed
-(padding-free) forward replaces it without touching its callers.
+:func:`response_head_outputs` is the one place a micro-batch goes through the model, padded or packed
+(``padding_free``). Packed, the valid tokens of all rows form one row ``[1, T]`` in row order, each
+sequence keeping the position ids it has in the padded batch (so M-RoPE ids are the model's own), the
+media tensors are joined in the same row order, and attention gets the sequence boundaries
+(:mod:`mmrl.models.attention`): no padding token is computed.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmrl.models.attention import PackedSequences, enable_packed_attention
+
 # Media keys used only to compute positions; the forward gets the finished position ids instead.
 POSITION_ONLY_KEYS = ("second_per_grid_ts", "video_second_per_grid", "use_audio_in_video")
+# Media keys that compute_position_ids reads.
+POSITION_KEYS = ("image_grid_thw", "video_grid_thw", "feature_attention_mask", *POSITION_ONLY_KEYS)
 MM_TOKEN_TYPES = {"image_token_id": 1, "video_token_id": 2}  # Qwen-VL v5: 0 text, 1 image, 2 video
 
 
@@ -161,6 +168,90 @@ def build_forward_inputs(
     }
 
 
+def packed_position_ids(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    multi_modal_inputs: Sequence[dict[str, Any]] | None,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Position ids of the rows packed into one: ``[3, 1, T]`` (M-RoPE) or ``[1, T]``.
+
+    Each row's valid tokens go through :func:`compute_position_ids` alone, with that row's own grids,
+    audio lengths and flags, exactly as the model's ``get_rope_index`` would number that sequence by
+    itself; the rows' ids are then concatenated, so they restart at every sequence.
+    """
+    positions = []
+    for row in range(input_ids.shape[0]):
+        valid = attention_mask[row].bool()
+        row_ids = input_ids[row, valid].unsqueeze(0)  # [1, L_row]
+        row_media = (multi_modal_inputs[row] or {}) if multi_modal_inputs is not None else {}
+        position_media = {key: value for key, value in row_media.items() if key in POSITION_KEYS}
+        row_types = None if mm_token_type_ids is None else mm_token_type_ids[row, valid].unsqueeze(0)
+        positions.append(
+            compute_position_ids(
+                model,
+                row_ids,
+                torch.ones_like(row_ids),
+                concat_multi_modal_inputs([position_media], device=input_ids.device),
+                row_types,
+            )
+        )
+    return torch.cat(positions, dim=-1)
+
+
+def build_packed_forward_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    multi_modal_inputs: Sequence[dict[str, Any]] | None,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``model(**inputs)`` on the rows of a padded micro-batch packed into one.
+
+    ``input_ids`` [1, T] are the valid tokens (``attention_mask`` 1) in row order, ``position_ids``
+    those of :func:`packed_position_ids`, ``packed_sequences`` the boundaries for attention, the media
+    tensors joined in row order, and no ``attention_mask``. Switches the model's text decoder to
+    packed attention (once), without which ``packed_sequences`` would be ignored.
+    """
+    enable_packed_attention(model)
+    valid = attention_mask.bool()  # [B, L]
+    media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
+    forward_media = {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
+    return {
+        "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
+        "position_ids": packed_position_ids(
+            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
+        ),
+        "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
+        **forward_media,
+    }
+
+
+def packed_response_indices(
+    attention_mask: torch.Tensor, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the packed row's outputs predict the response tokens.
+
+    Returns ``(indices [K], response_valid [B, R])``: ``response_valid`` marks the valid response
+    tokens (K of them) and ``indices`` the packed positions predicting them, in row-major order (the
+    output at position ``t`` predicts token ``t + 1``; for the first response token that is the last
+    prompt token, so prompts must be left-padded).
+    """
+    valid = attention_mask.bool()  # [B, L]
+    prompt_length = valid.shape[1] - response_length
+    packed_index = valid.flatten().cumsum(0).view_as(valid) - 1  # [B, L]: each valid token's place in the row
+    response_valid = valid[:, prompt_length:]  # [B, R]
+    predicting = valid[:, prompt_length - 1 : -1]  # [B, R]: the tokens whose outputs are kept
+    if bool((response_valid & ~predicting).any()):
+        rows = torch.nonzero((response_valid & ~predicting).any(-1)).flatten().tolist()
+        raise ValueError(
+            f"rows {rows}: a valid response token follows a padding token; expected left-padded prompts "
+            "followed by right-padded responses (attention_mask 1 on the last prompt column)"
+        )
+    return packed_index[:, prompt_length - 1 : -1][response_valid], response_valid
+
+
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
@@ -172,15 +263,62 @@ def response_head_outputs(
     response_length: int,
     multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """The head's outputs at the positions that predict the response tokens: ``[B, R, D]``.
 
     ``input_ids`` [B, P + R] ends with the R response tokens; the output at position ``t`` predicts
     token ``t + 1``, so positions ``P - 1 .. P + R - 2`` are kept. ``D`` is the vocabulary for a policy
     (logits, before temperature) and 1 for a critic (values of the states before each response token).
+    At padded response slots: whatever the model computes there, or 0 with ``padding_free``.
     """
+    if padding_free:
+        outputs, response_valid = response_token_outputs(
+            model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids, True
+        )
+        return scatter_response_tokens(outputs, response_valid)
     inputs = build_forward_inputs(model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids)
     # Only the last R + 1 positions reach lm_head: a [B, P + R, vocab] tensor is the largest of the pass.
     keep = {"logits_to_keep": response_length + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(**inputs, use_cache=False, **keep).logits
     return logits[:, -response_length - 1 : -1]  # [B, R, D]
+
+
+def response_token_outputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's outputs predicting the K valid response tokens only: ``(outputs [K, D],
+    response_valid [B, R])``, in row-major order of ``response_valid`` (``attention_mask`` on the
+    response columns). What callers compute per token from them (log-probs, entropies, values) is
+    then K-sized, never ``[B, R, vocab]``; :func:`scatter_response_tokens` lays results out as [B, R].
+
+    ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
+    positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
+    """
+    if not padding_free:
+        response_valid = attention_mask[:, -response_length:].bool()
+        outputs = response_head_outputs(
+            model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids
+        )
+        return outputs[response_valid], response_valid
+    inputs = build_packed_forward_inputs(
+        model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
+    )
+    indices, response_valid = packed_response_indices(attention_mask, response_length)
+    if _accepts_logits_to_keep(model):
+        return model(**inputs, use_cache=False, logits_to_keep=indices).logits[0], response_valid  # [K, D]
+    return model(**inputs, use_cache=False).logits[0, indices], response_valid  # [K, D]
+
+
+def scatter_response_tokens(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
+    """``values`` [K, ...] of the valid response tokens laid out as [B, R, ...], zeros elsewhere
+    (differentiable in ``values``)."""
+    scattered = values.new_zeros(*response_valid.shape, *values.shape[1:])
+    scattered[response_valid] = values
+    return scattered

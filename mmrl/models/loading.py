@@ -49,7 +49,7 @@ def load_model(
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if hasattr(config, "thinker_config"):
         config = config.thinker_config  # Qwen-Omni: the thinker is the policy; the talker is not trained
-    _apply_overrides(config, override_config or {}, where="override_config")
+    apply_config_overrides(config, override_config or {}, where="override_config")
     auto_class = AutoModelForImageTextToText if _is_image_text_config(config) else AutoModelForCausalLM
     model = auto_class.from_pretrained(
         path,
@@ -72,14 +72,14 @@ def _is_image_text_config(config) -> bool:
     )
 
 
-def _apply_overrides(config, overrides: dict[str, Any], where: str) -> None:
+def apply_config_overrides(config, overrides: dict[str, Any], where: str) -> None:
     """Set ``overrides`` on ``config``; dict values recurse into sub-configs. Unknown keys raise."""
     from transformers import PretrainedConfig
 
     for key, value in overrides.items():
         current = getattr(config, key, None)
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
-            _apply_overrides(current, value, where=f"{where}.{key}")
+            apply_config_overrides(current, value, where=f"{where}.{key}")
         elif hasattr(config, key):
             setattr(config, key, value)
         else:

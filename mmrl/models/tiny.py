@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
 
 # Image / video resize bounds in pixels: 56x56 (4 patches of 28 after merging) up to 64 such patches.
 MIN_PIXELS = 28 * 28 * 4
@@ -147,7 +148,7 @@ def _answer_words() -> list[str]:
 
 def _build_corpus() -> list[str]:
     """Short English lines: the synthetic tasks' questions and answers, prompt templates, reasoning."""
-    questions = [task.question.replace("<image>", "") for task in TASKS.values()]
+    questions = [re.sub(r"<(image|video|audio)>", "", task.question) for task in TASKS.values()]
     answers = _answer_words()
     lines = [
         DEFAULT_SYSTEM_PROMPT,

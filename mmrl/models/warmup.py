@@ -3,10 +3,10 @@
 A random model samples a valid one-word answer about 1 % of the time, and RL from there takes far
 longer than a demo should. This supervised pass teaches the answer *format* but not the task: every
 training prompt is paired with every answer of the task's answer set once, so the target is the
-uniform distribution over answers whatever the image. The warmed model answers with a valid word and
-stops, at chance accuracy (1/4 for four colours), and with maximal entropy over the answers, which is
-what RL needs to explore. (Random labels instead would let the model memorise a skewed answer per
-image, which RL must first unlearn.) What RL then gains is the use of the image.
+uniform distribution over answers whatever the image (or video, or sound). The warmed model answers
+with a valid word and stops, at chance accuracy (1/4 for four colours), and with maximal entropy over
+the answers, which is what RL needs to explore. (Random labels instead would let the model memorise a
+skewed answer per image, which RL must first unlearn.) What RL then gains is the use of the image.
 
 CLI: ``python -m mmrl.models.warmup --model assets/models/tiny-qwen2.5-vl --data
 assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm``
@@ -15,6 +15,7 @@ assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -44,6 +45,15 @@ def answer_batch(answers: list[str], tokenizer, width: int) -> torch.Tensor:
     return out
 
 
+def _base_fingerprint(model_dir: Path) -> str:
+    """Hash of the base model's config and weights files, so a rebuilt base triggers a new warm-up."""
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors")):
+        digest.update(name.encode())
+        digest.update((model_dir / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def warm_up(
     model_dir: str,
     data_file: str,
@@ -61,6 +71,8 @@ def warm_up(
         "steps": steps,
         "lr": lr,
         "seed": seed,
+        # a rebuilt base model (e.g. a new tiny-model version) must invalidate the warmed copy
+        "base_model": _base_fingerprint(Path(model_dir)),
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.models.warmup] {out} is up to date")
@@ -69,7 +81,15 @@ def warm_up(
     rng = np.random.default_rng(seed)
     tokenizer, processor = load_tokenizer_and_processor(model_dir)
     model = load_model(model_dir)
-    dataset = PromptDataset(data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(
+        data_file,
+        tokenizer,
+        processor,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        video_min_pixels=MIN_PIXELS,
+        video_max_pixels=MAX_PIXELS,
+    )
     answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
     width = max(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answer_set) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -82,7 +102,9 @@ def warm_up(
         batch = prompts.batch
         input_ids = torch.cat([batch["input_ids"], responses], dim=-1)  # [B, P + R]
         attention_mask = torch.cat([batch["attention_mask"], mask], dim=-1)
-        mm_types = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
+        mm_types = None  # Qwen-VL only; the Omni thinker tells media tokens apart by their ids
+        if "mm_token_type_ids" in batch.keys():
+            mm_types = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
         logits = response_head_outputs(
             model,
             input_ids,

@@ -53,6 +53,14 @@ class DataConfig:
     seed: int = 1  # seed of the shuffling
     min_pixels: int = 262144  # images smaller than this many pixels are upscaled (aspect kept)
     max_pixels: int = 4194304  # images larger than this many pixels are downscaled (aspect kept)
+    video_fps: float = 2.0  # video frames sampled per second of video (unless num_video_frames is set)
+    num_video_frames: int | None = None  # frames sampled evenly from each video; null = by video_fps
+    max_video_frames: int = 64  # at most this many frames per video (counts are made even for Qwen)
+    video_min_pixels: int = 100352  # video frames smaller than this many pixels are upscaled (aspect kept)
+    video_max_pixels: int = 602112  # video frames larger than this many pixels are downscaled (aspect kept)
+    max_audio_seconds: float = 30.0  # audio and video sound tracks are cut after this many seconds
+    use_audio_in_video: bool = False  # Qwen-Omni: also feed each video's sound track, interleaved with frames
+    skip_bad_samples: bool = False  # skip bad samples (unreadable media, marker mismatch) and count them
     dataloader_num_workers: int = 0  # worker processes decoding media for the driver's dataloader
 
 
@@ -133,6 +141,7 @@ class ActorConfig:
     ppo_epochs: int = 1  # passes over each rollout batch
     entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
     padding_free: bool = True  # train on packed sequences without padding tokens
+    max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
     ulysses_size: int = 1  # Ulysses sequence-parallel degree
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -157,6 +166,7 @@ class CriticConfig:
     loss_avg_mode: str = "token_mean"  # aggregation of the value loss
     ppo_epochs: int = 1  # passes over each rollout batch
     padding_free: bool = True  # train on packed sequences
+    max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
     model: ModelConfig = field(default_factory=ModelConfig)  # model_path None = the actor's model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -303,6 +303,13 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             errors.append(f"{key}={value} must be > 0")
+    for role in ("actor", "critic"):
+        budget = getattr(cfg.worker, role).max_tokens_per_micro_batch
+        if budget is not None and budget <= 0:
+            errors.append(
+                f"worker.{role}.max_tokens_per_micro_batch={budget} must be > 0 (packed tokens per forward "
+                "pass; a longer sequence gets a micro-batch of its own), or null to count responses"
+            )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
         errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
     if cfg.data.min_pixels > cfg.data.max_pixels:
@@ -314,6 +321,27 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
     if actor.clip_ratio_dual <= 1:
         errors.append(
             f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1 (dual-clip constant c)"
+        )
+
+
+def _check_media(errors: list[str], cfg: PPOConfig) -> None:
+    data = cfg.data
+    positive = {
+        "data.video_fps": data.video_fps,
+        "data.max_video_frames": data.max_video_frames,
+        "data.video_min_pixels": data.video_min_pixels,
+        "data.max_audio_seconds": data.max_audio_seconds,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            errors.append(f"{key}={value} must be > 0")
+    if data.num_video_frames is not None and data.num_video_frames <= 0:
+        errors.append(
+            f"data.num_video_frames={data.num_video_frames} must be > 0 (or null to sample by video_fps)"
+        )
+    if data.video_min_pixels > data.video_max_pixels:
+        errors.append(
+            f"data.video_min_pixels={data.video_min_pixels} exceeds data.video_max_pixels={data.video_max_pixels}"
         )
 
 
@@ -405,6 +433,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     """All cross-field rules of a run; returns one message per violated rule (empty when valid)."""
     errors: list[str] = []
     _check_positive(errors, cfg)
+    _check_media(errors, cfg)
     _check_batches(errors, cfg)
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)

@@ -27,6 +27,7 @@ from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.loader import PromptLoader
 from mmrl.logging import build_loggers
+from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
 from mmrl.trainer import core_algos
 from mmrl.trainer.config import PPOConfig
@@ -70,6 +71,14 @@ def build_dataset(config: PPOConfig, files: str, tokenizer: Any, processor: Any)
         min_pixels=data.min_pixels,
         max_pixels=data.max_pixels,
         filter_overlong_prompts=data.filter_overlong_prompts,
+        video_fps=data.video_fps,
+        num_video_frames=data.num_video_frames,
+        max_video_frames=data.max_video_frames,
+        video_min_pixels=data.video_min_pixels,
+        video_max_pixels=data.video_max_pixels,
+        max_audio_seconds=data.max_audio_seconds,
+        use_audio_in_video=data.use_audio_in_video,
+        skip_bad_samples=data.skip_bad_samples,
     )
 
 
@@ -116,7 +125,6 @@ class RayPPOTrainer:
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(self.train_loader))
-        self.filtered_prompts = train_set.num_filtered
 
         use_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
         trainer = config.trainer
@@ -187,6 +195,8 @@ class RayPPOTrainer:
         with timer("step", timings):
             with timer("gen", timings):
                 batch = self.actor.dispatch("generate", batch)
+            # rank chunks of equal token counts, not only equal row counts; rows keep their uid
+            batch, _ = balance_batch(batch, self.actor.world_size)
             pending_rewards = self.rewards.launch(batch)  # scored in the background
             with timer("old_log_prob", timings):
                 batch = batch.union(self.actor.dispatch("compute_log_probs", batch))
@@ -213,6 +223,8 @@ class RayPPOTrainer:
             **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
             **kl_metrics,
             **update_metrics,
+            "data/skipped_samples": self.train_loader.dataset.num_skipped,
+            "data/filtered_prompts": self.train_loader.dataset.num_filtered,
             "actor/entropy_rollout": float(
                 core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
             ),

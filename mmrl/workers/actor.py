@@ -4,17 +4,23 @@ Batch keys (see the engine contract): ``input_ids``/``attention_mask`` [B, P + R
 ``response_mask`` [B, R], optional ``mm_token_type_ids`` [B, P + R] and the object column
 ``multi_modal_inputs``; the update also reads ``old_log_probs`` and ``advantages`` (and
 ``ref_log_probs`` with the KL loss), all [B, R].
+
+``padding_free`` runs every forward on packed rows (no padding token computed); micro-batches hold
+``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch`` as many rows as fit in that many
+packed tokens. Either way, log-probs and entropies are computed on the valid response tokens only
+([K, vocab] logits, never [b, R, vocab]) and laid out as [b, R] with zeros on padding.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmrl.models.inputs import response_head_outputs
+from mmrl.models.inputs import response_token_outputs, scatter_response_tokens
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import (
     LOSS_AGG_MODES,
@@ -25,7 +31,7 @@ from mmrl.trainer.core_algos import (
     kl_penalty,
     log_probs_from_logits,
 )
-from mmrl.workers.fsdp_engine import token_share, train_on_batch
+from mmrl.workers.fsdp_engine import micro_batch_rows, token_share, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
 OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids",)
@@ -43,18 +49,37 @@ def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataPr
     return data.select(batch_keys=batch_keys, non_tensor_keys=media, meta_info_keys=[])
 
 
-def micro_batch_head_outputs(module: nn.Module, micro_batch: DataProto) -> torch.Tensor:
-    """The model's head outputs at the positions predicting each response token: [b, R, D]."""
+def micro_batch_token_outputs(
+    module: nn.Module, micro_batch: DataProto, padding_free: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
+    are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
     batch = micro_batch.batch
     media = micro_batch.non_tensor_batch.get(MEDIA_COLUMN)
-    return response_head_outputs(
+    return response_token_outputs(
         module,
         batch["input_ids"],
         batch["attention_mask"],
         batch["responses"].shape[-1],
         None if media is None else list(media),
         batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
+        padding_free=padding_free,
     )
+
+
+def forward_micro_batches(
+    data: DataProto,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[DataProto], np.ndarray]:
+    """``data``'s micro-batches (on ``device``) for a forward-only pass, and ``restore``: the row order
+    that puts the micro-batches' concatenated outputs back in the order of ``data``."""
+    attention_mask = data.batch["attention_mask"].to(device)
+    groups = micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group)
+    order = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in groups])
+    return [data[rows].to(device) for rows in groups], np.argsort(order)
 
 
 class PolicyActor:
@@ -83,6 +108,8 @@ class PolicyActor:
         kl_coef: float = 0.0,
         max_grad_norm: float = 1.0,
         max_response_length: int | None = None,
+        padding_free: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         if loss_avg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_avg_mode {loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
@@ -105,25 +132,41 @@ class PolicyActor:
         self.kl_coef = kl_coef
         self.max_grad_norm = max_grad_norm
         self.max_response_length = max_response_length
+        self.padding_free = padding_free
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
-    def _response_logits(self, micro_batch: DataProto, temperature: float) -> torch.Tensor:
-        return micro_batch_head_outputs(self.module, micro_batch) / temperature  # [b, R, V]
+    def _response_logits(
+        self, micro_batch: DataProto, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits / temperature`` at the valid response tokens [K, V], and ``response_valid`` [b, R]."""
+        logits, response_valid = micro_batch_token_outputs(self.module, micro_batch, self.padding_free)
+        return logits / temperature, response_valid
 
     @torch.no_grad()
     def compute_log_probs(
         self, data: DataProto, micro_batch_size: int, temperature: float, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``log softmax(logits / temperature)[responses]`` [B, R] float32 on the CPU, and the entropy
-        of the same distribution [B, R] when ``with_entropy``. Padding positions hold finite junk."""
+        of the same distribution [B, R] when ``with_entropy``. Padding positions hold 0."""
         self.module.eval()
         log_probs, entropies = [], []
-        for micro_batch in forward_columns(data).split(micro_batch_size):
-            micro_batch = micro_batch.to(self.device)
-            logits = self._response_logits(micro_batch, temperature)
-            log_probs.append(log_probs_from_logits(logits, micro_batch.batch["responses"]).float().cpu())
+        micro_batches, restore = forward_micro_batches(
+            forward_columns(data),
+            micro_batch_size,
+            self.max_tokens_per_micro_batch,
+            self.device,
+            self.dp_group,
+        )
+        for micro_batch in micro_batches:
+            logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
+            tokens = micro_batch.batch["responses"][response_valid]  # [K]
+            token_log_probs = log_probs_from_logits(logits, tokens).float()
+            log_probs.append(scatter_response_tokens(token_log_probs, response_valid).cpu())
             if with_entropy:
-                entropies.append(entropy_from_logits(logits.float()).cpu())
-        return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None
+                entropy = entropy_from_logits(logits.float())
+                entropies.append(scatter_response_tokens(entropy, response_valid).cpu())
+        restore = torch.from_numpy(restore)
+        return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
 
     def update_policy(
         self,
@@ -138,7 +181,8 @@ class PolicyActor:
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
         ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means), ``kl_loss``
-        (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``.
+        (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
+        ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -158,6 +202,8 @@ class PolicyActor:
             max_grad_norm=self.max_grad_norm,
             device=self.device,
             group=self.dp_group,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+            padding_free=self.padding_free,
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -178,8 +224,9 @@ class PolicyActor:
             global_num_seqs=num_seqs,
             max_response_length=self.max_response_length,
         )
-        logits = self._response_logits(micro_batch, temperature)  # [b, R, V]
-        log_probs = log_probs_from_logits(logits, batch["responses"])  # [b, R]
+        logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
+        token_log_probs = log_probs_from_logits(logits, batch["responses"][response_valid])  # [K]
+        log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
         pg_loss_mat, diagnostics = self.policy_loss_fn(
             batch["old_log_probs"],
             log_probs,
@@ -192,11 +239,13 @@ class PolicyActor:
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss
         if self.entropy_coeff != 0.0:
-            entropy = entropy_from_logits(logits.float())
+            entropy = scatter_response_tokens(entropy_from_logits(logits.float()), response_valid)
             loss = loss - self.entropy_coeff * aggregate(entropy)
         else:  # logged only: no graph through the softmax
             with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach().float())
+                entropy = scatter_response_tokens(
+                    entropy_from_logits(logits.detach().float()), response_valid
+                )
 
         shares = {
             "pg_loss": pg_loss.detach(),

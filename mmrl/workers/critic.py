@@ -13,14 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmrl.models.inputs import scatter_response_tokens
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
-from mmrl.workers.actor import forward_columns, micro_batch_head_outputs
+from mmrl.workers.actor import forward_columns, forward_micro_batches, micro_batch_token_outputs
 from mmrl.workers.fsdp_engine import token_share, train_on_batch
 
 
 class ValueCritic:
-    """A value model with its optimizer and scheduler; ``dp_group`` as in :class:`PolicyActor`."""
+    """A value model with its optimizer and scheduler; ``dp_group``, ``padding_free`` and
+    ``max_tokens_per_micro_batch`` as in :class:`PolicyActor`."""
 
     def __init__(
         self,
@@ -32,6 +34,8 @@ class ValueCritic:
         dp_group: dist.ProcessGroup | None = None,
         max_grad_norm: float = 1.0,
         max_response_length: int | None = None,
+        padding_free: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -40,19 +44,27 @@ class ValueCritic:
         self.dp_group = dp_group
         self.max_grad_norm = max_grad_norm
         self.max_response_length = max_response_length
+        self.padding_free = padding_free
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def _values(self, micro_batch: DataProto) -> torch.Tensor:
-        return micro_batch_head_outputs(self.module, micro_batch)[..., 0].float()  # [b, R]
+        """Values [b, R] float32; 0 on padding (only the valid response tokens are computed)."""
+        values, response_valid = micro_batch_token_outputs(self.module, micro_batch, self.padding_free)
+        return scatter_response_tokens(values[:, 0].float(), response_valid)
 
     @torch.no_grad()
     def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
-        """Values [B, R] float32 on the CPU (finite junk on padding; mask them)."""
+        """Values [B, R] float32 on the CPU (0 on padding)."""
         self.module.eval()
-        values = [
-            self._values(micro_batch.to(self.device)).cpu()
-            for micro_batch in forward_columns(data).split(micro_batch_size)
-        ]
-        return torch.cat(values)
+        micro_batches, restore = forward_micro_batches(
+            forward_columns(data),
+            micro_batch_size,
+            self.max_tokens_per_micro_batch,
+            self.device,
+            self.dp_group,
+        )
+        values = [self._values(micro_batch).cpu() for micro_batch in micro_batches]
+        return torch.cat(values)[torch.from_numpy(restore)]
 
     def update_critic(
         self,
@@ -66,7 +78,7 @@ class ValueCritic:
         """Minimise ``compute_value_loss`` (clipped around the rollout's ``values``, targets
         ``returns``) aggregated by ``loss_avg_mode``; steps and normalisation as
         :meth:`PolicyActor.update_policy`. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (token
-        means), ``grad_norm``, ``skipped_steps``, ``lr``."""
+        means), ``grad_norm``, ``skipped_steps``, ``lr``, ``padding_ratio``."""
         if self.optimizer is None:
             raise RuntimeError("ValueCritic.update_critic needs an optimizer")
         if loss_avg_mode not in LOSS_AGG_MODES:
@@ -86,6 +98,8 @@ class ValueCritic:
             max_grad_norm=self.max_grad_norm,
             device=self.device,
             group=self.dp_group,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+            padding_free=self.padding_free,
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -8,6 +8,10 @@ Gradient accounting. FSDP *averages* gradients over the ranks of its mesh. Every
 micro-batch's share of the global (mini-batch, all ranks) mean, so the shares are summed by gradient
 accumulation and multiplied by the data-parallel size before ``backward``: the step then equals the
 one computed on the whole mini-batch at once, however it is split over micro-batches and ranks.
+
+Micro-batches hold a fixed number of rows, or, with a token budget, as many rows as fit in it
+(:func:`micro_batch_rows`); every rank then runs as many as the rank that needs the most, because
+each forward pass issues FSDP collectives that all ranks must join.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from mmrl.models.loading import decoder_layers
+from mmrl.parallel.packing import padding_counts, split_groups, token_budget_groups
 from mmrl.protocol import DataProto
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -225,6 +230,39 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over ``group``, in place (nothing to do without torch.distributed)."""
+    if data_parallel_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def micro_batch_rows(
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[list[int]]:
+    """The rows of each micro-batch of a batch with ``attention_mask`` [B, L].
+
+    Without a budget: consecutive runs of ``micro_batch_size`` rows. With one: groups whose packed
+    length (valid tokens, ``attention_mask.sum(-1)``) is at most ``max_tokens_per_micro_batch``
+    (a longer row alone), then split further until there are as many as on the rank of ``group``
+    that needs the most. Collective when a budget is set: every rank of ``group`` must call it.
+    """
+    num_rows = attention_mask.shape[0]
+    if max_tokens_per_micro_batch is None:
+        return [
+            list(range(start, min(start + micro_batch_size, num_rows)))
+            for start in range(0, num_rows, micro_batch_size)
+        ]
+    seq_lengths = attention_mask.sum(-1).tolist()
+    groups = token_budget_groups(seq_lengths, max_tokens_per_micro_batch)
+    # On the mask's device: NCCL reduces CUDA tensors only.
+    num_groups = all_reduce_max(torch.tensor([len(groups)], device=attention_mask.device), group)
+    return split_groups(groups, seq_lengths, int(num_groups))
+
+
 def global_counts(
     response_mask: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,17 +317,25 @@ def train_on_batch(
     max_grad_norm: float,
     device: torch.device | str,
     group: dist.ProcessGroup | None = None,
+    max_tokens_per_micro_batch: int | None = None,
+    padding_free: bool = False,
 ) -> dict[str, float]:
     """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
-    ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows.
+    ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows
+    or, when ``max_tokens_per_micro_batch`` is set, of at most that many packed tokens
+    (:func:`micro_batch_rows`). The step does not depend on the split: losses are shares of the
+    mini-batch's global token and sequence counts.
 
     Every rank must hold the same number of rows (the same number of steps and forward passes, or
     FSDP's collectives would not pair up). Metrics are the micro-batch shares summed over
     micro-batches and ranks (i.e. mini-batch values), averaged over mini-batches, plus ``grad_norm``
-    (mean over steps with a finite norm), ``skipped_steps`` and ``lr`` (at the first step).
+    (mean over steps with a finite norm), ``skipped_steps``, ``lr`` (at the first step) and
+    ``padding_ratio``: the fraction of the tokens the forward passes computed that were padding
+    (``padding_free``: the passes run on packed rows, so 0).
     """
     dp_size = data_parallel_size(group)
     metric_sums: dict[str, torch.Tensor] = {}
+    token_counts = torch.zeros(2, dtype=torch.float64)  # computed tokens, of which padding
     grad_norms: list[float] = []
     skipped_steps = 0
     num_steps = 0
@@ -298,21 +344,30 @@ def train_on_batch(
         for mini_batch in data.split(mini_batch_size):
             mini_batch = mini_batch.to(device)
             num_tokens, num_seqs = global_counts(mini_batch.batch["response_mask"], group)
-            for micro_batch in mini_batch.split(micro_batch_size):
+            attention_mask = mini_batch.batch["attention_mask"]
+            for rows in micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group):
+                micro_batch = mini_batch[rows]
                 loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
                 (loss * dp_size).backward()
                 for name, share in shares.items():
                     share = share.detach().double()
                     metric_sums[name] = metric_sums[name] + share if name in metric_sums else share
+                token_counts += torch.tensor(padding_counts(attention_mask[rows], padding_free))
             grad_norm, stepped = optimizer_step(module, optimizer, max_grad_norm)
             num_steps += 1
             if stepped:
                 grad_norms.append(grad_norm)
             else:
                 skipped_steps += 1
-    totals = all_reduce_metrics(metric_sums, device, group)
+    totals = all_reduce_metrics(
+        {**metric_sums, "_computed_tokens": token_counts[0], "_padding_tokens": token_counts[1]},
+        device,
+        group,
+    )
+    computed_tokens, padding_tokens = totals.pop("_computed_tokens"), totals.pop("_padding_tokens")
     metrics = {name: total / max(num_steps, 1) for name, total in totals.items()}
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_steps"] = float(skipped_steps)
     metrics["lr"] = float(lr)
+    metrics["padding_ratio"] = padding_tokens / max(computed_tokens, 1.0)
     return metrics

@@ -139,22 +139,43 @@ class HybridWorker:
             )
             self.ref = PolicyActor(ref_module, device=self.device)
         self.rollout = self._build_rollout()
+        self.sync_rollout_weights()  # the vLLM engine starts with random weights
         self._offload()
 
     # ---- builders -----------------------------------------------------------------------------
 
     def _build_rollout(self):
-        rollout_cfg = self.config.worker.rollout
-        if rollout_cfg.name != "hf":
-            raise NotImplementedError(
-                f"worker.rollout.name={rollout_cfg.name}: only the transformers backend (hf) is built yet"
-            )
         from transformers import AutoTokenizer
 
+        rollout_cfg = self.config.worker.rollout
+        model_cfg = self.config.worker.actor.model
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_or_model_path)
+        dtype = resolve_dtype(rollout_cfg.dtype, self.device)
+        if rollout_cfg.name == "vllm":
+            from mmrl.workers.rollout.vllm_spmd import VLLMRollout
+
+            data = self.config.data
+            return VLLMRollout(
+                model_cfg.model_path,
+                tokenizer,
+                tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+                dtype=dtype,
+                seed=rollout_cfg.seed,
+                max_model_len=rollout_cfg.max_model_len or data.max_prompt_length + data.max_response_length,
+                max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+                enforce_eager=rollout_cfg.enforce_eager,
+                enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
+                gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_gib,
+                enable_sleep_mode=rollout_cfg.enable_sleep_mode,
+                # weights are pushed after every update anyway: nothing is gained by keeping a host copy
+                sleep_level=2,
+                limit_images=rollout_cfg.limit_images,
+                trust_remote_code=model_cfg.trust_remote_code,
+                override_config=dict(model_cfg.override_config),
+            )
         from mmrl.workers.rollout.hf import HFRollout
 
-        model_cfg = self.config.worker.actor.model
-        dtype = resolve_dtype(rollout_cfg.dtype, self.device)
         model = load_model(
             model_cfg.model_path,
             torch_dtype=dtype,
@@ -162,7 +183,6 @@ class HybridWorker:
             override_config=dict(model_cfg.override_config),
         ).to(self.device)
         model.requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_or_model_path)
         return HFRollout(model, tokenizer, return_log_probs=True)
 
     def _sampling(self, validate: bool, global_step: int) -> SamplingParams:
@@ -200,6 +220,8 @@ class HybridWorker:
         )
         if prompts.meta_info.get("sampling_override"):  # e.g. ReMax's greedy baseline
             sampling = sampling.override(**prompts.meta_info["sampling_override"])
+        if getattr(self.rollout, "weights_discarded", False):  # vLLM slept at level 2 since the last push
+            self.sync_rollout_weights()
         output = self.rollout.generate(prompts, sampling)
         output.meta_info["temperature"] = sampling.temperature if sampling.temperature > 0 else 1.0
         return output
@@ -238,8 +260,11 @@ class HybridWorker:
         return DataProto(meta_info={"metrics": {f"actor/{key}": value for key, value in metrics.items()}})
 
     def sync_rollout_weights(self) -> None:
-        """Push the actor's new weights into the rollout engine, one full tensor at a time."""
-        self.rollout.update_weights(iter_full_state_dict(self.actor.module, device=self.device))
+        """Push the actor's new weights into the rollout engine, one full tensor at a time, under the names
+        of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
+        self.rollout.update_weights(
+            iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
+        )
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -265,6 +290,9 @@ class HybridWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+        if hasattr(self.rollout, "shutdown"):
+            self.rollout.shutdown()  # vLLM's teardown destroys the process group itself
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -167,7 +167,10 @@ def test_text_only_model_uses_tokenizer_template(tmp_path, tiny_text_path):
             r"row 0: the prompt has 0 <image> marker\(s\) but the sample has 1 image",
         ),
         ({"problem": "<image><image>x", "answer": "a", "images": ["img.png"]}, r"has 2 <image> marker\(s\)"),
-        ({"problem": "<video>x", "answer": "a", "videos": ["v.mp4"]}, r"video inputs are not supported yet"),
+        (
+            {"problem": "<video>x", "answer": "a", "videos": ["v.mp4"]},
+            r"bad\.jsonl row 0: video file .*v\.mp4' does not exist",
+        ),
     ],
 )
 def test_bad_samples_name_file_and_row(tmp_path, vl, row, message):

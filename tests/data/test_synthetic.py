@@ -175,3 +175,92 @@ def test_cli_writes_then_reports_up_to_date(tmp_path, capsys):
     assert first.startswith("[mmrl.data.synthetic] built: task=count train=8 val=4 format=parquet")
     assert second.startswith("[mmrl.data.synthetic] up to date")
     assert (tmp_path / "cli" / "val.parquet").is_file()
+
+
+def _dot_centers_x(frames: np.ndarray) -> np.ndarray:
+    """[T] mean column of the dark (dot) pixels of each frame; the background is white."""
+    dark = frames.astype(int).sum(axis=-1) < 600  # [T, H, W]
+    return np.array([np.nonzero(mask)[1].mean() for mask in dark])
+
+
+def test_dot_moves_the_answered_way_also_after_mp4_round_trip():
+    from mmrl.data.media import load_video
+
+    rng = np.random.default_rng(4)
+    answers = []
+    for _ in range(12):
+        frames, question, answer = draw_sample("video_direction", rng)
+        assert question == "<video>Which way does the dot move? Answer left or right."
+        assert frames.shape == (8, 56, 56, 3) and frames.dtype == np.uint8
+        steps = np.diff(_dot_centers_x(frames))
+        # one constant speed of 3-5 px per frame, positive exactly when the answer is "right"
+        assert len(set(steps.tolist())) == 1 and abs(steps[0]) in synthetic.DOT_SPEEDS
+        assert (steps[0] > 0) == (answer == "right")
+        # the whole dot is inside every frame: equal dark areas
+        assert len({int(area) for area in (frames.astype(int).sum(-1) < 600).sum(axis=(1, 2))}) == 1
+        decoded = load_video(synthetic.mp4_bytes(frames), 3136, 3136, fps=synthetic.VIDEO_FPS).frames
+        np.testing.assert_allclose(_dot_centers_x(decoded), _dot_centers_x(frames), atol=0.5)
+        answers.append(answer)
+    assert set(answers) == {"left", "right"}
+
+
+def _count_beeps(waveform: np.ndarray, sampling_rate: int = 16000) -> tuple[int, list[float]]:
+    """Beeps by energy envelope: runs of 10 ms windows whose RMS exceeds 0.1; returns (count, lengths s)."""
+    window = sampling_rate // 100
+    usable = len(waveform) // window * window
+    rms = np.sqrt((waveform[:usable].reshape(-1, window) ** 2).mean(axis=1))  # [windows]
+    loud = np.concatenate([[False], rms > 0.1, [False]])
+    starts, ends = np.nonzero(~loud[:-1] & loud[1:])[0], np.nonzero(loud[:-1] & ~loud[1:])[0]
+    return len(starts), [(end - start) / 100 for start, end in zip(starts, ends)]
+
+
+def test_beep_count_matches_the_energy_envelope_after_wav_round_trip(tmp_path):
+    from mmrl.data.media import load_audio
+
+    rng = np.random.default_rng(2)
+    answers = []
+    for index in range(12):
+        waveform, question, answer = draw_sample("audio_beeps", rng)
+        assert question == "<audio>How many beeps are there? Answer with a number."
+        assert waveform.shape == (24000,) and waveform.dtype == np.float32  # 1.5 s at 16 kHz
+        path = tmp_path / f"{index}.wav"
+        path.write_bytes(synthetic.wav_bytes(waveform))
+        decoded = load_audio(str(path), 16000, 30.0)
+        beeps, lengths = _count_beeps(decoded)
+        assert beeps == int(answer)
+        assert all(abs(length - synthetic.BEEP_SECONDS) <= 0.02 for length in lengths)
+        answers.append(answer)
+    assert set(answers) == {"1", "2", "3"}
+    starts = synthetic.place_beeps(3, np.random.default_rng(0))
+    gaps = np.diff(starts) - synthetic.BEEP_SECONDS
+    assert gaps.min() >= synthetic.MIN_BEEP_GAP_SECONDS and starts[-1] + synthetic.BEEP_SECONDS <= 1.5 - 0.1
+
+
+@pytest.mark.parametrize(
+    ("task", "column", "suffix"), [("video_direction", "videos", ".mp4"), ("audio_beeps", "audios", ".wav")]
+)
+def test_video_and_audio_datasets_layout(tmp_path, task, column, suffix):
+    spec = synthetic.get_task(task)
+    out_dir = generate_shapes_dataset(task, tmp_path / task, n_train=6, n_val=2, seed=1)
+    train = _read_jsonl(out_dir / "train.jsonl")
+    assert Counter(row["answer"] for row in train) == dict.fromkeys(spec.answers, 6 // len(spec.answers))
+    for row in train:
+        assert set(row) == {"problem", "answer", column, "data_source"}
+        assert row["data_source"] == f"synthetic_{task}" and row["problem"] == spec.question
+        (relative,) = row[column]
+        assert relative.startswith(f"{column}/") and relative.endswith(suffix)
+        assert (out_dir / relative).is_file()
+    parquet_dir = generate_shapes_dataset(task, tmp_path / "pq", n_train=6, n_val=2, seed=1, fmt="parquet")
+    import pyarrow.parquet as pq
+
+    embedded = pq.read_table(parquet_dir / "train.parquet").to_pylist()
+    assert [row[column][0]["bytes"] for row in embedded] == [
+        (out_dir / row[column][0]).read_bytes() for row in train
+    ]
+
+
+def test_new_answer_words_are_single_tiny_tokens():
+    from mmrl.models import tiny
+
+    tokenizer = tiny.train_tokenizer(tiny.TINY_CORPUS, tiny.SIZES["tiny"].vocab_size, "qwen2_5_omni")
+    tiny.check_single_token_answers(tokenizer, ["left", "right", "1", "2", "3"])

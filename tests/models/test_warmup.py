@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmrl.data.collate import collate_prompts
@@ -38,6 +39,7 @@ def first_token_probs(model_dir, data_file) -> tuple[torch.Tensor, list[int]]:
     return logits[:, 0].softmax(-1), answers
 
 
+@pytest.mark.slow
 def test_warm_up_teaches_the_answer_format_but_not_the_task(tiny_vl_path, shapes_data_dir, tmp_path, capsys):
     out = warm_up(str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(tmp_path / "warm"), steps=40)
     probs, answers = first_token_probs(out, shapes_data_dir / "val.jsonl")

