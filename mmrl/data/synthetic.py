@@ -53,7 +53,7 @@ from PIL import Image, ImageDraw
 
 BUILD_MARKER = "mmrl_dataset.json"
 # Bumped when the drawing or the file layout changes, so stale folders are rebuilt.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 
 IMAGE_SIZE = 56  # px; a multiple of 28 (patch 14 x merge 2), so Qwen's resize keeps it as drawn
 BACKGROUND_RGB = (255, 255, 255)
@@ -127,8 +127,12 @@ def draw_shape(
 
 
 def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:
-    """One shape of colour ``answer``, side 40-70 % of the image, anywhere fully inside it."""
-    side = int(rng.integers(int(0.4 * size), int(0.7 * size) + 1))
+    """One shape of colour ``answer``, side 70-95 % of the image, anywhere fully inside it.
+
+    Large shapes put the colour into every one of the tiny model's few image tokens (a 56-pixel image
+    is 2x2 merged patches); with smaller ones RL on the random tiny vision tower stalls at 2 of 4 colours.
+    """
+    side = int(rng.integers(int(0.7 * size), int(0.95 * size) + 1))
     left, top = (int(v) for v in rng.integers(0, size - side + 1, size=2))
     image = _blank_image(size)
     shape = SHAPES[int(rng.integers(len(SHAPES)))]

@@ -54,6 +54,12 @@ def _base_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _data_marker(data_dir: Path) -> str | None:
+    """The synthetic dataset's build marker, if any: regenerated data invalidates the warmed copy."""
+    marker = data_dir / "mmrl_dataset.json"
+    return marker.read_text() if marker.is_file() else None
+
+
 def warm_up(
     model_dir: str,
     data_file: str,
@@ -73,6 +79,7 @@ def warm_up(
         "seed": seed,
         # a rebuilt base model (e.g. a new tiny-model version) must invalidate the warmed copy
         "base_model": _base_fingerprint(Path(model_dir)),
+        "data_build": _data_marker(Path(data_file).parent),
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.models.warmup] {out} is up to date")
