@@ -1,13 +1,13 @@
 """Padding-free training on the CPU: padding share and step time, padded against packed micro-batches.
 
     python bench/packing.py [--sizes tiny small] [--rows 16] [--min_response 4] [--max_response 256]
-                            [--micro_batch_size 4] [--threads 2] [--repeats 3]
+                            [--micro_batch_size 4] [--threads 2] [--repeats 5]
 
 A mixed-length batch as the rollout hands it over: ``--rows`` responses whose lengths spread
 geometrically from ``--min_response`` to ``--max_response`` tokens (many short, few long, in shuffled
 order), half of the prompts with an image of one of four sizes, the others text only; prompts
 left-padded, responses right-padded. For each tiny Qwen2.5-VL size the same actor update (PPO loss,
-plain SGD, one optimizer step) and the same log-prob pass run three ways:
+plain SGD, one optimizer step) and the same log-prob pass run three ways, in turn:
 
 - ``padded``: micro-batches of ``--micro_batch_size`` rows at the batch's full width (what ran before);
 - ``packed``: the same rows per micro-batch, packed into one sequence each (no padding computed);
@@ -16,8 +16,8 @@ plain SGD, one optimizer step) and the same log-prob pass run three ways:
 
 Reported: the share of computed tokens that are padding (the update's ``padding_ratio`` metric), the
 update's wall time (forward + backward + step) and the log-prob pass's, each the median of
-``--repeats`` runs after a warm-up run. Prints a table and writes ``bench/results/packing.json``;
-models are built under ``bench/results/models``.
+``--repeats`` rounds after a warm-up round (the modes alternate within a round). Prints a table and
+writes ``bench/results/packing.json``; models are built under ``bench/results/models``.
 """
 
 from __future__ import annotations
@@ -111,52 +111,52 @@ def add_old_log_probs(model, batch):
     return batch.union(DataProto.from_dict(tensors={"old_log_probs": log_probs}))
 
 
-def _median_time_s(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_mode(
-    model, batch, padding_free: bool, micro_batch_size: int, budget: int | None, repeats: int
-) -> dict:
+def bench_modes(model, batch, modes, micro_batch_size: int, repeats: int) -> dict[str, dict]:
+    """Per mode ``(name, padding_free, budget)``: padding share, micro-batches, computed tokens and the
+    median update / log-prob pass time. The modes' timed runs alternate, so a busy spell of the shared
+    machine slows all of them rather than one."""
     import torch
 
     from mmrl.parallel.packing import padding_counts
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import micro_batch_rows
 
-    # lr 0: the weights stay as they are, so every repeat does the same work
-    actor = PolicyActor(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        padding_free=padding_free,
-        max_tokens_per_micro_batch=budget,
-        max_response_length=batch.batch["responses"].shape[1],
-    )
-    metrics = {}
-
-    def update():
-        metrics.update(actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE))
-
-    update_s = _median_time_s(update, repeats)
-    log_prob_s = _median_time_s(
-        lambda: actor.compute_log_probs(batch, micro_batch_size, TEMPERATURE), repeats
-    )
+    actors, metrics, times = {}, {}, {}
+    for name, padding_free, budget in modes:
+        # lr 0: the weights stay as they are, so every repeat does the same work
+        actors[name] = PolicyActor(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            padding_free=padding_free,
+            max_tokens_per_micro_batch=budget,
+            max_response_length=batch.batch["responses"].shape[1],
+        )
+        times[name] = {"update_s": [], "log_prob_s": []}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for name, actor in actors.items():
+            start = time.perf_counter()
+            metrics[name] = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+            middle = time.perf_counter()
+            actor.compute_log_probs(batch, micro_batch_size, TEMPERATURE)
+            update_s, log_prob_s = middle - start, time.perf_counter() - middle
+            if repeat > 0:
+                times[name]["update_s"].append(update_s)
+                times[name]["log_prob_s"].append(log_prob_s)
     attention_mask = batch.batch["attention_mask"]
-    groups = micro_batch_rows(attention_mask, micro_batch_size, budget)
-    return {
-        "micro_batches": len(groups),
-        "computed_tokens": sum(padding_counts(attention_mask[rows], padding_free)[0] for rows in groups),
-        "valid_tokens": int(attention_mask.sum()),
-        "padding_ratio": metrics["padding_ratio"],
-        "update_s": update_s,
-        "log_prob_s": log_prob_s,
-    }
+    results = {}
+    for name, padding_free, budget in modes:
+        groups = micro_batch_rows(attention_mask, micro_batch_size, budget)
+        results[name] = {
+            "micro_batches": len(groups),
+            "computed_tokens": sum(padding_counts(attention_mask[rows], padding_free)[0] for rows in groups),
+            "valid_tokens": int(attention_mask.sum()),
+            "padding_ratio": metrics[name]["padding_ratio"],
+            "update_s": statistics.median(times[name]["update_s"]),
+            "log_prob_s": statistics.median(times[name]["log_prob_s"]),
+            "update_s_runs": times[name]["update_s"],
+            "log_prob_s_runs": times[name]["log_prob_s"],
+        }
+    return results
 
 
 def _table(rows: list[dict]) -> str:
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--max_response", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     import torch
@@ -206,11 +206,7 @@ def main() -> None:
         model = load_model(str(path))
         batch = add_old_log_probs(model, batch)
         modes = (("padded", False, None), ("packed", True, None), ("packed+budget", True, budget))
-        results = {}
-        for mode, padding_free, mode_budget in modes:
-            results[mode] = bench_mode(
-                model, batch, padding_free, args.micro_batch_size, mode_budget, args.repeats
-            )
+        results = bench_modes(model, batch, modes, args.micro_batch_size, args.repeats)
         for mode, result in results.items():
             rows.append(
                 {

@@ -133,6 +133,11 @@ def packed_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(
+            f"packed attention has no sliding-window variant (layer {getattr(module, 'layer_idx', '?')} "
+            f"uses a window of {kwargs['sliding_window']}); set worker.actor.padding_free=false for this model"
+        )
     if query.shape[0] != 1 or query.shape[2] != sum(packed_sequences.lengths):
         raise ValueError(
             f"packed attention: expected one row of {sum(packed_sequences.lengths)} tokens (the sum of the "

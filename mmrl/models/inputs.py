@@ -9,11 +9,11 @@ them from the sequence length counts left padding as positions and so shifts eve
   on the thinker itself for Omni, taking the audio lengths).
 - Text models: ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` ``[B, L]``.
 
-:func:`response_head_outputs` is the one place a micro-batch goes through the model, padded or packed
-(``padding_free``). Packed, the valid tokens of all rows form one row ``[1, T]`` in row order, each
-sequence keeping the position ids it has in the padded batch (so M-RoPE ids are the model's own), the
-media tensors are joined in the same row order, and attention gets the sequence boundaries
-(:mod:`mmrl.models.attention`): no padding token is computed.
+:func:`response_token_outputs` (and :func:`response_head_outputs`, its [B, R, D] layout) is the one
+place a micro-batch goes through the model, padded or packed (``padding_free``). Packed, the valid
+tokens of all rows form one row ``[1, T]`` in row order, each sequence numbered by the model's own
+``get_rope_index`` on that sequence alone, the media tensors joined in the same row order, and
+attention gets the sequence boundaries (:mod:`mmrl.models.attention`): no padding token is computed.
 """
 
 from __future__ import annotations

@@ -74,12 +74,13 @@ def forward_micro_batches(
     device: torch.device | str,
     group: dist.ProcessGroup | None,
 ) -> tuple[list[DataProto], np.ndarray]:
-    """``data``'s micro-batches (on ``device``) for a forward-only pass, and ``restore``: the row order
-    that puts the micro-batches' concatenated outputs back in the order of ``data``."""
+    """``data``'s micro-batches for a forward-only pass (still where ``data`` is), and ``restore``: the
+    row order that puts the micro-batches' concatenated outputs back in the order of ``data``.
+    ``device`` is where the micro-batch count is agreed on with the other ranks (a token budget)."""
     attention_mask = data.batch["attention_mask"].to(device)
     groups = micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group)
     order = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in groups])
-    return [data[rows].to(device) for rows in groups], np.argsort(order)
+    return [data[rows] for rows in groups], np.argsort(order)
 
 
 class PolicyActor:
@@ -158,6 +159,7 @@ class PolicyActor:
             self.dp_group,
         )
         for micro_batch in micro_batches:
+            micro_batch = micro_batch.to(self.device)
             logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
             tokens = micro_batch.batch["responses"][response_valid]  # [K]
             token_log_probs = log_probs_from_logits(logits, tokens).float()

@@ -63,7 +63,7 @@ class ValueCritic:
             self.device,
             self.dp_group,
         )
-        values = [self._values(micro_batch).cpu() for micro_batch in micro_batches]
+        values = [self._values(micro_batch.to(self.device)).cpu() for micro_batch in micro_batches]
         return torch.cat(values)[torch.from_numpy(restore)]
 
     def update_critic(

@@ -130,6 +130,8 @@ class HybridWorker:
             kl_coef=config.algorithm.kl_coef,
             max_grad_norm=actor_cfg.max_grad_norm,
             max_response_length=config.data.max_response_length,
+            padding_free=actor_cfg.padding_free,
+            max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
         )
         self.ref = None
         if config.algorithm.use_reference:
@@ -137,7 +139,12 @@ class HybridWorker:
             ref_module = build_fsdp_model(
                 actor_cfg.model, ref_cfg.fsdp, "actor", self.device, trainable=False
             )
-            self.ref = PolicyActor(ref_module, device=self.device)
+            self.ref = PolicyActor(
+                ref_module,
+                device=self.device,
+                padding_free=actor_cfg.padding_free,
+                max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
+            )
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights
         self._offload()
@@ -309,7 +316,13 @@ class CriticWorker:
         optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
         self.model_path = model_cfg.model_path
         self.critic = ValueCritic(
-            module, optimizer, scheduler, device=self.device, max_grad_norm=critic_cfg.max_grad_norm
+            module,
+            optimizer,
+            scheduler,
+            device=self.device,
+            max_grad_norm=critic_cfg.max_grad_norm,
+            padding_free=critic_cfg.padding_free,
+            max_tokens_per_micro_batch=critic_cfg.max_tokens_per_micro_batch,
         )
 
     def compute_values(self, data: DataProto) -> DataProto:

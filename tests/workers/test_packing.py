@@ -412,7 +412,6 @@ def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProt
     }
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_with_unequal_micro_batch_counts_equal_one_rank(tiny_vl_path, mixed_training_batch):
     # Rank 0 gets the two longest rows, rank 1 the two shortest: unbalanced on purpose.
