@@ -195,9 +195,9 @@ class RayPPOTrainer:
         with timer("step", timings):
             with timer("gen", timings):
                 batch = self.actor.dispatch("generate", batch)
+            pending_rewards = self.rewards.launch(batch)  # scored in the background, in generation order
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
-            batch, _ = balance_batch(batch, self.actor.world_size)
-            pending_rewards = self.rewards.launch(batch)  # scored in the background
+            batch, restore = balance_batch(batch, self.actor.world_size)
             with timer("old_log_prob", timings):
                 batch = batch.union(self.actor.dispatch("compute_log_probs", batch))
             if self.config.algorithm.use_reference:
@@ -207,10 +207,9 @@ class RayPPOTrainer:
                 with timer("values", timings):
                     batch = batch.union(self.critic.dispatch("compute_values", batch))
             with timer("reward", timings):
+                scores = self.rewards.collect(pending_rewards).reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
-                    self.rewards.collect(pending_rewards).select(
-                        batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"]
-                    )
+                    scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
                 )
                 if self.config.algorithm.adv_estimator == "remax":
                     batch = batch.union(self._greedy_baselines(batch))
