@@ -46,14 +46,11 @@ from mmrl.checkpoint.state import (
     load_dcp,
     read_state_info,
 )
+from mmrl.models.loading import MergeNotSupportedError, as_source_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Written by save_pretrained itself; the other metadata files come from the checkpoint's huggingface/.
 _FILES_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
-
-
-class MergeNotSupportedError(ValueError):
-    """The checkpoint's model cannot be expressed as a Hugging Face class (e.g. a custom value head)."""
 
 
 def _import_model_class(class_path: str, local_dir: Path) -> type:
@@ -139,38 +136,6 @@ def _load_checkpoint_into(model: nn.Module, model_dir: Path, local_dir: Path) ->
     load_dcp(model_state, model_dir)  # in place: tied entries share one tensor and load the same values
 
 
-def _as_saved_class(model: nn.Module, hf_dir: Path) -> nn.Module:
-    """``model`` itself, or the class of ``hf_dir/config.json`` around it when that class consists of
-    exactly one submodule of ``model``'s class (the Qwen2.5-Omni thinker in its full model)."""
-    from transformers import AutoConfig
-
-    if not (hf_dir / "config.json").is_file():
-        return model
-    source_config = AutoConfig.from_pretrained(hf_dir)
-    if type(source_config) is type(model.config) or not source_config.architectures:
-        return model
-    import transformers
-
-    wrapper_cls = getattr(transformers, source_config.architectures[0], None)
-    if wrapper_cls is None:
-        return model
-    with torch.device("meta"):
-        wrapper = wrapper_cls(source_config)
-    for name, child in wrapper.named_children():
-        if type(child) is type(model):
-            other = [key for key in wrapper.state_dict() if not key.startswith(f"{name}.")]
-            if other:
-                raise MergeNotSupportedError(
-                    f"{hf_dir}/config.json describes {wrapper_cls.__name__}, which holds weights beyond the "
-                    f"trained {type(model).__name__} ({other[:5]}...) that the checkpoint does not have; set "
-                    f"the config so that the trained part is the only one (Qwen2.5-Omni: "
-                    f"enable_audio_output=false) and merge again"
-                )
-            setattr(wrapper, name, model)
-            return wrapper.eval()
-    return model
-
-
 def _resolve_dtype(dtype: str) -> torch.dtype | None:
     if dtype == "auto":
         return None
@@ -208,7 +173,7 @@ def merge_checkpoint(
     target_dtype = _resolve_dtype(dtype)
     if target_dtype is not None:
         model = model.to(target_dtype)
-    output = _as_saved_class(model, hf_dir)
+    output = as_source_class(model, hf_dir)
     if output.can_generate() and (hf_dir / "generation_config.json").is_file():
         output.generation_config = GenerationConfig.from_pretrained(hf_dir)
 

@@ -15,15 +15,24 @@ A critic is the same model whose ``lm_head`` is replaced by a value head ``nn.Li
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from mmrl.models.mrope import resume_text_after_vision_max
+
 ROLES = ("actor", "critic")
 # Attribute names of encoder towers in the supported families (transformers v5): Qwen-VL keeps the
 # vision tower at `model.model.visual`, the Omni thinker at `model.visual` and `model.audio_tower`.
 TOWER_ATTRIBUTES = ("visual", "vision_tower", "audio_tower")
+
+
+class MergeNotSupportedError(ValueError):
+    """The checkpoint's model cannot be expressed as a Hugging Face class (e.g. a custom value head)."""
+
+
 # The value head starts from the same weights on every rank and in every run.
 _VALUE_HEAD_SEED = 0
 
@@ -58,6 +67,7 @@ def load_model(
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
+    resume_text_after_vision_max(model)  # transformers v5 numbers text after a video differently
     if role == "critic":
         attach_value_head(model)
     return model
@@ -162,3 +172,38 @@ def freeze_vision_tower(model: nn.Module) -> int:
             parameter.requires_grad_(False)
             frozen += parameter.numel()
     return frozen
+
+
+def as_source_class(model: nn.Module, source_dir: str | Path) -> nn.Module:
+    """``model`` itself, or the class of ``source_dir/config.json`` around it when that class consists of
+    exactly one submodule of ``model``'s class: the Qwen2.5-Omni thinker goes back into its full model
+    (``thinker.*`` keys, the original config), the layout vLLM and ``from_pretrained`` users expect.
+    Used when saving a trained model next to (or from) the folder it was loaded from."""
+    from transformers import AutoConfig
+
+    hf_dir = Path(source_dir)
+    if not (hf_dir / "config.json").is_file():
+        return model
+    source_config = AutoConfig.from_pretrained(hf_dir)
+    if type(source_config) is type(model.config) or not source_config.architectures:
+        return model
+    import transformers
+
+    wrapper_cls = getattr(transformers, source_config.architectures[0], None)
+    if wrapper_cls is None:
+        return model
+    with torch.device("meta"):
+        wrapper = wrapper_cls(source_config)
+    for name, child in wrapper.named_children():
+        if type(child) is type(model):
+            other = [key for key in wrapper.state_dict() if not key.startswith(f"{name}.")]
+            if other:
+                raise MergeNotSupportedError(
+                    f"{hf_dir}/config.json describes {wrapper_cls.__name__}, which holds weights beyond the "
+                    f"trained {type(model).__name__} ({other[:5]}...) that the checkpoint does not have; set "
+                    f"the config so that the trained part is the only one (Qwen2.5-Omni: "
+                    f"enable_audio_output=false) and merge again"
+                )
+            setattr(wrapper, name, model)
+            return wrapper.eval()
+    return model

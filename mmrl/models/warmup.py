@@ -26,7 +26,7 @@ import torch
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.models.inputs import response_head_outputs
-from mmrl.models.loading import load_model
+from mmrl.models.loading import as_source_class, load_model
 from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import response_mask_until_eos
@@ -80,6 +80,7 @@ def warm_up(
         # a rebuilt base model (e.g. a new tiny-model version) must invalidate the warmed copy
         "base_model": _base_fingerprint(Path(model_dir)),
         "data_build": _data_marker(Path(data_file).parent),
+        "layout": "source",  # saved in the base folder's layout (older copies: the trained class's)
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.models.warmup] {out} is up to date")
@@ -129,7 +130,8 @@ def warm_up(
             print(f"[mmrl.models.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # in the base folder's layout: an Omni thinker is saved inside its full model, as vLLM loads it
+    as_source_class(model.eval(), model_dir).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if processor is not None:
         processor.save_pretrained(tmp)

@@ -239,6 +239,10 @@ class VLLMRollout:
         if override_config:
             engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
         self.llm = LLM(**engine_args)
+        # A Qwen2.5-Omni folder holds the thinker under `thinker.*`, which the engine's loader expects,
+        # while the trained thinker's own names carry no prefix.
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.weight_name_prefix = "thinker." if hasattr(hf_config, "thinker_config") else ""
         self.tp_size = tensor_parallel_size
         self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
         self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating
@@ -251,6 +255,11 @@ class VLLMRollout:
         each one as it arrives (peak: one layer's tensors). Collective over a tensor-parallel group."""
         if "weights" in self.sleeping:
             self._wake(["weights"])
+        prefix = self.weight_name_prefix
+        if prefix:
+            named_tensors = (
+                (name if name.startswith(prefix) else prefix + name, tensor) for name, tensor in named_tensors
+            )
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
