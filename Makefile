@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
 
-.PHONY: install lock assets demo test test-fast quality style clean
+.PHONY: install lock assets assets-video assets-audio demo demo-video demo-audio test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -24,6 +24,26 @@ assets: install
 
 demo: assets
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml $(ARGS)
+
+# "Which way does the dot move?" (8-frame videos) with the tiny Qwen2.5-VL
+assets-video: install
+	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.data.synthetic --task video_direction --out $(ASSETS)/data/video-direction --n_train 512 --n_val 64
+	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/video-direction/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-video-warm
+
+demo-video: assets-video
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_video.yaml $(ARGS)
+
+# "How many beeps are there?" (1.5 s clips) with the tiny Qwen2.5-Omni thinker
+assets-audio: install
+	@$(PY) -m mmrl.models.tiny --kind qwen2_5_omni --size tiny --out $(ASSETS)/models/tiny-qwen2.5-omni
+	@$(PY) -m mmrl.data.synthetic --task audio_beeps --out $(ASSETS)/data/audio-beeps --n_train 512 --n_val 64
+	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-omni \
+		--data $(ASSETS)/data/audio-beeps/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-omni-audio-warm
+
+demo-audio: assets-audio
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)

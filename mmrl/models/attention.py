@@ -13,7 +13,9 @@ transformers v5 hands unknown forward keywords through the decoder layers to the
 - with ``packed_sequences``: flash-attn's ``flash_attn_varlen_func`` when the package is installed and
   the tensors are fp16/bf16 on CUDA; otherwise torch sdpa run causally on each sequence in turn,
   which is exact (a padded batch computes the same sums, with masked keys adding exp(-inf) = 0).
-- without it (the padded path): exactly transformers' own sdpa attention and sdpa mask.
+- without it (the padded path): exactly transformers' own sdpa attention and sdpa mask;
+- with a :class:`~mmrl.parallel.sequence.ShardedSequences` (sequence parallelism): this rank's tokens
+  of the row, attended through Ulysses and ring attention (:mod:`mmrl.parallel.ring_attention`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from mmrl.parallel.sequence import ShardedSequences
 
 PACKED_ATTENTION = "mmrl_packed"
 
@@ -138,6 +142,10 @@ def packed_attention_forward(
             f"packed attention has no sliding-window variant (layer {getattr(module, 'layer_idx', '?')} "
             f"uses a window of {kwargs['sliding_window']}); set worker.actor.padding_free=false for this model"
         )
+    if isinstance(packed_sequences, ShardedSequences):  # this rank's tokens of a sequence-parallel row
+        from mmrl.parallel.ring_attention import sharded_attention
+
+        return sharded_attention(module, query, key, value, packed_sequences, scaling), None
     if query.shape[0] != 1 or query.shape[2] != sum(packed_sequences.lengths):
         raise ValueError(
             f"packed attention: expected one row of {sum(packed_sequences.lengths)} tokens (the sum of the "

@@ -26,6 +26,14 @@ import torch
 from torch import nn
 
 from mmrl.models.attention import PackedSequences, enable_packed_attention
+from mmrl.parallel.sequence import (
+    SequenceParallelGroups,
+    ShardedSequences,
+    ShardLayout,
+    enable_sequence_parallel,
+    gather_token_outputs,
+    token_owners,
+)
 
 # Media keys used only to compute positions; the forward gets the finished position ids instead.
 POSITION_ONLY_KEYS = ("second_per_grid_ts", "video_second_per_grid", "use_audio_in_video")
@@ -292,6 +300,7 @@ def response_token_outputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     padding_free: bool = False,
+    sequence_parallel: SequenceParallelGroups | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's outputs predicting the K valid response tokens only: ``(outputs [K, D],
     response_valid [B, R])``, in row-major order of ``response_valid`` (``attention_mask`` on the
@@ -300,6 +309,9 @@ def response_token_outputs(
 
     ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
     positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
+    ``sequence_parallel`` (packed only): this rank runs the decoder on its share of the packed row
+    (:mod:`mmrl.parallel.sequence`) and the K outputs are gathered from the SP group, the same on
+    every SP rank.
     """
     if not padding_free:
         response_valid = attention_mask[:, -response_length:].bool()
@@ -311,9 +323,28 @@ def response_token_outputs(
         model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
     )
     indices, response_valid = packed_response_indices(attention_mask, response_length)
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        return _sequence_parallel_outputs(model, inputs, indices, sequence_parallel), response_valid
     if _accepts_logits_to_keep(model):
         return model(**inputs, use_cache=False, logits_to_keep=indices).logits[0], response_valid  # [K, D]
     return model(**inputs, use_cache=False).logits[0, indices], response_valid  # [K, D]
+
+
+def _sequence_parallel_outputs(
+    model: nn.Module, inputs: dict[str, Any], indices: torch.Tensor, groups: SequenceParallelGroups
+) -> torch.Tensor:
+    """Head outputs [K, D] at packed ``indices``, each computed by the SP rank holding its position."""
+    packed = inputs["packed_sequences"]
+    layout = ShardLayout(packed.lengths, groups.ring_size, groups.ulysses_size)
+    inputs["packed_sequences"] = ShardedSequences(packed, layout, groups)
+    enable_sequence_parallel(model)
+    owners, local_index = token_owners(layout, indices)  # [K] each
+    mine = local_index[owners == groups.rank].to(indices.device)  # ascending in K order
+    if _accepts_logits_to_keep(model):
+        local = model(**inputs, use_cache=False, logits_to_keep=mine).logits[0]
+    else:
+        local = model(**inputs, use_cache=False).logits[0, mine]
+    return gather_token_outputs(local, owners, groups.rank, groups.sp_group)
 
 
 def scatter_response_tokens(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:

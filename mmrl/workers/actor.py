@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmrl.models.inputs import response_token_outputs, scatter_response_tokens
+from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import (
     LOSS_AGG_MODES,
@@ -50,7 +51,10 @@ def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataPr
 
 
 def micro_batch_token_outputs(
-    module: nn.Module, micro_batch: DataProto, padding_free: bool
+    module: nn.Module,
+    micro_batch: DataProto,
+    padding_free: bool,
+    sequence_parallel: SequenceParallelGroups | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
     are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
@@ -64,7 +68,28 @@ def micro_batch_token_outputs(
         None if media is None else list(media),
         batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
         padding_free=padding_free,
+        sequence_parallel=sequence_parallel,
     )
+
+
+def check_sequence_parallel(
+    sequence_parallel: SequenceParallelGroups | None, padding_free: bool, dp_group: dist.ProcessGroup | None
+) -> SequenceParallelGroups | None:
+    """``sequence_parallel`` when it splits rows (None for size 1), after checking its requirements."""
+    if sequence_parallel is None or sequence_parallel.size == 1:
+        return None
+    if not padding_free:
+        raise ValueError("sequence parallelism runs on packed rows: set padding_free=true")
+    if dp_group is not sequence_parallel.dp_group:
+        raise ValueError("with sequence parallelism, dp_group must be sequence_parallel.dp_group")
+    return sequence_parallel
+
+
+def fsdp_size(sequence_parallel: SequenceParallelGroups | None) -> int | None:
+    """Ranks FSDP averages over when they are more than the data-parallel ones (sequence parallelism)."""
+    if sequence_parallel is None:
+        return None
+    return sequence_parallel.size * sequence_parallel.dp_size
 
 
 def forward_micro_batches(
@@ -86,8 +111,9 @@ def forward_micro_batches(
 class PolicyActor:
     """A policy model with its optimizer and scheduler, and the loss settings of its update.
 
-    Without an optimizer it only scores responses (the reference policy). ``dp_group`` is the group
-    FSDP averages gradients over (None: the default group, or a single process).
+    Without an optimizer it only scores responses (the reference policy). ``dp_group`` holds one rank
+    per data-parallel share (None: the default group, or a single process); ``sequence_parallel`` the
+    groups of a sequence-parallel layout (then ``dp_group`` is its ``dp_group`` and FSDP spans all ranks).
     """
 
     def __init__(
@@ -111,6 +137,7 @@ class PolicyActor:
         max_response_length: int | None = None,
         padding_free: bool = True,
         max_tokens_per_micro_batch: int | None = None,
+        sequence_parallel: SequenceParallelGroups | None = None,
     ):
         if loss_avg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_avg_mode {loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
@@ -135,12 +162,15 @@ class PolicyActor:
         self.max_response_length = max_response_length
         self.padding_free = padding_free
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel, padding_free, dp_group)
 
     def _response_logits(
         self, micro_batch: DataProto, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits / temperature`` at the valid response tokens [K, V], and ``response_valid`` [b, R]."""
-        logits, response_valid = micro_batch_token_outputs(self.module, micro_batch, self.padding_free)
+        logits, response_valid = micro_batch_token_outputs(
+            self.module, micro_batch, self.padding_free, self.sequence_parallel
+        )
         return logits / temperature, response_valid
 
     @torch.no_grad()
@@ -206,6 +236,7 @@ class PolicyActor:
             group=self.dp_group,
             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
             padding_free=self.padding_free,
+            fsdp_size=fsdp_size(self.sequence_parallel),
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

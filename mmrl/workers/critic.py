@@ -14,15 +14,22 @@ import torch.distributed as dist
 from torch import nn
 
 from mmrl.models.inputs import scatter_response_tokens
+from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
-from mmrl.workers.actor import forward_columns, forward_micro_batches, micro_batch_token_outputs
+from mmrl.workers.actor import (
+    check_sequence_parallel,
+    forward_columns,
+    forward_micro_batches,
+    fsdp_size,
+    micro_batch_token_outputs,
+)
 from mmrl.workers.fsdp_engine import token_share, train_on_batch
 
 
 class ValueCritic:
-    """A value model with its optimizer and scheduler; ``dp_group``, ``padding_free`` and
-    ``max_tokens_per_micro_batch`` as in :class:`PolicyActor`."""
+    """A value model with its optimizer and scheduler; ``dp_group``, ``padding_free``,
+    ``max_tokens_per_micro_batch`` and ``sequence_parallel`` as in :class:`PolicyActor`."""
 
     def __init__(
         self,
@@ -36,7 +43,9 @@ class ValueCritic:
         max_response_length: int | None = None,
         padding_free: bool = True,
         max_tokens_per_micro_batch: int | None = None,
+        sequence_parallel: SequenceParallelGroups | None = None,
     ):
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel, padding_free, dp_group)
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -49,7 +58,9 @@ class ValueCritic:
 
     def _values(self, micro_batch: DataProto) -> torch.Tensor:
         """Values [b, R] float32; 0 on padding (only the valid response tokens are computed)."""
-        values, response_valid = micro_batch_token_outputs(self.module, micro_batch, self.padding_free)
+        values, response_valid = micro_batch_token_outputs(
+            self.module, micro_batch, self.padding_free, self.sequence_parallel
+        )
         return scatter_response_tokens(values[:, 0].float(), response_valid)
 
     @torch.no_grad()
@@ -100,6 +111,7 @@ class ValueCritic:
             group=self.dp_group,
             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
             padding_free=self.padding_free,
+            fsdp_size=fsdp_size(self.sequence_parallel),
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -6,8 +6,9 @@ itself off on the CPU.
 
 Gradient accounting. FSDP *averages* gradients over the ranks of its mesh. Every loss here is a
 micro-batch's share of the global (mini-batch, all ranks) mean, so the shares are summed by gradient
-accumulation and multiplied by the data-parallel size before ``backward``: the step then equals the
-one computed on the whole mini-batch at once, however it is split over micro-batches and ranks.
+accumulation and multiplied by the mesh size before ``backward``: the step then equals the one
+computed on the whole mini-batch at once, however it is split over micro-batches and ranks (and,
+with sequence parallelism, over the tokens of a row).
 
 Micro-batches hold a fixed number of rows, or, with a token budget, as many rows as fit in it
 (:func:`micro_batch_rows`); every rank then runs as many as the rank that needs the most, because
@@ -319,6 +320,7 @@ def train_on_batch(
     group: dist.ProcessGroup | None = None,
     max_tokens_per_micro_batch: int | None = None,
     padding_free: bool = False,
+    fsdp_size: int | None = None,
 ) -> dict[str, float]:
     """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
     ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows
@@ -332,8 +334,13 @@ def train_on_batch(
     (mean over steps with a finite norm), ``skipped_steps``, ``lr`` (at the first step) and
     ``padding_ratio``: the fraction of the tokens the forward passes computed that were padding
     (``padding_free``: the passes run on packed rows, so 0).
+
+    ``group`` holds one rank per data-parallel share of the data; ``fsdp_size`` is the number of ranks
+    FSDP averages gradients over (default: ``group``'s size). With sequence parallelism they differ:
+    the ranks of an SP group hold the same rows and compute the same loss, each backpropagating
+    through its own tokens only, so their gradients add up to the rows' gradient.
     """
-    dp_size = data_parallel_size(group)
+    gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
     metric_sums: dict[str, torch.Tensor] = {}
     token_counts = torch.zeros(2, dtype=torch.float64)  # computed tokens, of which padding
     grad_norms: list[float] = []
@@ -348,7 +355,7 @@ def train_on_batch(
             for rows in micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group):
                 micro_batch = mini_batch[rows]
                 loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
-                (loss * dp_size).backward()
+                (loss * gradient_scale).backward()
                 for name, share in shares.items():
                     share = share.detach().double()
                     metric_sums[name] = metric_sums[name] + share if name in metric_sums else share

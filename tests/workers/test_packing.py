@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _batches import TEMPERATURE, add_training_columns, build_batch
 from _dist import run_on_ranks
-from PIL import Image
 
 from mmrl.models.inputs import build_packed_forward_inputs, response_head_outputs
 from mmrl.models.loading import load_model, tower_modules
@@ -30,13 +30,6 @@ from mmrl.workers.critic import ValueCritic
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
 from mmrl.workers.weight_sync import iter_full_state_dict
 
-TEMPERATURE = 0.7
-TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
-OMNI_VIDEO_KWARGS = {
-    "fps": 2.0,
-    "do_sample_frames": False,
-    "size": {"shortest_edge": 3136, "longest_edge": 3136},
-}
 # Every term of the policy loss is active, as in test_fsdp_engine.
 ACTOR_SETTINGS = {
     "loss_type": "ppo",
@@ -60,96 +53,6 @@ AUDIO_ROWS = (
     {"image": (56, 56), "audio_s": 0.5},
     {"video_frames": 4, "audio_s": 2.0, "audio_in_video": True},
 )
-
-
-# ---------------------------------------------------------------- batches
-
-
-def encode_prompt(
-    processor,
-    seed: int,
-    image: tuple[int, int] | None = None,
-    video_frames: int | None = None,
-    audio_s: float | None = None,
-    audio_in_video: bool = False,
-) -> dict:
-    """One prompt through the processor: media markers first, then a question. With
-    ``audio_in_video`` the clip is the video's sound track (Qwen2.5-Omni interleaves their tokens)."""
-    rng = np.random.default_rng(seed)
-    content, media = [], {}
-    if image is not None:
-        content.append({"type": "image"})
-        pixels = rng.integers(0, 256, (image[1], image[0], 3), dtype=np.uint8)
-        media["images"] = [Image.fromarray(pixels)]
-    if video_frames is not None:
-        content.append({"type": "video"})
-        media["videos"] = [rng.integers(0, 256, (video_frames, 56, 56, 3), dtype=np.uint8)]
-        if hasattr(processor, "feature_extractor"):  # Omni: its video defaults would upscale the frames
-            media["videos_kwargs"] = {**OMNI_VIDEO_KWARGS, "use_audio_in_video": audio_in_video}
-    if audio_s is not None:
-        if not audio_in_video:
-            content.append({"type": "audio"})
-        media["audio"] = [rng.standard_normal(int(16000 * audio_s)).astype(np.float32)]
-        media["audio_kwargs"] = {"sampling_rate": 16000}
-    content.append({"type": "text", "text": "What is it?"})
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    encoded = dict(processor(text=[prompt], return_tensors="pt", **media))
-    if audio_in_video:
-        encoded["use_audio_in_video"] = True  # as mmrl.data.dataset marks such rows
-    return encoded
-
-
-def build_batch(processor, rows, response_lengths, seed: int = 0) -> DataProto:
-    """Left-padded prompts + right-padded random responses, as the rollout would hand them over."""
-    assert len(rows) == len(response_lengths)
-    generator = torch.Generator().manual_seed(seed)
-    encoded = [encode_prompt(processor, seed + index, **row) for index, row in enumerate(rows)]
-    prompt_width, response_width = max(item["input_ids"].shape[1] for item in encoded), max(response_lengths)
-    pad_id = processor.tokenizer.pad_token_id
-    num_rows = len(rows)
-    prompts = torch.full((num_rows, prompt_width), pad_id)
-    prompt_mask = torch.zeros(num_rows, prompt_width, dtype=torch.long)
-    prompt_types = torch.zeros(num_rows, prompt_width, dtype=torch.long)
-    for row, item in enumerate(encoded):
-        length = item["input_ids"].shape[1]
-        prompts[row, prompt_width - length :] = item["input_ids"][0]
-        prompt_mask[row, prompt_width - length :] = 1
-        if "mm_token_type_ids" in item:
-            prompt_types[row, prompt_width - length :] = item["mm_token_type_ids"][0]
-    response_mask = (torch.arange(response_width) < torch.tensor(response_lengths)[:, None]).long()
-    responses = torch.randint(50, 300, (num_rows, response_width), generator=generator)  # plain BPE tokens
-    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
-        "response_mask": response_mask,
-    }
-    if "mm_token_type_ids" in encoded[0]:  # Qwen-VL
-        tensors["mm_token_type_ids"] = torch.cat([prompt_types, torch.zeros_like(responses)], dim=1)
-    media = [{key: value for key, value in item.items() if key not in TOKEN_KEYS} for item in encoded]
-    uids = [f"p{row // 2}" for row in range(num_rows)]
-    return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": media, "uid": uids})
-
-
-def add_training_columns(batch: DataProto, model_path, seed: int = 1) -> DataProto:
-    """``old_log_probs`` near the model's own (some ratios clip), ``ref_log_probs``, ``advantages``,
-    critic ``values`` and ``returns``."""
-    generator = torch.Generator().manual_seed(seed)
-    log_probs, _ = PolicyActor(load_model(str(model_path))).compute_log_probs(batch, len(batch), TEMPERATURE)
-    mask = batch.batch["response_mask"].float()
-    shape = log_probs.shape
-    columns = {
-        "old_log_probs": log_probs + 0.3 * torch.randn(shape, generator=generator),
-        "ref_log_probs": log_probs + 0.5 * torch.randn(shape, generator=generator),
-        "advantages": torch.randn(shape[0], 1, generator=generator) * mask,
-        "values": 0.1 * torch.randn(shape, generator=generator),
-        "returns": torch.randn(shape[0], 1, generator=generator) * mask,
-    }
-    return batch.union(DataProto.from_dict(tensors=columns))
 
 
 @pytest.fixture(scope="module")

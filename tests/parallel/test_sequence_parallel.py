@@ -1,0 +1,230 @@
+"""Sequence parallelism (Ulysses, ring, both) equals the single-rank computation, on real gloo ranks.
+
+Two levels:
+
+- the attention function alone (:func:`sharded_attention`) against causal attention per packed
+  sequence on one process: outputs and the query/key/value gradients, summed over the ranks that
+  hold the tokens, for Ulysses 2 and 4, ring 2 and 4, Ulysses 2 x ring 2; with grouped-query heads
+  (key/value heads fewer than the Ulysses size) and sequences shorter than the ring's 2R chunks;
+- the tiny Qwen2.5-VL under FSDP2 with a ``PolicyActor``: log-probs, entropies, every loss term and
+  every parameter's gradient of one update on a batch of text, image and video rows of uneven
+  lengths, against the same actor on one rank (fp32, within 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _batches import TEMPERATURE, add_training_columns, build_batch
+from _dist import run_on_ranks
+
+from mmrl.models.attention import PackedSequences
+from mmrl.parallel.ring_attention import sharded_attention
+from mmrl.parallel.sequence import ShardedSequences, ShardLayout, init_sequence_parallel, split_sizes
+
+LENGTHS = (13, 5, 22, 1, 9)  # the 1-token sequence leaves most of its ring chunks empty
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+# Every term of the policy loss is active; no clipping of the gradient norm, so gradients compare as is.
+ACTOR_SETTINGS = {
+    "loss_type": "ppo",
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.3,
+    "clip_ratio_dual": 3.0,
+    "entropy_coeff": 0.01,
+    "use_kl_loss": True,
+    "kl_penalty": "low_var_kl",
+    "kl_coef": 0.1,
+    "max_grad_norm": 0.0,
+    "max_response_length": 7,
+}
+MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)}, {"video_frames": 2})
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_layout_by_hand():
+    layout = ShardLayout((10, 3), ring_size=2, ulysses_size=2)
+    # sequence 0 in 4 chunks of 3, 3, 2, 2 at 0, 3, 6, 8; sequence 1 (at 10) in 1, 1, 1, 0
+    assert layout.ring_positions[0].tolist() == [0, 1, 2, 8, 9, 10]  # chunks 0 and 3 of each
+    assert layout.ring_positions[1].tolist() == [3, 4, 5, 6, 7, 11, 12]  # chunks 1 and 2
+    assert layout.local_positions(1, 0).tolist() == [3, 4, 5, 6]
+    assert layout.local_positions(1, 1).tolist() == [7, 11, 12]
+    assert split_sizes(7, 3) == [3, 2, 2]
+    # every position is held exactly once
+    held = sorted(p for r in range(2) for u in range(2) for p in layout.local_positions(r, u).tolist())
+    assert held == list(range(13))
+
+
+# ---------------------------------------------------------------- attention alone
+
+
+def _attention_inputs():
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(LENGTHS)
+    query = torch.randn(HEADS, tokens, HEAD_DIM, generator=generator).requires_grad_()
+    key = torch.randn(KV_HEADS, tokens, HEAD_DIM, generator=generator).requires_grad_()
+    value = torch.randn(KV_HEADS, tokens, HEAD_DIM, generator=generator).requires_grad_()
+    out_grad = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator)
+    return query, key, value, out_grad
+
+
+def _reference_attention():
+    query, key, value, out_grad = _attention_inputs()
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, enable_gqa=True
+        )[0]
+        for q, k, v in zip(query.split(LENGTHS, 1), key.split(LENGTHS, 1), value.split(LENGTHS, 1))
+    ]
+    out = torch.cat(parts, dim=1).transpose(0, 1)  # [T, H, D]
+    (out * out_grad).sum().backward()
+    return out.detach(), query.grad, key.grad, value.grad
+
+
+def _attention_job(rank: int, world_size: int, ulysses_size: int, ring_size: int):
+    groups = init_sequence_parallel(ulysses_size, ring_size)
+    layout = ShardLayout(LENGTHS, ring_size, ulysses_size)
+    sharded = ShardedSequences(PackedSequences.from_lengths(LENGTHS, "cpu"), layout, groups)
+    index = sharded.local_index
+    query, key, value, out_grad = _attention_inputs()
+    out = sharded_attention(
+        torch.nn.Module(), query[:, index][None], key[:, index][None], value[:, index][None], sharded, None
+    )[0]  # [T_rank, H, D]
+    (out * out_grad[index]).sum().backward()
+    return index, out.detach(), query.grad, key.grad, value.grad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("ulysses_size", "ring_size"), [(2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
+def test_sharded_attention_equals_attention_per_sequence(ulysses_size, ring_size):
+    reference = _reference_attention()
+    results = run_on_ranks(_attention_job, ulysses_size * ring_size, ulysses_size, ring_size, timeout_s=120)
+    out = torch.zeros_like(reference[0])
+    grads = [torch.zeros_like(grad) for grad in reference[1:]]
+    for index, rank_out, *rank_grads in results:
+        out[index] = rank_out
+        for total, grad in zip(grads, rank_grads):
+            total += grad  # each rank's gradient flows through its own tokens only
+    torch.testing.assert_close(out, reference[0], rtol=1e-5, atol=2e-6)
+    for grad, expected in zip(grads, reference[1:]):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------- the model under FSDP2
+
+
+class GradientRecorder(torch.optim.Optimizer):
+    """An optimizer whose step keeps a full copy of every gradient (a collective, like FSDP's own
+    steps) instead of changing the parameters."""
+
+    def __init__(self, named_parameters):
+        named = [(name, p) for name, p in named_parameters if p.requires_grad]
+        super().__init__([p for _, p in named], {"lr": 0.0})
+        self.names = {id(p): name for name, p in named}
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                grads[self.names[id(param)]] = (
+                    grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+                )
+        self.grads.append(grads)
+
+
+def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size: int, ring_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.models.loading import decoder_layers, load_model
+    from mmrl.workers.actor import PolicyActor
+    from mmrl.workers.fsdp_engine import apply_fsdp2
+
+    groups = init_sequence_parallel(ulysses_size, ring_size)
+    module = apply_fsdp2(
+        load_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
+    )
+    recorder = GradientRecorder(module.named_parameters())
+    layer_tokens = []  # tokens each decoder layer call computed: this rank's share of the packed row
+    decoder_layers(module)[0].register_forward_hook(
+        lambda m, args, out: layer_tokens.append(args[0].shape[1])
+    )
+    actor = PolicyActor(
+        module,
+        recorder,
+        dp_group=groups.dp_group,
+        sequence_parallel=groups,
+        padding_free=True,
+        **ACTOR_SETTINGS,
+    )
+    log_probs, entropies = actor.compute_log_probs(batch, 4, TEMPERATURE, with_entropy=True)
+    metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE)  # 3 micro-batches, one step
+    return {
+        "log_probs": log_probs,
+        "entropies": entropies,
+        "metrics": metrics,
+        "grads": recorder.grads[0],
+        "layer_tokens": layer_tokens,
+    }
+
+
+@pytest.fixture(scope="module")
+def sp_batch(tiny_vl_path):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    batch = build_batch(processor, MIXED_ROWS, (6, 1, 4, 3, 7, 2), seed=40)
+    return add_training_columns(batch, tiny_vl_path)
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_vl_path, sp_batch) -> dict:
+    return run_on_ranks(_actor_job, 1, str(tiny_vl_path), sp_batch, 1, 1, timeout_s=180)[0]
+
+
+def _assert_same_step(run: dict, reference: dict) -> None:
+    torch.testing.assert_close(run["log_probs"], reference["log_probs"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run["entropies"], reference["entropies"], rtol=1e-5, atol=1e-5)
+    for name in ("pg_loss", "kl_loss", "entropy", "ppo_kl", "pg_clipfrac", "grad_norm"):
+        assert run["metrics"][f"{name}"] == pytest.approx(reference["metrics"][name], rel=1e-5, abs=1e-7), (
+            name
+        )
+    assert reference["metrics"]["pg_clipfrac"] > 0  # the clipped branches take part
+    assert set(run["grads"]) == set(reference["grads"])
+    for name, expected in reference["grads"].items():
+        torch.testing.assert_close(run["grads"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert any("visual" in name and grad.abs().sum() > 0 for name, grad in run["grads"].items())
+
+
+def _assert_tokens_split(runs: list[dict], reference: dict) -> None:
+    """The decoder layers of the SP ranks together computed each packed row once, in equal shares."""
+    for call in range(len(reference["layer_tokens"])):
+        shares = [run["layer_tokens"][call] for run in runs]
+        assert sum(shares) == reference["layer_tokens"][call]
+        assert max(shares) - min(shares) <= 2 * len(MIXED_ROWS)  # chunks differ by at most one token
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("ulysses_size", "ring_size"), [(2, 1), (1, 2)])
+def test_policy_step_with_sequence_parallel_equals_one_rank(
+    tiny_vl_path, sp_batch, single_rank, ulysses_size, ring_size
+):
+    runs = run_on_ranks(_actor_job, 2, str(tiny_vl_path), sp_batch, ulysses_size, ring_size, timeout_s=180)
+    for run in runs:  # every SP rank sees the whole rows' results
+        _assert_same_step(run, single_rank)
+    _assert_tokens_split(runs, single_rank)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
+    tiny_vl_path, sp_batch, single_rank
+):
+    runs = run_on_ranks(_actor_job, 4, str(tiny_vl_path), sp_batch, 2, 2, timeout_s=300)
+    for run in runs:
+        _assert_same_step(run, single_rank)
+    _assert_tokens_split(runs, single_rank)
