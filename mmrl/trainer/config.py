@@ -142,11 +142,17 @@ class ActorConfig:
     entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
     padding_free: bool = True  # train on packed sequences without padding tokens
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
-    ulysses_size: int = 1  # Ulysses sequence-parallel degree
+    ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
+    ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that share one data-parallel share of the rows (ring x Ulysses)."""
+        return self.ulysses_size * self.ring_size
 
 
 @dataclass(frozen=True)
@@ -167,10 +173,17 @@ class CriticConfig:
     ppo_epochs: int = 1  # passes over each rollout batch
     padding_free: bool = True  # train on packed sequences
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
+    ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
+    ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     model: ModelConfig = field(default_factory=ModelConfig)  # model_path None = the actor's model
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that share one data-parallel share of the rows (ring x Ulysses)."""
+        return self.ulysses_size * self.ring_size
 
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed")

@@ -257,16 +257,24 @@ def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
             f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
             f"worker.actor.global_batch_size={actor.global_batch_size} (each step runs whole mini-batches)"
         )
-    if cfg.responses_per_update % world:
+    sp_size = actor.sequence_parallel_size  # its own errors come from _check_sequence_parallel
+    dp_size = world // sp_size if sp_size > 0 and world % sp_size == 0 else world
+    where = (
+        f"the {dp_size} data-parallel shares (trainer.nnodes × trainer.n_gpus_per_node = {world} processes "
+        f"/ sequence-parallel size {actor.sequence_parallel_size})"
+        if actor.sequence_parallel_size > 1
+        else f"trainer.nnodes × trainer.n_gpus_per_node = {world} processes"
+    )
+    if cfg.responses_per_update % dp_size:
         errors.append(
             f"worker.actor.global_batch_size × worker.rollout.n = {cfg.responses_per_update} responses per update "
-            f"must divide evenly over trainer.nnodes × trainer.n_gpus_per_node = {world} processes"
+            f"must divide evenly over {where}"
         )
     else:
-        per_device = cfg.responses_per_update // world
+        per_device = cfg.responses_per_update // dp_size
         if per_device % actor.micro_batch_size_per_device_for_update:
             errors.append(
-                f"{per_device} responses per process per update are not a multiple of "
+                f"{per_device} responses per data-parallel share per update are not a multiple of "
                 f"worker.actor.micro_batch_size_per_device_for_update={actor.micro_batch_size_per_device_for_update}"
             )
     if world % rollout.tensor_parallel_size:
@@ -279,6 +287,29 @@ def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
             f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
             f"worker.critic.global_batch_size={cfg.worker.critic.global_batch_size}"
         )
+
+
+def _check_sequence_parallel(errors: list[str], cfg: PPOConfig) -> None:
+    world = cfg.trainer.world_size
+    for role in ("actor", "critic"):
+        role_cfg = getattr(cfg.worker, role)
+        if role == "critic" and not cfg.use_critic:
+            continue
+        for key in ("ulysses_size", "ring_size"):
+            if getattr(role_cfg, key) < 1:
+                errors.append(f"worker.{role}.{key}={getattr(role_cfg, key)} must be >= 1")
+        size = role_cfg.sequence_parallel_size
+        if min(role_cfg.ulysses_size, role_cfg.ring_size) < 1 or size == 1:
+            continue
+        if world % size:
+            errors.append(
+                f"worker.{role}.ulysses_size × worker.{role}.ring_size = {size} must divide trainer.nnodes × "
+                f"trainer.n_gpus_per_node = {world} processes (each data-parallel share uses {size} of them)"
+            )
+        if not role_cfg.padding_free:
+            errors.append(
+                f"worker.{role}.ulysses_size/ring_size > 1 split packed rows: set worker.{role}.padding_free=true"
+            )
 
 
 def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
@@ -435,6 +466,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_positive(errors, cfg)
     _check_media(errors, cfg)
     _check_batches(errors, cfg)
+    _check_sequence_parallel(errors, cfg)
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)
     reward_type = cfg.worker.reward.reward_type

@@ -197,15 +197,21 @@ class RayPPOTrainer:
                 batch = self.actor.dispatch("generate", batch)
             pending_rewards = self.rewards.launch(batch)  # scored in the background, in generation order
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
-            batch, restore = balance_batch(batch, self.actor.world_size)
+            batch, restore = balance_batch(batch, self.actor_dp_size)
             with timer("old_log_prob", timings):
-                batch = batch.union(self.actor.dispatch("compute_log_probs", batch))
+                batch = batch.union(
+                    self.actor.dispatch("compute_log_probs", batch, dp_size=self.actor_dp_size)
+                )
             if self.config.algorithm.use_reference:
                 with timer("ref_log_prob", timings):
-                    batch = batch.union(self.actor.dispatch("compute_ref_log_probs", batch))
+                    batch = batch.union(
+                        self.actor.dispatch("compute_ref_log_probs", batch, dp_size=self.actor_dp_size)
+                    )
             if self.critic is not None:
                 with timer("values", timings):
-                    batch = batch.union(self.critic.dispatch("compute_values", batch))
+                    batch = batch.union(
+                        self.critic.dispatch("compute_values", batch, dp_size=self.critic_dp_size)
+                    )
             with timer("reward", timings):
                 scores = self.rewards.collect(pending_rewards).reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
@@ -261,14 +267,25 @@ class RayPPOTrainer:
         added = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
         return batch.union(DataProto.from_dict(tensors=added)), metrics
 
+    @property
+    def actor_dp_size(self) -> int:
+        """Data-parallel shares of the actor's (and ref's) passes: ranks / sequence-parallel size."""
+        return self.config.trainer.world_size // self.config.worker.actor.sequence_parallel_size
+
+    @property
+    def critic_dp_size(self) -> int:
+        return self.config.trainer.world_size // self.config.worker.critic.sequence_parallel_size
+
     def update_models(self, batch: DataProto, timings: dict[str, float]) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer("update_critic", timings):
-                metrics.update(self._worker_metrics(self.critic.dispatch("update_critic", batch)))
+                update = self.critic.dispatch("update_critic", batch, dp_size=self.critic_dp_size)
+                metrics.update(self._worker_metrics(update))
         if self.global_step >= self.config.trainer.critic_warmup:
             with timer("update_actor", timings):  # includes pushing the new weights into the rollout
-                metrics.update(self._worker_metrics(self.actor.dispatch("update_actor", batch)))
+                update = self.actor.dispatch("update_actor", batch, dp_size=self.actor_dp_size)
+                metrics.update(self._worker_metrics(update))
         return metrics
 
     def _greedy_baselines(self, batch: DataProto) -> DataProto:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
 from mmrl.models.loading import freeze_vision_tower, load_model
+from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
 from mmrl.workers.actor import PolicyActor
@@ -97,6 +98,16 @@ def build_optimization(module: torch.nn.Module, actor: ActorConfig | CriticConfi
     return optimizer, scheduler
 
 
+def build_sequence_parallel(ulysses_size: int, ring_size: int) -> SequenceParallelGroups | None:
+    """The ``(dp, ring, ulysses)`` groups when a role splits its rows over ranks (collective), else None."""
+    return init_sequence_parallel(ulysses_size, ring_size) if ulysses_size * ring_size > 1 else None
+
+
+def sequence_parallel_args(groups: SequenceParallelGroups | None) -> dict:
+    """``dp_group``/``sequence_parallel`` keyword arguments of PolicyActor and ValueCritic."""
+    return {} if groups is None else {"dp_group": groups.dp_group, "sequence_parallel": groups}
+
+
 def per_rank(count: int, world_size: int, what: str) -> int:
     if count % world_size:
         raise ValueError(f"{what}={count} does not divide over {world_size} ranks")
@@ -112,6 +123,10 @@ class HybridWorker:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.trainer.seed)
         actor_cfg = config.worker.actor
+        # the ref shares the actor's sequence-parallel layout (both score the same dispatched rows)
+        self.sequence_parallel = build_sequence_parallel(actor_cfg.ulysses_size, actor_cfg.ring_size)
+        self.dp_size = self.world_size // actor_cfg.sequence_parallel_size
+        sp_args = sequence_parallel_args(self.sequence_parallel)
         module = build_fsdp_model(actor_cfg.model, actor_cfg.fsdp, "actor", self.device, trainable=True)
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
@@ -132,6 +147,7 @@ class HybridWorker:
             max_response_length=config.data.max_response_length,
             padding_free=actor_cfg.padding_free,
             max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
+            **sp_args,
         )
         self.ref = None
         if config.algorithm.use_reference:
@@ -144,6 +160,7 @@ class HybridWorker:
                 device=self.device,
                 padding_free=actor_cfg.padding_free,
                 max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
+                **sp_args,
             )
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights
@@ -255,9 +272,7 @@ class HybridWorker:
         self._onload()
         metrics = self.actor.update_policy(
             data,
-            mini_batch_size=per_rank(
-                self.config.responses_per_update, self.world_size, "responses per update"
-            ),
+            mini_batch_size=per_rank(self.config.responses_per_update, self.dp_size, "responses per update"),
             micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
             ppo_epochs=actor_cfg.ppo_epochs,
             temperature=data.meta_info["temperature"],
@@ -311,6 +326,8 @@ class CriticWorker:
         self.device = setup_distributed()
         self.world_size = dist.get_world_size()
         critic_cfg = config.worker.critic
+        self.sequence_parallel = build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
+        self.dp_size = self.world_size // critic_cfg.sequence_parallel_size
         model_cfg = critic_cfg.model if critic_cfg.model.model_path else config.worker.actor.model
         module = build_fsdp_model(model_cfg, critic_cfg.fsdp, "critic", self.device, trainable=True)
         optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
@@ -323,6 +340,7 @@ class CriticWorker:
             max_grad_norm=critic_cfg.max_grad_norm,
             padding_free=critic_cfg.padding_free,
             max_tokens_per_micro_batch=critic_cfg.max_tokens_per_micro_batch,
+            **sequence_parallel_args(self.sequence_parallel),
         )
 
     def compute_values(self, data: DataProto) -> DataProto:
@@ -334,7 +352,7 @@ class CriticWorker:
         responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
         metrics = self.critic.update_critic(
             data,
-            mini_batch_size=per_rank(responses, self.world_size, "critic responses per update"),
+            mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
             micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
             ppo_epochs=critic_cfg.ppo_epochs,
             cliprange_value=critic_cfg.cliprange_value,

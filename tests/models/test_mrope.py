@@ -22,7 +22,10 @@ def _sequence(config, before: int, grid: tuple[int, int, int], after: int, token
 def test_text_after_a_video_resumes_after_its_last_temporal_id(tiny_vl_path):
     model = load_model(str(tiny_vl_path))
     owner = model.model
-    assert owner.config.vision_config.tokens_per_second == 2 and owner.config.vision_config.spatial_merge_size == 2
+    assert (
+        owner.config.vision_config.tokens_per_second == 2
+        and owner.config.vision_config.spatial_merge_size == 2
+    )
     # 3 text tokens, a video of 4 temporal patches of 2x2 merged tokens, 2 text tokens; 1 s per patch
     input_ids, token_types = _sequence(owner.config, 3, (4, 4, 4), 2, VIDEO)
     positions, deltas = owner.get_rope_index(

@@ -228,3 +228,66 @@ def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
     for run in runs:
         _assert_same_step(run, single_rank)
     _assert_tokens_split(runs, single_rank)
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_path):
+    """Two workers forming one ring (dp 1): both generate (rollout is not sequence parallel), then the
+    actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
+    tokens (whole sequences, transformers) must equal the SP trainer's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    overrides = [
+        f"data.train_files={shapes_data_dir / 'train.jsonl'}",
+        f"data.val_files={shapes_data_dir / 'val.jsonl'}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=6",
+        "data.rollout_batch_size=4",
+        "data.min_pixels=3136",
+        "data.max_pixels=50176",
+        f"worker.actor.model.model_path={tiny_vl_path}",
+        "worker.actor.model.enable_gradient_checkpointing=false",
+        "worker.actor.global_batch_size=2",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.actor.ring_size=2",
+        "worker.actor.optim.lr=0.02",
+        "worker.rollout.name=hf",
+        "worker.rollout.n=4",
+        "algorithm.use_kl_loss=true",
+        "algorithm.kl_coef=0.1",
+        f"worker.reward.reward_function={repo / 'tests/trainer/assets/fingerprint_reward.py'}:compute_score",
+        "trainer.max_steps=2",
+        "trainer.logger=[jsonl]",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.save_checkpoint_path={tmp_path / 'run'}",
+    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "mmrl.trainer.main", *overrides],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    lines = (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
+    steps = [row for row in map(json.loads, lines) if "actor/grad_norm" in row]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["rollout/log_prob_gap_max"] < 1e-5, row["rollout/log_prob_gap_max"]
+        assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
+    assert steps[1]["actor/kl_loss"] > 0  # the policy moved away from the reference (SP ref pass)

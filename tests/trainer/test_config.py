@@ -153,6 +153,21 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["data.max_response_length=0"], "data.max_response_length=0 must be > 0"),
         (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "use_kl_loss=false"),
         (["worker.actor.clip_ratio_dual=1.0"], "must be > 1"),
+        (["worker.actor.ring_size=3"], "ulysses_size × worker.actor.ring_size = 3 must divide"),
+        (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0 must be >= 1"),
+        (
+            ["worker.actor.ulysses_size=2", "worker.actor.padding_free=false"],
+            "set worker.actor.padding_free=true",
+        ),
+        # 4 prompts x 5 responses per update, all on the one data-parallel share of 2 ranks; micro 3
+        (
+            ["worker.actor.ulysses_size=2", "worker.actor.micro_batch_size_per_device_for_update=3"],
+            "20 responses per data-parallel share per update are not a multiple",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "worker.critic.ring_size=4"],
+            "worker.critic.ulysses_size × worker.critic.ring_size = 4 must divide",
+        ),
     ],
 )
 def test_cross_field_rules(run_files, args, expected):
@@ -175,6 +190,13 @@ def test_missing_paths_are_named(run_files, tmp_path):
     for name in ("missing.jsonl", "val.parquet", "no_model", "no_reward.py", "no.jinja"):
         assert name in joined
     assert len(errors) == 5
+
+
+def test_sequence_parallel_sizes_load(run_files):
+    cfg = load_config(valid_args(run_files, "worker.actor.ulysses_size=2"))
+    assert cfg.worker.actor.sequence_parallel_size == 2
+    cfg = load_config(valid_args(run_files, "worker.actor.ring_size=2"))
+    assert cfg.worker.actor.sequence_parallel_size == 2 and cfg.worker.critic.sequence_parallel_size == 1
 
 
 def test_required_keys():
