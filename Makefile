@@ -25,12 +25,12 @@ assets: install
 demo: assets
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml $(ARGS)
 
-# "Which way does the dot move?" (8-frame videos) with the tiny Qwen2.5-VL
+# "How many times does the light flash?" (12-frame videos) with the tiny Qwen2.5-VL
 assets-video: install
 	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
-	@$(PY) -m mmrl.data.synthetic --task video_direction --out $(ASSETS)/data/video-direction --n_train 512 --n_val 64
+	@$(PY) -m mmrl.data.synthetic --task video_flashes --out $(ASSETS)/data/video-flashes --n_train 512 --n_val 64
 	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
-		--data $(ASSETS)/data/video-direction/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-video-warm
+		--data $(ASSETS)/data/video-flashes/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-video-warm
 
 demo-video: assets-video
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_video.yaml $(ARGS)
@@ -44,6 +44,17 @@ assets-audio: install
 
 demo-audio: assets-audio
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
+
+# CPU benchmarks (bench/README section of README.md); each prints its table and writes bench/results/*.json.
+# About 15 min on a quiet 2-core machine; other jobs on the machine slow it (each table says how much).
+bench: assets
+	RAY_AUTH_MODE=disabled $(PY) bench/vs_trl.py
+	RAY_AUTH_MODE=disabled $(PY) bench/time_to_accuracy.py --model $(ASSETS)/models/tiny-qwen2.5-vl-warm \
+		--data_dir $(ASSETS)/data/shapes-color
+	$(PY) bench/cost_curves.py
+	$(PY) bench/packing.py --repeats 3
+	$(PY) bench/rollout_speed.py --repeats 2
+	@$(PY) bench/report.py
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)

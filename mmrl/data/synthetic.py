@@ -6,8 +6,13 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "What colour is the shape? Answer with one word." -> ``red`` | ``green`` | ``blue`` | ``yellow``.
 - ``count``: 1-4 non-overlapping blue circles of radius 7 px. "How many circles are there? Answer with
   a number." -> ``1`` .. ``4``.
+- ``video_flashes``: a 56×56 white video of 12 frames at 2 fps (6 s) in which a large yellow square
+  lights up 1-3 times, each time for 2 frames (one temporal patch of Qwen-VL), with dark gaps between.
+  "How many times does the light flash? Answer with a number." -> ``1`` .. ``3``. No single frame
+  answers it: the model must take in the whole clip.
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
   3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
+  Harder: the tiny Qwen2.5-VL stays at chance on it even trained supervised (300 steps of 16 clips).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
@@ -31,7 +36,7 @@ The folder is complete when ``BUILD_MARKER`` exists (written last); a second cal
 arguments returns at once.
 
 CLI: ``python -m mmrl.data.synthetic --task color --out assets/data/shapes-color --n_train 512
---n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_direction`` /
+--n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_flashes`` /
 ``audio_beeps`` for the video and audio tasks)
 """
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
 import shutil
@@ -69,7 +75,10 @@ CIRCLE_RADIUS = 7  # px, every circle of the count task
 COUNT_RGB = COLORS["blue"]
 SPLITS = ("train", "val")
 
-VIDEO_FRAMES = 8
+VIDEO_FRAMES = 8  # video_direction
+FLASH_SLOTS = 6  # video_flashes: 6 slots of 2 frames (one Qwen-VL temporal patch each) = 12 frames
+MAX_FLASHES = 3  # the most non-adjacent slots among 6
+FLASH_RGB = COLORS["yellow"]
 VIDEO_FPS = 2  # frames per second of the written file: data.video_fps=2 (the default) samples every frame
 DOT_RADIUS = 5  # px
 DOT_SPEEDS = (3, 4, 5)  # px per frame; at most 35 px over the 7 steps of an 8-frame video
@@ -197,6 +206,31 @@ def draw_direction_video(answer: str, rng: np.random.Generator, size: int = IMAG
     return np.stack(frames)
 
 
+def flash_slots(count: int, rng: np.random.Generator) -> list[int]:
+    """Which of the ``FLASH_SLOTS`` 2-frame slots light up: ``count`` of them, none adjacent (so every
+    flash is a separate one), chosen uniformly among such sets."""
+    choices = [
+        slots
+        for slots in itertools.combinations(range(FLASH_SLOTS), count)
+        if all(b - a > 1 for a, b in zip(slots, slots[1:]))
+    ]
+    return list(choices[int(rng.integers(len(choices)))])
+
+
+def draw_flashes_video(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
+    """``[2 * FLASH_SLOTS, size, size, 3]`` uint8: white frames, with a yellow square covering 70-95 % of
+    the frame in the two frames of each of ``int(answer)`` slots (see ``flash_slots``)."""
+    count = int(answer)
+    if not 1 <= count <= MAX_FLASHES:
+        raise ValueError(f"flash count must be 1..{MAX_FLASHES}, found {answer!r}")
+    frames = np.full((2 * FLASH_SLOTS, size, size, 3), BACKGROUND_RGB, dtype=np.uint8)
+    for slot in flash_slots(count, rng):
+        side = int(round(size * np.sqrt(rng.uniform(0.70, 0.95))))
+        left, top = (int(rng.integers(0, size - side + 1)) for _ in range(2))
+        frames[2 * slot : 2 * slot + 2, top : top + side, left : left + side] = FLASH_RGB
+    return frames
+
+
 def place_beeps(count: int, rng: np.random.Generator) -> list[float]:
     """Start times (s) of ``count`` beeps in an ``AUDIO_SECONDS`` clip: in order, ``MIN_BEEP_GAP_SECONDS``
     or more apart, ``AUDIO_MARGIN_SECONDS`` from the ends; the spare time is spread at random."""
@@ -239,6 +273,13 @@ TASKS: dict[str, SyntheticTask] = {
         question="<image>How many circles are there? Answer with a number.",
         answers=tuple(str(n) for n in range(1, MAX_CIRCLES + 1)),
         draw=draw_count_image,
+    ),
+    "video_flashes": SyntheticTask(
+        name="video_flashes",
+        question="<video>How many times does the light flash? Answer with a number.",
+        answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
+        draw=draw_flashes_video,
+        media="video",
     ),
     "video_direction": SyntheticTask(
         name="video_direction",

@@ -204,6 +204,35 @@ def test_dot_moves_the_answered_way_also_after_mp4_round_trip():
     assert set(answers) == {"left", "right"}
 
 
+def _lit_slots(frames: np.ndarray) -> list[int]:
+    """2-frame slots whose frames are mostly not white (the light is on)."""
+    lit = (frames.astype(int).sum(-1) < 700).mean(axis=(1, 2)) > 0.5  # [T]
+    return [slot for slot in range(len(frames) // 2) if lit[2 * slot] and lit[2 * slot + 1]]
+
+
+def test_flash_count_matches_the_lit_slots_also_after_mp4_round_trip():
+    from mmrl.data.media import load_video
+
+    rng = np.random.default_rng(5)
+    answers = []
+    for _ in range(12):
+        frames, question, answer = draw_sample("video_flashes", rng)
+        assert question == "<video>How many times does the light flash? Answer with a number."
+        assert frames.shape == (12, 56, 56, 3) and frames.dtype == np.uint8
+        slots = _lit_slots(frames)
+        assert len(slots) == int(answer) and all(b - a > 1 for a, b in zip(slots, slots[1:]))  # separate
+        # a frame is either lit (both frames of its slot) or white
+        lit_frames = {2 * slot + i for slot in slots for i in (0, 1)}
+        for index, frame in enumerate(frames):
+            assert (frame == 255).all() == (index not in lit_frames)
+        decoded = load_video(synthetic.mp4_bytes(frames), 3136, 3136, fps=synthetic.VIDEO_FPS).frames
+        assert _lit_slots(decoded) == slots
+        answers.append(answer)
+    assert set(answers) == {"1", "2", "3"}
+    # three flashes among six slots can only be every other slot
+    assert synthetic.flash_slots(3, np.random.default_rng(0)) in ([0, 2, 4], [0, 2, 5], [0, 3, 5], [1, 3, 5])
+
+
 def _count_beeps(waveform: np.ndarray, sampling_rate: int = 16000) -> tuple[int, list[float]]:
     """Beeps by energy envelope: runs of 10 ms windows whose RMS exceeds 0.1; returns (count, lengths s)."""
     window = sampling_rate // 100
@@ -237,7 +266,12 @@ def test_beep_count_matches_the_energy_envelope_after_wav_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("task", "column", "suffix"), [("video_direction", "videos", ".mp4"), ("audio_beeps", "audios", ".wav")]
+    ("task", "column", "suffix"),
+    [
+        ("video_flashes", "videos", ".mp4"),
+        ("video_direction", "videos", ".mp4"),
+        ("audio_beeps", "audios", ".wav"),
+    ],
 )
 def test_video_and_audio_datasets_layout(tmp_path, task, column, suffix):
     spec = synthetic.get_task(task)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _batches import TEMPERATURE, add_training_columns, build_batch
-from _dist import run_on_ranks
 
 from mmrl.models.attention import PackedSequences
 from mmrl.parallel.ring_attention import sharded_attention
 from mmrl.parallel.sequence import ShardedSequences, ShardLayout, init_sequence_parallel, split_sizes
+from mmrl.parallel.spawn import run_on_ranks
 
 LENGTHS = (13, 5, 22, 1, 9)  # the 1-token sequence leaves most of its ring chunks empty
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _dist import run_on_ranks
 from PIL import Image
 
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
@@ -26,6 +25,7 @@ from mmrl.models.loading import (
     tower_modules,
     vision_modules,
 )
+from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import log_probs_from_logits
 from mmrl.workers.actor import PolicyActor

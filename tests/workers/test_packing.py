@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from _batches import TEMPERATURE, add_training_columns, build_batch
-from _dist import run_on_ranks
 
 from mmrl.models.inputs import build_packed_forward_inputs, response_head_outputs
 from mmrl.models.loading import load_model, tower_modules
@@ -23,6 +22,7 @@ from mmrl.parallel.packing import (
     split_groups,
     token_budget_groups,
 )
+from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import log_probs_from_logits
 from mmrl.workers.actor import PolicyActor

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_on_ranks
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams

@@ -1,6 +1,8 @@
-"""Run a function on N torch.distributed gloo ranks in spawned processes and collect what it returns.
+"""Run a function on N local torch.distributed gloo ranks (spawned processes) and collect its results.
 
-Each rank runs with one torch thread (ranks share the machine's cores), joins a gloo group on a free
+For tests and benchmarks that need real multi-process collectives without Ray.
+
+Each rank runs with ``threads`` torch threads (default one: ranks share the machine's cores), joins a gloo group on a free
 local port, calls ``fn(rank, world_size, *args)`` and saves the result with ``torch.save``. It then
 passes a barrier, destroys the group and leaves with ``os._exit``: letting gloo's threads shut down
 with the interpreter intermittently aborts the process (ENVIRONMENT.md). ``fn`` must be a module-level
@@ -30,7 +32,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _rank_main(
+    fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple, threads: int
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -38,7 +42,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, out_dir: str
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     exit_code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -52,7 +56,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, out_dir: str
     os._exit(exit_code)
 
 
-def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_on_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, threads: int = 1
+) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each computed in its own process.
 
     A rank that raises makes this raise with its traceback; the other ranks (which would wait for it
@@ -62,7 +68,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 1
     context = mp.get_context("spawn")
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, out_dir, args), daemon=True)
+        context.Process(
+            target=_rank_main, args=(fn, rank, world_size, port, out_dir, args, threads), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:
