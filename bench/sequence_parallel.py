@@ -7,8 +7,9 @@ Model: the ``small`` Qwen2 text model of ``mmrl.models.tiny`` (hidden 256, 4 lay
 key-value heads, 7.2M parameters, fp32), built under ``bench/results/``. Work: one packed row of
 ``L`` tokens (``L - 32`` prompt, 32 response) and one actor update through ``PolicyActor.update_policy``
 (forward, backward, AdamW step) under FSDP2, padding-free, no gradient checkpointing. Layouts
-``UxR``: Ulysses size x ring size; ``1x1`` is one rank with 2 threads, the others are 2 ranks with 1
-thread each, so every layout uses the machine's 2 cores.
+``UxR``: Ulysses size x ring size; ``1x1`` is one rank. Every rank runs one torch thread (two threads
+per rank oversubscribe a shared 2-core machine and time mostly the contention), so SP 2 uses twice the
+cores of SP 1: its step time shows what splitting a row costs or gains per core pair.
 
 Memory per rank: the process's peak RSS over the timed updates minus its RSS just before them (after
 the model, the optimizer states and a 64-token warm-up update), i.e. what the step needs on top of the
@@ -98,10 +99,7 @@ def _rank_job(
 
 def measure(model_path: str, length: int, layout: tuple[int, int], repeats: int) -> dict:
     world_size = layout[0] * layout[1]
-    threads = 2 if world_size == 1 else 1
-    results = run_on_ranks(
-        _rank_job, world_size, model_path, length, layout, repeats, timeout_s=1200, threads=threads
-    )
+    results = run_on_ranks(_rank_job, world_size, model_path, length, layout, repeats, timeout_s=1200)
     return {
         "step_s": max(r["step_s"] for r in results),
         "peak_mb_per_rank": max(r["peak_mb"] for r in results),

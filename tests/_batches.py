@@ -15,6 +15,20 @@ from mmrl.protocol import DataProto
 from mmrl.workers.actor import PolicyActor
 
 TEMPERATURE = 0.7
+# Every term of the policy loss is active.
+ACTOR_SETTINGS = {
+    "loss_type": "ppo",
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.3,
+    "clip_ratio_dual": 3.0,
+    "entropy_coeff": 0.01,
+    "use_kl_loss": True,
+    "kl_penalty": "low_var_kl",
+    "kl_coef": 0.1,
+    "max_grad_norm": 0.5,
+    "max_response_length": 7,
+}
+
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 OMNI_VIDEO_KWARGS = {
     "fps": 2.0,

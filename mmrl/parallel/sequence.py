@@ -233,36 +233,29 @@ def _head_to_seq(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> tor
     return recv.view(size * group_heads, seq_sizes[rank], dim)
 
 
-class _SeqToHead(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two all-to-alls (``to_heads``: :func:`_seq_to_head`, else :func:`_head_to_seq`); its
+    backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, seq_sizes, rank, group):
-        ctx.args = (seq_sizes, rank, group)
-        return _seq_to_head(x, seq_sizes, rank, group)
+    def forward(ctx, x, seq_sizes, rank, group, to_heads: bool):
+        ctx.args, ctx.to_heads = (seq_sizes, rank, group), to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, seq_sizes, rank, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _head_to_seq(grad, *ctx.args), None, None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seq_sizes, rank, group):
-        ctx.args = (seq_sizes, rank, group)
-        return _head_to_seq(x, seq_sizes, rank, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_head(grad, *ctx.args), None, None, None
+        inverse = _head_to_seq if ctx.to_heads else _seq_to_head
+        return inverse(grad.contiguous(), *ctx.args), None, None, None, None
 
 
 def seq_to_head(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
     """Ulysses all-to-all (differentiable): [H, T_rank, D] -> [H / U, T, D], heads split in rank order."""
-    return _SeqToHead.apply(x, seq_sizes, rank, group)
+    return _AllToAll.apply(x, seq_sizes, rank, group, True)
 
 
 def head_to_seq(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
     """The inverse all-to-all (differentiable): [H / U, T, D] -> [H, T_rank, D]."""
-    return _HeadToSeq.apply(x, seq_sizes, rank, group)
+    return _AllToAll.apply(x, seq_sizes, rank, group, False)
 
 
 # ------------------------------------------------------------------ gathering outputs back

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _batches import TEMPERATURE, add_training_columns, build_batch
+from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch
+from _trainer_run import run_main, small_run_overrides
 
 from mmrl.models.attention import PackedSequences
 from mmrl.parallel.ring_attention import sharded_attention
@@ -25,19 +26,8 @@ from mmrl.parallel.spawn import run_on_ranks
 LENGTHS = (13, 5, 22, 1, 9)  # the 1-token sequence leaves most of its ring chunks empty
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
-# Every term of the policy loss is active; no clipping of the gradient norm, so gradients compare as is.
-ACTOR_SETTINGS = {
-    "loss_type": "ppo",
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.3,
-    "clip_ratio_dual": 3.0,
-    "entropy_coeff": 0.01,
-    "use_kl_loss": True,
-    "kl_penalty": "low_var_kl",
-    "kl_coef": 0.1,
-    "max_grad_norm": 0.0,
-    "max_response_length": 7,
-}
+# no clipping of the gradient norm, so gradients compare as they are
+SP_ACTOR_SETTINGS = {**ACTOR_SETTINGS, "max_grad_norm": 0.0}
 MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)}, {"video_frames": 2})
 
 
@@ -239,53 +229,20 @@ def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_
     """Two workers forming one ring (dp 1): both generate (rollout is not sequence parallel), then the
     actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
     tokens (whole sequences, transformers) must equal the SP trainer's."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    overrides = [
-        f"data.train_files={shapes_data_dir / 'train.jsonl'}",
-        f"data.val_files={shapes_data_dir / 'val.jsonl'}",
-        "data.max_prompt_length=64",
+    save_dir = tmp_path / "run"
+    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "data.max_response_length=6",
-        "data.rollout_batch_size=4",
-        "data.min_pixels=3136",
-        "data.max_pixels=50176",
-        f"worker.actor.model.model_path={tiny_vl_path}",
-        "worker.actor.model.enable_gradient_checkpointing=false",
         "worker.actor.global_batch_size=2",
         "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.actor.ring_size=2",
-        "worker.actor.optim.lr=0.02",
         "worker.rollout.name=hf",
-        "worker.rollout.n=4",
         "algorithm.use_kl_loss=true",
         "algorithm.kl_coef=0.1",
-        f"worker.reward.reward_function={repo / 'tests/trainer/assets/fingerprint_reward.py'}:compute_score",
-        "trainer.max_steps=2",
-        "trainer.logger=[jsonl]",
-        "trainer.n_gpus_per_node=2",
-        "trainer.device=cpu",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=-1",
-        f"trainer.save_checkpoint_path={tmp_path / 'run'}",
     ]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "mmrl.trainer.main", *overrides],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    lines = (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
-    steps = [row for row in map(json.loads, lines) if "actor/grad_norm" in row]
+    metrics = run_main(overrides, save_dir)
+    steps = [row for row in metrics if "actor/grad_norm" in row]
     assert len(steps) == 2
     for row in steps:
         assert row["rollout/log_prob_gap_max"] < 1e-5, row["rollout/log_prob_gap_max"]

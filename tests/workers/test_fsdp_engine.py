@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _batches import ACTOR_SETTINGS as SHARED_ACTOR_SETTINGS
 from PIL import Image
 
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
@@ -47,18 +48,8 @@ TEMPERATURE = 0.7
 RESPONSE_LENGTHS = (5, 3, 6, 2)  # valid tokens per row; the response width is 6
 IMAGE_SIZES = ((56, 56), (84, 56), None, None)  # (width, height) per row; None = text-only row
 # Loss settings of the split-invariance checks: every term of the policy loss is active.
-ACTOR_SETTINGS = {
-    "loss_type": "ppo",
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.3,
-    "clip_ratio_dual": 3.0,
-    "entropy_coeff": 0.01,
-    "use_kl_loss": True,
-    "kl_penalty": "low_var_kl",
-    "kl_coef": 0.1,
-    "max_grad_norm": 0.5,  # below the step's gradient norm, so clipping is part of what must agree
-    "max_response_length": 6,
-}
+# max_grad_norm 0.5 is below the step's gradient norm, so clipping is part of what must agree
+ACTOR_SETTINGS = {**SHARED_ACTOR_SETTINGS, "max_response_length": 6}
 SGD_LR = 1.0  # plain SGD: the weight change is the gradient itself (Adam's first step is ~sign(grad))
 CRITIC_CLIP = 0.2
 

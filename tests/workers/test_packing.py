@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _batches import TEMPERATURE, add_training_columns, build_batch
+from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch
 
 from mmrl.models.inputs import build_packed_forward_inputs, response_head_outputs
 from mmrl.models.loading import load_model, tower_modules
@@ -29,20 +29,6 @@ from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
 from mmrl.workers.weight_sync import iter_full_state_dict
-
-# Every term of the policy loss is active, as in test_fsdp_engine.
-ACTOR_SETTINGS = {
-    "loss_type": "ppo",
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.3,
-    "clip_ratio_dual": 3.0,
-    "entropy_coeff": 0.01,
-    "use_kl_loss": True,
-    "kl_penalty": "low_var_kl",
-    "kl_coef": 0.1,
-    "max_grad_norm": 0.5,
-    "max_response_length": 7,
-}
 
 # Row specs: keyword arguments of encode_prompt. Response lengths are uneven (1 to 7 tokens).
 IMAGE_ROWS = ({"image": (56, 56)}, {"image": (84, 56)}, {"image": (56, 112)})

@@ -21,14 +21,12 @@ move far from where they started; vLLM's sampled-token log-probs must still equa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _trainer_run import run_main, small_run_overrides
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
@@ -399,47 +397,17 @@ def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_pr
 def test_trainer_runs_with_the_vllm_rollout(tiny_vl_path, shapes_data_dir, tmp_path):
     """Two workers, each with its engine: the worker pushes weights at start and after every update,
     and the trainer's own rollout/trainer log-prob gap stays at float precision."""
-    overrides = [
-        f"data.train_files={shapes_data_dir / 'train.jsonl'}",
-        f"data.val_files={shapes_data_dir / 'val.jsonl'}",
-        "data.max_prompt_length=64",
-        "data.max_response_length=4",
-        "data.rollout_batch_size=4",
-        "data.min_pixels=3136",
-        "data.max_pixels=50176",
-        f"worker.actor.model.model_path={tiny_vl_path}",
-        "worker.actor.model.enable_gradient_checkpointing=false",
-        "worker.actor.global_batch_size=4",
-        "worker.actor.optim.lr=0.02",
+    save_dir = tmp_path / "run"
+    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "worker.rollout.name=vllm",
         "worker.rollout.enforce_eager=true",
         "worker.rollout.cpu_kv_cache_gib=0.125",
-        "worker.rollout.n=4",
         "worker.rollout.val_override_config.temperature=0",
         "worker.rollout.val_override_config.n=1",
-        # dense (distinct characters of the response): GRPO advantages are non-zero from the first step
-        f"worker.reward.reward_function={REPO_ROOT / 'tests/trainer/assets/fingerprint_reward.py'}:compute_score",
-        "trainer.max_steps=2",
-        "trainer.logger=[jsonl]",
-        "trainer.n_gpus_per_node=2",
-        "trainer.device=cpu",
         "trainer.val_freq=2",
         "trainer.val_before_train=true",
-        "trainer.save_freq=-1",
-        f"trainer.save_checkpoint_path={tmp_path / 'run'}",
     ]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "mmrl.trainer.main", *overrides],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    lines = (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines]
+    metrics = run_main(overrides, save_dir)
     gaps = [row["rollout/log_prob_gap_max"] for row in metrics if "rollout/log_prob_gap_max" in row]
     assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
     assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row)
