@@ -6,8 +6,8 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "What colour is the shape? Answer with one word." -> ``red`` | ``green`` | ``blue`` | ``yellow``.
 - ``count``: 1-4 non-overlapping blue circles of radius 7 px. "How many circles are there? Answer with
   a number." -> ``1`` .. ``4``.
-- ``video_flashes``: a 56×56 white video of 12 frames at 2 fps (6 s) in which a large yellow square
-  lights up 1-3 times, each time for 2 frames (one temporal patch of Qwen-VL), with dark gaps between.
+- ``video_flashes``: a 56×56 white video of 12 frames at 2 fps (6 s) that turns yellow 1-3 times, each
+  time for 2 frames (one temporal patch of Qwen-VL), with white gaps between.
   "How many times does the light flash? Answer with a number." -> ``1`` .. ``3``. No single frame
   answers it: the model must take in the whole clip.
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
@@ -59,7 +59,7 @@ from PIL import Image, ImageDraw
 
 BUILD_MARKER = "mmrl_dataset.json"
 # Bumped when the drawing or the file layout changes, so stale folders are rebuilt.
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 
 IMAGE_SIZE = 56  # px; a multiple of 28 (patch 14 x merge 2), so Qwen's resize keeps it as drawn
 BACKGROUND_RGB = (255, 255, 255)
@@ -218,16 +218,14 @@ def flash_slots(count: int, rng: np.random.Generator) -> list[int]:
 
 
 def draw_flashes_video(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
-    """``[2 * FLASH_SLOTS, size, size, 3]`` uint8: white frames, with a yellow square covering 70-95 % of
-    the frame in the two frames of each of ``int(answer)`` slots (see ``flash_slots``)."""
+    """``[2 * FLASH_SLOTS, size, size, 3]`` uint8: white frames, all yellow in the two frames of each of
+    ``int(answer)`` slots (see ``flash_slots``): the whole screen lights up."""
     count = int(answer)
     if not 1 <= count <= MAX_FLASHES:
         raise ValueError(f"flash count must be 1..{MAX_FLASHES}, found {answer!r}")
     frames = np.full((2 * FLASH_SLOTS, size, size, 3), BACKGROUND_RGB, dtype=np.uint8)
     for slot in flash_slots(count, rng):
-        side = int(round(size * np.sqrt(rng.uniform(0.70, 0.95))))
-        left, top = (int(rng.integers(0, size - side + 1)) for _ in range(2))
-        frames[2 * slot : 2 * slot + 2, top : top + side, left : left + side] = FLASH_RGB
+        frames[2 * slot : 2 * slot + 2] = FLASH_RGB
     return frames
 
 
