@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in layouts
     }
     print(
-        f"\nSequence parallelism, small Qwen2 (7.2M), one row, fp32, 2 cores: {args.budget_mb:.0f} MB budget"
+        f"\nSequence parallelism, small Qwen2 (7.2M), one row, fp32, 1 thread per rank: {args.budget_mb:.0f} MB budget"
     )
     header = (
         f"{'layout':>8} "
