@@ -45,8 +45,8 @@ assets-audio: install
 demo-audio: assets-audio
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
 
-# CPU benchmarks (bench/README section of README.md); each prints its table and writes bench/results/*.json.
-# About 15 min on a quiet 2-core machine; other jobs on the machine slow it (each table says how much).
+# CPU benchmarks (README, section Benchmarks): each prints its table and writes bench/results/*.json.
+# Sized for < 20 min on a quiet 2-core machine; other jobs on it slow every step (tables say how much).
 bench: assets
 	RAY_AUTH_MODE=disabled $(PY) bench/vs_trl.py
 	RAY_AUTH_MODE=disabled $(PY) bench/time_to_accuracy.py --model $(ASSETS)/models/tiny-qwen2.5-vl-warm \
@@ -54,6 +54,7 @@ bench: assets
 	$(PY) bench/cost_curves.py
 	$(PY) bench/packing.py --repeats 3
 	$(PY) bench/rollout_speed.py --repeats 2
+	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
 	@$(PY) bench/report.py
 
 test: install
