@@ -135,7 +135,7 @@ def bench_modes(model, batch, modes, micro_batch_size: int, repeats: int) -> dic
     for repeat in range(repeats + 1):  # the first round warms up
         for name, actor in actors.items():
             start = time.perf_counter()
-            metrics[name] = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+            metrics[name] = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
             middle = time.perf_counter()
             actor.compute_log_probs(batch, micro_batch_size, TEMPERATURE)
             update_s, log_prob_s = middle - start, time.perf_counter() - middle

@@ -158,15 +158,20 @@ def build_forward_inputs(
     attention_mask: torch.Tensor,
     multi_modal_inputs: Sequence[dict[str, Any]] | None,
     mm_token_type_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs)`` on a padded micro-batch.
 
     ``input_ids``/``attention_mask`` [B, L]; ``multi_modal_inputs`` one processor-output dict per row
-    (``{}`` for text rows; None for a text model). Returns ``input_ids``, ``attention_mask``,
-    ``position_ids`` and the joined media tensors on ``input_ids.device``.
+    (``{}`` for text rows; None for a text model); ``position_ids`` the rows' ids when already known
+    (the batch column of :func:`sequence_position_ids`), else computed here. Returns ``input_ids``,
+    ``attention_mask``, ``position_ids`` and the joined media tensors on ``input_ids.device``.
     """
     media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
-    position_ids = compute_position_ids(model, input_ids, attention_mask, media, mm_token_type_ids)
+    if position_ids is None:
+        position_ids = compute_position_ids(model, input_ids, attention_mask, media, mm_token_type_ids)
+    else:
+        position_ids = model_layout(position_ids)
     forward_media = {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
     return {
         "input_ids": input_ids,
@@ -174,6 +179,70 @@ def build_forward_inputs(
         "position_ids": position_ids,
         **forward_media,
     }
+
+
+def model_layout(position_ids: torch.Tensor) -> torch.Tensor:
+    """Batch-first ``[B, 3, L]`` / ``[B, L]`` (a batch column) → what the model takes (``[3, B, L]``
+    for M-RoPE); the same swap turns the model's layout back into the column's."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
+
+
+def _position_key(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, media: dict[str, Any] | None
+) -> tuple[bytes, ...]:
+    """What a prompt's position ids depend on: its valid tokens and its media grids / lengths / flags."""
+    media = media or {}
+    values = [torch.as_tensor(media[key]) for key in POSITION_KEYS if key in media]
+    return (input_ids[attention_mask.bool()].cpu().numpy().tobytes(),) + tuple(
+        value.cpu().numpy().tobytes() for value in values
+    )
+
+
+def sequence_position_ids(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Position ids of rollout rows (left-padded prompt + R response tokens), batch-first:
+    ``[B, 3, L]`` (M-RoPE) or ``[B, L]``, computed once per step and kept as the batch column
+    ``position_ids`` so that no training pass calls ``get_rope_index`` again.
+
+    The model's ``get_rope_index`` numbers each distinct prompt once (the n responses of a prompt
+    share it: same tokens, same media grids); a response is text, which every Qwen RoPE variant
+    numbers on from the prompt's largest id + 1, one per token, on all axes. Equal to numbering each
+    whole row with ``get_rope_index`` (tests check it per media kind).
+    """
+    prompt_length = input_ids.shape[1] - response_length
+    prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
+    rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(input_ids)
+    group_of_key: dict[tuple[bytes, ...], int] = {}
+    group_of_row = [
+        group_of_key.setdefault(_position_key(prompt_ids[row], prompt_mask[row], rows_media[row]), row)
+        for row in range(len(input_ids))
+    ]
+    firsts = sorted(set(group_of_row))
+    prompt_media = concat_multi_modal_inputs(
+        [{k: v for k, v in (rows_media[row] or {}).items() if k in POSITION_KEYS} for row in firsts],
+        device=input_ids.device,
+    )
+    prompt_positions = compute_position_ids(
+        model,
+        prompt_ids[firsts],
+        prompt_mask[firsts],
+        prompt_media,
+        None if mm_token_type_ids is None else mm_token_type_ids[firsts, :prompt_length],
+    )  # [3, G, P] or [G, P]
+    mrope = prompt_positions.dim() == 3
+    per_axis = prompt_positions if mrope else prompt_positions.unsqueeze(0)  # [A, G, P]
+    valid_max = per_axis.masked_fill(~prompt_mask[firsts].bool().unsqueeze(0), -1).amax(dim=(0, 2))  # [G]
+    offsets = torch.arange(1, response_length + 1, device=input_ids.device)
+    response_positions = (valid_max.unsqueeze(-1) + offsets).expand(per_axis.shape[0], -1, -1)  # [A, G, R]
+    group_index = torch.tensor([firsts.index(first) for first in group_of_row], device=input_ids.device)
+    positions = torch.cat([per_axis, response_positions], dim=-1)[:, group_index]  # [A, B, L]
+    return model_layout(positions) if mrope else positions[0]
 
 
 def packed_position_ids(
@@ -214,23 +283,30 @@ def build_packed_forward_inputs(
     attention_mask: torch.Tensor,
     multi_modal_inputs: Sequence[dict[str, Any]] | None,
     mm_token_type_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs)`` on the rows of a padded micro-batch packed into one.
 
     ``input_ids`` [1, T] are the valid tokens (``attention_mask`` 1) in row order, ``position_ids``
-    those of :func:`packed_position_ids`, ``packed_sequences`` the boundaries for attention, the media
-    tensors joined in row order, and no ``attention_mask``. Switches the model's text decoder to
-    packed attention (once), without which ``packed_sequences`` would be ignored.
+    the valid tokens' ids from the given batch-first ``position_ids`` (see
+    :func:`sequence_position_ids`) or else :func:`packed_position_ids`, ``packed_sequences`` the
+    boundaries for attention, the media tensors joined in row order, and no ``attention_mask``.
+    Switches the model's text decoder to packed attention (once), without which ``packed_sequences``
+    would be ignored.
     """
     enable_packed_attention(model)
     valid = attention_mask.bool()  # [B, L]
     media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
     forward_media = {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
+    if position_ids is None:
+        packed_positions = packed_position_ids(
+            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
+        )
+    else:  # [B, 3, L] -> [3, 1, T]; [B, L] -> [1, T]
+        packed_positions = model_layout(position_ids)[..., valid].unsqueeze(-2)
     return {
         "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
-        "position_ids": packed_position_ids(
-            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
-        ),
+        "position_ids": packed_positions,
         "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
         **forward_media,
     }
@@ -272,6 +348,7 @@ def response_head_outputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     padding_free: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The head's outputs at the positions that predict the response tokens: ``[B, R, D]``.
 
@@ -282,10 +359,19 @@ def response_head_outputs(
     """
     if padding_free:
         outputs, response_valid = response_token_outputs(
-            model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids, True
+            model,
+            input_ids,
+            attention_mask,
+            response_length,
+            multi_modal_inputs,
+            mm_token_type_ids,
+            padding_free=True,
+            position_ids=position_ids,
         )
         return scatter_response_tokens(outputs, response_valid)
-    inputs = build_forward_inputs(model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids)
+    inputs = build_forward_inputs(
+        model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+    )
     # Only the last R + 1 positions reach lm_head: a [B, P + R, vocab] tensor is the largest of the pass.
     keep = {"logits_to_keep": response_length + 1} if _accepts_logits_to_keep(model) else {}
     logits = model(**inputs, use_cache=False, **keep).logits
@@ -301,6 +387,7 @@ def response_token_outputs(
     mm_token_type_ids: torch.Tensor | None = None,
     padding_free: bool = False,
     sequence_parallel: SequenceParallelGroups | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's outputs predicting the K valid response tokens only: ``(outputs [K, D],
     response_valid [B, R])``, in row-major order of ``response_valid`` (``attention_mask`` on the
@@ -309,6 +396,7 @@ def response_token_outputs(
 
     ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
     positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
+    ``position_ids``: the rows' batch-first ids when known (the batch column), else computed here.
     ``sequence_parallel`` (packed only): this rank runs the decoder on its share of the packed row
     (:mod:`mmrl.parallel.sequence`) and the K outputs are gathered from the SP group, the same on
     every SP rank.
@@ -316,11 +404,17 @@ def response_token_outputs(
     if not padding_free:
         response_valid = attention_mask[:, -response_length:].bool()
         outputs = response_head_outputs(
-            model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids
+            model,
+            input_ids,
+            attention_mask,
+            response_length,
+            multi_modal_inputs,
+            mm_token_type_ids,
+            position_ids=position_ids,
         )
         return outputs[response_valid], response_valid
     inputs = build_packed_forward_inputs(
-        model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
+        model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
     )
     indices, response_valid = packed_response_indices(attention_mask, response_length)
     if sequence_parallel is not None and sequence_parallel.size > 1:

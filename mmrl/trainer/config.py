@@ -139,6 +139,9 @@ class ActorConfig:
         "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     )
     ppo_epochs: int = 1  # passes over each rollout batch
+    # one optimizer step per rollout (global_batch_size = rollout_batch_size, ppo_epochs 1, no KL reward
+    # penalty): take the old log-probs from the update's own forward instead of a separate pass
+    skip_old_log_prob_on_policy: bool = True
     entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
     padding_free: bool = True  # train on packed sequences without padding tokens
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
@@ -299,6 +302,18 @@ class PPOConfig:
     @property
     def responses_per_step(self) -> int:
         return self.data.rollout_batch_size * self.worker.rollout.n
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """The actor update is on-policy and computes the old log-probs itself (no separate pass): one
+        optimizer step per rollout, and nothing needs them before the update (a KL reward penalty does)."""
+        actor = self.worker.actor
+        return (
+            actor.skip_old_log_prob_on_policy
+            and actor.ppo_epochs == 1
+            and actor.global_batch_size == self.data.rollout_batch_size
+            and not (self.algorithm.use_reference and not self.algorithm.use_kl_loss)
+        )
 
     @property
     def responses_per_update(self) -> int:

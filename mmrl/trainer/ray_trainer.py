@@ -198,10 +198,11 @@ class RayPPOTrainer:
             pending_rewards = self.rewards.launch(batch)  # scored in the background, in generation order
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
-            with timer("old_log_prob", timings):
-                batch = batch.union(
-                    self.actor.dispatch("compute_log_probs", batch, dp_size=self.actor_dp_size)
-                )
+            if not self._old_log_probs_from_update:
+                with timer("old_log_prob", timings):
+                    batch = batch.union(
+                        self.actor.dispatch("compute_log_probs", batch, dp_size=self.actor_dp_size)
+                    )
             if self.config.algorithm.use_reference:
                 with timer("ref_log_prob", timings):
                     batch = batch.union(
@@ -221,7 +222,7 @@ class RayPPOTrainer:
                     batch = batch.union(self._greedy_baselines(batch))
             with timer("adv", timings):
                 batch, kl_metrics = self.compute_advantages(batch)
-            update_metrics = self.update_models(batch, timings)
+            batch, update_metrics = self.update_models(batch, timings)
         return {
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
@@ -276,7 +277,16 @@ class RayPPOTrainer:
     def critic_dp_size(self) -> int:
         return self.config.trainer.world_size // self.config.worker.critic.sequence_parallel_size
 
-    def update_models(self, batch: DataProto, timings: dict[str, float]) -> dict[str, float]:
+    @property
+    def _old_log_probs_from_update(self) -> bool:
+        """This step's actor update computes the old log-probs itself (see PPOConfig)."""
+        return self.config.old_log_probs_from_update and self.global_step >= self.config.trainer.critic_warmup
+
+    def update_models(
+        self, batch: DataProto, timings: dict[str, float]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """Critic, then actor updates; ``batch`` gains the on-policy update's ``old_log_probs`` and
+        ``entropies`` when it computed them (for the step's metrics)."""
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer("update_critic", timings):
@@ -286,7 +296,9 @@ class RayPPOTrainer:
             with timer("update_actor", timings):  # includes pushing the new weights into the rollout
                 update = self.actor.dispatch("update_actor", batch, dp_size=self.actor_dp_size)
                 metrics.update(self._worker_metrics(update))
-        return metrics
+            if self._old_log_probs_from_update:
+                batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
+        return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> DataProto:
         """ReMax: the reward of each prompt's greedy response, broadcast to its n samples by uid."""

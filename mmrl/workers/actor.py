@@ -14,13 +14,14 @@ packed tokens. Either way, log-probs and entropies are computed on the valid res
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmrl.models.inputs import response_token_outputs, scatter_response_tokens
+from mmrl.models.inputs import response_token_outputs, scatter_response_tokens, sequence_position_ids
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import (
@@ -35,8 +36,21 @@ from mmrl.trainer.core_algos import (
 from mmrl.workers.fsdp_engine import micro_batch_rows, token_share, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
-OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids",)
+OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids")
 MEDIA_COLUMN = "multi_modal_inputs"
+ROW_KEY = "_row"  # each row's place in the update's batch (on-policy updates return per-row outputs)
+
+
+@dataclass
+class PolicyUpdate:
+    """What :meth:`PolicyActor.update_policy` returns: the step's metrics and, for an on-policy update
+    (the batch had no ``old_log_probs``), the log-probs [B, R] and entropies [B, R] it computed before
+    its optimizer step, in the batch's row order: exactly what the separate old-log-prob pass would
+    have returned."""
+
+    metrics: dict[str, float]
+    log_probs: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
 
 
 def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataProto:
@@ -48,6 +62,23 @@ def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataPr
         raise KeyError(f"the batch lacks {missing}; it has {sorted(data.batch.keys())}")
     media = [MEDIA_COLUMN] if MEDIA_COLUMN in data.non_tensor_batch else []
     return data.select(batch_keys=batch_keys, non_tensor_keys=media, meta_info_keys=[])
+
+
+def add_position_ids(module: nn.Module, data: DataProto) -> DataProto:
+    """``data`` (a rollout batch) with its ``position_ids`` column, numbered once per distinct prompt by
+    :func:`mmrl.models.inputs.sequence_position_ids`; every later pass reads them instead of running
+    ``get_rope_index`` per row."""
+    batch = data.batch
+    media = data.non_tensor_batch.get(MEDIA_COLUMN)
+    data.batch["position_ids"] = sequence_position_ids(
+        module,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["responses"].shape[-1],
+        None if media is None else list(media),
+        batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
+    )
+    return data
 
 
 def micro_batch_token_outputs(
@@ -69,6 +100,7 @@ def micro_batch_token_outputs(
         batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
         padding_free=padding_free,
         sequence_parallel=sequence_parallel,
+        position_ids=batch["position_ids"] if "position_ids" in batch.keys() else None,
     )
 
 
@@ -207,9 +239,15 @@ class PolicyActor:
         micro_batch_size: int,
         ppo_epochs: int,
         temperature: float,
-    ) -> dict[str, float]:
+    ) -> PolicyUpdate:
         """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
         advances once per call (one training step). Sizes count this rank's rows.
+
+        On-policy: without an ``old_log_probs`` column the batch must make exactly one optimizer step
+        (``ppo_epochs`` 1, at most ``mini_batch_size`` rows). The old policy is then the current one, so
+        the ratio's denominator is the update's own log-probs, detached (ratio 1, gradient
+        ``A * grad log p``), and the separate no-grad pass over the batch is saved; those log-probs and
+        entropies come back in the :class:`PolicyUpdate`.
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
         ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means), ``kl_loss``
@@ -220,14 +258,26 @@ class PolicyActor:
             raise RuntimeError(
                 "PolicyActor.update_policy needs an optimizer; this actor only scores (reference)"
             )
-        extra_keys = ("response_mask", "old_log_probs", "advantages")
+        on_policy = "old_log_probs" not in data.batch.keys()
+        if on_policy and (ppo_epochs != 1 or len(data) > mini_batch_size):
+            raise ValueError(
+                f"the batch has no old_log_probs, which is only allowed when it makes one optimizer step "
+                f"(ppo_epochs={ppo_epochs}, {len(data)} rows for mini-batches of {mini_batch_size}); "
+                "compute them first (PolicyActor.compute_log_probs)"
+            )
+        extra_keys = ("response_mask", "advantages") + (() if on_policy else ("old_log_probs",))
         extra_keys += ("ref_log_probs",) if self.use_kl_loss else ()
+        columns = forward_columns(data, extra_keys)
+        outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        if on_policy:
+            outputs = []
+            columns.batch[ROW_KEY] = torch.arange(len(data))
         self.module.train()
         metrics = train_on_batch(
             self.module,
             self.optimizer,
-            forward_columns(data, extra_keys),
-            functools.partial(self._micro_batch_loss, temperature=temperature),
+            columns,
+            functools.partial(self._micro_batch_loss, temperature=temperature, on_policy_outputs=outputs),
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
             epochs=ppo_epochs,
@@ -240,13 +290,24 @@ class PolicyActor:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        return metrics
+        if not outputs:
+            return PolicyUpdate(metrics)
+        rows, log_probs, entropies = (torch.cat(parts) for parts in zip(*outputs))
+        restore = torch.argsort(rows)
+        return PolicyUpdate(metrics, log_probs[restore], entropies[restore])
 
     def _micro_batch_loss(
-        self, micro_batch: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor, temperature: float
+        self,
+        micro_batch: DataProto,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+        temperature: float,
+        on_policy_outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the mini-batch loss
-        ``pg_loss - entropy_coeff * entropy + kl_coef * kl`` (each aggregated by ``loss_avg_mode``)."""
+        ``pg_loss - entropy_coeff * entropy + kl_coef * kl`` (each aggregated by ``loss_avg_mode``).
+        On-policy (``on_policy_outputs`` given) the old log-probs are this pass's own, detached, and
+        (rows, log-probs, entropies) are appended to ``on_policy_outputs``."""
         batch = micro_batch.batch
         response_mask = batch["response_mask"]
         aggregate = functools.partial(
@@ -260,8 +321,9 @@ class PolicyActor:
         logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
         token_log_probs = log_probs_from_logits(logits, batch["responses"][response_valid])  # [K]
         log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
+        old_log_probs = log_probs.detach() if on_policy_outputs is not None else batch["old_log_probs"]
         pg_loss_mat, diagnostics = self.policy_loss_fn(
-            batch["old_log_probs"],
+            old_log_probs,
             log_probs,
             batch["advantages"],
             response_mask,
@@ -280,6 +342,10 @@ class PolicyActor:
                     entropy_from_logits(logits.detach().float()), response_valid
                 )
 
+        if on_policy_outputs is not None:
+            on_policy_outputs.append(
+                (batch[ROW_KEY].cpu(), old_log_probs.float().cpu(), entropy.detach().float().cpu())
+            )
         shares = {
             "pg_loss": pg_loss.detach(),
             "pg_clipfrac": token_share(diagnostics["pg_clipfrac"], response_mask, num_tokens),

@@ -20,7 +20,7 @@ from mmrl.models.loading import freeze_vision_tower, load_model
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
-from mmrl.workers.actor import PolicyActor
+from mmrl.workers.actor import PolicyActor, add_position_ids
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.fsdp_engine import (
     apply_fsdp2,
@@ -248,7 +248,9 @@ class HybridWorker:
             self.sync_rollout_weights()
         output = self.rollout.generate(prompts, sampling)
         output.meta_info["temperature"] = sampling.temperature if sampling.temperature > 0 else 1.0
-        return output
+        if prompts.meta_info.get("validate", False):
+            return output  # scored only
+        return add_position_ids(self.actor.module, output)
 
     def compute_log_probs(self, data: DataProto) -> DataProto:
         self._onload()
@@ -270,7 +272,7 @@ class HybridWorker:
     def update_actor(self, data: DataProto) -> DataProto:
         actor_cfg = self.config.worker.actor
         self._onload()
-        metrics = self.actor.update_policy(
+        update = self.actor.update_policy(
             data,
             mini_batch_size=per_rank(self.config.responses_per_update, self.dp_size, "responses per update"),
             micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
@@ -279,7 +281,12 @@ class HybridWorker:
         )
         self.sync_rollout_weights()
         self._offload()
-        return DataProto(meta_info={"metrics": {f"actor/{key}": value for key, value in metrics.items()}})
+        metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
+        if update.log_probs is None:
+            return DataProto(meta_info=metrics)
+        # on-policy: the log-probs the separate pass would have computed, for the trainer's metrics
+        tensors = {"old_log_probs": update.log_probs, "entropies": update.entropies}
+        return DataProto.from_dict(tensors=tensors, meta_info=metrics)
 
     def sync_rollout_weights(self) -> None:
         """Push the actor's new weights into the rollout engine, one full tensor at a time, under the names

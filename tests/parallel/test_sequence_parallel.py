@@ -152,7 +152,7 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
         **ACTOR_SETTINGS,
     )
     log_probs, entropies = actor.compute_log_probs(batch, 4, TEMPERATURE, with_entropy=True)
-    metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE)  # 3 micro-batches, one step
+    metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE).metrics  # 3 micro-batches, one step
     return {
         "log_probs": log_probs,
         "entropies": entropies,

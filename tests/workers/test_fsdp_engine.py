@@ -199,7 +199,7 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
         model = _sharded(model_path, mesh, checkpointing=checkpointing)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
         actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, "loss_avg_mode": mode})
-        metrics = actor.update_policy(shard, rows, micro_batch_size, 1, TEMPERATURE)
+        metrics = actor.update_policy(shard, rows, micro_batch_size, 1, TEMPERATURE).metrics
         results[f"update_{mode}"] = (_full_state(model), metrics)
 
     model = _sharded(model_path, mesh, freeze=True)
@@ -238,7 +238,7 @@ def _reference_update(model_path, batch, micro_batch_size, **overrides):
     model = load_model(str(model_path))
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
-    metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+    metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
     return _unique_state(model), metrics
 
 
@@ -513,7 +513,9 @@ def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
     batch.batch["advantages"][0, 0] = float("inf")  # inf * ratio: the gradient norm is NaN
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    metrics = PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(batch, 2, 2, 1, TEMPERATURE)
+    metrics = (
+        PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(batch, 2, 2, 1, TEMPERATURE).metrics
+    )
     assert metrics["skipped_steps"] == 1 and math.isnan(metrics["grad_norm"])
     assert all(torch.equal(before[name], tensor) for name, tensor in _unique_state(model).items())
 

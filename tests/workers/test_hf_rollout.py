@@ -7,13 +7,14 @@ import torch
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
+from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.models.loading import load_model
 from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
-from mmrl.workers.rollout.hf import HFRollout, placeholder_token_ids
+from mmrl.workers.rollout.hf import HFRollout, filter_logits, placeholder_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,64 @@ def test_update_weights_changes_the_policy(vl_parts, prompts):
     assert not torch.equal(before, rollout.generate(prompts, greedy).batch["responses"])
     with pytest.raises(KeyError, match="'not.a.weight' is neither a state_dict key"):
         rollout.update_weights([("not.a.weight", torch.zeros(1))])
+
+
+# ---------------------------------------------------------------- the decode loop
+
+
+def test_greedy_responses_equal_transformers_generate(vl_parts, prompts):
+    """The decode loop (prompt encoded once for its n rows, positions advanced by hand) picks the same
+    tokens as transformers' ``generate`` on every expanded row, and stops each row at its EOS."""
+    from transformers import GenerationConfig
+
+    rollout = make_rollout(vl_parts)
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=12)
+    batch = rollout.generate(prompts, greedy)
+    expanded = prompts.repeat(2, interleave=True)
+    inputs = {key: expanded.batch[key] for key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    inputs.update(concat_multi_modal_inputs(list(expanded.non_tensor_batch["multi_modal_inputs"])))
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=rollout.eos_token_ids,
+        pad_token_id=rollout.pad_token_id,
+        suppress_tokens=rollout.blocked_token_ids,
+    )
+    reference = rollout.model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1] :]
+    reference = torch.nn.functional.pad(reference, (0, 12 - reference.shape[1]), value=rollout.pad_token_id)
+    reference = assemble_rollout_batch(expanded, reference, rollout.eos_token_ids, rollout.pad_token_id)
+    assert torch.equal(batch.batch["responses"], reference.batch["responses"])
+    assert torch.equal(batch.batch["response_mask"], reference.batch["response_mask"])
+    assert batch.batch["response_mask"].sum() > len(batch)  # more than one token per row
+
+
+def test_filter_logits_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
+    inf = float("-inf")
+    assert filter_logits(logits, top_k=2, top_p=1.0).isinf().tolist() == [
+        [False, False, False, True]
+    ]  # a tie
+    # top-p 0.6: 0.5 alone is short of it, 0.5 + 0.2 reaches it -> two tokens (the first 0.2 by sort order)
+    kept = filter_logits(logits, top_k=0, top_p=0.6)
+    assert (kept != inf).sum() == 2 and kept[0, 0] != inf
+    assert (filter_logits(logits, top_k=0, top_p=0.4) != inf).tolist() == [[True, False, False, False]]
+    assert torch.equal(filter_logits(logits, top_k=0, top_p=1.0), logits)
+
+
+def test_sampling_draws_from_the_filtered_tempered_distribution(vl_parts):
+    """Inverse-transform draws, 40,000 of them: the frequencies of softmax(logits / T) after top-k,
+    within 4 standard errors, and the returned log-probs are those of the unfiltered softmax(logits / T)."""
+    rollout = make_rollout(vl_parts, return_log_probs=True)
+    rollout.blocked_token_ids = [5]
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0]).repeat(40_000, 1)
+    sampling = SamplingParams(temperature=0.5, top_k=3)
+    tokens, log_probs = rollout._sample(logits, sampling, torch.Generator().manual_seed(0))
+    scaled = logits[0] / 0.5
+    allowed = scaled.clone()
+    allowed[5] = float("-inf")  # blocked
+    expected = filter_logits(allowed.unsqueeze(0), 3, 1.0).softmax(-1)[0]
+    frequencies = torch.bincount(tokens, minlength=6).double() / len(tokens)
+    assert frequencies[3:].sum() == 0  # outside the top 3 of the allowed tokens
+    tolerance = 4 * (expected * (1 - expected) / len(tokens)).sqrt() + 1e-9
+    assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
+    torch.testing.assert_close(log_probs, scaled.log_softmax(-1)[tokens])

@@ -13,7 +13,12 @@ import pytest
 import torch
 from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch
 
-from mmrl.models.inputs import build_packed_forward_inputs, response_head_outputs
+from mmrl.models.inputs import (
+    build_packed_forward_inputs,
+    model_layout,
+    packed_position_ids,
+    response_head_outputs,
+)
 from mmrl.models.loading import load_model, tower_modules
 from mmrl.parallel.packing import (
     balance_batch,
@@ -212,7 +217,7 @@ def test_packed_step_changes_every_trainable_tensor_towers_included(
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     actor = PolicyActor(model, optimizer, **ACTOR_SETTINGS, padding_free=True)
-    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE)
+    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
     after = _unique_state(model)
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     # Qwen2.5-Omni's audio tower defines this embedding but its forward never reads it (transformers 5.19).
@@ -244,7 +249,7 @@ def test_packed_token_budget_update_equals_padded_sample_count_update(tiny_vl_pa
             padding_free=padding_free,
             max_tokens_per_micro_batch=max_tokens,
         )
-        metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE)
+        metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
         results[padding_free] = (_unique_state(model), metrics)
     (state, metrics), (expected_state, expected_metrics) = results[True], results[False]
     for name, tensor in expected_state.items():
@@ -292,7 +297,7 @@ def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProt
     )
     own_groups = len(token_budget_groups(shard.batch["attention_mask"].sum(-1).tolist(), budget))
     log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
-    metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE)
+    metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
     return {
         "own_groups": own_groups,
         "log_probs": log_probs,
@@ -314,7 +319,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_equal_one_rank(tiny_vl_path, 
     model = load_model(str(tiny_vl_path))
     actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
     log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
-    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE)
+    metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
     mask = batch.batch["response_mask"].bool()
     sharded = torch.cat([result["log_probs"] for result in results])
     torch.testing.assert_close(sharded[mask], log_probs[mask], atol=1e-5, rtol=0)
@@ -377,3 +382,118 @@ def test_padding_counts_by_hand():
     attention_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])  # 5 valid of 8
     assert padding_counts(attention_mask, padding_free=False) == (8, 3)
     assert padding_counts(attention_mask, padding_free=True) == (5, 0)
+
+
+# ---------------------------------------------------------------- position ids once per prompt
+
+
+def _with_repeated_prompts(batch: DataProto) -> DataProto:
+    """Each row twice, the copy with a shorter response: n responses of one prompt, as a rollout makes."""
+    copy = DataProto.from_dict(
+        tensors={key: value.clone() for key, value in batch.batch.items()},
+        non_tensors={key: value.copy() for key, value in batch.non_tensor_batch.items()},
+    )
+    response_mask = copy.batch["response_mask"]
+    response_mask[:, 1:] = 0  # one response token in every copy
+    width = response_mask.shape[1]
+    copy.batch["attention_mask"][:, -width:] = response_mask
+    both = DataProto.concat([batch, copy])
+    return both.reorder(torch.arange(2 * len(batch)).view(2, -1).t().flatten())  # [a, a', b, b', ...]
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
+def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
+    kind, batches, tiny_vl_path, tiny_omni_path
+):
+    """The ``position_ids`` column (get_rope_index once per distinct prompt, responses numbered on from
+    the prompt's largest id) equals the model's own numbering of every whole row, and a forward pass
+    reading it computes the same log-probs as one that numbers rows itself."""
+    from mmrl.workers.actor import add_position_ids
+
+    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    batch = _with_repeated_prompts(batches[kind])
+    with_column = add_position_ids(
+        model,
+        DataProto.from_dict(tensors=dict(batch.batch.items()), non_tensors=dict(batch.non_tensor_batch)),
+    )
+    column = with_column.batch["position_ids"]
+    assert column.shape[0] == len(batch) and column.shape[-1] == batch.batch["input_ids"].shape[1]
+    tensors = batch.batch
+    valid = tensors["attention_mask"].bool()
+    expected = packed_position_ids(
+        model,
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
+    )
+    torch.testing.assert_close(model_layout(column)[..., valid].unsqueeze(-2), expected, atol=0, rtol=0)
+
+    with torch.no_grad():
+        own = _head_outputs(model, batch, padding_free=True)
+        from_column = response_head_outputs(
+            model,
+            tensors["input_ids"],
+            tensors["attention_mask"],
+            tensors["responses"].shape[1],
+            list(batch.non_tensor_batch["multi_modal_inputs"]),
+            tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
+            padding_free=True,
+            position_ids=column,
+        )
+    response_valid = tensors["response_mask"].bool()
+    torch.testing.assert_close(from_column[response_valid], own[response_valid], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- on-policy updates
+
+
+@pytest.mark.parametrize("micro_batch_size", [5, 2])
+def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(
+    micro_batch_size, tiny_vl_path, mixed_training_batch
+):
+    """Without ``old_log_probs`` the update takes its own log-probs (detached) as the old ones: the same
+    step, the same metrics (ratio 1: nothing clipped, ppo_kl 0) as computing them in a separate pass
+    first, and it returns those log-probs and entropies in row order."""
+    batch = mixed_training_batch
+    results = {}
+    for on_policy in (False, True):
+        model = load_model(str(tiny_vl_path))
+        actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+        data = batch
+        if not on_policy:
+            log_probs, entropies = actor.compute_log_probs(batch, len(batch), TEMPERATURE, with_entropy=True)
+            columns = {**dict(batch.batch.items()), "old_log_probs": log_probs}
+            data = DataProto.from_dict(tensors=columns, non_tensors=dict(batch.non_tensor_batch))
+            results["two_pass_outputs"] = (log_probs, entropies)
+        else:
+            data = batch.select(
+                batch_keys=[key for key in batch.batch.keys() if key != "old_log_probs"],
+                non_tensor_keys=list(batch.non_tensor_batch),
+            )
+        update = actor.update_policy(data, len(batch), micro_batch_size, 1, TEMPERATURE)
+        results[on_policy] = (_unique_state(model), update)
+    (state, update), (expected_state, expected) = results[True], results[False]
+    for name, tensor in expected_state.items():
+        torch.testing.assert_close(state[name], tensor, atol=1e-6, rtol=0, msg=name)
+    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm"):
+        assert update.metrics[name] == pytest.approx(expected.metrics[name], rel=1e-5, abs=1e-7), name
+    assert update.metrics["pg_clipfrac"] == 0.0 and abs(update.metrics["ppo_kl"]) < 1e-7
+    assert expected.log_probs is None
+    log_probs, entropies = results["two_pass_outputs"]
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(update.log_probs[mask], log_probs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(update.entropies[mask], entropies[mask], atol=1e-5, rtol=0)
+
+
+def test_on_policy_update_needs_one_optimizer_step(tiny_vl_path, mixed_training_batch):
+    batch = mixed_training_batch.select(
+        batch_keys=[key for key in mixed_training_batch.batch.keys() if key != "old_log_probs"],
+        non_tensor_keys=["multi_modal_inputs"],
+    )
+    model = load_model(str(tiny_vl_path))
+    actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+    with pytest.raises(ValueError, match="no old_log_probs.*ppo_epochs=2"):
+        actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE)
+    with pytest.raises(ValueError, match="5 rows for mini-batches of 2"):
+        actor.update_policy(batch, 2, 2, 1, TEMPERATURE)

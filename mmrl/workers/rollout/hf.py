@@ -1,8 +1,19 @@
-"""Transformers ``generate`` rollout: the fallback where vLLM is absent (and the CPU demo's default).
+"""Transformers rollout: the fallback where vLLM is absent (and the CPU demo's default).
 
 It keeps its own unsharded copy of the policy on the worker's device; after every actor update the
 new weights are copied in (``update_weights``), one tensor at a time, exactly as the vLLM backend
 receives them.
+
+Sampling is a plain decode loop over the model's forward with a transformers ``DynamicCache``, shaped
+for GRPO-style rollouts where each prompt gets n responses:
+
+- the prompt (and its images, videos, audio) is encoded once, and its KV cache copied to its n rows
+  (``generate`` would run the prefill and the vision tower n times);
+- position ids are computed once per prompt with the model's own ``get_rope_index`` and advanced by
+  one per new token (text continues from the prompt's largest id), instead of being re-derived by
+  ``generate``'s per-step input preparation;
+- sampling draws each token by inverse transform from one seeded uniform per row, after temperature,
+  top-k and top-p (the placeholder tokens blocked); greedy is the argmax.
 """
 
 from __future__ import annotations
@@ -11,9 +22,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
-from mmrl.models.inputs import concat_multi_modal_inputs
+from mmrl.models.inputs import POSITION_ONLY_KEYS, compute_position_ids, concat_multi_modal_inputs
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
 from mmrl.workers.weight_sync import load_into
@@ -55,8 +66,34 @@ def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) ->
     return sorted(ids)
 
 
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits`` [B, V] with every token outside the top-k (``top_k`` > 0) and outside the smallest set
+    whose probability reaches ``top_p`` (< 1) set to -inf; the most likely token always stays."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the mass before it already reached p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V], drawn from ``softmax(logits)`` by inverse transform: the
+    first token whose cumulative probability exceeds ``u ~ U[0, 1)`` times the total (one uniform per
+    row; float64 sums, so rounding cannot land on a token of probability 0)."""
+    cdf = logits.double().softmax(-1).cumsum(-1)  # [B, V]
+    uniform = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
+    last_possible = (logits > float("-inf")).cumsum(-1).argmax(-1)  # first index reaching the final count
+    return torch.minimum(tokens, last_possible)
+
+
 class HFRollout:
-    """Samples with ``model.generate`` on this process's share of the prompts."""
+    """Samples on this process's share of the prompts with the model's forward and a KV cache."""
 
     def __init__(
         self,
@@ -67,7 +104,7 @@ class HFRollout:
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size = micro_batch_size  # responses decoded together
         self.return_log_probs = return_log_probs
         self.eos_token_ids = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.pad_token_id = (
@@ -82,60 +119,117 @@ class HFRollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self.model, named_tensors)  # every tensor must arrive: a partial sync is an error
 
-    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
-        return GenerationConfig(
-            do_sample=not sampling.greedy,
-            temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None,
-            top_k=(sampling.top_k if sampling.top_k > 0 else 0) if not sampling.greedy else None,
-            max_new_tokens=sampling.max_tokens,
-            min_new_tokens=sampling.max_tokens if sampling.ignore_eos else None,
-            eos_token_id=None if sampling.ignore_eos else self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            suppress_tokens=self.blocked_token_ids or None,
-            output_logits=self.return_log_probs,
-            return_dict_in_generate=True,
+    def _prefill(
+        self, prompts: DataProto, n: int
+    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """Encode each prompt once; returns its next-token logits [G * n, V], the KV cache, the attention
+        mask and the next position ids (the prompt's largest id + 1) ``[A, G * n]`` on each of the A
+        rotary axes (3 for M-RoPE, else 1), everything repeated n times."""
+        device = self.device
+        input_ids = prompts.batch["input_ids"].to(device)
+        attention_mask = prompts.batch["attention_mask"].to(device)
+        media = {}
+        if "multi_modal_inputs" in prompts.non_tensor_batch:
+            media = concat_multi_modal_inputs(list(prompts.non_tensor_batch["multi_modal_inputs"]), device)
+        token_types = (
+            prompts.batch["mm_token_type_ids"] if "mm_token_type_ids" in prompts.batch.keys() else None
+        )
+        position_ids = compute_position_ids(
+            self.model,
+            input_ids,
+            attention_mask,
+            media,
+            None if token_types is None else token_types.to(device),
+        )  # [3, G, P] or [G, P]
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **{key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS},
+        ).logits[:, -1]
+        per_axis = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
+        next_position = per_axis.masked_fill(~attention_mask.bool(), -1).amax(dim=(0, 2)) + 1  # [G]
+        cache.batch_repeat_interleave(n)
+        return (
+            logits.repeat_interleave(n, dim=0),
+            cache,
+            attention_mask.repeat_interleave(n, dim=0),
+            next_position.repeat_interleave(n, dim=0).expand(per_axis.shape[0], -1),
         )
 
-    def _generate_micro_batch(
-        self, batch: DataProto, sampling: SamplingParams
+    def _blocked(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.blocked_token_ids, device=device)
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        device = self.device
-        inputs = {
-            "input_ids": batch.batch["input_ids"].to(device),
-            "attention_mask": batch.batch["attention_mask"].to(device),
-        }
-        if "mm_token_type_ids" in batch.batch.keys():
-            inputs["mm_token_type_ids"] = batch.batch["mm_token_type_ids"].to(device)
-        if "multi_modal_inputs" in batch.non_tensor_batch:
-            inputs.update(
-                concat_multi_modal_inputs(list(batch.non_tensor_batch["multi_modal_inputs"]), device)
-            )
-        prompt_width = inputs["input_ids"].shape[-1]
-        output = self.model.generate(**inputs, generation_config=self._generation_config(sampling))
-        responses = output.sequences[:, prompt_width:]  # [b, r <= max_tokens]
-        log_probs = None
-        if self.return_log_probs:
-            logits = torch.stack(output.logits, dim=1).float()  # [b, r, V], raw (before processors)
-            if not sampling.greedy:
-                logits = logits / sampling.temperature
-            log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-        return responses, log_probs
+        """Next tokens [B] from raw ``logits`` [B, V], and their log-probs under ``softmax(logits / T)``
+        (the trainer's distribution; top-k/top-p only restrict what is drawn)."""
+        scaled = logits.float() if sampling.greedy else logits.float() / sampling.temperature
+        allowed = scaled
+        if self.blocked_token_ids:
+            allowed = scaled.index_fill(-1, self._blocked(scaled.device), float("-inf"))
+        if sampling.greedy:
+            tokens = allowed.argmax(-1)
+        else:
+            tokens = sample_tokens(filter_logits(allowed, sampling.top_k, sampling.top_p), generator)
+        if not self.return_log_probs:
+            return tokens, None
+        log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, log_probs
+
+    @torch.no_grad()
+    def _generate_micro_batch(
+        self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``len(prompts) * n`` responses [B, r <= max_tokens] (rows of a prompt together) and their
+        log-probs (or None)."""
+        logits, cache, attention_mask, next_position = self._prefill(prompts, sampling.n)
+        eos = torch.tensor(self.eos_token_ids, device=logits.device)
+        finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        tokens, log_probs = [], []
+        for step in range(sampling.max_tokens):
+            token, token_log_prob = self._sample(logits, sampling, generator)
+            token = token.masked_fill(finished, self.pad_token_id)
+            tokens.append(token)
+            if token_log_prob is not None:
+                log_probs.append(token_log_prob.masked_fill(finished, 0.0))
+            if not sampling.ignore_eos:
+                finished |= torch.isin(token, eos)
+            if step == sampling.max_tokens - 1 or bool(finished.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=-1)
+            position = (next_position + step).unsqueeze(-1)  # [A, B, 1]
+            logits = self.model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=position if len(position) == 3 else position[0],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        responses = torch.stack(tokens, dim=1)
+        return responses, torch.stack(log_probs, dim=1) if log_probs else None
 
     def _pad_width(self, tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]), value=value)
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
-        expanded = prompts.repeat(sampling.n, interleave=True)  # [a, a, b, b]: uid order kept
-        torch.manual_seed(sampling.seed)  # the worker passes a per-step, per-rank seed
+        """``len(prompts) * n`` responses, the n of a prompt in consecutive rows (``[a, a, b, b]``),
+        decoded ``micro_batch_size`` responses (whole prompts) at a time."""
+        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)  # per step and rank
+        prompts_per_pass = max(1, self.micro_batch_size // sampling.n)
         responses, log_probs = [], []
-        for part in expanded.split(self.micro_batch_size):
-            part_responses, part_log_probs = self._generate_micro_batch(part, sampling)
+        for part in prompts.split(prompts_per_pass):
+            part_responses, part_log_probs = self._generate_micro_batch(part, sampling, generator)
             responses.append(self._pad_width(part_responses.cpu(), sampling.max_tokens, self.pad_token_id))
             if part_log_probs is not None:
                 log_probs.append(self._pad_width(part_log_probs.cpu(), sampling.max_tokens, 0.0))
         return assemble_rollout_batch(
-            expanded,
+            prompts.repeat(sampling.n, interleave=True),  # uid and media kept per row
             torch.cat(responses, dim=0),
             self.eos_token_ids,
             self.pad_token_id,
