@@ -14,6 +14,8 @@ transformers v5 hands unknown forward keywords through the decoder layers to the
   the tensors are fp16/bf16 on CUDA; otherwise torch sdpa run causally on each sequence in turn,
   which is exact (a padded batch computes the same sums, with masked keys adding exp(-inf) = 0).
 - without it (the padded path): exactly transformers' own sdpa attention and sdpa mask;
+- with a :class:`SharedPrefixSequences` (a prompt once, followed by its n responses): each response
+  attends to its prompt's keys and causally to its own;
 - with a :class:`~mmrl.parallel.sequence.ShardedSequences` (sequence parallelism): this rank's tokens
   of the row, attended through Ulysses and ring attention (:mod:`mmrl.parallel.ring_attention`).
 """
@@ -56,6 +58,66 @@ class PackedSequences(NamedTuple):
         cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cls(cu_seqlens.to(device), lengths, max(lengths))
+
+
+class SharedPrefixSequences(NamedTuple):
+    """A packed row where the n responses of a prompt share one copy of it: ``[prompt, response_1, ...,
+    response_n, next prompt, ...]``. Every token belongs to one *segment* (a prompt, or a response)
+    and attends causally to its segment's keys: a prompt's own tokens, or its prompt's tokens followed
+    by the response's own (bottom-right causal: query i of a q-token segment with k keys sees keys
+    ``0 .. k - q + i``). Built by :func:`mmrl.models.inputs.build_shared_prefix_inputs`.
+
+    ``q_lengths`` / ``kv_lengths``: per segment, in row order (segments tile the row);
+    ``kv_index`` int64 ``[sum(kv_lengths)]``: each segment's keys as positions of the row;
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (flash-attn's varlen layout over the gathered keys);
+    ``buckets``: for the torch path, segments of equal (q, k) lengths batched:
+    ``(query positions [m, q], key positions [m, k])``.
+    """
+
+    q_lengths: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+    kv_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    buckets: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def from_segments(
+        cls, segments: list[tuple[int, int, list[tuple[int, int]]]], device: torch.device | str
+    ) -> SharedPrefixSequences:
+        """``segments``: ``(q_start, q_length, key ranges [(start, length), ...])`` in row order."""
+        q_lengths = tuple(length for _, length, _ in segments)
+        kv_lengths = tuple(sum(length for _, length in ranges) for _, _, ranges in segments)
+        key_positions = [
+            torch.cat([torch.arange(start, start + length) for start, length in ranges])
+            for _, _, ranges in segments
+        ]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for index, shape in enumerate(zip(q_lengths, kv_lengths)):
+            by_shape.setdefault(shape, []).append(index)
+        buckets = tuple(
+            (
+                torch.stack([torch.arange(segments[i][0], segments[i][0] + q) for i in members]).to(device),
+                torch.stack([key_positions[i] for i in members]).to(device),
+            )
+            for (q, _), members in by_shape.items()
+        )
+        cu_q = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu_q[1:] = torch.tensor(q_lengths, dtype=torch.int32).cumsum(0)
+        cu_k = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu_k[1:] = torch.tensor(kv_lengths, dtype=torch.int32).cumsum(0)
+        return cls(
+            q_lengths,
+            kv_lengths,
+            torch.cat(key_positions).to(device),
+            cu_q.to(device),
+            cu_k.to(device),
+            max(q_lengths),
+            max(kv_lengths),
+            buckets,
+        )
 
 
 @functools.cache
@@ -118,6 +180,62 @@ def varlen_attention(
     return torch.cat(outputs, dim=1)  # [1, T, H, D]
 
 
+def bottom_right_causal_mask(q_length: int, kv_length: int, device: torch.device) -> torch.Tensor:
+    """``[q, k]`` bool, True where query i may see key j: ``j <= i + k - q`` (the queries are the last q
+    of the k keys' sequence)."""
+    rows = torch.arange(q_length, device=device).unsqueeze(-1)
+    return torch.arange(kv_length, device=device) <= rows + (kv_length - q_length)
+
+
+def shared_prefix_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sequences: SharedPrefixSequences,
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Each segment's queries against its own keys (see :class:`SharedPrefixSequences`).
+
+    ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``; returns ``[1, T, H, D]``. flash-attn:
+    one varlen call over the gathered keys (its causal mask is bottom-right aligned). Otherwise torch sdpa,
+    one call per bucket of equally shaped segments, with an explicit bottom-right causal mask.
+    """
+    if _can_use_flash_attn(query):
+        output = _flash_attn_varlen_func()(
+            query[0].transpose(0, 1),
+            key[0, :, sequences.kv_index].transpose(0, 1),
+            value[0, :, sequences.kv_index].transpose(0, 1),
+            cu_seqlens_q=sequences.cu_seqlens_q,
+            cu_seqlens_k=sequences.cu_seqlens_k,
+            max_seqlen_q=sequences.max_seqlen_q,
+            max_seqlen_k=sequences.max_seqlen_k,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+        )
+        return output.unsqueeze(0)  # [1, T, H, D]
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    output = query.new_empty(tokens, heads, head_dim)
+    for query_positions, key_positions in sequences.buckets:  # [m, q], [m, k]
+        mask = bottom_right_causal_mask(query_positions.shape[1], key_positions.shape[1], query.device)
+        bucket_output, _ = sdpa_attention_forward(
+            module,
+            query[0][:, query_positions].transpose(0, 1),  # [m, H, q, D]
+            key[0][:, key_positions].transpose(0, 1),  # [m, H_kv, k, D]
+            value[0][:, key_positions].transpose(0, 1),
+            mask.expand(query_positions.shape[0], 1, -1, -1),
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=False,
+        )  # [m, q, H, D]
+        output[query_positions.flatten()] = bucket_output.reshape(-1, heads, head_dim)
+    return output.unsqueeze(0)
+
+
 def packed_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -142,6 +260,8 @@ def packed_attention_forward(
             f"packed attention has no sliding-window variant (layer {getattr(module, 'layer_idx', '?')} "
             f"uses a window of {kwargs['sliding_window']}); set worker.actor.padding_free=false for this model"
         )
+    if isinstance(packed_sequences, SharedPrefixSequences):  # responses sharing their prompt
+        return shared_prefix_attention(module, query, key, value, packed_sequences, scaling, dropout), None
     if isinstance(packed_sequences, ShardedSequences):  # this rank's tokens of a sequence-parallel row
         from mmrl.parallel.ring_attention import sharded_attention
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.models.attention import PackedSequences, enable_packed_attention
+from mmrl.models.attention import PackedSequences, SharedPrefixSequences, enable_packed_attention
 from mmrl.parallel.sequence import (
     SequenceParallelGroups,
     ShardedSequences,
@@ -312,6 +312,118 @@ def build_packed_forward_inputs(
     }
 
 
+def _same_media(first: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
+    """Whether two rows' processor outputs are equal (the same object, or equal tensors and values)."""
+    if first is other:
+        return True
+    first, other = first or {}, other or {}
+    if first.keys() != other.keys():
+        return False
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor) or isinstance(other[key], torch.Tensor):
+            a, b = torch.as_tensor(value), torch.as_tensor(other[key])
+            if a.shape != b.shape or not torch.equal(a, b):
+                return False
+        elif value != other[key]:
+            return False
+    return True
+
+
+def prompt_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
+) -> list[int]:
+    """For each row, the first row with the same prompt: equal valid tokens and equal media."""
+    rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(prompt_ids)
+    candidates: dict[bytes, list[int]] = {}
+    first_of = []
+    for row in range(len(prompt_ids)):
+        tokens = prompt_ids[row, prompt_mask[row].bool()].cpu().numpy().tobytes()
+        same = candidates.setdefault(tokens, [])
+        match = next((first for first in same if _same_media(rows_media[first], rows_media[row])), None)
+        if match is None:
+            same.append(row)
+            match = row
+        first_of.append(match)
+    return first_of
+
+
+def build_shared_prefix_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """Keyword arguments for ``model(**inputs)`` on the rows packed with each distinct prompt once:
+    ``[prompt, its rows' responses, next prompt, ...]``, and where the outputs predicting the response
+    tokens are: ``(inputs, indices [K], response_valid [B, R])`` as :func:`packed_response_indices`.
+
+    With n responses per prompt (GRPO) a prompt's tokens, and its images, videos and audio, go through
+    the model once instead of n times; attention (:class:`~mmrl.models.attention.SharedPrefixSequences`)
+    lets each response see its prompt and itself, so every output equals the one of the row alone,
+    and gradients reach the shared prompt from all its responses. A response's first token is
+    predicted by the prompt's last token, whose output is gathered once per response.
+    """
+    enable_packed_attention(model)
+    device = input_ids.device
+    prompt_length = input_ids.shape[1] - response_length
+    valid = attention_mask.bool()
+    prompt_valid, response_valid = valid[:, :prompt_length], valid[:, prompt_length:]
+    if bool((response_valid & ~valid[:, prompt_length - 1 : -1]).any()) or not bool(
+        prompt_valid[:, -1].all()
+    ):
+        raise ValueError(
+            "shared-prefix packing expects left-padded prompts (attention_mask 1 on the last prompt column) "
+            "followed by right-padded responses"
+        )
+    if position_ids is None:
+        position_ids = sequence_position_ids(
+            model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids
+        )
+    positions = model_layout(position_ids)  # [3, B, L] or [B, L]
+    first_of = prompt_groups(input_ids[:, :prompt_length], prompt_valid, multi_modal_inputs)
+    members: dict[int, list[int]] = {}
+    for row, first in enumerate(first_of):
+        members.setdefault(first, []).append(row)
+
+    token_pieces, position_pieces, segments = [], [], []
+    predicting: dict[int, torch.Tensor] = {}  # row -> packed positions predicting its response tokens
+    cursor = 0
+    for first, rows in members.items():
+        prompt_tokens = input_ids[first, :prompt_length][prompt_valid[first]]
+        token_pieces.append(prompt_tokens)
+        position_pieces.append(positions[..., first, :prompt_length][..., prompt_valid[first]])
+        prompt_start, prompt_count = cursor, len(prompt_tokens)
+        segments.append((prompt_start, prompt_count, [(prompt_start, prompt_count)]))
+        cursor += prompt_count
+        for row in rows:
+            count = int(response_valid[row].sum())
+            if count == 0:
+                predicting[row] = torch.zeros(0, dtype=torch.long)
+                continue
+            token_pieces.append(input_ids[row, prompt_length:][:count])
+            position_pieces.append(positions[..., row, prompt_length : prompt_length + count])
+            segments.append((cursor, count, [(prompt_start, prompt_count), (cursor, count)]))
+            predicting[row] = torch.cat(
+                [torch.tensor([prompt_start + prompt_count - 1]), torch.arange(cursor, cursor + count - 1)]
+            )
+            cursor += count
+    media = concat_multi_modal_inputs(
+        [(multi_modal_inputs[first] or {}) for first in members] if multi_modal_inputs is not None else [],
+        device=device,
+    )
+    inputs = {
+        "input_ids": torch.cat(token_pieces).unsqueeze(0),  # [1, T]
+        "position_ids": torch.cat(position_pieces, dim=-1).unsqueeze(-2),  # [3, 1, T] or [1, T]
+        "packed_sequences": SharedPrefixSequences.from_segments(segments, device),
+        **{key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS},
+    }
+    indices = torch.cat([predicting[row] for row in range(len(input_ids))]).to(device)
+    return inputs, indices, response_valid
+
+
 def packed_response_indices(
     attention_mask: torch.Tensor, response_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,6 +500,7 @@ def response_token_outputs(
     padding_free: bool = False,
     sequence_parallel: SequenceParallelGroups | None = None,
     position_ids: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's outputs predicting the K valid response tokens only: ``(outputs [K, D],
     response_valid [B, R])``, in row-major order of ``response_valid`` (``attention_mask`` on the
@@ -397,6 +510,8 @@ def response_token_outputs(
     ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
     positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
     ``position_ids``: the rows' batch-first ids when known (the batch column), else computed here.
+    ``share_prompts`` (packed, without sequence parallelism): rows with the same prompt share one copy
+    of it (:func:`build_shared_prefix_inputs`).
     ``sequence_parallel`` (packed only): this rank runs the decoder on its share of the packed row
     (:mod:`mmrl.parallel.sequence`) and the K outputs are gathered from the SP group, the same on
     every SP rank.
@@ -413,11 +528,23 @@ def response_token_outputs(
             position_ids=position_ids,
         )
         return outputs[response_valid], response_valid
-    inputs = build_packed_forward_inputs(
-        model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
-    )
-    indices, response_valid = packed_response_indices(attention_mask, response_length)
-    if sequence_parallel is not None and sequence_parallel.size > 1:
+    sharded = sequence_parallel is not None and sequence_parallel.size > 1
+    if share_prompts and not sharded:
+        inputs, indices, response_valid = build_shared_prefix_inputs(
+            model,
+            input_ids,
+            attention_mask,
+            response_length,
+            multi_modal_inputs,
+            mm_token_type_ids,
+            position_ids,
+        )
+    else:
+        inputs = build_packed_forward_inputs(
+            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+        )
+        indices, response_valid = packed_response_indices(attention_mask, response_length)
+    if sharded:
         return _sequence_parallel_outputs(model, inputs, indices, sequence_parallel), response_valid
     if _accepts_logits_to_keep(model):
         return model(**inputs, use_cache=False, logits_to_keep=indices).logits[0], response_valid  # [K, D]

@@ -144,6 +144,7 @@ class ActorConfig:
     skip_old_log_prob_on_policy: bool = True
     entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
     padding_free: bool = True  # train on packed sequences without padding tokens
+    share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
@@ -175,6 +176,7 @@ class CriticConfig:
     loss_avg_mode: str = "token_mean"  # aggregation of the value loss
     ppo_epochs: int = 1  # passes over each rollout batch
     padding_free: bool = True  # train on packed sequences
+    share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring

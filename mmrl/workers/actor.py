@@ -5,7 +5,8 @@ Batch keys (see the engine contract): ``input_ids``/``attention_mask`` [B, P + R
 ``multi_modal_inputs``; the update also reads ``old_log_probs`` and ``advantages`` (and
 ``ref_log_probs`` with the KL loss), all [B, R].
 
-``padding_free`` runs every forward on packed rows (no padding token computed); micro-batches hold
+``padding_free`` runs every forward on packed rows (no padding token computed), with ``share_prompts``
+each distinct prompt of a micro-batch once, followed by its responses; micro-batches hold
 ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch`` as many rows as fit in that many
 packed tokens. Either way, log-probs and entropies are computed on the valid response tokens only
 ([K, vocab] logits, never [b, R, vocab]) and laid out as [b, R] with zeros on padding.
@@ -86,6 +87,7 @@ def micro_batch_token_outputs(
     micro_batch: DataProto,
     padding_free: bool,
     sequence_parallel: SequenceParallelGroups | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
     are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
@@ -101,6 +103,7 @@ def micro_batch_token_outputs(
         padding_free=padding_free,
         sequence_parallel=sequence_parallel,
         position_ids=batch["position_ids"] if "position_ids" in batch.keys() else None,
+        share_prompts=share_prompts,
     )
 
 
@@ -168,6 +171,7 @@ class PolicyActor:
         max_grad_norm: float = 1.0,
         max_response_length: int | None = None,
         padding_free: bool = True,
+        share_prompts: bool = True,
         max_tokens_per_micro_batch: int | None = None,
         sequence_parallel: SequenceParallelGroups | None = None,
     ):
@@ -193,6 +197,7 @@ class PolicyActor:
         self.max_grad_norm = max_grad_norm
         self.max_response_length = max_response_length
         self.padding_free = padding_free
+        self.share_prompts = share_prompts
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, padding_free, dp_group)
 
@@ -201,7 +206,7 @@ class PolicyActor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits / temperature`` at the valid response tokens [K, V], and ``response_valid`` [b, R]."""
         logits, response_valid = micro_batch_token_outputs(
-            self.module, micro_batch, self.padding_free, self.sequence_parallel
+            self.module, micro_batch, self.padding_free, self.sequence_parallel, self.share_prompts
         )
         return logits / temperature, response_valid
 

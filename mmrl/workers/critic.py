@@ -42,6 +42,7 @@ class ValueCritic:
         max_grad_norm: float = 1.0,
         max_response_length: int | None = None,
         padding_free: bool = True,
+        share_prompts: bool = True,
         max_tokens_per_micro_batch: int | None = None,
         sequence_parallel: SequenceParallelGroups | None = None,
     ):
@@ -54,12 +55,13 @@ class ValueCritic:
         self.max_grad_norm = max_grad_norm
         self.max_response_length = max_response_length
         self.padding_free = padding_free
+        self.share_prompts = share_prompts
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def _values(self, micro_batch: DataProto) -> torch.Tensor:
         """Values [b, R] float32; 0 on padding (only the valid response tokens are computed)."""
         values, response_valid = micro_batch_token_outputs(
-            self.module, micro_batch, self.padding_free, self.sequence_parallel
+            self.module, micro_batch, self.padding_free, self.sequence_parallel, self.share_prompts
         )
         return scatter_response_tokens(values[:, 0].float(), response_valid)
 

@@ -146,6 +146,7 @@ class HybridWorker:
             max_grad_norm=actor_cfg.max_grad_norm,
             max_response_length=config.data.max_response_length,
             padding_free=actor_cfg.padding_free,
+            share_prompts=actor_cfg.share_prompts,
             max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
             **sp_args,
         )
@@ -159,6 +160,7 @@ class HybridWorker:
                 ref_module,
                 device=self.device,
                 padding_free=actor_cfg.padding_free,
+                share_prompts=actor_cfg.share_prompts,
                 max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
                 **sp_args,
             )
@@ -346,6 +348,7 @@ class CriticWorker:
             device=self.device,
             max_grad_norm=critic_cfg.max_grad_norm,
             padding_free=critic_cfg.padding_free,
+            share_prompts=critic_cfg.share_prompts,
             max_tokens_per_micro_batch=critic_cfg.max_tokens_per_micro_batch,
             **sequence_parallel_args(self.sequence_parallel),
         )

@@ -149,6 +149,7 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
         dp_group=groups.dp_group,
         sequence_parallel=groups,
         padding_free=True,
+        share_prompts=False,  # SP packs whole rows; so does the one-rank reference, token for token
         **ACTOR_SETTINGS,
     )
     log_probs, entropies = actor.compute_log_probs(batch, 4, TEMPERATURE, with_entropy=True)

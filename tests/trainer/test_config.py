@@ -266,3 +266,28 @@ def test_cli_dry_run_prints_resolved_config(run_files, tmp_path):
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout) == yaml.safe_load(config_to_yaml(load_config(args)))
     assert textwrap.dedent(result.stdout).startswith("data:")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ((), False),  # 4 of 8 prompts per optimizer step: two steps per rollout
+        (("worker.actor.global_batch_size=8",), False),  # the KL reward penalty needs old log-probs first
+        (("worker.actor.global_batch_size=8", "algorithm.use_kl_loss=true"), True),
+        (("worker.actor.global_batch_size=8", "algorithm.disable_kl=true"), True),
+        (
+            ("worker.actor.global_batch_size=8", "algorithm.disable_kl=true", "worker.actor.ppo_epochs=2"),
+            False,
+        ),
+        (
+            (
+                "worker.actor.global_batch_size=8",
+                "algorithm.disable_kl=true",
+                "worker.actor.skip_old_log_prob_on_policy=false",
+            ),
+            False,
+        ),
+    ],
+)
+def test_old_log_probs_come_from_the_update_only_when_it_is_on_policy(run_files, extra, expected):
+    assert load_config(valid_args(run_files, *extra)).old_log_probs_from_update is expected

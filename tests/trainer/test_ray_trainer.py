@@ -323,8 +323,7 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
             "response_length/max",
             "prompt_length/mean",
             "timing_s/step",
-            "timing_s/gen",
-            "timing_s/old_log_prob",
+            "timing_s/gen",  # no timing_s/old_log_prob: on-policy, the update computes them
             "timing_s/ref_log_prob",
             "timing_s/update_actor",
             "throughput/tokens_per_s",
@@ -587,3 +586,41 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_da
     assert "worker.actor.micro_batch_size_per_device_for_update=3" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+@trainer_e2e
+def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
+    tiny_vl_path, shapes_data_dir, tmp_path
+):
+    """One optimizer step per rollout and the KL as a loss: the step skips the old-log-prob pass and the
+    update supplies those log-probs. The run's numbers equal a run with the separate pass (same seeds,
+    so the same rollouts): losses, gradient norms, entropies and the rollout/trainer log-prob gap."""
+    from _trainer_run import run_main, small_run_overrides
+
+    runs = {}
+    for skip in (True, False):
+        save_dir = tmp_path / f"skip_{skip}"
+        overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+            "algorithm.use_kl_loss=true",
+            "algorithm.kl_coef=0.1",
+            "worker.rollout.name=hf",
+            f"worker.actor.skip_old_log_prob_on_policy={str(skip).lower()}",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=-1",
+        ]
+        runs[skip] = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
+    assert len(runs[True]) == len(runs[False]) == 2
+    for skipped, separate in zip(runs[True], runs[False]):
+        assert "timing_s/old_log_prob" in separate and "timing_s/old_log_prob" not in skipped
+        for key in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "actor/entropy_rollout",
+            "rollout/log_prob_gap_mean",
+            "rollout/log_prob_gap_max",
+            "critic/score/mean",
+        ):
+            assert skipped[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
+        assert skipped["rollout/log_prob_gap_max"] < 1e-5

@@ -15,6 +15,7 @@ from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_ba
 
 from mmrl.models.inputs import (
     build_packed_forward_inputs,
+    concat_multi_modal_inputs,
     model_layout,
     packed_position_ids,
     response_head_outputs,
@@ -497,3 +498,84 @@ def test_on_policy_update_needs_one_optimizer_step(tiny_vl_path, mixed_training_
         actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE)
     with pytest.raises(ValueError, match="5 rows for mini-batches of 2"):
         actor.update_policy(batch, 2, 2, 1, TEMPERATURE)
+
+
+# ---------------------------------------------------------------- a prompt once for its n responses
+
+
+def _shared_outputs(model, batch: DataProto, share_prompts: bool):
+    """Log-probs [K] of the valid response tokens and the gradients of their sum, packed with or without
+    shared prompts."""
+    from mmrl.models.inputs import response_token_outputs
+
+    tensors = batch.batch
+    model.zero_grad(set_to_none=True)
+    logits, response_valid = response_token_outputs(
+        model,
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        tensors["responses"].shape[1],
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
+        padding_free=True,
+        share_prompts=share_prompts,
+    )
+    log_probs = log_probs_from_logits(logits / TEMPERATURE, tensors["responses"][response_valid])
+    log_probs.sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
+def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, tiny_vl_path, tiny_omni_path):
+    """Rows repeating a prompt (two responses each) packed with the prompt once: the same log-probs and
+    gradients as packing every row whole, with each prompt's tokens and media computed once."""
+    from mmrl.models.inputs import build_shared_prefix_inputs, prompt_groups
+
+    batch = _with_repeated_prompts(batches[kind])
+    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    whole, whole_grads = _shared_outputs(model, batch, share_prompts=False)
+    shared, shared_grads = _shared_outputs(model, batch, share_prompts=True)
+    torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
+    assert shared_grads.keys() == whole_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+    tensors = batch.batch
+    response_width = tensors["responses"].shape[1]
+    inputs, _, _ = build_shared_prefix_inputs(
+        model,
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        response_width,
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
+    )
+    prompt_mask = tensors["attention_mask"][:, :-response_width]
+    firsts = prompt_groups(
+        tensors["prompts"], prompt_mask, list(batch.non_tensor_batch["multi_modal_inputs"])
+    )
+    distinct = sorted(set(firsts))
+    # every row's copy joins it; in the mixed batch the two text-only rows ask the same question too
+    assert distinct == ([0, 2, 4, 8] if kind == "mixed" else list(range(0, len(batch), 2)))
+    prompt_tokens = prompt_mask[distinct].sum()  # each distinct prompt once
+    assert inputs["input_ids"].shape[1] == prompt_tokens + tensors["response_mask"].sum()
+    original = concat_multi_modal_inputs(list(batches[kind].non_tensor_batch["multi_modal_inputs"]))
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):  # each medium once
+        if key in original:
+            assert torch.equal(inputs[key], original[key]), key
+
+
+def test_prompts_with_equal_tokens_but_other_images_are_not_shared(vl_processor):
+    from mmrl.models.inputs import prompt_groups
+
+    batch = build_batch(vl_processor, ({"image": (56, 56)},) * 3, (2, 2, 2), seed=0)
+    prompts, mask = (
+        batch.batch["prompts"],
+        batch.batch["attention_mask"][:, : batch.batch["prompts"].shape[1]],
+    )
+    assert torch.equal(prompts[0], prompts[1])  # same text, same image size: same token ids
+    media = list(batch.non_tensor_batch["multi_modal_inputs"])
+    assert prompt_groups(prompts, mask, media) == [0, 1, 2]  # different pixels
+    same_image = [media[0], dict(media[0]), media[2]]  # an equal copy counts as the same prompt
+    assert prompt_groups(prompts, mask, same_image) == [0, 0, 2]
