@@ -7,8 +7,8 @@ and padded against packed training on mixed lengths.
 
 Each point is one fresh process (``--point``) that builds mmrl's training worker (``HybridWorker``:
 FSDP2 actor on a one-rank gloo group + transformers rollout, from the same config keys as the trainer,
-see ``bench/harness.py``) and runs the worker side of a step in-process: generate → old log-probs →
-reward (``reward_functions/shapes.py``) → GRPO advantages → update (+ weight push into the rollout),
+see ``bench/harness.py``) and runs the worker side of a step in-process: generate → old log-probs
+(unless the update is on-policy) → reward (``reward_functions/shapes.py``) → GRPO advantages → update (+ weight push into the rollout),
 one warm-up step then ``--repeats`` timed ones (median). No Ray: its transport and process start-up
 are what ``bench/vs_trl.py`` measures; here the curve's shape is the point. Model: a random tiny
 Qwen2.5-VL of ``--size``; prompts: the colour task's images; responses of exactly the length asked.

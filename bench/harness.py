@@ -314,6 +314,8 @@ def mmrl_command(job: JobSettings, backend: str, out_dir: Path) -> tuple[list[st
         "worker.actor.micro_batch_size_per_device_for_experience": job.micro_batch,
         "worker.actor.model.model_path": job.model,
         "worker.actor.model.enable_gradient_checkpointing": "false",
+        # one rank holds whole parameters anyway: keep them gathered from forward to backward
+        "worker.actor.fsdp.enable_full_shard": "false",
         "worker.actor.optim.lr": job.lr,
         "worker.actor.optim.weight_decay": 0.0,
         "worker.rollout.name": backend,

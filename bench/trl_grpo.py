@@ -19,10 +19,13 @@ mirror an mmrl config key by key:
 | token-mean loss | ``loss_type="dapo"`` | ``loss_avg_mode=token_mean`` |
 | AdamW, constant lr, no weight decay, clip 1.0 | ``optim="adamw_torch"`` (mmrl's non-fused AdamW on CPU) | ``worker.actor.optim`` |
 
-Both suppress the same multimodal placeholder tokens while sampling (a sampled image token breaks the
+TRL runs without FSDP in one process; mmrl's one FSDP2 rank keeps its (whole) parameters gathered
+from forward to backward (``worker.actor.fsdp.enable_full_shard=false``). Both suppress the same
+multimodal placeholder tokens while sampling (a sampled image token breaks the
 re-scoring forward), train in fp32 without gradient checkpointing, and score with
-``reward_functions/shapes.py``. With ``updates_per_rollout=1`` TRL needs no old-log-prob pass
-(its ratio is taken against the detached current log-probs); mmrl always runs one.
+``reward_functions/shapes.py``. With ``updates_per_rollout=1`` neither runs an old-log-prob pass
+(both take the ratio against the detached current log-probs; mmrl's
+``worker.actor.skip_old_log_prob_on_policy``).
 
 Log lines (``--log``), counted in rollouts like mmrl's steps: one per rollout ``{"step", "step_s",
 "gen_s", "prompt_tokens", "response_tokens"}``, ``step_s`` summed from the trainer's ``on_step_begin``

@@ -10,8 +10,8 @@ one after the other: mmrl with the transformers rollout, TRL, mmrl with the vLLM
 job does the same work per step: one rollout of ``--prompts`` image prompts × ``--n`` responses of
 exactly ``--response_length`` tokens (mmrl ``ignore_eos``, TRL ``min_new_tokens``), rewards from
 ``reward_functions/shapes.py``, GRPO advantages, and one optimizer step (AdamW, constant lr, no KL,
-micro-batches of ``--micro_batch`` responses, fp32, no gradient checkpointing); mmrl also runs its
-old-log-prob pass, which TRL skips when each rollout feeds one optimizer step.
+micro-batches of ``--micro_batch`` responses, fp32, no gradient checkpointing); with one optimizer
+step per rollout neither runs a separate old-log-prob pass.
 ``bench/trl_grpo.py`` lists the settings key by key.
 
 - mmrl runs the real trainer (``python -m mmrl.trainer.main``, Ray driver + one FSDP2 worker process +

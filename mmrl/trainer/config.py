@@ -111,7 +111,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    enable_full_shard: bool = True  # shard parameters (ZeRO-3); false = replicate (DDP-like)
+    enable_full_shard: bool = (
+        True  # free gathered parameters after forward (ZeRO-3); false = keep them for backward (ZeRO-2)
+    )
     enable_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters live on CPU
     torch_dtype: str = "auto"  # dtype of the stored weights: auto (fp32) | fp32 | bf16
     mp_param_dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32

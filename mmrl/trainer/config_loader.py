@@ -479,6 +479,11 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
         _choice(
             errors, f"worker.actor.fsdp.{key}", getattr(cfg.worker.actor.fsdp, key), ("auto", "fp32", "bf16")
         )
+    for role in ("actor", "critic"):
+        role_cfg = getattr(cfg.worker, role)
+        _choice(errors, f"worker.{role}.optim.strategy", role_cfg.optim.strategy, ("adamw",))
+        for key in ("mp_reduce_dtype", "mp_buffer_dtype"):
+            _choice(errors, f"worker.{role}.fsdp.{key}", getattr(role_cfg.fsdp, key), ("fp32", "bf16"))
     _choice(errors, "worker.rollout.dtype", cfg.worker.rollout.dtype, ("auto", "fp32", "bf16"))
     if check_paths:
         _check_paths(errors, cfg)

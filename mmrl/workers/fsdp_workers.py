@@ -74,6 +74,11 @@ def build_fsdp_model(
         freeze_vision_tower(module)
     if trainable and model_config.enable_gradient_checkpointing:
         enable_gradient_checkpointing(module)
+    buffer_dtype = resolve_dtype(fsdp.mp_buffer_dtype, device)  # FSDP2's policy leaves buffers alone
+    for buffer_owner in module.modules():
+        for name, buffer in buffer_owner.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point():
+                setattr(buffer_owner, name, buffer.to(buffer_dtype))
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     return apply_fsdp2(
         module,
@@ -81,6 +86,7 @@ def build_fsdp_model(
         param_dtype=resolve_dtype(fsdp.mp_param_dtype, device),
         reduce_dtype=resolve_dtype(fsdp.mp_reduce_dtype, device),
         cpu_offload=fsdp.enable_cpu_offload,
+        reshard_after_forward=fsdp.enable_full_shard,
     )
 
 
@@ -197,6 +203,7 @@ class HybridWorker:
                 # weights are pushed after every update anyway: nothing is gained by keeping a host copy
                 sleep_level=2,
                 limit_images=rollout_cfg.limit_images,
+                show_progress=not rollout_cfg.disable_tqdm,
                 trust_remote_code=model_cfg.trust_remote_code,
                 override_config=dict(model_cfg.override_config),
             )

@@ -168,6 +168,8 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             ["algorithm.adv_estimator=gae", "worker.critic.ring_size=4"],
             "worker.critic.ulysses_size × worker.critic.ring_size = 4 must divide",
         ),
+        (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
+        (["worker.critic.fsdp.mp_buffer_dtype=fp16"], "worker.critic.fsdp.mp_buffer_dtype='fp16' is not one"),
     ],
 )
 def test_cross_field_rules(run_files, args, expected):

@@ -143,12 +143,21 @@ def test_update_weights_changes_the_policy(vl_parts, prompts):
 # ---------------------------------------------------------------- the decode loop
 
 
-def test_greedy_responses_equal_transformers_generate(vl_parts, prompts):
+@pytest.mark.parametrize("padded", [True, False])
+def test_greedy_responses_equal_transformers_generate(vl_parts, prompts, padded):
     """The decode loop (prompt encoded once for its n rows, positions advanced by hand) picks the same
-    tokens as transformers' ``generate`` on every expanded row, and stops each row at its EOS."""
+    tokens as transformers' ``generate`` on every expanded row, and stops each row at its EOS; with
+    left-padded prompts (a mask every step) and without padding (no mask)."""
     from transformers import GenerationConfig
 
     rollout = make_rollout(vl_parts)
+    assert bool((prompts.batch["attention_mask"] == 0).any()) is False  # equal-length prompts
+    if padded:  # two more left-padding columns, as a batch with a longer prompt would have
+        tensors = dict(prompts.batch.items())
+        pad_values = {"input_ids": rollout.pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0}
+        for key, value in pad_values.items():
+            tensors[key] = torch.nn.functional.pad(tensors[key], (2, 0), value=value)
+        prompts = DataProto.from_dict(tensors=tensors, non_tensors=dict(prompts.non_tensor_batch))
     greedy = SamplingParams(n=2, temperature=0.0, max_tokens=12)
     batch = rollout.generate(prompts, greedy)
     expanded = prompts.repeat(2, interleave=True)

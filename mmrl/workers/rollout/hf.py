@@ -182,13 +182,14 @@ class HFRollout:
         log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, log_probs
 
-    @torch.no_grad()
+    @torch.inference_mode()  # its outputs are joined by generate() outside it, into normal tensors
     def _generate_micro_batch(
         self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``len(prompts) * n`` responses [B, r <= max_tokens] (rows of a prompt together) and their
         log-probs (or None)."""
         logits, cache, attention_mask, next_position = self._prefill(prompts, sampling.n)
+        padded = not bool(attention_mask.all())  # without padding, decoding needs no mask at all
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         tokens, log_probs = [], []
@@ -202,11 +203,12 @@ class HFRollout:
                 finished |= torch.isin(token, eos)
             if step == sampling.max_tokens - 1 or bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=-1)
+            if padded:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=-1)
             position = (next_position + step).unsqueeze(-1)  # [A, B, 1]
             logits = self.model(
                 input_ids=token.unsqueeze(-1),
-                attention_mask=attention_mask,
+                attention_mask=attention_mask if padded else None,
                 position_ids=position if len(position) == 3 else position[0],
                 past_key_values=cache,
                 use_cache=True,

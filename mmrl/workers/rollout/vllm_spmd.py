@@ -188,6 +188,7 @@ class VLLMRollout:
         enable_sleep_mode: bool = False,
         sleep_level: int = 1,
         limit_images: int = 0,
+        show_progress: bool = False,
         trust_remote_code: bool = False,
         override_config: dict[str, Any] | None = None,
     ):
@@ -196,6 +197,7 @@ class VLLMRollout:
 
         if sleep_level not in (1, 2):
             raise ValueError(f"VLLMRollout: sleep_level must be 1 or 2, got {sleep_level}")
+        self.show_progress = show_progress  # the engine's progress bar per generate call
         os.environ.setdefault("LOCAL_RANK", "0")  # the external launcher reads it
         on_gpu = torch.cuda.is_available()
         self.tokenizer = tokenizer
@@ -370,7 +372,7 @@ class VLLMRollout:
         inputs, seeds, start = self._gather_tp_requests(inputs, sampling)
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
         with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
-            outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=False)
+            outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
         self.sleep()
         responses, log_probs = completion_tensors(
             outputs[start : start + len(prompts) * copies],
