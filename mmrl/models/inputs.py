@@ -187,15 +187,39 @@ def model_layout(position_ids: torch.Tensor) -> torch.Tensor:
     return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
 
 
-def _position_key(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, media: dict[str, Any] | None
-) -> tuple[bytes, ...]:
-    """What a prompt's position ids depend on: its valid tokens and its media grids / lengths / flags."""
-    media = media or {}
-    values = [torch.as_tensor(media[key]) for key in POSITION_KEYS if key in media]
-    return (input_ids[attention_mask.bool()].cpu().numpy().tobytes(),) + tuple(
-        value.cpu().numpy().tobytes() for value in values
-    )
+def _same_media(first: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
+    """Whether two rows' processor outputs are equal (the same object, or equal tensors and values)."""
+    if first is other:
+        return True
+    first, other = first or {}, other or {}
+    if first.keys() != other.keys():
+        return False
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor) or isinstance(other[key], torch.Tensor):
+            a, b = torch.as_tensor(value), torch.as_tensor(other[key])
+            if a.shape != b.shape or not torch.equal(a, b):
+                return False
+        elif value != other[key]:
+            return False
+    return True
+
+
+def prompt_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
+) -> list[int]:
+    """For each row, the first row with the same prompt: equal valid tokens and equal media."""
+    rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(prompt_ids)
+    candidates: dict[bytes, list[int]] = {}
+    first_of = []
+    for row in range(len(prompt_ids)):
+        tokens = prompt_ids[row, prompt_mask[row].bool()].cpu().numpy().tobytes()
+        same = candidates.setdefault(tokens, [])
+        match = next((first for first in same if _same_media(rows_media[first], rows_media[row])), None)
+        if match is None:
+            same.append(row)
+            match = row
+        first_of.append(match)
+    return first_of
 
 
 def sequence_position_ids(
@@ -210,19 +234,15 @@ def sequence_position_ids(
     ``[B, 3, L]`` (M-RoPE) or ``[B, L]``, computed once per step and kept as the batch column
     ``position_ids`` so that no training pass calls ``get_rope_index`` again.
 
-    The model's ``get_rope_index`` numbers each distinct prompt once (the n responses of a prompt
-    share it: same tokens, same media grids); a response is text, which every Qwen RoPE variant
+    The model's ``get_rope_index`` numbers each distinct prompt once (:func:`prompt_groups`: the n
+    responses of a prompt share it); a response is text, which every Qwen RoPE variant
     numbers on from the prompt's largest id + 1, one per token, on all axes. Equal to numbering each
     whole row with ``get_rope_index`` (tests check it per media kind).
     """
     prompt_length = input_ids.shape[1] - response_length
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
     rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(input_ids)
-    group_of_key: dict[tuple[bytes, ...], int] = {}
-    group_of_row = [
-        group_of_key.setdefault(_position_key(prompt_ids[row], prompt_mask[row], rows_media[row]), row)
-        for row in range(len(input_ids))
-    ]
+    group_of_row = prompt_groups(prompt_ids, prompt_mask, multi_modal_inputs)
     firsts = sorted(set(group_of_row))
     prompt_media = concat_multi_modal_inputs(
         [{k: v for k, v in (rows_media[row] or {}).items() if k in POSITION_KEYS} for row in firsts],
@@ -310,41 +330,6 @@ def build_packed_forward_inputs(
         "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
         **forward_media,
     }
-
-
-def _same_media(first: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
-    """Whether two rows' processor outputs are equal (the same object, or equal tensors and values)."""
-    if first is other:
-        return True
-    first, other = first or {}, other or {}
-    if first.keys() != other.keys():
-        return False
-    for key, value in first.items():
-        if isinstance(value, torch.Tensor) or isinstance(other[key], torch.Tensor):
-            a, b = torch.as_tensor(value), torch.as_tensor(other[key])
-            if a.shape != b.shape or not torch.equal(a, b):
-                return False
-        elif value != other[key]:
-            return False
-    return True
-
-
-def prompt_groups(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
-) -> list[int]:
-    """For each row, the first row with the same prompt: equal valid tokens and equal media."""
-    rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(prompt_ids)
-    candidates: dict[bytes, list[int]] = {}
-    first_of = []
-    for row in range(len(prompt_ids)):
-        tokens = prompt_ids[row, prompt_mask[row].bool()].cpu().numpy().tobytes()
-        same = candidates.setdefault(tokens, [])
-        match = next((first for first in same if _same_media(rows_media[first], rows_media[row])), None)
-        if match is None:
-            same.append(row)
-            match = row
-        first_of.append(match)
-    return first_of
 
 
 def build_shared_prefix_inputs(

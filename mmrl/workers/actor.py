@@ -65,20 +65,25 @@ def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataPr
     return data.select(batch_keys=batch_keys, non_tensor_keys=media, meta_info_keys=[])
 
 
-def add_position_ids(module: nn.Module, data: DataProto) -> DataProto:
-    """``data`` (a rollout batch) with its ``position_ids`` column, numbered once per distinct prompt by
-    :func:`mmrl.models.inputs.sequence_position_ids`; every later pass reads them instead of running
-    ``get_rope_index`` per row."""
+def forward_arguments(data: DataProto) -> tuple:
+    """``(input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids)`` of a
+    batch: the leading arguments of the forward helpers of :mod:`mmrl.models.inputs`."""
     batch = data.batch
     media = data.non_tensor_batch.get(MEDIA_COLUMN)
-    data.batch["position_ids"] = sequence_position_ids(
-        module,
+    return (
         batch["input_ids"],
         batch["attention_mask"],
         batch["responses"].shape[-1],
         None if media is None else list(media),
         batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
     )
+
+
+def add_position_ids(module: nn.Module, data: DataProto) -> DataProto:
+    """``data`` (a rollout batch) with its ``position_ids`` column, numbered once per distinct prompt by
+    :func:`mmrl.models.inputs.sequence_position_ids`; every later pass reads them instead of running
+    ``get_rope_index`` per row."""
+    data.batch["position_ids"] = sequence_position_ids(module, *forward_arguments(data))
     return data
 
 
@@ -92,14 +97,9 @@ def micro_batch_token_outputs(
     """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
     are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
     batch = micro_batch.batch
-    media = micro_batch.non_tensor_batch.get(MEDIA_COLUMN)
     return response_token_outputs(
         module,
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["responses"].shape[-1],
-        None if media is None else list(media),
-        batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
+        *forward_arguments(micro_batch),
         padding_free=padding_free,
         sequence_parallel=sequence_parallel,
         position_ids=batch["position_ids"] if "position_ids" in batch.keys() else None,

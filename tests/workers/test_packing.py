@@ -31,7 +31,7 @@ from mmrl.parallel.packing import (
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import log_probs_from_logits
-from mmrl.workers.actor import PolicyActor
+from mmrl.workers.actor import PolicyActor, forward_arguments
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
 from mmrl.workers.weight_sync import iter_full_state_dict
@@ -81,16 +81,7 @@ def _model_path(kind: str, tiny_vl_path, tiny_omni_path):
 
 
 def _head_outputs(model, batch: DataProto, padding_free: bool) -> torch.Tensor:
-    tensors = batch.batch
-    return response_head_outputs(
-        model,
-        tensors["input_ids"],
-        tensors["attention_mask"],
-        tensors["responses"].shape[1],
-        list(batch.non_tensor_batch["multi_modal_inputs"]),
-        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
-        padding_free=padding_free,
-    )
+    return response_head_outputs(model, *forward_arguments(batch), padding_free=padding_free)
 
 
 def _log_probs_and_grads(model, batch: DataProto, padding_free: bool):
@@ -433,14 +424,7 @@ def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
     with torch.no_grad():
         own = _head_outputs(model, batch, padding_free=True)
         from_column = response_head_outputs(
-            model,
-            tensors["input_ids"],
-            tensors["attention_mask"],
-            tensors["responses"].shape[1],
-            list(batch.non_tensor_batch["multi_modal_inputs"]),
-            tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
-            padding_free=True,
-            position_ids=column,
+            model, *forward_arguments(batch), padding_free=True, position_ids=column
         )
     response_valid = tensors["response_mask"].bool()
     torch.testing.assert_close(from_column[response_valid], own[response_valid], atol=0, rtol=0)
@@ -511,14 +495,7 @@ def _shared_outputs(model, batch: DataProto, share_prompts: bool):
     tensors = batch.batch
     model.zero_grad(set_to_none=True)
     logits, response_valid = response_token_outputs(
-        model,
-        tensors["input_ids"],
-        tensors["attention_mask"],
-        tensors["responses"].shape[1],
-        list(batch.non_tensor_batch["multi_modal_inputs"]),
-        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
-        padding_free=True,
-        share_prompts=share_prompts,
+        model, *forward_arguments(batch), padding_free=True, share_prompts=share_prompts
     )
     log_probs = log_probs_from_logits(logits / TEMPERATURE, tensors["responses"][response_valid])
     log_probs.sum().backward()
@@ -543,14 +520,7 @@ def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, tiny_vl
 
     tensors = batch.batch
     response_width = tensors["responses"].shape[1]
-    inputs, _, _ = build_shared_prefix_inputs(
-        model,
-        tensors["input_ids"],
-        tensors["attention_mask"],
-        response_width,
-        list(batch.non_tensor_batch["multi_modal_inputs"]),
-        tensors["mm_token_type_ids"] if "mm_token_type_ids" in tensors.keys() else None,
-    )
+    inputs, _, _ = build_shared_prefix_inputs(model, *forward_arguments(batch))
     prompt_mask = tensors["attention_mask"][:, :-response_width]
     firsts = prompt_groups(
         tensors["prompts"], prompt_mask, list(batch.non_tensor_batch["multi_modal_inputs"])
