@@ -10,8 +10,8 @@ no KL); ``--prompts 16 --response_length 4 --free_length --updates_per_rollout 4
 --warm`` is the work of ``bench/time_to_accuracy.py``. In this process, so a profiler sees all of it:
 
 - ``mmrl``: the training worker (``HybridWorker``: FSDP2 actor on a one-rank gloo group + transformers
-  rollout) driven step by step as in ``bench/cost_curves.py`` (generate → old log-probs → reward →
-  advantages → update + weight push); Ray's transport is not in it (compare ``timing_s/step`` of a
+  rollout) driven step by step as in ``bench/cost_curves.py`` (generate → old log-probs unless the
+  update is on-policy → reward → advantages → update + weight push); Ray's transport is not in it (compare ``timing_s/step`` of a
   ``bench/vs_trl.py`` run with the in-process step time printed here to see Ray's share);
 - ``trl``: ``GRPOTrainer.train`` as ``bench/trl_grpo.py`` builds it.
 
