@@ -138,6 +138,33 @@ def _can_use_flash_attn(query: torch.Tensor) -> bool:
     )
 
 
+def _flash_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_seqlens: tuple[int, int],
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """flash-attn's varlen kernel, causal (bottom-right aligned when a segment has more keys than
+    queries), on ``query`` [H, T, D] and ``key``/``value`` [H_kv, T_k, D] (it handles H_kv < H itself);
+    ``cu_seqlens``/``max_seqlens`` for (queries, keys). Returns ``[1, T, H, D]``."""
+    output = _flash_attn_varlen_func()(
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        cu_seqlens_q=cu_seqlens[0],
+        cu_seqlens_k=cu_seqlens[1],
+        max_seqlen_q=max_seqlens[0],
+        max_seqlen_k=max_seqlens[1],
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+    )
+    return output.unsqueeze(0)
+
+
 def varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -153,20 +180,8 @@ def varlen_attention(
     returns ``[1, T, H, D]`` (transformers' attention-output layout).
     """
     if _can_use_flash_attn(query):
-        # flash-attn layout: [T, heads, D]; it handles H_kv < H itself.
-        output = _flash_attn_varlen_func()(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu_seqlens_q=packed.cu_seqlens,
-            cu_seqlens_k=packed.cu_seqlens,
-            max_seqlen_q=packed.max_seqlen,
-            max_seqlen_k=packed.max_seqlen,
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=True,
-        )
-        return output.unsqueeze(0)  # [1, T, H, D]
+        cu, longest = packed.cu_seqlens, packed.max_seqlen
+        return _flash_varlen(query[0], key[0], value[0], (cu, cu), (longest, longest), scaling, dropout)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     outputs = [
@@ -203,19 +218,15 @@ def shared_prefix_attention(
     one call per bucket of equally shaped segments, with an explicit bottom-right causal mask.
     """
     if _can_use_flash_attn(query):
-        output = _flash_attn_varlen_func()(
-            query[0].transpose(0, 1),
-            key[0, :, sequences.kv_index].transpose(0, 1),
-            value[0, :, sequences.kv_index].transpose(0, 1),
-            cu_seqlens_q=sequences.cu_seqlens_q,
-            cu_seqlens_k=sequences.cu_seqlens_k,
-            max_seqlen_q=sequences.max_seqlen_q,
-            max_seqlen_k=sequences.max_seqlen_k,
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=True,
+        return _flash_varlen(
+            query[0],
+            key[0, :, sequences.kv_index],
+            value[0, :, sequences.kv_index],
+            (sequences.cu_seqlens_q, sequences.cu_seqlens_k),
+            (sequences.max_seqlen_q, sequences.max_seqlen_k),
+            scaling,
+            dropout,
         )
-        return output.unsqueeze(0)  # [1, T, H, D]
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]

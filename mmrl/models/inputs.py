@@ -73,6 +73,11 @@ def concat_multi_modal_inputs(
     return joined
 
 
+def forward_media(media: dict[str, Any]) -> dict[str, Any]:
+    """The joined media a forward takes: without the keys only position ids need."""
+    return {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
+
+
 def _pad_trailing_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Zero-pad every dim after the first to the largest size among ``tensors``."""
     max_shape = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors))]
@@ -172,12 +177,11 @@ def build_forward_inputs(
         position_ids = compute_position_ids(model, input_ids, attention_mask, media, mm_token_type_ids)
     else:
         position_ids = model_layout(position_ids)
-    forward_media = {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
-        **forward_media,
+        **forward_media(media),
     }
 
 
@@ -185,6 +189,13 @@ def model_layout(position_ids: torch.Tensor) -> torch.Tensor:
     """Batch-first ``[B, 3, L]`` / ``[B, L]`` (a batch column) → what the model takes (``[3, B, L]``
     for M-RoPE); the same swap turns the model's layout back into the column's."""
     return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
+
+
+def next_text_position(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The id of the first text token after each prompt: its largest valid position id + 1 over all
+    rotary axes, ``[G]``, from the prompts' ids (``[3, G, P]`` or ``[G, P]``) and ``attention_mask`` [G, P]."""
+    per_axis = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)  # [A, G, P]
+    return per_axis.masked_fill(~attention_mask.bool().unsqueeze(0), -1).amax(dim=(0, 2)) + 1
 
 
 def _same_media(first: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
@@ -257,9 +268,9 @@ def sequence_position_ids(
     )  # [3, G, P] or [G, P]
     mrope = prompt_positions.dim() == 3
     per_axis = prompt_positions if mrope else prompt_positions.unsqueeze(0)  # [A, G, P]
-    valid_max = per_axis.masked_fill(~prompt_mask[firsts].bool().unsqueeze(0), -1).amax(dim=(0, 2))  # [G]
-    offsets = torch.arange(1, response_length + 1, device=input_ids.device)
-    response_positions = (valid_max.unsqueeze(-1) + offsets).expand(per_axis.shape[0], -1, -1)  # [A, G, R]
+    start = next_text_position(prompt_positions, prompt_mask[firsts])  # [G]
+    offsets = torch.arange(response_length, device=input_ids.device)
+    response_positions = (start.unsqueeze(-1) + offsets).expand(per_axis.shape[0], -1, -1)  # [A, G, R]
     group_index = torch.tensor([firsts.index(first) for first in group_of_row], device=input_ids.device)
     positions = torch.cat([per_axis, response_positions], dim=-1)[:, group_index]  # [A, B, L]
     return model_layout(positions) if mrope else positions[0]
@@ -317,7 +328,6 @@ def build_packed_forward_inputs(
     enable_packed_attention(model)
     valid = attention_mask.bool()  # [B, L]
     media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
-    forward_media = {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
     if position_ids is None:
         packed_positions = packed_position_ids(
             model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
@@ -328,7 +338,7 @@ def build_packed_forward_inputs(
         "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
         "position_ids": packed_positions,
         "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
-        **forward_media,
+        **forward_media(media),
     }
 
 
@@ -356,13 +366,7 @@ def build_shared_prefix_inputs(
     prompt_length = input_ids.shape[1] - response_length
     valid = attention_mask.bool()
     prompt_valid, response_valid = valid[:, :prompt_length], valid[:, prompt_length:]
-    if bool((response_valid & ~valid[:, prompt_length - 1 : -1]).any()) or not bool(
-        prompt_valid[:, -1].all()
-    ):
-        raise ValueError(
-            "shared-prefix packing expects left-padded prompts (attention_mask 1 on the last prompt column) "
-            "followed by right-padded responses"
-        )
+    check_rollout_layout(valid, prompt_length)
     if position_ids is None:
         position_ids = sequence_position_ids(
             model, input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids
@@ -403,10 +407,22 @@ def build_shared_prefix_inputs(
         "input_ids": torch.cat(token_pieces).unsqueeze(0),  # [1, T]
         "position_ids": torch.cat(position_pieces, dim=-1).unsqueeze(-2),  # [3, 1, T] or [1, T]
         "packed_sequences": SharedPrefixSequences.from_segments(segments, device),
-        **{key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS},
+        **forward_media(media),
     }
     indices = torch.cat([predicting[row] for row in range(len(input_ids))]).to(device)
     return inputs, indices, response_valid
+
+
+def check_rollout_layout(valid: torch.Tensor, prompt_length: int) -> None:
+    """Every valid response token follows a valid token: left-padded prompts, right-padded responses
+    (so the output at position t predicts token t + 1 within a sequence)."""
+    bad = valid[:, prompt_length:] & ~valid[:, prompt_length - 1 : -1]  # [B, R]
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(-1)).flatten().tolist()
+        raise ValueError(
+            f"rows {rows}: a valid response token follows a padding token; expected left-padded prompts "
+            "followed by right-padded responses (attention_mask 1 on the last prompt column)"
+        )
 
 
 def packed_response_indices(
@@ -423,13 +439,7 @@ def packed_response_indices(
     prompt_length = valid.shape[1] - response_length
     packed_index = valid.flatten().cumsum(0).view_as(valid) - 1  # [B, L]: each valid token's place in the row
     response_valid = valid[:, prompt_length:]  # [B, R]
-    predicting = valid[:, prompt_length - 1 : -1]  # [B, R]: the tokens whose outputs are kept
-    if bool((response_valid & ~predicting).any()):
-        rows = torch.nonzero((response_valid & ~predicting).any(-1)).flatten().tolist()
-        raise ValueError(
-            f"rows {rows}: a valid response token follows a padding token; expected left-padded prompts "
-            "followed by right-padded responses (attention_mask 1 on the last prompt column)"
-        )
+    check_rollout_layout(valid, prompt_length)
     return packed_index[:, prompt_length - 1 : -1][response_valid], response_valid
 
 

@@ -549,3 +549,39 @@ def test_prompts_with_equal_tokens_but_other_images_are_not_shared(vl_processor)
     assert prompt_groups(prompts, mask, media) == [0, 1, 2]  # different pixels
     same_image = [media[0], dict(media[0]), media[2]]  # an equal copy counts as the same prompt
     assert prompt_groups(prompts, mask, same_image) == [0, 0, 2]
+
+
+def _reference_flash_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal
+):
+    """flash-attn's documented varlen semantics in plain torch ([T, H, D] layout, GQA, causal aligned to
+    the bottom-right of each segment), standing in for the CUDA kernel this machine lacks."""
+    from mmrl.models.attention import bottom_right_causal_mask
+
+    assert causal and dropout_p == 0.0
+    outputs = []
+    for index in range(len(cu_seqlens_q) - 1):
+        qs = q[cu_seqlens_q[index] : cu_seqlens_q[index + 1]].transpose(0, 1)  # [H, q, D]
+        ks = k[cu_seqlens_k[index] : cu_seqlens_k[index + 1]].transpose(0, 1)
+        vs = v[cu_seqlens_k[index] : cu_seqlens_k[index + 1]].transpose(0, 1)
+        repeat = qs.shape[0] // ks.shape[0]
+        ks, vs = ks.repeat_interleave(repeat, 0), vs.repeat_interleave(repeat, 0)
+        mask = bottom_right_causal_mask(qs.shape[1], ks.shape[1], qs.device)
+        scores = (qs @ ks.transpose(-1, -2)) * softmax_scale
+        outputs.append((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def test_flash_attn_arguments_of_packed_and_shared_prefix_rows(monkeypatch, batches, tiny_vl_path):
+    """The flash-attn branch (CUDA only) gets the right gathered keys and boundaries: with a torch
+    stand-in of ``flash_attn_varlen_func`` it computes what the sdpa branch computes, for whole packed
+    rows and for rows sharing their prompt."""
+    from mmrl.models import attention
+
+    batch = _with_repeated_prompts(batches["image"])
+    model = load_model(str(tiny_vl_path))
+    expected = {share: _shared_outputs(model, batch, share)[0] for share in (False, True)}
+    monkeypatch.setattr(attention, "_can_use_flash_attn", lambda query: True)
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_varlen)
+    for share, log_probs in expected.items():
+        torch.testing.assert_close(_shared_outputs(model, batch, share)[0], log_probs, atol=1e-5, rtol=0)

@@ -26,7 +26,12 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from mmrl.models.inputs import POSITION_ONLY_KEYS, compute_position_ids, concat_multi_modal_inputs
+from mmrl.models.inputs import (
+    compute_position_ids,
+    concat_multi_modal_inputs,
+    forward_media,
+    next_text_position,
+)
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
 from mmrl.workers.weight_sync import load_into
@@ -203,16 +208,16 @@ class HFRollout:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **{key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS},
+            **forward_media(media),
         ).logits[:, -1]
-        per_axis = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
-        next_position = per_axis.masked_fill(~attention_mask.bool(), -1).amax(dim=(0, 2)) + 1  # [G]
+        axes = position_ids.shape[0] if position_ids.dim() == 3 else 1
+        next_position = next_text_position(position_ids, attention_mask)  # [G]
         cache.batch_repeat_interleave(n)
         return (
             logits.repeat_interleave(n, dim=0),
             cache,
             attention_mask.repeat_interleave(n, dim=0),
-            next_position.repeat_interleave(n, dim=0).expand(per_axis.shape[0], -1),
+            next_position.repeat_interleave(n, dim=0).expand(axes, -1),
         )
 
     def _blocked(self, device: torch.device) -> torch.Tensor:
