@@ -216,6 +216,7 @@ class RolloutConfig:
     enable_sleep_mode: bool = True  # vLLM: free KV cache + weights while training (GPU only)
     limit_images: int = 0  # vLLM: max images per prompt; 0 = no limit
     disable_tqdm: bool = True  # hide the engine's progress bars
+    prepack_cpu_linears: bool = True  # transformers rollout on a CPU: oneDNN-prepacked large linear layers
     val_override_config: dict[str, Any] = field(
         default_factory=dict
     )  # sampling keys for validation, e.g. {temperature: 0, n: 1}

@@ -216,7 +216,7 @@ class HybridWorker:
             override_config=dict(model_cfg.override_config),
         ).to(self.device)
         model.requires_grad_(False)
-        return HFRollout(model, tokenizer, return_log_probs=True)
+        return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
 
     def _sampling(self, validate: bool, global_step: int) -> SamplingParams:
         rollout_cfg = self.config.worker.rollout

@@ -470,6 +470,24 @@ def test_build_optimizer_takes_only_trainable_parameters(tiny_vl_path):
     assert group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
 
 
+def test_build_optimizer_fuses_on_cpu_and_steps_like_adamw_by_hand():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    optimizer = build_optimizer([weight], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5)
+    assert optimizer.param_groups[0]["fused"] is True  # one kernel per tensor, not a loop of ops
+    expected, m, v = weight.detach().clone(), torch.zeros(3, 4), torch.zeros(3, 4)
+    for step in (1, 2, 3):
+        grad = torch.randn(3, 4)
+        weight.grad = grad.clone()
+        optimizer.step()
+        # AdamW (Loshchilov & Hutter): decoupled decay, then the bias-corrected Adam step.
+        expected = expected * (1 - 0.1 * 0.5)
+        m, v = 0.9 * m + 0.1 * grad, 0.99 * v + 0.01 * grad.square()
+        m_hat, v_hat = m / (1 - 0.9**step), v / (1 - 0.99**step)
+        expected = expected - 0.1 * m_hat / (v_hat.sqrt() + 1e-8)
+        torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- single-process updates
 
 

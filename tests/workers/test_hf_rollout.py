@@ -15,6 +15,7 @@ from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
 from mmrl.workers.rollout.hf import HFRollout, filter_logits, placeholder_token_ids
+from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears, prepacking_available
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +209,76 @@ def test_sampling_draws_from_the_filtered_tempered_distribution(vl_parts):
     tolerance = 4 * (expected * (1 - expected) / len(tokens)).sqrt() + 1e-9
     assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
     torch.testing.assert_close(log_probs, scaled.log_softmax(-1)[tokens])
+
+
+# ---------------------------------------------------------------- oneDNN-prepacked linear layers
+
+needs_onednn = pytest.mark.skipif(not prepacking_available(), reason="this PyTorch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_prepacked_linear_equals_linear_and_repacks_after_a_write(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    packed = PrepackedLinear(linear, rows=8)
+    assert packed.weight is linear.weight and packed.bias is linear.bias
+    x = torch.randn(5, 3, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)  # in place, as weight sync writes: the packed copy is stale now
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    linear.weight.data = torch.randn(80, 48)  # a new storage
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    # with autograd on, the layer is a plain linear (the packed op has no backward)
+    packed(x).sum().backward()
+    torch.testing.assert_close(linear.weight.grad, x.sum((0, 1)).expand(80, 48))
+
+
+@needs_onednn
+def test_prepack_replaces_only_large_fp32_linears_and_keeps_names(vl_parts):
+    path, tokenizer, _ = vl_parts
+    model = load_model(str(path))
+    keys = list(model.state_dict())
+    sizes = {name: m.weight.numel() for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    threshold = sorted(sizes.values())[len(sizes) // 2]
+    replaced = prepack_linears(model, rows=4, min_elements=threshold)
+    packed = {name for name, m in model.named_modules() if isinstance(m, PrepackedLinear)}
+    assert replaced == len(packed) and packed == {name for name, size in sizes.items() if size >= threshold}
+    assert list(model.state_dict()) == keys
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # ties survive
+    # an HFRollout packs by default only matrices of 2^18 weights or more: none in the tiny model
+    assert not any(isinstance(m, PrepackedLinear) for m in make_rollout(vl_parts).model.modules())
+
+
+@needs_onednn
+def test_prepacked_rollout_equals_plain_rollout_before_and_after_weight_sync(vl_parts, prompts):
+    """Every linear of the tiny VL model packed: same greedy tokens and log-probs, sampled tokens the
+    same, and after a weight sync both follow the new weights."""
+    plain = make_rollout(vl_parts, return_log_probs=True, prepack=False)
+    packed = make_rollout(vl_parts, return_log_probs=True, prepack=False)
+    assert prepack_linears(packed.model, rows=8, min_elements=1) > 20
+    other = load_model(str(vl_parts[0]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=8)
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=4)
+    greedy_tokens = []
+    for synced in (False, True):
+        if synced:
+            plain.update_weights(other.state_dict().items())
+            packed.update_weights(other.state_dict().items())
+        for sampling in (greedy, sampled):
+            a, b = plain.generate(prompts, sampling), packed.generate(prompts, sampling)
+            assert torch.equal(a.batch["responses"], b.batch["responses"]), (synced, sampling)
+            torch.testing.assert_close(
+                a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], rtol=1e-4, atol=1e-5
+            )
+            if sampling is greedy:
+                greedy_tokens.append(b.batch["responses"])
+    assert not torch.equal(*greedy_tokens)  # the sync took effect in the packed layers too

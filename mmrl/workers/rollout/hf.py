@@ -14,7 +14,8 @@ gets n responses:
   one per new token (text continues from the prompt's largest id), instead of being re-derived by
   ``generate``'s per-step input preparation;
 - sampling draws each token by inverse transform from one seeded uniform per row, after temperature,
-  top-k and top-p (the placeholder tokens blocked); greedy is the argmax.
+  top-k and top-p (the placeholder tokens blocked); greedy is the argmax;
+- on a CPU, the large linear layers multiply by weights prepacked by oneDNN (``prepack.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mmrl.models.inputs import (
 )
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
+from mmrl.workers.rollout.prepack import prepack_linears
 from mmrl.workers.weight_sync import load_into
 
 # Tokens that only the processor may place: sampling one breaks re-scoring of the response
@@ -159,8 +161,11 @@ class HFRollout:
         tokenizer: Any,
         micro_batch_size: int = 64,
         return_log_probs: bool = False,
+        prepack: bool = True,
     ):
         self.model = model.eval()
+        if prepack:  # on a CPU: large linear layers multiply by oneDNN-prepacked weights
+            prepack_linears(self.model, rows=micro_batch_size)
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size  # responses decoded together
         self.return_log_probs = return_log_probs
