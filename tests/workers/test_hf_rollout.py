@@ -282,3 +282,8 @@ def test_prepacked_rollout_equals_plain_rollout_before_and_after_weight_sync(vl_
             if sampling is greedy:
                 greedy_tokens.append(b.batch["responses"])
     assert not torch.equal(*greedy_tokens)  # the sync took effect in the packed layers too
+    # and the trainer, on plain linears with the same weights, scores the packed rollout's tokens alike
+    batch = packed.generate(prompts, sampled)
+    log_probs, _ = PolicyActor(other).compute_log_probs(batch, micro_batch_size=4, temperature=1.0)
+    gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[batch.batch["response_mask"].bool()]
+    assert gap.max() < 1e-4
