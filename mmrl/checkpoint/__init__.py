@@ -5,9 +5,13 @@
   pruning, find-last) and the driver's ``trainer_state.json``.
 - ``merger``: ``merge_checkpoint`` writes a role folder as Hugging Face safetensors
   (``scripts/model_merger.py``); imported from its module, since it needs transformers.
+
+``state`` is imported on first use: it pulls in ``torch.distributed.checkpoint`` (two seconds on a
+small CPU), which the driver, needing only the tracker, does without.
 """
 
-from mmrl.checkpoint.state import load_train_state, save_train_state
+from typing import Any
+
 from mmrl.checkpoint.tracker import (
     TRAINER_STATE_FILE,
     CheckpointLayout,
@@ -25,3 +29,11 @@ __all__ = [
     "save_train_state",
     "save_trainer_state",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("load_train_state", "save_train_state"):
+        from mmrl.checkpoint import state
+
+        return getattr(state, name)
+    raise AttributeError(f"module 'mmrl.checkpoint' has no attribute {name!r}")

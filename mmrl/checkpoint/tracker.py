@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmrl.checkpoint.state import missing_state_files
-
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "checkpoint_tracker.json"
@@ -161,6 +159,9 @@ class CheckpointLayout:
         return tmp_dir
 
     def _check_parts(self, tmp_dir: Path, parts: Sequence[str]) -> None:
+        # here, not at the top: the state module imports torch.distributed.checkpoint (seconds)
+        from mmrl.checkpoint.state import missing_state_files
+
         problems = []
         for part in parts:
             path = tmp_dir / part

@@ -75,9 +75,14 @@ class _WorkerHost:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def start(self, env: dict[str, str], worker_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
+    def prepare(self, env: dict[str, str], worker_cls: type) -> None:
+        """Set the rank's environment; receiving ``worker_cls`` imports its module (torch, transformers:
+        seconds), which so happens before the caller knows the worker's arguments."""
         os.environ.update(env)
-        self._worker = worker_cls(*args, **kwargs)
+        self._worker_cls = worker_cls
+
+    def start(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        self._worker = self._worker_cls(*args, **kwargs)
 
     def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._worker, method)(*args, **kwargs)
@@ -175,7 +180,10 @@ class RayWorkerGroup:
     `env` adds environment variables to this group's processes at start (before any import). `timeout_s`
     bounds every call (None: wait as long as it takes); a call past it stops the group like a failure.
     `start_timeout_s` bounds each start-up step (process start, then `worker_cls.__init__`, which may load a
-    model); None leaves it to torch's own rendezvous timeout.
+    model); None leaves it to torch's own rendezvous timeout. With `start=False` the constructor only starts
+    the processes, sets their environment and imports the worker's module there, without waiting for the
+    import; `start(args, kwargs)` then builds the workers (so a driver can prepare what the arguments need
+    meanwhile).
     Keyword arguments are forwarded to the worker's method, except those named in a method's signature here
     (`dp_size`, `dp_rank_of` for `dispatch`). If a rank fails while the group starts, the constructor raises
     `WorkerGroupError` after killing the actors; the pool stays reserved until `resource_pool.remove()`.
@@ -192,8 +200,10 @@ class RayWorkerGroup:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         start_timeout_s: float | None = None,
+        start: bool = True,
     ) -> None:
         self.worker_cls = worker_cls
+        self.start_timeout_s = start_timeout_s
         self.resource_pool = resource_pool
         self.name_prefix = name_prefix
         self.timeout_s = timeout_s
@@ -214,14 +224,24 @@ class RayWorkerGroup:
             master_addr=node_infos[0][0],
             master_port=master_port,
         )
-        shared_cls, shared_args, shared_kwargs = (
-            ray.put(value) for value in (worker_cls, args, kwargs or {})
-        )
-        start_refs = [
-            host.start.remote(env, shared_cls, shared_args, shared_kwargs)
-            for host, env in zip(self._hosts, envs)
-        ]
-        self._collect(start_refs, "__init__", timeout_s=start_timeout_s)
+        shared_cls = ray.put(worker_cls)
+        self._prepare_refs = [host.prepare.remote(env, shared_cls) for host, env in zip(self._hosts, envs)]
+        self._args, self._kwargs = args, kwargs or {}
+        if start:
+            self.start()
+
+    def start(self, args: tuple | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        """Build every rank's ``worker_cls(*args, **kwargs)`` (the constructor's, unless given here);
+        once, after ``start=False``."""
+        if self._prepare_refs is None:
+            raise RuntimeError(f"{self.name_prefix}: the worker group has already started")
+        self._collect(self._prepare_refs, "__init__", timeout_s=self.start_timeout_s)
+        self._prepare_refs = None
+        args = self._args if args is None else args
+        kwargs = self._kwargs if kwargs is None else kwargs
+        shared_args, shared_kwargs = ray.put(args), ray.put(kwargs)
+        start_refs = [host.start.remote(shared_args, shared_kwargs) for host in self._hosts]
+        self._collect(start_refs, "__init__", timeout_s=self.start_timeout_s)
 
     def _create_hosts(self, env: dict[str, str]) -> list[Any]:
         pool = self.resource_pool

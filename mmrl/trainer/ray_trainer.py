@@ -105,6 +105,31 @@ class RayPPOTrainer:
 
         self.config = config
         model = config.worker.actor.model
+        trainer = config.trainer
+        # Processes first: the reward workers and the training ranks start (and import torch and
+        # transformers) while this process loads the tokenizer and reads the datasets.
+        reward = config.worker.reward
+        self.rewards = RewardWorkers(
+            reward.num_workers,
+            reward.num_cpus,
+            reward.timeout_s,
+            tokenizer_path=model.tokenizer_or_model_path,
+            reward_function=reward.reward_function,
+            reward_function_kwargs=dict(reward.reward_function_kwargs),
+            reward_type=reward.reward_type,
+            skip_special_tokens=reward.skip_special_tokens,
+        )
+        use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
+        cpus_per_proc = 1 if use_gpu else 0.5
+        pool = ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=cpus_per_proc)
+        self.actor = RayWorkerGroup(HybridWorker, pool, name_prefix="actor", start=False)
+        self.critic = None
+        if config.use_critic:
+            critic_pool = ResourcePool(
+                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=cpus_per_proc
+            )
+            self.critic = RayWorkerGroup(CriticWorker, critic_pool, name_prefix="critic", start=False)
+
         self.tokenizer, processor = load_tokenizer_and_processor(
             model.tokenizer_or_model_path, model.trust_remote_code
         )
@@ -126,32 +151,10 @@ class RayPPOTrainer:
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(self.train_loader))
 
-        use_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
-        trainer = config.trainer
-        pool = ResourcePool(
-            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
-        )
         worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
-        self.actor = RayWorkerGroup(HybridWorker, pool, kwargs=worker_kwargs, name_prefix="actor")
-        self.critic = None
-        if config.use_critic:
-            critic_pool = ResourcePool(
-                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
-            )
-            self.critic = RayWorkerGroup(
-                CriticWorker, critic_pool, kwargs=worker_kwargs, name_prefix="critic"
-            )
-        reward = config.worker.reward
-        self.rewards = RewardWorkers(
-            reward.num_workers,
-            reward.num_cpus,
-            reward.timeout_s,
-            tokenizer_path=model.tokenizer_or_model_path,
-            reward_function=reward.reward_function,
-            reward_function_kwargs=dict(reward.reward_function_kwargs),
-            reward_type=reward.reward_type,
-            skip_special_tokens=reward.skip_special_tokens,
-        )
+        self.actor.start(kwargs=worker_kwargs)
+        if self.critic is not None:
+            self.critic.start(kwargs=worker_kwargs)
         algo = config.algorithm
         if algo.kl_type == "adaptive":
             self.kl_ctrl = core_algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)

@@ -110,7 +110,9 @@ def make_group(worker_cls: type, name_prefix: str, **kwargs) -> RayWorkerGroup:
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    worker_group = make_group(DataWorker, "train", env={"MMRL_TEST_FLAG": "1"})
+    # started in two phases, as the trainer does: processes, env and imports first, workers later
+    worker_group = make_group(DataWorker, "train", env={"MMRL_TEST_FLAG": "1"}, start=False)
+    worker_group.start()  # the constructor's args: scale 10
     yield worker_group
     worker_group.shutdown()
 
@@ -216,6 +218,19 @@ def test_call_past_timeout_stops_the_group(ray_cluster) -> None:
     assert time.monotonic() - start < FAST_S
     _assert_processes_exit(pids, within_s=FAST_S)
     group.shutdown()
+
+
+def test_deferred_start_takes_late_arguments_once(ray_cluster) -> None:
+    pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+    late = RayWorkerGroup(DataWorker, pool, name_prefix="late", start=False)
+    try:
+        late.start(args=(3.0,))
+        data = DataProto.from_dict(tensors={"x": torch.ones(2, 1)}, non_tensors={"uid": ["a", "b"]})
+        assert late.dispatch("scale_rows", data).batch["y"].flatten().tolist() == [3.0, 3.0]
+        with pytest.raises(RuntimeError, match="already started"):
+            late.start(args=(3.0,))
+    finally:
+        late.shutdown()
 
 
 def test_resource_pool_reports_what_the_cluster_lacks(group: RayWorkerGroup) -> None:
