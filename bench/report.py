@@ -14,6 +14,7 @@ from collections.abc import Callable
 import cost_curves
 import packing
 import rollout_speed
+import sequence_parallel
 import time_to_accuracy
 import vs_trl
 from harness import RESULTS
@@ -38,6 +39,11 @@ def _sections() -> list[tuple[str, str, Callable[[dict], str]]]:
         ),
         ("packing.json", "padded vs packed actor passes", lambda d: packing._table(d["rows"])),
         ("rollout_speed.json", "rollout: vLLM vs transformers", lambda d: rollout_speed._table(d["rows"])),
+        (
+            "sequence_parallel.json",
+            "sequence parallelism: step, memory and longest row per layout",
+            lambda d: sequence_parallel.format_table(d["rows"], d["longest_in_budget"], d["budget_mb"]),
+        ),
     ]
 
 

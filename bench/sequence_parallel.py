@@ -114,6 +114,29 @@ def longest_in_budget(points: list[tuple[int, float]], budget_mb: float) -> floa
     return float((budget_mb - intercept) / slope)
 
 
+def format_table(rows: list[dict], budget: dict[str, float], budget_mb: float) -> str:
+    """Seconds per step and peak MB per rank of every (layout, length), the longest row that fits
+    ``budget_mb`` per layout, and that length relative to one rank's."""
+    lengths = sorted({row["length"] for row in rows})
+    layouts = list(dict.fromkeys(row["layout"] for row in rows))
+    lines = [
+        f"Sequence parallelism, small Qwen2 (7.2M), one row, fp32, 1 thread per rank: {budget_mb:.0f} MB budget",
+        f"{'layout':>8} " + " ".join(f"{'L=' + str(n):>16}" for n in lengths) + f" {'longest in budget':>18}",
+    ]
+    for name in layouts:
+        cells = []
+        for length in lengths:
+            row = next(r for r in rows if r["layout"] == name and r["length"] == length)
+            cells.append(f"{row['step_s']:6.2f}s {row['peak_mb_per_rank']:6.0f}MB")
+        lines.append(
+            f"{name:>8} " + " ".join(f"{cell:>16}" for cell in cells) + f" {budget[name]:>15.0f} tok"
+        )
+    base = budget.get("1x1")
+    if base:
+        lines += [f"  {name}: longest row {budget[name] / base:.2f}x that of one rank" for name in layouts]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -143,25 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         for name in layouts
     }
-    print(
-        f"\nSequence parallelism, small Qwen2 (7.2M), one row, fp32, 1 thread per rank: {args.budget_mb:.0f} MB budget"
-    )
-    header = (
-        f"{'layout':>8} "
-        + " ".join(f"{'L=' + str(n):>16}" for n in args.lengths)
-        + f" {'longest in budget':>18}"
-    )
-    print(header)
-    for name in layouts:
-        cells = []
-        for length in args.lengths:
-            row = next(r for r in rows if r["layout"] == name and r["length"] == length)
-            cells.append(f"{row['step_s']:6.2f}s {row['peak_mb_per_rank']:6.0f}MB")
-        print(f"{name:>8} " + " ".join(f"{cell:>16}" for cell in cells) + f" {budget[name]:>15.0f} tok")
-    base = budget.get("1x1")
-    if base:
-        for name in layouts:
-            print(f"  {name}: longest row {budget[name] / base:.2f}x that of one rank")
+    print("\n" + format_table(rows, budget, args.budget_mb))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"budget_mb": args.budget_mb, "rows": rows, "longest_in_budget": budget}
     (RESULTS / "sequence_parallel.json").write_text(json.dumps(out, indent=2))

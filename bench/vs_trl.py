@@ -1,7 +1,7 @@
 """mmrl against TRL's GRPOTrainer on the same work: seconds per step, tokens/s and peak memory on the CPU.
 
     python bench/vs_trl.py [--sizes tiny small] [--prompts 8] [--n 8] [--response_length 64]
-                           [--micro_batch 16] [--lr 1e-4] [--steps 6] [--warmup 1] [--rounds 1]
+                           [--micro_batch 16] [--lr 1e-4] [--steps 8] [--warmup 1] [--rounds 1]
                            [--backends hf vllm] [--ray_worker_niceness 0]
 
 For each tiny Qwen2.5-VL size (``tiny`` ≈ 0.4M, ``small`` ≈ 13M parameters, random weights, built
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--response_length", type=int, default=64)
     parser.add_argument("--micro_batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=6, help="steps per job, warm-up included")
+    parser.add_argument("--steps", type=int, default=8, help="steps per job, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each job left out")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="TRL's torch threads")
