@@ -75,11 +75,13 @@ class _WorkerHost:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def prepare(self, env: dict[str, str], worker_cls: type) -> None:
-        """Set the rank's environment; receiving ``worker_cls`` imports its module (torch, transformers:
-        seconds), which so happens before the caller knows the worker's arguments."""
+    def prepare(self, env: dict[str, str], worker_cls_ref: list[ray.ObjectRef]) -> None:
+        """Set the rank's environment, then fetch the worker class, which imports its module (torch,
+        transformers: seconds) before the caller knows the worker's arguments. The class comes as a ref
+        inside a list so that Ray does not unpickle it, importing the module, before ``env`` is set
+        (``CUDA_VISIBLE_DEVICES`` must precede anything that counts devices)."""
         os.environ.update(env)
-        self._worker_cls = worker_cls
+        self._worker_cls = ray.get(worker_cls_ref[0])
 
     def start(self, args: tuple, kwargs: dict[str, Any]) -> None:
         self._worker = self._worker_cls(*args, **kwargs)
@@ -225,7 +227,7 @@ class RayWorkerGroup:
             master_port=master_port,
         )
         shared_cls = ray.put(worker_cls)
-        self._prepare_refs = [host.prepare.remote(env, shared_cls) for host, env in zip(self._hosts, envs)]
+        self._prepare_refs = [host.prepare.remote(env, [shared_cls]) for host, env in zip(self._hosts, envs)]
         self._args, self._kwargs = args, kwargs or {}
         if start:
             self.start()

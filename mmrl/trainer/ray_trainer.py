@@ -120,15 +120,15 @@ class RayPPOTrainer:
             skip_special_tokens=reward.skip_special_tokens,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
-        cpus_per_proc = 1 if use_gpu else 0.5
-        pool = ResourcePool(trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=cpus_per_proc)
-        self.actor = RayWorkerGroup(HybridWorker, pool, name_prefix="actor", start=False)
-        self.critic = None
-        if config.use_critic:
-            critic_pool = ResourcePool(
-                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=cpus_per_proc
+
+        def new_group(worker_cls: type, name: str) -> RayWorkerGroup:
+            pool = ResourcePool(
+                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
             )
-            self.critic = RayWorkerGroup(CriticWorker, critic_pool, name_prefix="critic", start=False)
+            return RayWorkerGroup(worker_cls, pool, name_prefix=name, start=False)
+
+        self.actor = new_group(HybridWorker, "actor")
+        self.critic = new_group(CriticWorker, "critic") if config.use_critic else None
 
         self.tokenizer, processor = load_tokenizer_and_processor(
             model.tokenizer_or_model_path, model.trust_remote_code

@@ -10,9 +10,8 @@ small matrices oneDNN's fixed cost per call is larger than the gain, so only mat
 
 The layers keep their parameters (same objects, same state-dict names), so weight sync writes into
 them as before; each layer repacks itself when its weight was written to (its version counter) or
-replaced (its storage).
-Outside ``torch.inference_mode``/``no_grad`` with a trainable weight they fall back to ``F.linear``
-(the packed op has no backward).
+replaced (its storage). With autograd on and a trainable weight they fall back to ``F.linear`` (the
+packed op has no backward).
 """
 
 from __future__ import annotations
