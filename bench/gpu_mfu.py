@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from mmrl.protocol import DataProto
+    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
 
@@ -178,7 +179,11 @@ def run(args: argparse.Namespace) -> dict:
     model = apply_fsdp2(model, mesh, param_dtype=compute_dtype, reduce_dtype=torch.float32)
     optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
     actor = PolicyActor(
-        model, optimizer, device=device, padding_free=True, max_response_length=args.response_length
+        model,
+        ActorConfig(padding_free=True),
+        optimizer=optimizer,
+        device=device,
+        max_response_length=args.response_length,
     )
 
     text = TEXT_CONFIGS[args.model]

@@ -105,9 +105,11 @@ def build_batch(processor, lengths: list[int], seed: int = 0):
 def add_old_log_probs(model, batch):
     """The model's own log-probs as ``old_log_probs``: every ratio starts at 1, as in a real update."""
     from mmrl.protocol import DataProto
+    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
 
-    log_probs, _ = PolicyActor(model, padding_free=True).compute_log_probs(batch, len(batch), TEMPERATURE)
+    actor = PolicyActor(model, ActorConfig(padding_free=True))
+    log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
     return batch.union(DataProto.from_dict(tensors={"old_log_probs": log_probs}))
 
 
@@ -118,6 +120,7 @@ def bench_modes(model, batch, modes, micro_batch_size: int, repeats: int) -> dic
     import torch
 
     from mmrl.parallel.packing import padding_counts
+    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import micro_batch_rows
 
@@ -126,9 +129,8 @@ def bench_modes(model, batch, modes, micro_batch_size: int, repeats: int) -> dic
         # lr 0: the weights stay as they are, so every repeat does the same work
         actors[name] = PolicyActor(
             model,
-            torch.optim.SGD(model.parameters(), lr=0.0),
-            padding_free=padding_free,
-            max_tokens_per_micro_batch=budget,
+            ActorConfig(padding_free=padding_free, max_tokens_per_micro_batch=budget),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
             max_response_length=batch.batch["responses"].shape[1],
         )
         times[name] = {"update_s": [], "log_prob_s": []}

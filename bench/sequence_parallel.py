@@ -81,7 +81,7 @@ def _rank_job(
     module = apply_fsdp2(model, init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
     sp_args = {} if groups is None else {"dp_group": groups.dp_group, "sequence_parallel": groups}
-    actor = PolicyActor(module, optimizer, max_response_length=RESPONSE_TOKENS, **sp_args)
+    actor = PolicyActor(module, optimizer=optimizer, max_response_length=RESPONSE_TOKENS, **sp_args)
 
     def update(row) -> float:
         start = time.perf_counter()

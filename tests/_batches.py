@@ -6,13 +6,17 @@ random responses of uneven lengths, and the columns an update reads.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from PIL import Image
 
 from mmrl.models.loading import load_model
 from mmrl.protocol import DataProto
+from mmrl.trainer.config import ActorConfig, AlgorithmConfig, CriticConfig
 from mmrl.workers.actor import PolicyActor
+from mmrl.workers.critic import ValueCritic
 
 TEMPERATURE = 0.7
 # Every term of the policy loss is active.
@@ -28,6 +32,31 @@ ACTOR_SETTINGS = {
     "max_grad_norm": 0.5,
     "max_response_length": 7,
 }
+
+KL_LOSS_KEYS = {"use_kl_loss", "kl_penalty", "kl_coef"}
+
+
+def _split_settings(section: type, settings: dict) -> tuple[dict, dict, dict]:
+    """Flat test settings -> (config section fields, KL-loss algorithm fields, component keywords)."""
+    fields = {field.name for field in dataclasses.fields(section)}
+    own = {key: value for key, value in settings.items() if key in fields}
+    kl = {key: value for key, value in settings.items() if key in KL_LOSS_KEYS}
+    rest = {key: value for key, value in settings.items() if key not in fields and key not in KL_LOSS_KEYS}
+    return own, kl, rest
+
+
+def policy_actor(module, optimizer=None, **settings) -> PolicyActor:
+    """A :class:`PolicyActor` from flat settings: ``ActorConfig`` fields, the KL loss keys of
+    ``AlgorithmConfig`` and the actor's own keywords (``max_response_length``, ``sequence_parallel``...)."""
+    own, kl, rest = _split_settings(ActorConfig, settings)
+    return PolicyActor(module, ActorConfig(**own), AlgorithmConfig(**kl), optimizer, **rest)
+
+
+def value_critic(module, optimizer=None, **settings) -> ValueCritic:
+    """A :class:`ValueCritic` from flat settings: ``CriticConfig`` fields and the critic's keywords."""
+    own, _, rest = _split_settings(CriticConfig, settings)
+    return ValueCritic(module, CriticConfig(**own), optimizer, **rest)
+
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 OMNI_VIDEO_KWARGS = {
@@ -111,7 +140,7 @@ def add_training_columns(batch: DataProto, model_path, seed: int = 1) -> DataPro
     """``old_log_probs`` near the model's own (some ratios clip), ``ref_log_probs``, ``advantages``,
     critic ``values`` and ``returns``."""
     generator = torch.Generator().manual_seed(seed)
-    log_probs, _ = PolicyActor(load_model(str(model_path))).compute_log_probs(batch, len(batch), TEMPERATURE)
+    log_probs, _ = policy_actor(load_model(str(model_path))).compute_log_probs(batch, len(batch), TEMPERATURE)
     mask = batch.batch["response_mask"].float()
     shape = log_probs.shape
     columns = {

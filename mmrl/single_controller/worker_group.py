@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mmrl.dispatch import ROWS_PER_DATA_PARALLEL_SHARE, ROWS_PER_RANK, layout_of
 from mmrl.single_controller.resource_pool import ResourcePool
 
 if TYPE_CHECKING:
@@ -185,7 +186,9 @@ class RayWorkerGroup:
     model); None leaves it to torch's own rendezvous timeout. With `start=False` the constructor only starts
     the processes, sets their environment and imports the worker's module there, without waiting for the
     import; `start(args, kwargs)` then builds the workers (so a driver can prepare what the arguments need
-    meanwhile).
+    meanwhile). `sequence_parallel_size` is the ranks of one sequence-parallel group of this role: the
+    methods its worker class marks `rows_per_data_parallel_share` (`mmrl.dispatch`) get one share of the
+    rows per `world_size // sequence_parallel_size` data-parallel rank.
     Keyword arguments are forwarded to the worker's method, except those named in a method's signature here
     (`dp_size`, `dp_rank_of` for `dispatch`). If a rank fails while the group starts, the constructor raises
     `WorkerGroupError` after killing the actors; the pool stays reserved until `resource_pool.remove()`.
@@ -203,8 +206,15 @@ class RayWorkerGroup:
         timeout_s: float | None = None,
         start_timeout_s: float | None = None,
         start: bool = True,
+        sequence_parallel_size: int = 1,
     ) -> None:
+        if sequence_parallel_size < 1 or resource_pool.world_size % sequence_parallel_size:
+            raise ValueError(
+                f"{name_prefix}: sequence_parallel_size={sequence_parallel_size} must divide the world size "
+                f"{resource_pool.world_size}"
+            )
         self.worker_cls = worker_cls
+        self.sequence_parallel_size = sequence_parallel_size
         self.start_timeout_s = start_timeout_s
         self.resource_pool = resource_pool
         self.name_prefix = name_prefix
@@ -313,11 +323,14 @@ class RayWorkerGroup:
         """Split `data` over the data-parallel ranks, run `worker.method(chunk, *args, **kwargs)`, join.
 
         `data` is padded (`pad_to_divisor`) to a multiple of `dp_size` and cut into `dp_size` chunks; rank r
-        gets chunk `dp_rank_of[r]`. By default `dp_size = world_size` and, for a smaller `dp_size`, ranks
-        form consecutive sequence-parallel groups of `world_size // dp_size` (a `(dp, sp)` device mesh:
-        `dp_rank_of[r] = r // sp_size`). Results are joined by `merge_dp_outputs`: B rows in the input order.
+        gets chunk `dp_rank_of[r]`. A method marked in `mmrl.dispatch` takes its layout from the mark (and
+        no `dp_size`/`dp_rank_of`); otherwise by default `dp_size = world_size` and, for a smaller
+        `dp_size`, ranks form consecutive sequence-parallel groups of `world_size // dp_size` (a `(dp, sp)`
+        device mesh: `dp_rank_of[r] = r // sp_size`). Results are joined by `merge_dp_outputs`: B rows in
+        the input order.
         """
         self._check_callable(method)
+        dp_size = self._declared_dp_size(method, dp_size, dp_rank_of)
         dp_rank_of = self._dp_rank_of(dp_size, dp_rank_of)
         num_chunks = max(dp_rank_of) + 1
         padded, pad_size = data.pad_to_divisor(num_chunks)
@@ -330,6 +343,23 @@ class RayWorkerGroup:
         ]
         outputs = self._collect(refs, method, timeout_s=self.timeout_s)
         return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, method)
+
+    def _declared_dp_size(
+        self, method: str, dp_size: int | None, dp_rank_of: Sequence[int] | None
+    ) -> int | None:
+        """The data-parallel size the worker class declares for `method` (`mmrl.dispatch`), else `dp_size`."""
+        layout = layout_of(self.worker_cls, method)
+        if layout is None:
+            return dp_size
+        if dp_size is not None or dp_rank_of is not None:
+            raise ValueError(
+                f"dispatch: {self.worker_cls.__name__}.{method} declares its layout ({layout}); "
+                "pass no dp_size or dp_rank_of"
+            )
+        if layout == ROWS_PER_RANK:
+            return self.world_size
+        assert layout == ROWS_PER_DATA_PARALLEL_SHARE, layout
+        return self.world_size // self.sequence_parallel_size
 
     def _dp_rank_of(self, dp_size: int | None, dp_rank_of: Sequence[int] | None) -> list[int]:
         world_size = self.world_size

@@ -309,18 +309,6 @@ class PPOConfig:
         return self.data.rollout_batch_size * self.worker.rollout.n
 
     @property
-    def old_log_probs_from_update(self) -> bool:
-        """The actor update is on-policy and computes the old log-probs itself (no separate pass): one
-        optimizer step per rollout, and nothing needs them before the update (a KL reward penalty does)."""
-        actor = self.worker.actor
-        return (
-            actor.skip_old_log_prob_on_policy
-            and actor.ppo_epochs == 1
-            and actor.global_batch_size == self.data.rollout_batch_size
-            and not (self.algorithm.use_reference and not self.algorithm.use_kl_loss)
-        )
-
-    @property
     def responses_per_update(self) -> int:
         """Responses in one actor optimizer step (EasyR1 multiplied the config value in place)."""
         return self.worker.actor.global_batch_size * self.worker.rollout.n

@@ -1,7 +1,9 @@
 """The driver: one process holding the algorithm, steering Ray worker groups that hold the models.
 
 ``RayPPOTrainer.fit`` reads as the algorithm: rollout → reward → log-probs → advantages → update →
-log → checkpoint. Every phase is a named method; the models live in the workers
+sync → log → checkpoint. What a step does (on-policy shortcut, reference, critic, temperature) is
+decided once per step (:class:`~mmrl.trainer.step_plan.StepPlan`) and passed to the workers as
+arguments. Every phase is a named method; the models live in the workers
 (``mmrl.workers.fsdp_workers``) and the maths in ``mmrl.trainer.core_algos``.
 """
 
@@ -23,6 +25,7 @@ from mmrl.checkpoint.tracker import (
     load_trainer_state,
     save_trainer_state,
 )
+from mmrl.columns import check_batch
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.loader import PromptLoader
@@ -32,7 +35,9 @@ from mmrl.protocol import DataProto
 from mmrl.trainer import core_algos
 from mmrl.trainer.config import PPOConfig
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
+from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,14 @@ def build_dataset(config: PPOConfig, files: str, tokenizer: Any, processor: Any)
     )
 
 
+def conform_to_columns(batch: DataProto, phase: str) -> None:
+    """Stop with the problems when ``batch`` (after ``phase``) breaks the column schema (mmrl.columns):
+    a worker returned a column nobody declared, or a dtype or width other than the listed one."""
+    problems = check_batch(batch)
+    if problems:
+        raise RuntimeError(f"the batch after {phase} does not match mmrl.columns: {'; '.join(problems)}")
+
+
 def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
     steps = config.trainer.total_epochs * batches_per_epoch
     return min(steps, config.trainer.max_steps) if config.trainer.max_steps else steps
@@ -121,14 +134,23 @@ class RayPPOTrainer:
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
 
-        def new_group(worker_cls: type, name: str) -> RayWorkerGroup:
+        def new_group(worker_cls: type, name: str, sequence_parallel_size: int) -> RayWorkerGroup:
             pool = ResourcePool(
                 trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
             )
-            return RayWorkerGroup(worker_cls, pool, name_prefix=name, start=False)
+            return RayWorkerGroup(
+                worker_cls,
+                pool,
+                name_prefix=name,
+                start=False,
+                sequence_parallel_size=sequence_parallel_size,
+            )
 
-        self.actor = new_group(HybridWorker, "actor")
-        self.critic = new_group(CriticWorker, "critic") if config.use_critic else None
+        worker = config.worker
+        self.actor = new_group(HybridWorker, "actor", worker.actor.sequence_parallel_size)
+        self.critic = None
+        if config.use_critic:
+            self.critic = new_group(CriticWorker, "critic", worker.critic.sequence_parallel_size)
 
         self.tokenizer, processor = load_tokenizer_and_processor(
             model.tokenizer_or_model_path, model.trust_remote_code
@@ -193,39 +215,41 @@ class RayPPOTrainer:
 
     def train_step(self, batch: DataProto) -> dict[str, float]:
         """One PPO step on a batch of prompts; returns its metrics."""
+        plan = StepPlan.for_step(self.config, self.global_step)
         timings: dict[str, float] = {}
-        batch.meta_info["global_step"] = self.global_step
         with timer("step", timings):
             with timer("gen", timings):
-                batch = self.actor.dispatch("generate", batch)
+                batch = self.actor.dispatch(
+                    "generate", batch, mode=GenerationMode.TRAIN, global_step=self.global_step
+                )
+            conform_to_columns(batch, "generate")
             pending_rewards = self.rewards.launch(batch)  # scored in the background, in generation order
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
-            if not self._old_log_probs_from_update:
+            if not plan.old_log_probs_from_update:
                 with timer("old_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch("compute_log_probs", batch, dp_size=self.actor_dp_size)
+                        self.actor.dispatch("compute_log_probs", batch, temperature=plan.temperature)
                     )
-            if self.config.algorithm.use_reference:
+            if plan.use_reference:
                 with timer("ref_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch("compute_ref_log_probs", batch, dp_size=self.actor_dp_size)
+                        self.actor.dispatch("compute_ref_log_probs", batch, temperature=plan.temperature)
                     )
-            if self.critic is not None:
+            if plan.use_critic:
                 with timer("values", timings):
-                    batch = batch.union(
-                        self.critic.dispatch("compute_values", batch, dp_size=self.critic_dp_size)
-                    )
+                    batch = batch.union(self.critic.dispatch("compute_values", batch))
             with timer("reward", timings):
                 scores = self.rewards.collect(pending_rewards).reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
                     scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
                 )
-                if self.config.algorithm.adv_estimator == "remax":
+                if plan.greedy_baseline:
                     batch = batch.union(self._greedy_baselines(batch))
             with timer("adv", timings):
                 batch, kl_metrics = self.compute_advantages(batch)
-            batch, update_metrics = self.update_models(batch, timings)
+            batch, update_metrics = self.update_models(batch, plan, timings)
+        conform_to_columns(batch, "the training step")
         return {
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
@@ -276,31 +300,29 @@ class RayPPOTrainer:
         """Data-parallel shares of the actor's (and ref's) passes: ranks / sequence-parallel size."""
         return self.config.trainer.world_size // self.config.worker.actor.sequence_parallel_size
 
-    @property
-    def critic_dp_size(self) -> int:
-        return self.config.trainer.world_size // self.config.worker.critic.sequence_parallel_size
-
-    @property
-    def _old_log_probs_from_update(self) -> bool:
-        """This step's actor update computes the old log-probs itself (see PPOConfig)."""
-        return self.config.old_log_probs_from_update and self.global_step >= self.config.trainer.critic_warmup
-
     def update_models(
-        self, batch: DataProto, timings: dict[str, float]
+        self, batch: DataProto, plan: StepPlan, timings: dict[str, float]
     ) -> tuple[DataProto, dict[str, float]]:
-        """Critic, then actor updates; ``batch`` gains the on-policy update's ``old_log_probs`` and
-        ``entropies`` when it computed them (for the step's metrics)."""
+        """Critic, then actor updates, then the new weights into the rollout; ``batch`` gains the
+        on-policy update's ``old_log_probs`` and ``entropies`` when it computed them (for the metrics)."""
         metrics: dict[str, float] = {}
-        if self.critic is not None:
+        if plan.use_critic:
             with timer("update_critic", timings):
-                update = self.critic.dispatch("update_critic", batch, dp_size=self.critic_dp_size)
+                update = self.critic.dispatch("update_critic", batch)
                 metrics.update(self._worker_metrics(update))
-        if self.global_step >= self.config.trainer.critic_warmup:
-            with timer("update_actor", timings):  # includes pushing the new weights into the rollout
-                update = self.actor.dispatch("update_actor", batch, dp_size=self.actor_dp_size)
+        if plan.update_actor:
+            with timer("update_actor", timings):
+                update = self.actor.dispatch(
+                    "update_actor",
+                    batch,
+                    temperature=plan.temperature,
+                    on_policy=plan.old_log_probs_from_update,
+                )
                 metrics.update(self._worker_metrics(update))
-            if self._old_log_probs_from_update:
+            if plan.old_log_probs_from_update:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
+            with timer("sync", timings):
+                self.actor.call("sync_rollout_weights")
         return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> DataProto:
@@ -314,9 +336,10 @@ class RayPPOTrainer:
         prompts = DataProto.from_dict(
             tensors={k: v[:, : batch.batch["prompts"].shape[-1]] for k, v in prompts.batch.items()},
             non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
-            meta_info={"global_step": self.global_step, "sampling_override": {"n": 1, "temperature": 0.0}},
         )
-        greedy = self.actor.dispatch("generate", prompts)
+        greedy = self.actor.dispatch(
+            "generate", prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
+        )
         scores = self.rewards.collect(self.rewards.launch(greedy)).batch["token_level_scores"].sum(-1)
         baseline_of = dict(zip(greedy.non_tensor_batch["uid"], scores.tolist()))
         baselines = torch.tensor([baseline_of[uid] for uid in uids], dtype=torch.float32)
@@ -326,8 +349,9 @@ class RayPPOTrainer:
         """Generate for every validation prompt (validation sampling) and score; means per data source."""
         scores, sources, samples = [], [], []
         for batch in self._validation_batches():
-            batch.meta_info.update(validate=True, global_step=self.global_step)
-            output = self.actor.dispatch("generate", batch)
+            output = self.actor.dispatch(
+                "generate", batch, mode=GenerationMode.VALIDATE, global_step=self.global_step
+            )
             scored = self.rewards.collect(self.rewards.launch(output))
             scores.extend(scored.non_tensor_batch["reward_scores"])
             sources.extend(
@@ -370,6 +394,7 @@ class RayPPOTrainer:
             return
         logger.warning("resuming from %s", path)
         self.actor.call("load_checkpoint", str(path))
+        self.actor.call("sync_rollout_weights")
         if self.critic is not None:
             self.critic.call("load_checkpoint", str(path))
         state = load_trainer_state(path)

@@ -7,8 +7,6 @@ prompt token for ``t = 0``), i.e. it estimates the return of the state before th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,8 +14,9 @@ from torch import nn
 from mmrl.models.inputs import scatter_response_tokens
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
+from mmrl.trainer.config import CriticConfig
 from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
-from mmrl.workers.actor import (
+from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,
     forward_micro_batches,
@@ -28,40 +27,40 @@ from mmrl.workers.fsdp_engine import token_share, train_on_batch
 
 
 class ValueCritic:
-    """A value model with its optimizer and scheduler; ``dp_group``, ``padding_free``,
-    ``max_tokens_per_micro_batch`` and ``sequence_parallel`` as in :class:`PolicyActor`."""
+    """A value model with its optimizer and scheduler, and its config section (value clipping, loss
+    aggregation, packing); ``dp_group`` and ``sequence_parallel`` as in :class:`PolicyActor`."""
 
     def __init__(
         self,
         module: nn.Module,
+        config: CriticConfig | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         *,
+        max_response_length: int | None = None,
         device: torch.device | str = "cpu",
         dp_group: dist.ProcessGroup | None = None,
-        max_grad_norm: float = 1.0,
-        max_response_length: int | None = None,
-        padding_free: bool = True,
-        share_prompts: bool = True,
-        max_tokens_per_micro_batch: int | None = None,
         sequence_parallel: SequenceParallelGroups | None = None,
     ):
-        self.sequence_parallel = check_sequence_parallel(sequence_parallel, padding_free, dp_group)
+        self.config = config = config or CriticConfig()
+        if config.loss_avg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_avg_mode {config.loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.device = torch.device(device)
         self.dp_group = dp_group
-        self.max_grad_norm = max_grad_norm
         self.max_response_length = max_response_length
-        self.padding_free = padding_free
-        self.share_prompts = share_prompts
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def _values(self, micro_batch: DataProto) -> torch.Tensor:
         """Values [b, R] float32; 0 on padding (only the valid response tokens are computed)."""
         values, response_valid = micro_batch_token_outputs(
-            self.module, micro_batch, self.padding_free, self.sequence_parallel, self.share_prompts
+            self.module,
+            micro_batch,
+            self.config.padding_free,
+            self.sequence_parallel,
+            self.config.share_prompts,
         )
         return scatter_response_tokens(values[:, 0].float(), response_valid)
 
@@ -72,7 +71,7 @@ class ValueCritic:
         micro_batches, restore = forward_micro_batches(
             forward_columns(data),
             micro_batch_size,
-            self.max_tokens_per_micro_batch,
+            self.config.max_tokens_per_micro_batch,
             self.device,
             self.dp_group,
         )
@@ -85,34 +84,27 @@ class ValueCritic:
         mini_batch_size: int,
         micro_batch_size: int,
         ppo_epochs: int,
-        cliprange_value: float,
-        loss_avg_mode: str,
     ) -> dict[str, float]:
-        """Minimise ``compute_value_loss`` (clipped around the rollout's ``values``, targets
-        ``returns``) aggregated by ``loss_avg_mode``; steps and normalisation as
+        """Minimise ``compute_value_loss`` (clipped to ``cliprange_value`` around the rollout's
+        ``values``, targets ``returns``) aggregated by ``loss_avg_mode``; steps and normalisation as
         :meth:`PolicyActor.update_policy`. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean`` (token
         means), ``grad_norm``, ``skipped_steps``, ``lr``, ``padding_ratio``."""
         if self.optimizer is None:
             raise RuntimeError("ValueCritic.update_critic needs an optimizer")
-        if loss_avg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_avg_mode {loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
         self.module.train()
-        micro_batch_loss = functools.partial(
-            self._micro_batch_loss, cliprange_value=cliprange_value, loss_avg_mode=loss_avg_mode
-        )
         metrics = train_on_batch(
             self.module,
             self.optimizer,
             forward_columns(data, ("response_mask", "values", "returns")),
-            micro_batch_loss,
+            self._micro_batch_loss,
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
             epochs=ppo_epochs,
-            max_grad_norm=self.max_grad_norm,
+            max_grad_norm=self.config.max_grad_norm,
             device=self.device,
             group=self.dp_group,
-            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
-            padding_free=self.padding_free,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            padding_free=self.config.padding_free,
             fsdp_size=fsdp_size(self.sequence_parallel),
         )
         if self.lr_scheduler is not None:
@@ -124,19 +116,17 @@ class ValueCritic:
         micro_batch: DataProto,
         num_tokens: torch.Tensor,
         num_seqs: torch.Tensor,
-        cliprange_value: float,
-        loss_avg_mode: str,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         batch = micro_batch.batch
         response_mask = batch["response_mask"]
         vpreds = self._values(micro_batch)  # [b, R]
         loss_mat, diagnostics = compute_value_loss(
-            vpreds, batch["returns"], batch["values"], response_mask, cliprange_value
+            vpreds, batch["returns"], batch["values"], response_mask, self.config.cliprange_value
         )
         vf_loss = aggregate_loss(
             loss_mat,
             response_mask,
-            loss_avg_mode,
+            self.config.loss_avg_mode,
             global_num_tokens=num_tokens,
             global_num_seqs=num_seqs,
             max_response_length=self.max_response_length,

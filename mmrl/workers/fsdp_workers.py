@@ -3,7 +3,12 @@
 ``HybridWorker`` holds the actor (FSDP2, trained), the reference policy (FSDP2, frozen) and the
 rollout engine in one process; ``CriticWorker`` holds the value model. Both are plain classes: the
 single controller instantiates them inside Ray actors after setting the torch.distributed
-environment. They are builders: they read the config and hand plain arguments to the components.
+environment. They are builders: they hand each component its config section.
+
+Each phase is a method whose mode is an explicit argument (the driver's
+:class:`~mmrl.trainer.step_plan.StepPlan` decides it), and whose batch layout over the ranks is
+declared once on the method (:mod:`mmrl.dispatch`). The columns each phase adds are listed in
+:mod:`mmrl.columns`.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
+from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.loading import freeze_vision_tower, load_model
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
-from mmrl.workers.actor import PolicyActor, add_position_ids
+from mmrl.trainer.config import SAMPLING_KEYS, ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
+from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
+from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_engine import (
     apply_fsdp2,
     build_lr_scheduler,
@@ -33,7 +40,7 @@ from mmrl.workers.fsdp_engine import (
     offload_optimizer,
     resolve_dtype,
 )
-from mmrl.workers.rollout import SamplingParams
+from mmrl.workers.rollout import GenerationMode, SamplingParams
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -137,23 +144,12 @@ class HybridWorker:
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
             module,
+            actor_cfg,
+            config.algorithm,
             optimizer,
             scheduler,
-            device=self.device,
-            loss_type=actor_cfg.loss_type,
-            loss_avg_mode=actor_cfg.loss_avg_mode,
-            clip_ratio_low=actor_cfg.clip_ratio_low,
-            clip_ratio_high=actor_cfg.clip_ratio_high,
-            clip_ratio_dual=actor_cfg.clip_ratio_dual,
-            entropy_coeff=actor_cfg.entropy_coeff,
-            use_kl_loss=config.algorithm.use_kl_loss and config.algorithm.use_reference,
-            kl_penalty=config.algorithm.kl_penalty,
-            kl_coef=config.algorithm.kl_coef,
-            max_grad_norm=actor_cfg.max_grad_norm,
             max_response_length=config.data.max_response_length,
-            padding_free=actor_cfg.padding_free,
-            share_prompts=actor_cfg.share_prompts,
-            max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
+            device=self.device,
             **sp_args,
         )
         self.ref = None
@@ -162,17 +158,10 @@ class HybridWorker:
             ref_module = build_fsdp_model(
                 actor_cfg.model, ref_cfg.fsdp, "actor", self.device, trainable=False
             )
-            self.ref = PolicyActor(
-                ref_module,
-                device=self.device,
-                padding_free=actor_cfg.padding_free,
-                share_prompts=actor_cfg.share_prompts,
-                max_tokens_per_micro_batch=actor_cfg.max_tokens_per_micro_batch,
-                **sp_args,
-            )
+            # the reference scores with the actor's packing settings; it has no loss
+            self.ref = PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
         self.rollout = self._build_rollout()
-        self.sync_rollout_weights()  # the vLLM engine starts with random weights
-        self._offload()
+        self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
 
     # ---- builders -----------------------------------------------------------------------------
 
@@ -218,14 +207,17 @@ class HybridWorker:
         model.requires_grad_(False)
         return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
 
-    def _sampling(self, validate: bool, global_step: int) -> SamplingParams:
+    def _sampling(self, mode: GenerationMode, global_step: int) -> SamplingParams:
         rollout_cfg = self.config.worker.rollout
-        params = (
-            rollout_cfg.sampling_for_validation()
-            if validate
-            else {key: getattr(rollout_cfg, key) for key in ("n", "temperature", "top_p", "top_k", "seed")}
-        )
-        # a distinct, reproducible stream per step and rank (resume needs no RNG state for sampling)
+        if mode is GenerationMode.VALIDATE:
+            params = rollout_cfg.sampling_for_validation()
+        else:
+            params = {key: getattr(rollout_cfg, key) for key in SAMPLING_KEYS}
+        if mode is GenerationMode.GREEDY:
+            params.update(n=1, temperature=0.0)
+        # a distinct, reproducible stream per step, rank and validation (resume needs no RNG state for
+        # sampling); greedy draws no random numbers
+        validate = mode is GenerationMode.VALIDATE
         params["seed"] = params["seed"] + (global_step * self.world_size + self.rank) * 2 + int(validate)
         return SamplingParams(
             **params, max_tokens=self.config.data.max_response_length, ignore_eos=rollout_cfg.ignore_eos
@@ -247,38 +239,43 @@ class HybridWorker:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def generate(self, prompts: DataProto) -> DataProto:
-        sampling = self._sampling(
-            prompts.meta_info.get("validate", False), prompts.meta_info.get("global_step", 0)
-        )
-        if prompts.meta_info.get("sampling_override"):  # e.g. ReMax's greedy baseline
-            sampling = sampling.override(**prompts.meta_info["sampling_override"])
-        if getattr(self.rollout, "weights_discarded", False):  # vLLM slept at level 2 since the last push
+    @rows_per_rank
+    def generate(self, prompts: DataProto, *, mode: GenerationMode, global_step: int) -> DataProto:
+        """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
+        ``position_ids`` (validation and greedy baselines are only scored)."""
+        if getattr(self.rollout, "weights_discarded", False):
+            # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
+            # step's sync): its weights are gone and must be pushed again before it can generate
             self.sync_rollout_weights()
-        output = self.rollout.generate(prompts, sampling)
-        output.meta_info["temperature"] = sampling.temperature if sampling.temperature > 0 else 1.0
-        if prompts.meta_info.get("validate", False):
-            return output  # scored only
+        output = self.rollout.generate(prompts, self._sampling(mode, global_step))
+        if mode is not GenerationMode.TRAIN:
+            return output
         return add_position_ids(self.actor.module, output)
 
-    def compute_log_probs(self, data: DataProto) -> DataProto:
+    @rows_per_data_parallel_share
+    def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
         self._onload()
         log_probs, entropies = self.actor.compute_log_probs(
             data,
             self.config.worker.actor.micro_batch_size_per_device_for_experience,
-            data.meta_info["temperature"],
+            temperature,
             with_entropy=True,
         )
         self._offload()
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropies": entropies})
 
-    def compute_ref_log_probs(self, data: DataProto) -> DataProto:
+    @rows_per_data_parallel_share
+    def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
-        log_probs, _ = self.ref.compute_log_probs(data, micro, data.meta_info["temperature"])
+        log_probs, _ = self.ref.compute_log_probs(data, micro, temperature)
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
 
-    def update_actor(self, data: DataProto) -> DataProto:
+    @rows_per_data_parallel_share
+    def update_actor(self, data: DataProto, *, temperature: float, on_policy: bool) -> DataProto:
+        """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
+        returns the ones its own forward computed (with their entropies) for the step's metrics. The
+        rollout still holds the old weights until :meth:`sync_rollout_weights`."""
         actor_cfg = self.config.worker.actor
         self._onload()
         update = self.actor.update_policy(
@@ -286,23 +283,24 @@ class HybridWorker:
             mini_batch_size=per_rank(self.config.responses_per_update, self.dp_size, "responses per update"),
             micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
             ppo_epochs=actor_cfg.ppo_epochs,
-            temperature=data.meta_info["temperature"],
+            temperature=temperature,
+            on_policy=on_policy,
         )
-        self.sync_rollout_weights()
         self._offload()
         metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
-        if update.log_probs is None:
+        if not on_policy:
             return DataProto(meta_info=metrics)
-        # on-policy: the log-probs the separate pass would have computed, for the trainer's metrics
         tensors = {"old_log_probs": update.log_probs, "entropies": update.entropies}
         return DataProto.from_dict(tensors=tensors, meta_info=metrics)
 
     def sync_rollout_weights(self) -> None:
-        """Push the actor's new weights into the rollout engine, one full tensor at a time, under the names
+        """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
+        self._onload()
         self.rollout.update_weights(
             iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
         )
+        self._offload()
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -322,8 +320,7 @@ class HybridWorker:
         load_train_state(
             Path(directory) / "actor", self.actor.module, self.actor.optimizer, self.actor.lr_scheduler
         )
-        self.sync_rollout_weights()
-        self._offload()
+        self._offload()  # the driver pushes the loaded weights into the rollout next (sync_rollout_weights)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -350,20 +347,20 @@ class CriticWorker:
         self.model_path = model_cfg.model_path
         self.critic = ValueCritic(
             module,
+            critic_cfg,
             optimizer,
             scheduler,
+            max_response_length=config.data.max_response_length,
             device=self.device,
-            max_grad_norm=critic_cfg.max_grad_norm,
-            padding_free=critic_cfg.padding_free,
-            share_prompts=critic_cfg.share_prompts,
-            max_tokens_per_micro_batch=critic_cfg.max_tokens_per_micro_batch,
             **sequence_parallel_args(self.sequence_parallel),
         )
 
+    @rows_per_data_parallel_share
     def compute_values(self, data: DataProto) -> DataProto:
         micro = self.config.worker.critic.micro_batch_size_per_device_for_experience
         return DataProto.from_dict(tensors={"values": self.critic.compute_values(data, micro)})
 
+    @rows_per_data_parallel_share
     def update_critic(self, data: DataProto) -> DataProto:
         critic_cfg = self.config.worker.critic
         responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
@@ -372,8 +369,6 @@ class CriticWorker:
             mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
             micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
             ppo_epochs=critic_cfg.ppo_epochs,
-            cliprange_value=critic_cfg.cliprange_value,
-            loss_avg_mode=critic_cfg.loss_avg_mode,
         )
         return DataProto(meta_info={"metrics": {f"critic/{key}": value for key, value in metrics.items()}})
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch
+from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
 from _trainer_run import run_main, small_run_overrides
 
 from mmrl.models.attention import PackedSequences
@@ -131,7 +131,6 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
     from torch.distributed.device_mesh import init_device_mesh
 
     from mmrl.models.loading import decoder_layers, load_model
-    from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import apply_fsdp2
 
     groups = init_sequence_parallel(ulysses_size, ring_size)
@@ -143,7 +142,7 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
     decoder_layers(module)[0].register_forward_hook(
         lambda m, args, out: layer_tokens.append(args[0].shape[1])
     )
-    actor = PolicyActor(
+    actor = policy_actor(
         module,
         recorder,
         dp_group=groups.dp_group,

@@ -14,6 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.protocol import DataProto
 from mmrl.single_controller import (
     RayWorkerGroup,
@@ -80,6 +81,14 @@ class DataWorker(GlooWorker):
             meta_info={"metrics": {"rows": len(data), "rank": [self.rank]}},
         )
 
+    @rows_per_rank
+    def scale_rows_per_rank(self, data: DataProto) -> DataProto:
+        return self.scale_rows(data)
+
+    @rows_per_data_parallel_share
+    def scale_rows_per_share(self, data: DataProto) -> DataProto:
+        return self.scale_rows(data)
+
 
 class Sleeper:
     """Needs no torch, so its process starts in ~2 s (worker_group imports DataProto only where used)."""
@@ -111,7 +120,9 @@ def make_group(worker_cls: type, name_prefix: str, **kwargs) -> RayWorkerGroup:
 @pytest.fixture(scope="module")
 def group(ray_cluster):
     # started in two phases, as the trainer does: processes, env and imports first, workers later
-    worker_group = make_group(DataWorker, "train", env={"MMRL_TEST_FLAG": "1"}, start=False)
+    worker_group = make_group(
+        DataWorker, "train", env={"MMRL_TEST_FLAG": "1"}, start=False, sequence_parallel_size=2
+    )
     worker_group.start()  # the constructor's args: scale 10
     yield worker_group
     worker_group.shutdown()
@@ -155,6 +166,20 @@ def test_dispatch_pads_splits_and_rejoins_in_order(group: RayWorkerGroup) -> Non
     whole = group.dispatch("scale_rows", data, dp_size=1)
     assert whole.non_tensor_batch["rank"].tolist() == [0] * 5
     assert whole.meta_info["metrics"] == {"rows": [5, 5], "rank": [0, 1]}
+
+
+def test_dispatch_layout_is_declared_on_the_worker_method(group: RayWorkerGroup) -> None:
+    """The group was made with sequence_parallel_size=2: a method marked per data-parallel share sends
+    both ranks (one SP group) all rows; a method marked per rank splits them; neither takes a dp_size."""
+    data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": list("abcde")})
+    per_rank = group.dispatch("scale_rows_per_rank", data)
+    assert per_rank.non_tensor_batch["rank"].tolist() == [0, 0, 0, 1, 1]
+    per_share = group.dispatch("scale_rows_per_share", data)
+    assert per_share.non_tensor_batch["rank"].tolist() == [0] * 5
+    assert per_share.meta_info["metrics"] == {"rows": [5, 5], "rank": [0, 1]}
+    assert torch.equal(per_share.batch["y"], torch.arange(5.0) * 10)
+    with pytest.raises(ValueError, match="declares its layout"):
+        group.dispatch("scale_rows_per_share", data, dp_size=2)
 
 
 def _assert_processes_exit(pids: list[int], within_s: float) -> None:

@@ -14,6 +14,7 @@ import yaml
 
 from mmrl.trainer.config import PPOConfig, split_dataset_spec, split_function_spec
 from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
+from mmrl.trainer.step_plan import StepPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -292,4 +293,26 @@ def test_cli_dry_run_prints_resolved_config(run_files, tmp_path):
     ],
 )
 def test_old_log_probs_come_from_the_update_only_when_it_is_on_policy(run_files, extra, expected):
-    assert load_config(valid_args(run_files, *extra)).old_log_probs_from_update is expected
+    assert (
+        StepPlan.for_step(load_config(valid_args(run_files, *extra)), 0).old_log_probs_from_update is expected
+    )
+
+
+def test_step_plan_follows_critic_warmup_and_scores_greedy_rollouts_at_temperature_one(run_files):
+    config = load_config(
+        valid_args(
+            run_files,
+            "worker.actor.global_batch_size=8",
+            "algorithm.disable_kl=true",
+            "algorithm.adv_estimator=gae",
+            "worker.critic.global_batch_size=8",
+            "worker.critic.micro_batch_size_per_device_for_update=2",
+            "trainer.critic_warmup=2",
+            "worker.rollout.temperature=0",
+        )
+    )
+    warming, trained = StepPlan.for_step(config, 1), StepPlan.for_step(config, 2)
+    assert not warming.update_actor and not warming.old_log_probs_from_update  # the separate pass runs
+    assert trained.update_actor and trained.old_log_probs_from_update
+    assert warming.use_critic and not warming.use_reference and not warming.greedy_baseline
+    assert warming.temperature == trained.temperature == 1.0

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _batches import ACTOR_SETTINGS as SHARED_ACTOR_SETTINGS
+from _batches import policy_actor, value_critic
 from PIL import Image
 
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
@@ -29,8 +30,6 @@ from mmrl.models.loading import (
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import log_probs_from_logits
-from mmrl.workers.actor import PolicyActor
-from mmrl.workers.critic import ValueCritic
 from mmrl.workers.fsdp_engine import (
     build_lr_scheduler,
     build_optimizer,
@@ -113,7 +112,7 @@ def add_training_columns(batch: DataProto, model_path: Path, seed: int = 1) -> D
     """``old_log_probs`` near the model's own (so some ratios clip), ``ref_log_probs``, advantages,
     critic ``values`` and ``returns``."""
     generator = torch.Generator().manual_seed(seed)
-    log_probs, _ = PolicyActor(load_model(str(model_path))).compute_log_probs(batch, 4, TEMPERATURE)
+    log_probs, _ = policy_actor(load_model(str(model_path))).compute_log_probs(batch, 4, TEMPERATURE)
     mask = batch.batch["response_mask"].float()
     shape = log_probs.shape
     columns = {
@@ -181,7 +180,7 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     results: dict = {}
 
     model = _sharded(model_path, mesh)
-    actor = PolicyActor(model, **ACTOR_SETTINGS)
+    actor = policy_actor(model, **ACTOR_SETTINGS)
     results["log_probs"], results["entropy"] = actor.compute_log_probs(
         shard, 1, TEMPERATURE, with_entropy=True
     )
@@ -198,21 +197,24 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     for mode, micro_batch_size, checkpointing in (("token_mean", 1, False), ("seq_mean_token_mean", 2, True)):
         model = _sharded(model_path, mesh, checkpointing=checkpointing)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-        actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, "loss_avg_mode": mode})
+        actor = policy_actor(model, optimizer, **{**ACTOR_SETTINGS, "loss_avg_mode": mode})
         metrics = actor.update_policy(shard, rows, micro_batch_size, 1, TEMPERATURE).metrics
         results[f"update_{mode}"] = (_full_state(model), metrics)
 
     model = _sharded(model_path, mesh, freeze=True)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(shard, rows, 1, 1, TEMPERATURE)
+    policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(shard, rows, 1, 1, TEMPERATURE)
     results["frozen_update"] = _full_state(model)
 
     critic_model = _sharded(model_path, mesh, role="critic", cpu_offload=True)
-    critic = ValueCritic(
-        critic_model, torch.optim.SGD(critic_model.parameters(), lr=SGD_LR), max_grad_norm=1e9
+    critic = value_critic(
+        critic_model,
+        torch.optim.SGD(critic_model.parameters(), lr=SGD_LR),
+        max_grad_norm=1e9,
+        cliprange_value=CRITIC_CLIP,
     )
     results["values"] = critic.compute_values(shard, 1)
-    metrics = critic.update_critic(shard, rows, 1, 1, CRITIC_CLIP, "token_mean")
+    metrics = critic.update_critic(shard, rows, 1, 1)
     # Between phases the worker parks shards and optimizer states on the host: no-ops on the CPU.
     offload_fsdp_params(critic_model)
     offload_optimizer(critic.optimizer)
@@ -237,7 +239,7 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 def _reference_update(model_path, batch, micro_batch_size, **overrides):
     model = load_model(str(model_path))
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    actor = PolicyActor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
+    actor = policy_actor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
     metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
     return _unique_state(model), metrics
 
@@ -505,7 +507,7 @@ def test_one_step_changes_every_trainable_tensor_vision_tower_included(tiny_vl_p
     model = load_model(str(tiny_vl_path))
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
+    policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
     after = _unique_state(model)
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert unchanged == []
@@ -517,7 +519,7 @@ def test_frozen_vision_tower_stays_unchanged(tiny_vl_path, vl_batch):
     freeze_vision_tower(model)
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
+    policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
     after = _unique_state(model)
     for name in before:
         assert torch.equal(before[name], after[name]) == name.startswith("model.visual."), name
@@ -532,7 +534,7 @@ def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     metrics = (
-        PolicyActor(model, optimizer, **ACTOR_SETTINGS).update_policy(batch, 2, 2, 1, TEMPERATURE).metrics
+        policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(batch, 2, 2, 1, TEMPERATURE).metrics
     )
     assert metrics["skipped_steps"] == 1 and math.isnan(metrics["grad_norm"])
     assert all(torch.equal(before[name], tensor) for name, tensor in _unique_state(model).items())
@@ -544,7 +546,7 @@ def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
 @pytest.mark.distributed
 def test_two_rank_log_probs_and_grads_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
     model = load_model(str(tiny_vl_path))
-    actor = PolicyActor(model, **ACTOR_SETTINGS)
+    actor = policy_actor(model, **ACTOR_SETTINGS)
     log_probs, entropy = actor.compute_log_probs(vl_batch, 4, TEMPERATURE, with_entropy=True)
     mask = vl_batch.batch["response_mask"].bool()
     sharded_log_probs = torch.cat([result["log_probs"] for result in two_rank_results])
@@ -589,13 +591,15 @@ def test_two_rank_frozen_tower_unchanged(two_rank_results):
 @pytest.mark.distributed
 def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
     model = load_model(str(tiny_vl_path), role="critic")
-    critic = ValueCritic(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), max_grad_norm=1e9)
+    critic = value_critic(
+        model, torch.optim.SGD(model.parameters(), lr=SGD_LR), max_grad_norm=1e9, cliprange_value=CRITIC_CLIP
+    )
     values = critic.compute_values(vl_batch, 4)
     mask = vl_batch.batch["response_mask"].bool()
     sharded_values = torch.cat([result["values"] for result in two_rank_results])
     torch.testing.assert_close(sharded_values[mask], values[mask], atol=1e-6, rtol=0)
     head_before = model.lm_head.weight.detach().clone()
-    metrics = critic.update_critic(vl_batch, 4, 4, 1, CRITIC_CLIP, "token_mean")
+    metrics = critic.update_critic(vl_batch, 4, 4, 1)
     assert metrics["vf_loss"] > 0 and 0 <= metrics["vf_clipfrac"] <= 1
     assert not torch.equal(model.lm_head.weight, head_before)
     state, sharded_metrics = two_rank_results[0]["critic_update"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _batches import policy_actor
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
@@ -12,7 +13,6 @@ from mmrl.models.loading import load_model
 from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
-from mmrl.workers.actor import PolicyActor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
 from mmrl.workers.rollout.hf import HFRollout, filter_logits, placeholder_token_ids
 from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears, prepacking_available
@@ -117,7 +117,7 @@ def test_rollout_log_probs_match_the_trainer(vl_parts, prompts):
     rollout = make_rollout(vl_parts, return_log_probs=True)
     sampling = SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2)
     batch = rollout.generate(prompts, sampling)
-    actor = PolicyActor(load_model(str(path)))
+    actor = policy_actor(load_model(str(path)))
     log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=0.7)
     mask = batch.batch["response_mask"].bool()
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
@@ -284,6 +284,6 @@ def test_prepacked_rollout_equals_plain_rollout_before_and_after_weight_sync(vl_
     assert not torch.equal(*greedy_tokens)  # the sync took effect in the packed layers too
     # and the trainer, on plain linears with the same weights, scores the packed rollout's tokens alike
     batch = packed.generate(prompts, sampled)
-    log_probs, _ = PolicyActor(other).compute_log_probs(batch, micro_batch_size=4, temperature=1.0)
+    log_probs, _ = policy_actor(other).compute_log_probs(batch, micro_batch_size=4, temperature=1.0)
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[batch.batch["response_mask"].bool()]
     assert gap.max() < 1e-4

@@ -11,7 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch
+from _batches import (
+    ACTOR_SETTINGS,
+    TEMPERATURE,
+    add_training_columns,
+    build_batch,
+    policy_actor,
+    value_critic,
+)
 
 from mmrl.models.inputs import (
     build_packed_forward_inputs,
@@ -31,8 +38,7 @@ from mmrl.parallel.packing import (
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.core_algos import log_probs_from_logits
-from mmrl.workers.actor import PolicyActor, forward_arguments
-from mmrl.workers.critic import ValueCritic
+from mmrl.workers.forward import forward_arguments
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
 from mmrl.workers.weight_sync import iter_full_state_dict
 
@@ -208,7 +214,7 @@ def test_packed_step_changes_every_trainable_tensor_towers_included(
     model = load_model(str(path))
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    actor = PolicyActor(model, optimizer, **ACTOR_SETTINGS, padding_free=True)
+    actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, padding_free=True)
     metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
     after = _unique_state(model)
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
@@ -234,7 +240,7 @@ def test_packed_token_budget_update_equals_padded_sample_count_update(tiny_vl_pa
     settings = {**ACTOR_SETTINGS, "loss_avg_mode": "seq_mean_token_mean"}  # per-sequence normalisers too
     for padding_free, micro_batch_size, max_tokens in ((False, 2, None), (True, 1, budget)):
         model = load_model(str(tiny_vl_path))
-        actor = PolicyActor(
+        actor = policy_actor(
             model,
             torch.optim.SGD(model.parameters(), lr=1.0),
             **settings,
@@ -258,16 +264,16 @@ def test_token_budget_log_probs_and_values_come_back_in_row_order(tiny_vl_path, 
     mask = batch.batch["response_mask"].bool()
     budget = 2 * int(batch.batch["attention_mask"].sum(-1).max())
     model = load_model(str(tiny_vl_path))
-    by_count, _ = PolicyActor(model).compute_log_probs(batch, 2, TEMPERATURE)
-    by_budget, entropy = PolicyActor(model, max_tokens_per_micro_batch=budget).compute_log_probs(
+    by_count, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    by_budget, entropy = policy_actor(model, max_tokens_per_micro_batch=budget).compute_log_probs(
         batch, 2, TEMPERATURE, with_entropy=True
     )
     torch.testing.assert_close(by_budget[mask], by_count[mask], atol=1e-5, rtol=0)
     assert entropy.shape == by_count.shape
 
     critic_model = load_model(str(tiny_vl_path), role="critic")
-    values = ValueCritic(critic_model).compute_values(batch, len(batch))
-    budget_values = ValueCritic(critic_model, max_tokens_per_micro_batch=budget).compute_values(batch, 1)
+    values = value_critic(critic_model).compute_values(batch, len(batch))
+    budget_values = value_critic(critic_model, max_tokens_per_micro_batch=budget).compute_values(batch, 1)
     torch.testing.assert_close(budget_values[mask], values[mask], atol=1e-5, rtol=0)
 
 
@@ -281,7 +287,7 @@ def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProt
     model = apply_fsdp2(
         load_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
     )
-    actor = PolicyActor(
+    actor = policy_actor(
         model,
         torch.optim.SGD(model.parameters(), lr=1.0),
         **ACTOR_SETTINGS,
@@ -309,7 +315,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_equal_one_rank(tiny_vl_path, 
     assert [result["own_groups"] for result in results] == [2, 1]  # rank 1 splits its group to match
 
     model = load_model(str(tiny_vl_path))
-    actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+    actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
     log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
     metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
     mask = batch.batch["response_mask"].bool()
@@ -400,7 +406,7 @@ def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
     """The ``position_ids`` column (get_rope_index once per distinct prompt, responses numbered on from
     the prompt's largest id) equals the model's own numbering of every whole row, and a forward pass
     reading it computes the same log-probs as one that numbers rows itself."""
-    from mmrl.workers.actor import add_position_ids
+    from mmrl.workers.forward import add_position_ids
 
     model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
     batch = _with_repeated_prompts(batches[kind])
@@ -437,14 +443,14 @@ def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
 def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(
     micro_batch_size, tiny_vl_path, mixed_training_batch
 ):
-    """Without ``old_log_probs`` the update takes its own log-probs (detached) as the old ones: the same
+    """On-policy (no ``old_log_probs``) the update takes its own log-probs (detached) as the old ones: the same
     step, the same metrics (ratio 1: nothing clipped, ppo_kl 0) as computing them in a separate pass
     first, and it returns those log-probs and entropies in row order."""
     batch = mixed_training_batch
     results = {}
     for on_policy in (False, True):
         model = load_model(str(tiny_vl_path))
-        actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+        actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
         data = batch
         if not on_policy:
             log_probs, entropies = actor.compute_log_probs(batch, len(batch), TEMPERATURE, with_entropy=True)
@@ -456,7 +462,7 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(
                 batch_keys=[key for key in batch.batch.keys() if key != "old_log_probs"],
                 non_tensor_keys=list(batch.non_tensor_batch),
             )
-        update = actor.update_policy(data, len(batch), micro_batch_size, 1, TEMPERATURE)
+        update = actor.update_policy(data, len(batch), micro_batch_size, 1, TEMPERATURE, on_policy=on_policy)
         results[on_policy] = (_unique_state(model), update)
     (state, update), (expected_state, expected) = results[True], results[False]
     for name, tensor in expected_state.items():
@@ -477,11 +483,11 @@ def test_on_policy_update_needs_one_optimizer_step(tiny_vl_path, mixed_training_
         non_tensor_keys=["multi_modal_inputs"],
     )
     model = load_model(str(tiny_vl_path))
-    actor = PolicyActor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
+    actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
     with pytest.raises(ValueError, match="no old_log_probs.*ppo_epochs=2"):
-        actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE)
+        actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE, on_policy=True)
     with pytest.raises(ValueError, match="5 rows for mini-batches of 2"):
-        actor.update_policy(batch, 2, 2, 1, TEMPERATURE)
+        actor.update_policy(batch, 2, 2, 1, TEMPERATURE, on_policy=True)
 
 
 # ---------------------------------------------------------------- a prompt once for its n responses

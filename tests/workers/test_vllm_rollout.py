@@ -143,10 +143,10 @@ def _sampling_checks(rollout, prompts: DataProto) -> dict:
 def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProto, tp_size: int) -> dict:
     """Rollout → trainer log-probs → FSDP2 update → weight push, ``UPDATE_STEPS`` times, then a last
     rollout. Returns the |vLLM − trainer| log-prob gap of every rollout, and timings."""
+    from _batches import policy_actor
     from torch.distributed.device_mesh import init_device_mesh
 
     from mmrl.models.loading import load_model
-    from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout
     from mmrl.workers.weight_sync import iter_full_state_dict
@@ -155,7 +155,7 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
     mesh = init_device_mesh("cpu", (world_size,))
     module = apply_fsdp2(load_model(model_path), mesh, torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    actor = PolicyActor(module, optimizer, max_response_length=MAX_TOKENS)
+    actor = policy_actor(module, optimizer, max_response_length=MAX_TOKENS)
     start = time.perf_counter()
     rollout = _keep(VLLMRollout(model_path, tokenizer, tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS))
     results = {"engine_start_s": time.perf_counter() - start, "gaps": [], "sync_s": [], "tokens": 0}
@@ -185,7 +185,7 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
         actor.update_policy(batch, len(batch), len(batch), ppo_epochs=1, temperature=TEMPERATURE)
         push_weights()
     # how far training moved the policy: the start model's log-probs of the last rollout's tokens
-    start_log_probs, _ = PolicyActor(load_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
+    start_log_probs, _ = policy_actor(load_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
     results["gap_to_start"] = float((start_log_probs - log_probs).abs()[mask].max())
     results["batch"] = batch
     return results
@@ -194,7 +194,8 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
 def _media_checks(model_path: str, prompts: DataProto) -> dict:
     """Greedy parity with HFRollout, the engine's expanded prompt ids, and sampled-token log-probs
     against the trainer's, on media prompts (videos or audios) with perturbed weights."""
-    from mmrl.workers.actor import PolicyActor
+    from _batches import policy_actor
+
     from mmrl.workers.rollout.vllm_spmd import engine_prompts
 
     results = _greedy_against_hf(model_path, prompts)
@@ -208,7 +209,7 @@ def _media_checks(model_path: str, prompts: DataProto) -> dict:
     sampled = rollout.generate(
         prompts, SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=3)
     )
-    log_probs, _ = PolicyActor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
+    log_probs, _ = policy_actor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
     mask = sampled.batch["response_mask"].bool()
     results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
     results["sampled_tokens"] = int(mask.sum())

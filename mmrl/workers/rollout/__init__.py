@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
 
 from mmrl.protocol import DataProto
+
+
+class GenerationMode(Enum):
+    """What a generation is for; it decides the sampling settings (``HybridWorker._sampling``)."""
+
+    TRAIN = "train"  # worker.rollout sampling, n responses per prompt, scored and trained on
+    VALIDATE = "validate"  # worker.rollout.val_override_config applied; scored only
+    GREEDY = "greedy"  # one greedy response per prompt (ReMax's baseline); scored only
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""Every column a training batch (:class:`~mmrl.protocol.DataProto`) carries, in one place.
+
+Each column is listed once with the phase that produces it, the phases that read it, its dtype and
+its shape (``B`` rows, ``P`` prompt and ``R`` response columns, ``L = P + R``). Code refers to
+columns by these names; ``tests/test_columns.py`` checks that every column name the library uses is
+listed here, and that the batch of a real training step matches the listed dtypes and shapes after
+every phase (:func:`check_batch`).
+
+Besides these, a prompt batch carries the data file's own columns (``data_source`` and whatever else a
+row holds) as object columns: they are passed through to the reward function untouched and are not
+listed (:data:`PASS_THROUGH` says so).
+
+``meta_info`` carries no modes: how a phase runs (validation or training sampling, temperature,
+on-policy update) is an explicit argument of the worker method. The only key left is ``metrics``,
+the scalars a worker returns (merged over ranks by the worker group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["COLUMNS", "Column", "check_batch", "column"]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    producer: str  # the phase (or component) that adds it
+    consumers: tuple[str, ...]  # the phases that read it
+    dtype: torch.dtype | None  # None: an object column (one Python value per row)
+    shape: str  # documentation of the layout, e.g. "[B, R]"
+    meaning: str
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    def width(self, prompt_length: int, response_length: int) -> int | None:
+        """The size of dim 1 this shape implies (None when the column is 1-D or not a tensor)."""
+        last = self.shape.strip("[]").split(",")[-1].strip()
+        return {"P": prompt_length, "R": response_length, "L": prompt_length + response_length}.get(last)
+
+
+_LONG, _FLOAT = torch.int64, torch.float32
+_SPECS = (
+    # ---- prompts: mmrl.data (dataset items -> collate_prompts)
+    Column("input_ids", "data", ("generate", "log_probs", "update"), _LONG, "[B, P] then [B, L]",
+           "token ids: left-padded prompt, after generation followed by the right-padded response"),
+    Column("attention_mask", "data", ("generate", "log_probs", "update", "metrics"), _LONG,
+           "[B, P] then [B, L]", "1 on valid tokens, 0 on padding"),
+    Column("mm_token_type_ids", "data", ("generate", "log_probs", "update"), _LONG, "[B, P] then [B, L]",
+           "Qwen-VL processors: 0 text, 1 image, 2 video placeholder (optional)"),
+    Column("raw_prompt_ids", "data", ("generate",), None, "[B]",
+           "the prompt's ids without padding (what the vLLM engine gets)"),
+    Column("multi_modal_data", "data", ("generate",), None, "[B]",
+           "decoded media of the prompt (PIL images, frames, waveforms) for the rollout engine"),
+    Column("multi_modal_inputs", "data", ("generate", "log_probs", "update"), None, "[B]",
+           "the processor's media tensors of the prompt (pixel_values, grids, audio features)"),
+    Column("ground_truth", "data", ("reward",), None, "[B]", "the answer handed to the reward function"),
+    Column("uid", "data", ("advantages", "remax_baseline"), None, "[B]",
+           "one id per prompt, shared by its n responses (grouping is by uid, never by position)"),
+    Column("sample_index", "data", ("reward",), None, "[B]", "the prompt's position in its dataset"),
+    # ---- generate: mmrl.workers.rollout (assemble_rollout_batch) and the worker's position ids
+    Column("prompts", "generate", ("remax_baseline", "logging"), _LONG, "[B, P]", "the prompt's ids"),
+    Column("responses", "generate", ("reward", "log_probs", "update", "metrics"), _LONG, "[B, R]",
+           "sampled ids, pad_token_id after EOS"),
+    Column("response_mask", "generate", ("reward", "advantages", "update", "metrics"), _LONG, "[B, R]",
+           "1 up to and including EOS"),
+    Column("rollout_log_probs", "generate", ("metrics",), _FLOAT, "[B, R]",
+           "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
+    Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
+           "M-RoPE (or 1-D) ids numbered once per distinct prompt"),
+    # ---- reward: mmrl.workers.reward_worker
+    Column("token_level_scores", "reward", ("advantages", "metrics"), _FLOAT, "[B, R]",
+           "the reward function's overall score on each response's last valid token"),
+    Column("reward_scores", "reward", ("metrics",), None, "[B]", "every score key the function returned"),
+    Column("response_text", "reward", ("logging",), None, "[B]", "the decoded response"),
+    Column("reward_baselines", "remax_baseline", ("advantages",), _FLOAT, "[B]",
+           "ReMax: the reward of the prompt's greedy response"),
+    # ---- log-prob and value passes: mmrl.workers.fsdp_workers
+    Column("old_log_probs", "log_probs", ("advantages", "update", "metrics"), _FLOAT, "[B, R]",
+           "the behaviour policy's log-probs (from the update itself when on-policy)"),
+    Column("entropies", "log_probs", ("metrics",), _FLOAT, "[B, R]", "entropy of the policy at each token"),
+    Column("ref_log_probs", "ref_log_probs", ("advantages", "update"), _FLOAT, "[B, R]",
+           "the reference policy's log-probs (KL penalty or KL loss)"),
+    Column("values", "values", ("advantages", "update_critic", "metrics"), _FLOAT, "[B, R]",
+           "the critic's value of the state before each response token"),
+    # ---- advantages: the driver (mmrl.trainer.core_algos)
+    Column("token_level_rewards", "advantages", ("metrics",), _FLOAT, "[B, R]",
+           "scores after the KL reward penalty"),
+    Column("advantages", "advantages", ("update", "metrics"), _FLOAT, "[B, R]", "per-token advantages"),
+    Column("returns", "advantages", ("update_critic", "metrics"), _FLOAT, "[B, R]",
+           "per-token returns (the critic's targets)"),
+)  # fmt: skip
+
+COLUMNS: dict[str, Column] = {spec.name: spec for spec in _SPECS}
+PASS_THROUGH = "the data file's other columns: object columns handed to the reward function"
+METRICS_META_KEY = "metrics"  # the one meta_info key: scalars a worker returns
+
+
+def column(name: str) -> str:
+    """``name``, after checking it is a listed column (for names built at run time)."""
+    if name not in COLUMNS:
+        raise KeyError(f"{name!r} is not a batch column listed in mmrl.columns; add it there")
+    return name
+
+
+def check_batch(data, allow_unlisted_objects: bool = True) -> list[str]:
+    """Problems of ``data`` (a DataProto) against the schema: unlisted tensor columns, wrong dtypes,
+    wrong widths, tensor/object mix-ups; [] when it conforms. Unlisted object columns are the data
+    file's pass-through columns, allowed unless ``allow_unlisted_objects`` is false."""
+    problems = []
+    tensors = data.batch
+    prompt_length = tensors["prompts"].shape[-1] if "prompts" in tensors.keys() else None
+    response_length = tensors["responses"].shape[-1] if "responses" in tensors.keys() else 0
+    if prompt_length is None and "input_ids" in tensors.keys():
+        prompt_length = tensors["input_ids"].shape[-1]
+    for name in tensors.keys():
+        spec = COLUMNS.get(name)
+        if spec is None or not spec.is_tensor:
+            problems.append(f"tensor column {name!r} is {'an object column' if spec else 'not listed'}")
+            continue
+        tensor = tensors[name]
+        if tensor.dtype != spec.dtype:
+            problems.append(f"{name}: dtype {tensor.dtype}, listed {spec.dtype}")
+        width = spec.width(prompt_length or 0, response_length)
+        if width is not None and tensor.shape[-1] != width:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, listed {spec.shape}")
+    for name in data.non_tensor_batch:
+        spec = COLUMNS.get(name)
+        if spec is not None and spec.is_tensor:
+            problems.append(f"{name}: an object column, listed as a {spec.dtype} tensor")
+        elif spec is None and not allow_unlisted_objects:
+            problems.append(f"object column {name!r} is not listed")
+    unexpected_meta = set(data.meta_info) - {METRICS_META_KEY}
+    if unexpected_meta:
+        problems.append(f"meta_info carries {sorted(unexpected_meta)}; modes are arguments, not meta keys")
+    return problems

@@ -1,0 +1,42 @@
+"""How a worker method's batch is laid out over the ranks of its group, declared once on the method.
+
+A worker role marks each method that takes a batch with :func:`rows_per_rank` or
+:func:`rows_per_data_parallel_share`; ``RayWorkerGroup.dispatch`` reads the mark, so no call site
+repeats a ``dp_size``. Methods without a mark take no batch and run on every rank with the same
+arguments (``RayWorkerGroup.call``).
+
+- ``rows_per_rank``: the rows are split over all ranks (each rank's rollout engine generates its own
+  prompts).
+- ``rows_per_data_parallel_share``: the rows are split over the data-parallel shares; the ranks of one
+  sequence-parallel group get the same share (a ``(dp, sp)`` mesh of consecutive ranks). The worker
+  group is told its role's sequence-parallel size when it is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["ROWS_PER_DATA_PARALLEL_SHARE", "ROWS_PER_RANK", "layout_of", "rows_per_data_parallel_share",
+           "rows_per_rank"]  # fmt: skip
+
+ROWS_PER_RANK = "rows_per_rank"
+ROWS_PER_DATA_PARALLEL_SHARE = "rows_per_data_parallel_share"
+_ATTRIBUTE = "mmrl_dispatch_layout"
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def rows_per_rank(method: Method) -> Method:
+    setattr(method, _ATTRIBUTE, ROWS_PER_RANK)
+    return method
+
+
+def rows_per_data_parallel_share(method: Method) -> Method:
+    setattr(method, _ATTRIBUTE, ROWS_PER_DATA_PARALLEL_SHARE)
+    return method
+
+
+def layout_of(worker_cls: type, method: str) -> str | None:
+    """The declared layout of ``worker_cls.method``; None when the method takes no batch."""
+    return getattr(getattr(worker_cls, method, None), _ATTRIBUTE, None)

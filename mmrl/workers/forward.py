@@ -1,0 +1,111 @@
+"""What the policy and the critic share: the columns of a forward pass, its micro-batches, and the
+head outputs at the valid response tokens.
+
+Batch keys (:mod:`mmrl.columns`): ``input_ids``/``attention_mask`` [B, P + R], ``responses`` [B, R],
+optional ``mm_token_type_ids`` and ``position_ids``, and the object column ``multi_modal_inputs``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmrl.models.inputs import response_token_outputs, sequence_position_ids
+from mmrl.parallel.sequence import SequenceParallelGroups
+from mmrl.protocol import DataProto
+from mmrl.workers.fsdp_engine import micro_batch_rows
+
+FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids")
+MEDIA_COLUMN = "multi_modal_inputs"
+
+
+def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataProto:
+    """The columns a forward pass needs (plus ``extra_keys``), so micro-batches move nothing else."""
+    batch_keys = [*FORWARD_KEYS, *extra_keys]
+    batch_keys += [key for key in OPTIONAL_FORWARD_KEYS if key in data.batch.keys()]
+    missing = [key for key in batch_keys if key not in data.batch.keys()]
+    if missing:
+        raise KeyError(f"the batch lacks {missing}; it has {sorted(data.batch.keys())}")
+    media = [MEDIA_COLUMN] if MEDIA_COLUMN in data.non_tensor_batch else []
+    return data.select(batch_keys=batch_keys, non_tensor_keys=media, meta_info_keys=[])
+
+
+def forward_arguments(data: DataProto) -> tuple:
+    """``(input_ids, attention_mask, response_length, multi_modal_inputs, mm_token_type_ids)`` of a
+    batch: the leading arguments of the forward helpers of :mod:`mmrl.models.inputs`."""
+    batch = data.batch
+    media = data.non_tensor_batch.get(MEDIA_COLUMN)
+    return (
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["responses"].shape[-1],
+        None if media is None else list(media),
+        batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.keys() else None,
+    )
+
+
+def add_position_ids(module: nn.Module, data: DataProto) -> DataProto:
+    """``data`` (a rollout batch) with its ``position_ids`` column, numbered once per distinct prompt by
+    :func:`mmrl.models.inputs.sequence_position_ids`; every later pass reads them instead of running
+    ``get_rope_index`` per row."""
+    data.batch["position_ids"] = sequence_position_ids(module, *forward_arguments(data))
+    return data
+
+
+def micro_batch_token_outputs(
+    module: nn.Module,
+    micro_batch: DataProto,
+    padding_free: bool,
+    sequence_parallel: SequenceParallelGroups | None = None,
+    share_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
+    are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
+    batch = micro_batch.batch
+    return response_token_outputs(
+        module,
+        *forward_arguments(micro_batch),
+        padding_free=padding_free,
+        sequence_parallel=sequence_parallel,
+        position_ids=batch["position_ids"] if "position_ids" in batch.keys() else None,
+        share_prompts=share_prompts,
+    )
+
+
+def check_sequence_parallel(
+    sequence_parallel: SequenceParallelGroups | None, padding_free: bool, dp_group: dist.ProcessGroup | None
+) -> SequenceParallelGroups | None:
+    """``sequence_parallel`` when it splits rows (None for size 1), after checking its requirements."""
+    if sequence_parallel is None or sequence_parallel.size == 1:
+        return None
+    if not padding_free:
+        raise ValueError("sequence parallelism runs on packed rows: set padding_free=true")
+    if dp_group is not sequence_parallel.dp_group:
+        raise ValueError("with sequence parallelism, dp_group must be sequence_parallel.dp_group")
+    return sequence_parallel
+
+
+def fsdp_size(sequence_parallel: SequenceParallelGroups | None) -> int | None:
+    """Ranks FSDP averages over when they are more than the data-parallel ones (sequence parallelism)."""
+    if sequence_parallel is None:
+        return None
+    return sequence_parallel.size * sequence_parallel.dp_size
+
+
+def forward_micro_batches(
+    data: DataProto,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[DataProto], np.ndarray]:
+    """``data``'s micro-batches for a forward-only pass (still where ``data`` is), and ``restore``: the
+    row order that puts the micro-batches' concatenated outputs back in the order of ``data``.
+    ``device`` is where the micro-batch count is agreed on with the other ranks (a token budget)."""
+    attention_mask = data.batch["attention_mask"].to(device)
+    groups = micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group)
+    order = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in groups])
+    return [data[rows] for rows in groups], np.argsort(order)
