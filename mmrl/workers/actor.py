@@ -38,11 +38,11 @@ from mmrl.trainer.core_algos import (
 from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,
-    forward_micro_batches,
-    fsdp_size,
     micro_batch_token_outputs,
+    role_micro_batches,
+    train_role,
 )
-from mmrl.workers.fsdp_engine import token_share, train_on_batch
+from mmrl.workers.fsdp_engine import token_share
 
 ROW_KEY = "_row"  # each row's place in the update's batch (on-policy updates return per-row outputs)
 
@@ -119,13 +119,7 @@ class PolicyActor:
         of the same distribution [B, R] when ``with_entropy``. Padding positions hold 0."""
         self.module.eval()
         log_probs, entropies = [], []
-        micro_batches, restore = forward_micro_batches(
-            forward_columns(data),
-            micro_batch_size,
-            self.config.max_tokens_per_micro_batch,
-            self.device,
-            self.dp_group,
-        )
+        micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
             logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
@@ -179,24 +173,8 @@ class PolicyActor:
         if on_policy:
             outputs = []
             columns.batch[ROW_KEY] = torch.arange(len(data))
-        self.module.train()
-        metrics = train_on_batch(
-            self.module,
-            self.optimizer,
-            columns,
-            functools.partial(self._micro_batch_loss, temperature=temperature, on_policy_outputs=outputs),
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            epochs=ppo_epochs,
-            max_grad_norm=self.config.max_grad_norm,
-            device=self.device,
-            group=self.dp_group,
-            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
-            padding_free=self.config.padding_free,
-            fsdp_size=fsdp_size(self.sequence_parallel),
-        )
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        loss = functools.partial(self._micro_batch_loss, temperature=temperature, on_policy_outputs=outputs)
+        metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if not outputs:
             return PolicyUpdate(metrics)
         rows, log_probs, entropies = (torch.cat(parts) for parts in zip(*outputs))

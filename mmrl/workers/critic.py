@@ -19,11 +19,11 @@ from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_valu
 from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,
-    forward_micro_batches,
-    fsdp_size,
     micro_batch_token_outputs,
+    role_micro_batches,
+    train_role,
 )
-from mmrl.workers.fsdp_engine import token_share, train_on_batch
+from mmrl.workers.fsdp_engine import token_share
 
 
 class ValueCritic:
@@ -68,13 +68,7 @@ class ValueCritic:
     def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
         """Values [B, R] float32 on the CPU (0 on padding)."""
         self.module.eval()
-        micro_batches, restore = forward_micro_batches(
-            forward_columns(data),
-            micro_batch_size,
-            self.config.max_tokens_per_micro_batch,
-            self.device,
-            self.dp_group,
-        )
+        micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         values = [self._values(micro_batch.to(self.device)).cpu() for micro_batch in micro_batches]
         return torch.cat(values)[torch.from_numpy(restore)]
 
@@ -91,25 +85,10 @@ class ValueCritic:
         means), ``grad_norm``, ``skipped_steps``, ``lr``, ``padding_ratio``."""
         if self.optimizer is None:
             raise RuntimeError("ValueCritic.update_critic needs an optimizer")
-        self.module.train()
-        metrics = train_on_batch(
-            self.module,
-            self.optimizer,
-            forward_columns(data, ("response_mask", "values", "returns")),
-            self._micro_batch_loss,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            epochs=ppo_epochs,
-            max_grad_norm=self.config.max_grad_norm,
-            device=self.device,
-            group=self.dp_group,
-            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
-            padding_free=self.config.padding_free,
-            fsdp_size=fsdp_size(self.sequence_parallel),
+        columns = forward_columns(data, ("response_mask", "values", "returns"))
+        return train_role(
+            self, columns, self._micro_batch_loss, mini_batch_size, micro_batch_size, ppo_epochs
         )
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return metrics
 
     def _micro_batch_loss(
         self,

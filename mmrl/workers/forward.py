@@ -15,7 +15,7 @@ from torch import nn
 from mmrl.models.inputs import response_token_outputs, sequence_position_ids
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
-from mmrl.workers.fsdp_engine import micro_batch_rows
+from mmrl.workers.fsdp_engine import micro_batch_rows, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
 OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids")
@@ -109,3 +109,41 @@ def forward_micro_batches(
     groups = micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group)
     order = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in groups])
     return [data[rows] for rows in groups], np.argsort(order)
+
+
+def role_micro_batches(role, data: DataProto, micro_batch_size: int) -> tuple[list[DataProto], np.ndarray]:
+    """:func:`forward_micro_batches` of ``data``'s forward columns for ``role`` (a ``PolicyActor`` or
+    ``ValueCritic``: its token budget, device and data-parallel group)."""
+    return forward_micro_batches(
+        forward_columns(data),
+        micro_batch_size,
+        role.config.max_tokens_per_micro_batch,
+        role.device,
+        role.dp_group,
+    )
+
+
+def train_role(
+    role, columns: DataProto, micro_batch_loss, mini_batch_size: int, micro_batch_size: int, epochs: int
+) -> dict[str, float]:
+    """One training step of ``role`` (a ``PolicyActor`` or ``ValueCritic``) over this rank's rows
+    (``train_on_batch`` with the role's clipping, packing and groups); the scheduler advances once."""
+    role.module.train()
+    metrics = train_on_batch(
+        role.module,
+        role.optimizer,
+        columns,
+        micro_batch_loss,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        epochs=epochs,
+        max_grad_norm=role.config.max_grad_norm,
+        device=role.device,
+        group=role.dp_group,
+        max_tokens_per_micro_batch=role.config.max_tokens_per_micro_batch,
+        padding_free=role.config.padding_free,
+        fsdp_size=fsdp_size(role.sequence_parallel),
+    )
+    if role.lr_scheduler is not None:
+        role.lr_scheduler.step()
+    return metrics
