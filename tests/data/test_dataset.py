@@ -13,7 +13,7 @@ from PIL import Image
 from mmrl.data.collate import collate_prompts, left_pad
 from mmrl.data.dataset import DataError, PromptDataset, split_by_markers
 from mmrl.data.media import MediaError, load_image, resize_to_pixel_range
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 
@@ -61,7 +61,7 @@ def test_jsonl_item_has_model_and_rollout_inputs(shapes_data_dir, vl):
 
 
 def test_parquet_with_embedded_images_matches_jsonl(tmp_path, vl):
-    from mmrl.data.synthetic import generate_shapes_dataset
+    from mmrl.demo.synthetic import generate_shapes_dataset
 
     jsonl_dir = generate_shapes_dataset("color", tmp_path / "j", n_train=4, n_val=1, seed=3, fmt="jsonl")
     parquet_dir = generate_shapes_dataset("color", tmp_path / "p", n_train=4, n_val=1, seed=3, fmt="parquet")

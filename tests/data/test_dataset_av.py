@@ -15,9 +15,9 @@ from PIL import Image
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import DataError, PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import build_forward_inputs, compute_position_ids, concat_multi_modal_inputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.config_loader import ConfigError, load_config
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 

@@ -7,10 +7,10 @@ import torch
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.warmup import warm_up
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.models.warmup import warm_up
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 

@@ -7,9 +7,9 @@ import torch
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.actor import PolicyActor
