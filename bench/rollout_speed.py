@@ -64,12 +64,15 @@ def _prompt_files(num_prompts: int) -> dict[str, str]:
 
 def _prompts(model_path: str, data_file: str, num_prompts: int):
     from mmrl.data.collate import collate_prompts
+    from mmrl.data.config import DataConfig
     from mmrl.data.dataset import PromptDataset
     from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
     from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
     tokenizer, processor = load_tokenizer_and_processor(model_path)
-    dataset = PromptDataset(data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(
+        data_file, tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    )
     return collate_prompts([dataset[row] for row in range(num_prompts)], tokenizer.pad_token_id)
 
 

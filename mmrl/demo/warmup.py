@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import response_head_outputs
@@ -93,10 +94,12 @@ def warm_up(
         data_file,
         tokenizer,
         processor,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        video_min_pixels=MIN_PIXELS,
-        video_max_pixels=MAX_PIXELS,
+        DataConfig(
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            video_min_pixels=MIN_PIXELS,
+            video_max_pixels=MAX_PIXELS,
+        ),
     )
     answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
     width = max(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answer_set) + 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import concat_multi_modal_inputs
@@ -31,8 +32,7 @@ def prompts(vl_parts, shapes_data_dir) -> DataProto:
         str(shapes_data_dir / "train.jsonl"),
         tokenizer,
         processor,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
+        DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
     )
     return collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
 

@@ -29,6 +29,7 @@ import torch
 from _trainer_run import run_main, small_run_overrides
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.spawn import run_on_ranks
@@ -78,7 +79,10 @@ def _prompts(model_path: str, files: list[str], rows_per_file: int, **dataset_kw
     items = []
     for data_file in files:
         dataset = PromptDataset(
-            data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **dataset_kwargs
+            data_file,
+            tokenizer,
+            processor,
+            DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **dataset_kwargs),
         )
         items += [dataset[row] for row in range(rows_per_file)]
     return collate_prompts(items, tokenizer.pad_token_id)
