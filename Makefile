@@ -63,13 +63,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest tests -m "not slow" -x -q $(PYTEST_ARGS)
 
+# lint style and formatting, and the layer rules of DESIGN.md (contracts in pyproject.toml)
 quality: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 style: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache
+	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache .import_linter_cache .grimp_cache
