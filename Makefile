@@ -72,6 +72,7 @@ quality: install
 style: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+	$(PY) scripts/example_config.py
 
 clean:
 	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache .import_linter_cache .grimp_cache
