@@ -17,9 +17,9 @@ lock: install
 	@mv scripts/constraints-cpu.lock.new scripts/constraints-cpu.lock
 
 assets: install
-	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
-	@$(PY) -m mmrl.data.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
-	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
 		--data $(ASSETS)/data/shapes-color/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-warm
 
 demo: assets
@@ -27,9 +27,9 @@ demo: assets
 
 # "How many times does the light flash?" (12-frame videos) with the tiny Qwen2.5-VL
 assets-video: install
-	@$(PY) -m mmrl.models.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
-	@$(PY) -m mmrl.data.synthetic --task video_flashes --out $(ASSETS)/data/video-flashes --n_train 512 --n_val 64
-	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task video_flashes --out $(ASSETS)/data/video-flashes --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
 		--data $(ASSETS)/data/video-flashes/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-video-warm
 
 demo-video: assets-video
@@ -37,9 +37,9 @@ demo-video: assets-video
 
 # "How many beeps are there?" (1.5 s clips) with the tiny Qwen2.5-Omni thinker
 assets-audio: install
-	@$(PY) -m mmrl.models.tiny --kind qwen2_5_omni --size tiny --out $(ASSETS)/models/tiny-qwen2.5-omni
-	@$(PY) -m mmrl.data.synthetic --task audio_beeps --out $(ASSETS)/data/audio-beeps --n_train 512 --n_val 64
-	@$(PY) -m mmrl.models.warmup --model $(ASSETS)/models/tiny-qwen2.5-omni \
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_omni --size tiny --out $(ASSETS)/models/tiny-qwen2.5-omni
+	@$(PY) -m mmrl.demo.synthetic --task audio_beeps --out $(ASSETS)/data/audio-beeps --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-omni \
 		--data $(ASSETS)/data/audio-beeps/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-omni-audio-warm
 
 demo-audio: assets-audio
@@ -63,13 +63,16 @@ test: install
 test-fast: install
 	$(PY) -m pytest tests -m "not slow" -x -q $(PYTEST_ARGS)
 
+# lint style and formatting, and the layer rules of DESIGN.md (contracts in pyproject.toml)
 quality: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 style: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+	$(PY) scripts/example_config.py
 
 clean:
-	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache
+	rm -rf $(ASSETS) outputs checkpoints .pytest_cache .ruff_cache .import_linter_cache .grimp_cache

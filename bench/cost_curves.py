@@ -123,8 +123,9 @@ class WorkerStep:
         cut_lengths: list[int] | None = None,
         threads: int | None = None,
     ):
+        from mmrl.data.dataset import PromptDataset
         from mmrl.trainer.config_loader import load_config
-        from mmrl.trainer.ray_trainer import build_dataset, load_tokenizer_and_processor
+        from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardScorer
 
@@ -133,7 +134,8 @@ class WorkerStep:
         self.config = load_config(command[3:] + [f"worker.actor.padding_free={str(padding_free).lower()}"])
         self.job, self.padding_free, self.cut_lengths = job, padding_free, cut_lengths
         self.tokenizer, processor = load_tokenizer_and_processor(job.model)
-        self.dataset = build_dataset(self.config, self.config.data.train_files, self.tokenizer, processor)
+        data = self.config.data
+        self.dataset = PromptDataset(data.train_files, self.tokenizer, processor, data)
         self.worker = HybridWorker(self.config, total_training_steps=100)
         if threads is not None:  # the worker set cores / ranks, as in the trainer; this overrides it
             import torch

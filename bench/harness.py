@@ -294,7 +294,7 @@ class JobSettings:
 def mmrl_command(job: JobSettings, backend: str, out_dir: Path) -> tuple[list[str], Path]:
     """``python -m mmrl.trainer.main key=value ...`` for ``job`` with one training process, and the
     jsonl log it writes. ``backend``: ``hf`` or ``vllm`` (eager)."""
-    from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+    from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 
     data = Path(job.data_dir)
     overrides = {
@@ -447,8 +447,8 @@ def training_seconds_until(steps: list[dict[str, Any]], step: int) -> float:
 def build_models_and_data(sizes: Sequence[str], n_train: int = 512, n_val: int = 64) -> dict[str, Any]:
     """Tiny Qwen2.5-VL models of ``sizes`` and the synthetic colour task under ``bench/results``
     (each returns at once when already built)."""
-    from mmrl.data.synthetic import generate_shapes_dataset
-    from mmrl.models.tiny import build_tiny_model, count_parameters, tiny_model_path
+    from mmrl.demo.synthetic import generate_shapes_dataset
+    from mmrl.demo.tiny import build_tiny_model, count_parameters, tiny_model_path
 
     data_dir = generate_shapes_dataset(
         "color", RESULTS / "data" / "shapes-color", n_train=n_train, n_val=n_val

@@ -193,8 +193,8 @@ def main() -> None:
     import torch
     from transformers import AutoProcessor
 
+    from mmrl.demo.tiny import build_tiny_model, count_parameters, tiny_model_path
     from mmrl.models.loading import load_model
-    from mmrl.models.tiny import build_tiny_model, count_parameters, tiny_model_path
 
     torch.set_num_threads(args.threads)
     lengths = response_lengths(args.rows, args.min_response, args.max_response)

@@ -51,7 +51,7 @@ def _join_one_rank_group() -> None:
 
 
 def _prompt_files(num_prompts: int) -> dict[str, str]:
-    from mmrl.data.synthetic import generate_shapes_dataset
+    from mmrl.demo.synthetic import generate_shapes_dataset
 
     data_dir = generate_shapes_dataset(
         "color", RESULTS / "data" / "shapes-color", n_train=num_prompts, n_val=1
@@ -64,12 +64,15 @@ def _prompt_files(num_prompts: int) -> dict[str, str]:
 
 def _prompts(model_path: str, data_file: str, num_prompts: int):
     from mmrl.data.collate import collate_prompts
+    from mmrl.data.config import DataConfig
     from mmrl.data.dataset import PromptDataset
-    from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+    from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
     from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
     tokenizer, processor = load_tokenizer_and_processor(model_path)
-    dataset = PromptDataset(data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(
+        data_file, tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    )
     return collate_prompts([dataset[row] for row in range(num_prompts)], tokenizer.pad_token_id)
 
 
@@ -142,7 +145,7 @@ def main() -> None:
 
     import torch
 
-    from mmrl.models.tiny import build_tiny_model, count_parameters, tiny_model_path
+    from mmrl.demo.tiny import build_tiny_model, count_parameters, tiny_model_path
 
     torch.set_num_threads(args.threads)
     _join_one_rank_group()

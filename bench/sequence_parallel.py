@@ -3,7 +3,7 @@
     python bench/sequence_parallel.py [--lengths 1024 2048 4096 8192] [--layouts 1x1 2x1 1x2]
                                       [--budget_mb 400] [--repeats 2]
 
-Model: the ``small`` Qwen2 text model of ``mmrl.models.tiny`` (hidden 256, 4 layers, 4 query / 2
+Model: the ``small`` Qwen2 text model of ``mmrl.demo.tiny`` (hidden 256, 4 layers, 4 query / 2
 key-value heads, 7.2M parameters, fp32), built under ``bench/results/``. Work: one packed row of
 ``L`` tokens (``L - 32`` prompt, 32 response) and one actor update through ``PolicyActor.update_policy``
 (forward, backward, AdamW step) under FSDP2, padding-free, no gradient checkpointing. Layouts
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from mmrl.models.tiny import ensure_tiny_model
+    from mmrl.demo.tiny import ensure_tiny_model
 
     model_path = str(ensure_tiny_model("qwen2", "small", root=RESULTS / "models"))
     layouts = {name: tuple(int(x) for x in name.split("x")) for name in args.layouts}

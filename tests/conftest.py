@@ -5,7 +5,7 @@ building all three models and the dataset takes well under a second once torch a
 imported, so a cache would save little, while building fresh means every run tests the current
 builder code (a stale cache could hide a change), never writes into the repository, and lets parallel
 sessions run side by side. Code that wants the persistent copies (the demo) uses
-``mmrl.models.tiny.ensure_tiny_model`` instead.
+``mmrl.demo.tiny.ensure_tiny_model`` instead.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def tiny_models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_path(tiny_models_dir) -> Path:
     """A tiny random Qwen2.5-VL (seed 0): AutoModelForImageTextToText + AutoProcessor."""
-    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
 
     kind = "qwen2_5_vl"
     return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
@@ -49,7 +49,7 @@ def tiny_vl_path(tiny_models_dir) -> Path:
 def tiny_omni_path(tiny_models_dir) -> Path:
     """A tiny random Qwen2.5-Omni (thinker weights only, seed 0):
     Qwen2_5OmniThinkerForConditionalGeneration + AutoProcessor."""
-    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
 
     kind = "qwen2_5_omni"
     return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
@@ -58,7 +58,7 @@ def tiny_omni_path(tiny_models_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_text_path(tiny_models_dir) -> Path:
     """A tiny random Qwen2 text model (seed 0): AutoModelForCausalLM + AutoTokenizer."""
-    from mmrl.models.tiny import build_tiny_model, tiny_model_path
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
 
     kind = "qwen2"
     return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
@@ -67,7 +67,7 @@ def tiny_text_path(tiny_models_dir) -> Path:
 @pytest.fixture(scope="session")
 def shapes_data_dir(tmp_path_factory) -> Path:
     """The ``color`` task as jsonl: 32 train / 8 val rows (seed 0), images under ``images/``."""
-    from mmrl.data.synthetic import generate_shapes_dataset
+    from mmrl.demo.synthetic import generate_shapes_dataset
 
     out_dir = tmp_path_factory.mktemp("data") / "shapes-color"
     return generate_shapes_dataset("color", out_dir, n_train=32, n_val=8, seed=0, fmt="jsonl")

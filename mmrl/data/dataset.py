@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from jinja2 import StrictUndefined, Template, TemplateError
 
+from mmrl.data.config import DataConfig, split_dataset_spec
 from mmrl.data.media import DecodedVideo, MediaError, load_audio, load_image, load_video
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,6 @@ def _read_json_lines(path: str) -> list[dict[str, Any]]:
 def load_rows(spec: str, media_dir: str | None = None) -> Rows:
     """Read ``path[@split]``: a .jsonl/.json/.parquet file, a ``datasets.save_to_disk`` folder, or a
     folder of data files; anything else that looks like ``owner/name`` goes to ``datasets.load_dataset``."""
-    from mmrl.trainer.config import split_dataset_spec
-
     path, split = split_dataset_spec(spec)
     base_dir = media_dir or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else path)
     if path.endswith(".jsonl"):
@@ -128,66 +127,33 @@ def split_by_markers(text: str) -> list[dict[str, str]]:
 class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one or more data files, encoded for the model; see the module docstring.
 
+    ``data_files``: ``data.train_files`` or ``data.val_files``; ``config``: the ``data`` section, whose
+    columns, prompt, image, video and audio keys mean what their comments in :mod:`mmrl.data.config` say.
     ``processor`` is the model's Hugging Face processor (None for text-only models, then the
     tokenizer's chat template is used). Overlong prompts are dropped at construction when
     ``filter_overlong_prompts`` (their count is logged and kept in ``num_filtered``), else they raise.
-    Video and audio options mean what the ``data.*`` keys of the same names do (config.py).
     """
 
-    def __init__(
-        self,
-        data_files: str,
-        tokenizer: Any,
-        processor: Any | None,
-        prompt_key: str = "problem",
-        answer_key: str = "answer",
-        image_key: str = "images",
-        video_key: str = "videos",
-        audio_key: str = "audios",
-        media_dir: str | None = None,
-        format_prompt: str | None = None,
-        system_prompt: str | None = None,
-        max_prompt_length: int = 512,
-        min_pixels: int = 262144,
-        max_pixels: int = 4194304,
-        filter_overlong_prompts: bool = True,
-        video_fps: float = 2.0,
-        num_video_frames: int | None = None,
-        max_video_frames: int = 64,
-        video_min_pixels: int = 100352,
-        video_max_pixels: int = 602112,
-        max_audio_seconds: float = 30.0,
-        use_audio_in_video: bool = False,
-        skip_bad_samples: bool = False,
-    ):
+    def __init__(self, data_files: str, tokenizer: Any, processor: Any | None, config: DataConfig):
         self.tokenizer = tokenizer
         self.processor = processor
-        self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.media_keys = {"image": image_key, "video": video_key, "audio": audio_key}
-        self.system_prompt = system_prompt
-        self.max_prompt_length = max_prompt_length
-        self.min_pixels, self.max_pixels = min_pixels, max_pixels
-        self.video_fps, self.num_video_frames, self.max_video_frames = (
-            video_fps,
-            num_video_frames,
-            max_video_frames,
-        )
-        self.video_min_pixels, self.video_max_pixels = video_min_pixels, video_max_pixels
+        self.config = config
+        self.media_keys = {"image": config.image_key, "video": config.video_key, "audio": config.audio_key}
         self.video_processor = getattr(processor, "video_processor", None)
         self.feature_extractor = getattr(processor, "feature_extractor", None)  # Qwen-Omni's audio features
-        self.audio_seconds = self._audio_seconds(max_audio_seconds)
-        if use_audio_in_video and self.feature_extractor is None:
+        self.audio_seconds = self._audio_seconds(config.max_audio_seconds)
+        if config.use_audio_in_video and self.feature_extractor is None:
             raise DataError(
                 "data.use_audio_in_video=true, but the model's processor takes no audio (Qwen2.5-Omni's does)"
             )
-        self.use_audio_in_video = use_audio_in_video
-        self.skip_bad_samples = skip_bad_samples
         self.skipped: dict[str, str] = {}  # "file row r" -> why it was skipped
-        self.template = self._load_template(format_prompt)
-        self.files = [load_rows(spec.strip(), media_dir) for spec in data_files.split(",") if spec.strip()]
+        self.template = self._load_template(config.format_prompt)
+        self.files = [
+            load_rows(spec.strip(), config.media_dir) for spec in data_files.split(",") if spec.strip()
+        ]
         self.index = [(f, r) for f, rows in enumerate(self.files) for r in range(len(rows.table))]
         self.num_filtered = 0
-        if filter_overlong_prompts:
+        if config.filter_overlong_prompts:
             self._filter_at_load()
 
     def _audio_seconds(self, max_audio_seconds: float) -> float:
@@ -229,14 +195,14 @@ class PromptDataset(torch.utils.data.Dataset):
     # ---- building one prompt ------------------------------------------------------------------
 
     def _prompt_text(self, row: dict[str, Any], where: str) -> str:
-        if self.prompt_key not in row:
+        if self.config.prompt_key not in row:
             raise DataError(
-                f"{where}: no column '{self.prompt_key}' (data.prompt_key); columns: {sorted(row)}"
+                f"{where}: no column '{self.config.prompt_key}' (data.prompt_key); columns: {sorted(row)}"
             )
-        content = row[self.prompt_key]
+        content = row[self.config.prompt_key]
         if not isinstance(content, str):
             raise DataError(
-                f"{where}: column '{self.prompt_key}' must be a string, found {type(content).__name__}"
+                f"{where}: column '{self.config.prompt_key}' must be a string, found {type(content).__name__}"
             )
         if self.template is None:
             return content
@@ -262,7 +228,9 @@ class PromptDataset(torch.utils.data.Dataset):
                     f"{where}: the prompt has {markers} {MEDIA_MARKERS[kind]} marker(s) but the sample has "
                     f"{count} {kind}(s) in column '{self.media_keys[kind]}'; put one marker where each goes"
                 )
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages = (
+            [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        )
         if all(part["type"] == "text" for part in parts):
             messages.append({"role": "user", "content": text})
         else:
@@ -288,18 +256,21 @@ class PromptDataset(torch.utils.data.Dataset):
         """``(images, videos, audios)`` of one row, decoded and scaled; errors name the row."""
         sampling_rate = getattr(self.feature_extractor, "sampling_rate", None)
         try:
-            images = [load_image(ref, self.min_pixels, self.max_pixels, base_dir) for ref in refs["image"]]
+            images = [
+                load_image(ref, self.config.min_pixels, self.config.max_pixels, base_dir)
+                for ref in refs["image"]
+            ]
             videos = [
                 load_video(
                     ref,
-                    self.video_min_pixels,
-                    self.video_max_pixels,
-                    fps=self.video_fps,
-                    num_frames=self.num_video_frames,
-                    max_frames=self.max_video_frames,
+                    self.config.video_min_pixels,
+                    self.config.video_max_pixels,
+                    fps=self.config.video_fps,
+                    num_frames=self.config.num_video_frames,
+                    max_frames=self.config.max_video_frames,
                     frame_multiple=getattr(self.video_processor, "temporal_patch_size", 1),
                     base_dir=base_dir,
-                    audio_sampling_rate=sampling_rate if self.use_audio_in_video else None,
+                    audio_sampling_rate=sampling_rate if self.config.use_audio_in_video else None,
                     max_audio_seconds=self.audio_seconds,
                 )
                 for ref in refs["video"]
@@ -321,7 +292,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 ordered.append(next(next_audio))
             elif part["type"] == "video":
                 video = next(next_video)
-                if self.use_audio_in_video:
+                if self.config.use_audio_in_video:
                     ordered.append(video.audio)
         return ordered
 
@@ -333,7 +304,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if images:
             kwargs["images"] = images
         if videos:
-            if self.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
+            if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
                 raise DataError(
                     f"{where}: with data.use_audio_in_video the videos of one sample must be sampled at one fps "
                     f"(found {sorted({video.sampled_fps for video in videos})}): Qwen2.5-Omni's processor takes "
@@ -344,10 +315,13 @@ class PromptDataset(torch.utils.data.Dataset):
                 "do_sample_frames": False,
                 "video_metadata": [video.metadata() for video in videos],
                 "fps": videos[0].sampled_fps,
-                "size": {"shortest_edge": self.video_min_pixels, "longest_edge": self.video_max_pixels},
+                "size": {
+                    "shortest_edge": self.config.video_min_pixels,
+                    "longest_edge": self.config.video_max_pixels,
+                },
             }
             if self.feature_extractor is not None:
-                videos_kwargs["use_audio_in_video"] = self.use_audio_in_video
+                videos_kwargs["use_audio_in_video"] = self.config.use_audio_in_video
             kwargs["videos_kwargs"] = videos_kwargs
         if audio_inputs:
             kwargs["audio"] = audio_inputs
@@ -368,7 +342,7 @@ class PromptDataset(torch.utils.data.Dataset):
             # Qwen2.5-Omni derives seconds per temporal patch from one fps per call: use each video's own
             patch = self.video_processor.temporal_patch_size
             encoded["video_second_per_grid"] = torch.tensor([patch / video.sampled_fps for video in videos])
-        if videos and self.use_audio_in_video:
+        if videos and self.config.use_audio_in_video:
             encoded["use_audio_in_video"] = True  # read by the thinker's get_rope_index (mmrl.models.inputs)
         return encoded
 
@@ -406,11 +380,11 @@ class PromptDataset(torch.utils.data.Dataset):
             try:
                 length = self._prompt_length(position)
             except DataError as err:
-                if not self.skip_bad_samples:
+                if not self.config.skip_bad_samples:
                     raise
                 self._skip(position, err)
                 continue
-            if length <= self.max_prompt_length:
+            if length <= self.config.max_prompt_length:
                 kept.append(position)
             else:
                 overlong += 1
@@ -420,7 +394,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
                 self.num_filtered,
                 len(self.index),
-                self.max_prompt_length,
+                self.config.max_prompt_length,
             )
         self.index = [self.index[position] for position in kept]
 
@@ -432,7 +406,7 @@ class PromptDataset(torch.utils.data.Dataset):
             try:
                 return self._item(position)
             except DataError as err:
-                if not self.skip_bad_samples:
+                if not self.config.skip_bad_samples:
                     raise
                 self._skip(position, err)
         return self._replacement(position)
@@ -456,21 +430,21 @@ class PromptDataset(torch.utils.data.Dataset):
         item = self._encode(position)
         encoded, row = item["encoded"], item["row"]
         length = encoded["input_ids"].shape[-1]
-        if length > self.max_prompt_length:
+        if length > self.config.max_prompt_length:
             raise DataError(
                 f"{self.where(position)}: prompt is {length} tokens, over data.max_prompt_length="
-                f"{self.max_prompt_length} (raise it, or set data.filter_overlong_prompts=true)"
+                f"{self.config.max_prompt_length} (raise it, or set data.filter_overlong_prompts=true)"
             )
         tokens = {key: encoded[key][0] for key in TOKEN_COLUMNS if key in encoded}  # [L] each
         media_inputs = {key: value for key, value in encoded.items() if key not in TOKEN_COLUMNS}
         media_keys = set(self.media_keys.values())
-        columns = {k: v for k, v in row.items() if k not in media_keys and k != self.answer_key}
+        columns = {k: v for k, v in row.items() if k not in media_keys and k != self.config.answer_key}
         return {
             **tokens,
             "raw_prompt_ids": self.tokenizer.encode(item["prompt"], add_special_tokens=False),
             "multi_modal_data": item["media"],
             "multi_modal_inputs": media_inputs,
-            "ground_truth": row.get(self.answer_key),
+            "ground_truth": row.get(self.config.answer_key),
             "uid": uuid.uuid4().hex,  # groups the n responses of this prompt; its value affects nothing
             "sample_index": position,
             **columns,

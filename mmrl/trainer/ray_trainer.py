@@ -58,35 +58,6 @@ def load_tokenizer_and_processor(model_path: str, trust_remote_code: bool = Fals
     return tokenizer, processor
 
 
-def build_dataset(config: PPOConfig, files: str, tokenizer: Any, processor: Any) -> PromptDataset:
-    data = config.data
-    return PromptDataset(
-        files,
-        tokenizer,
-        processor,
-        prompt_key=data.prompt_key,
-        answer_key=data.answer_key,
-        image_key=data.image_key,
-        video_key=data.video_key,
-        audio_key=data.audio_key,
-        media_dir=data.media_dir,
-        format_prompt=data.format_prompt,
-        system_prompt=data.system_prompt,
-        max_prompt_length=data.max_prompt_length,
-        min_pixels=data.min_pixels,
-        max_pixels=data.max_pixels,
-        filter_overlong_prompts=data.filter_overlong_prompts,
-        video_fps=data.video_fps,
-        num_video_frames=data.num_video_frames,
-        max_video_frames=data.max_video_frames,
-        video_min_pixels=data.video_min_pixels,
-        video_max_pixels=data.video_max_pixels,
-        max_audio_seconds=data.max_audio_seconds,
-        use_audio_in_video=data.use_audio_in_video,
-        skip_bad_samples=data.skip_bad_samples,
-    )
-
-
 def conform_to_columns(batch: DataProto, phase: str) -> None:
     """Stop with the problems when ``batch`` (after ``phase``) breaks the column schema (mmrl.columns):
     a worker returned a column nobody declared, or a dtype or width other than the listed one."""
@@ -156,7 +127,7 @@ class RayPPOTrainer:
             model.tokenizer_or_model_path, model.trust_remote_code
         )
         data = config.data
-        train_set = build_dataset(config, data.train_files, self.tokenizer, processor)
+        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)
         collate = self._collate
         self.train_loader = PromptLoader(
             train_set,
@@ -168,7 +139,7 @@ class RayPPOTrainer:
         )
         self.val_loader = None
         if data.val_files:
-            val_set = build_dataset(config, data.val_files, self.tokenizer, processor)
+            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data)
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(self.train_loader))

@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 from mmrl.data.collate import collate_prompts, left_pad
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset, split_by_markers
 from mmrl.data.media import MediaError, load_image, resize_to_pixel_range
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 
@@ -25,7 +26,7 @@ def vl(tiny_vl_path):
 def make_dataset(files, vl, **kwargs) -> PromptDataset:
     tokenizer, processor = vl
     options = {"max_prompt_length": 256, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, **kwargs}
-    return PromptDataset(str(files), tokenizer, processor, **options)
+    return PromptDataset(str(files), tokenizer, processor, DataConfig(**options))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -61,7 +62,7 @@ def test_jsonl_item_has_model_and_rollout_inputs(shapes_data_dir, vl):
 
 
 def test_parquet_with_embedded_images_matches_jsonl(tmp_path, vl):
-    from mmrl.data.synthetic import generate_shapes_dataset
+    from mmrl.demo.synthetic import generate_shapes_dataset
 
     jsonl_dir = generate_shapes_dataset("color", tmp_path / "j", n_train=4, n_val=1, seed=3, fmt="jsonl")
     parquet_dir = generate_shapes_dataset("color", tmp_path / "p", n_train=4, n_val=1, seed=3, fmt="parquet")
@@ -145,7 +146,7 @@ def test_text_only_model_uses_tokenizer_template(tmp_path, tiny_text_path):
     tokenizer, processor = load_tokenizer_and_processor(str(tiny_text_path))
     assert processor is None
     data = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1?", "answer": "2"}])
-    item = PromptDataset(str(data), tokenizer, None)[0]
+    item = PromptDataset(str(data), tokenizer, None, DataConfig())[0]
     assert tokenizer.decode(item["input_ids"]).endswith("<|im_start|>assistant\n")
 
 

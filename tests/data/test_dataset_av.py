@@ -14,10 +14,11 @@ from _av import grey_frames, tone, write_video, write_wav
 from PIL import Image
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import build_forward_inputs, compute_position_ids, concat_multi_modal_inputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.config_loader import ConfigError, load_config
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
@@ -42,7 +43,9 @@ def omni(tiny_omni_path):
 def make_dataset(path: Path, rows: list[dict], model, **kwargs) -> PromptDataset:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokenizer, processor = model
-    return PromptDataset(str(path), tokenizer, processor, max_prompt_length=512, **{**MEDIA_RANGE, **kwargs})
+    return PromptDataset(
+        str(path), tokenizer, processor, DataConfig(max_prompt_length=512, **{**MEDIA_RANGE, **kwargs})
+    )
 
 
 def count(item, tokenizer, token: str) -> int:

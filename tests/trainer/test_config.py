@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import glob
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +15,7 @@ import textwrap
 import pytest
 import yaml
 
+from mmrl.data.config import DataConfig
 from mmrl.trainer.config import PPOConfig, split_dataset_spec, split_function_spec
 from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.trainer.step_plan import StepPlan
@@ -242,6 +246,62 @@ def test_every_example_yaml_covers_and_validates():
 
     free_form = {k for k in schema_keys() if k.endswith(("override_config", "kwargs"))}
     assert set(flatten(shown)) == set(schema_keys())
+    # the launch scripts' key=value overrides name keys of the schema
+    for path in sorted(glob.glob(os.path.join(REPO, "examples", "*.sh"))):
+        with open(path) as handle:
+            overrides = re.findall(r"(?:^|\s)((?:data|algorithm|worker|trainer)\.[\w.]+)=", handle.read())
+        assert overrides, path
+        unknown = [key for key in overrides if key not in schema_keys()]
+        assert not unknown, f"{path}: keys the schema lacks: {unknown}"
+
+
+def _example_config_script():
+    spec = importlib.util.spec_from_file_location(
+        "example_config", os.path.join(REPO, "scripts", "example_config.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _line(text: str, key: str) -> str:
+    """The line of the (indented) leaf ``key`` in a rendered YAML text."""
+    return next(line.strip() for line in text.splitlines() if line.strip().startswith(f"{key}: "))
+
+
+def test_example_config_is_current_with_the_schema():
+    """examples/config.yaml is what scripts/example_config.py renders from the schema: every key in
+    schema order, each with the comment of its field, and the default of each key it sets otherwise."""
+    with open(os.path.join(REPO, "examples", "config.yaml")) as handle:
+        current = handle.read()
+    rendered = _example_config_script().render(current)
+    diff = "\n".join(difflib.unified_diff(current.splitlines(), rendered.splitlines(), lineterm=""))
+    assert rendered == current, f"run python scripts/example_config.py:\n{diff}"
+    assert _line(current, "max_prompt_length").endswith("(default: 512)")
+    assert "default" not in _line(current, "prompt_key")  # set to its default: no note
+
+
+def test_example_config_render_follows_the_schema():
+    script = _example_config_script()
+    stale = textwrap.dedent(
+        """\
+        # header kept
+        data:
+          max_prompt_length: 100  # an old comment
+          removed_key: 3
+        trainer:
+          n_gpus_per_node: 2
+        """
+    )
+    rendered = script.render(stale)
+    assert rendered.startswith("# header kept\n\ndata:\n")
+    _, comment = script.field_comments(DataConfig)["max_prompt_length"]
+    assert _line(rendered, "max_prompt_length") == f"max_prompt_length: 100  # {comment} (default: 512)"
+    assert "removed_key" not in rendered and "old comment" not in rendered
+    shown = yaml.safe_load(rendered)
+    assert shown["trainer"]["n_gpus_per_node"] == 2
+    # keys the file lacked come with their defaults
+    assert shown["data"] == dataclasses.asdict(DataConfig()) | {"max_prompt_length": 100}
 
 
 def test_cli_user_error_exits_2_without_traceback(tmp_path):

@@ -7,10 +7,11 @@ import torch
 from _batches import policy_actor
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
@@ -31,8 +32,7 @@ def prompts(vl_parts, shapes_data_dir) -> DataProto:
         str(shapes_data_dir / "train.jsonl"),
         tokenizer,
         processor,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
+        DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
     )
     return collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
 

@@ -29,8 +29,9 @@ import torch
 from _trainer_run import run_main, small_run_overrides
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
@@ -78,7 +79,10 @@ def _prompts(model_path: str, files: list[str], rows_per_file: int, **dataset_kw
     items = []
     for data_file in files:
         dataset = PromptDataset(
-            data_file, tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **dataset_kwargs
+            data_file,
+            tokenizer,
+            processor,
+            DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **dataset_kwargs),
         )
         items += [dataset[row] for row in range(rows_per_file)]
     return collate_prompts(items, tokenizer.pad_token_id)
@@ -257,7 +261,7 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 @pytest.fixture(scope="module")
 def media_prompts(tiny_vl_path, tiny_omni_path, tmp_path_factory) -> dict[str, DataProto]:
     """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni."""
-    from mmrl.data.synthetic import generate_shapes_dataset
+    from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
     video_dir = generate_shapes_dataset("video_direction", root / "video", n_train=3, n_val=1, seed=0)

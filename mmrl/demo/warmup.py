@@ -8,7 +8,7 @@ with a valid word and stops, at chance accuracy (1/4 for four colours), and with
 the answers, which is what RL needs to explore. (Random labels instead would let the model memorise a
 skewed answer per image, which RL must first unlearn.) What RL then gains is the use of the image.
 
-CLI: ``python -m mmrl.models.warmup --model assets/models/tiny-qwen2.5-vl --data
+CLI: ``python -m mmrl.demo.warmup --model assets/models/tiny-qwen2.5-vl --data
 assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm``
 """
 
@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import as_source_class, load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import response_mask_until_eos
 
@@ -83,7 +84,7 @@ def warm_up(
         "layout": "source",  # saved in the base folder's layout (older copies: the trained class's)
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
-        print(f"[mmrl.models.warmup] {out} is up to date")
+        print(f"[mmrl.demo.warmup] {out} is up to date")
         return out
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -93,10 +94,12 @@ def warm_up(
         data_file,
         tokenizer,
         processor,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        video_min_pixels=MIN_PIXELS,
-        video_max_pixels=MAX_PIXELS,
+        DataConfig(
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            video_min_pixels=MIN_PIXELS,
+            video_max_pixels=MAX_PIXELS,
+        ),
     )
     answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
     width = max(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answer_set) + 1
@@ -127,7 +130,7 @@ def warm_up(
         loss.backward()
         optimizer.step()
         if step % 20 == 0 or step == steps - 1:
-            print(f"[mmrl.models.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
+            print(f"[mmrl.demo.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     # in the base folder's layout: an Omni thinker is saved inside its full model, as vLLM loads it
@@ -138,7 +141,7 @@ def warm_up(
     (tmp / MARKER).write_text(json.dumps(settings))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"[mmrl.models.warmup] wrote {out} (answers: {', '.join(answer_set)})")
+    print(f"[mmrl.demo.warmup] wrote {out} (answers: {', '.join(answer_set)})")
     return out
 
 

@@ -18,12 +18,12 @@ Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2
 
 The tokenizer is a byte-level BPE trained on ``TINY_CORPUS`` with Qwen's pre-tokenizer, Qwen's special
 tokens (the Omni names for Omni), ``<think>``/``</think>``/``<answer>``/``</answer>`` as whole tokens
-and a Qwen-style chat template. Every answer word of ``mmrl.data.synthetic`` is one token.
+and a Qwen-style chat template. Every answer word of ``mmrl.demo.synthetic`` is one token.
 
 A folder is complete when ``BUILD_MARKER`` exists (written last); building again with the same
 arguments returns at once.
 
-CLI: ``python -m mmrl.models.tiny --kind qwen2_5_vl --size tiny [--out DIR] [--seed 0] [--force]``
+CLI: ``python -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny [--out DIR] [--seed 0] [--force]``
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmrl.data.synthetic import COLORS, SHAPES, TASKS
+from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
@@ -543,7 +543,7 @@ def build_tiny_model(
         return out_dir
     if out_dir.exists() and _read_marker(out_dir) is None and any(out_dir.iterdir()) and not force:
         raise FileExistsError(
-            f"{out_dir} exists, is not empty and was not written by mmrl.models.tiny (no {BUILD_MARKER}); "
+            f"{out_dir} exists, is not empty and was not written by mmrl.demo.tiny (no {BUILD_MARKER}); "
             "pass force=True (--force) to replace it or choose another folder"
         )
 
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     build_tiny_model(args.kind, out_dir, args.size, args.seed, args.force)
     marker = _read_marker(out_dir)
     print(
-        f"[mmrl.models.tiny] {'up to date' if up_to_date else 'built'}: {args.kind} ({args.size}), "
+        f"[mmrl.demo.tiny] {'up to date' if up_to_date else 'built'}: {args.kind} ({args.size}), "
         f"{marker['num_parameters']:,} parameters, vocabulary {marker['vocab_size']} -> {out_dir}"
     )
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmrl.data.synthetic import COLORS, draw_color_image
-from mmrl.models import tiny
+from mmrl.demo import tiny
+from mmrl.demo.synthetic import COLORS, draw_color_image
 
 QUESTION = "What colour is the shape? Answer with one word."
 ONE_SECOND_AUDIO = np.sin(2 * np.pi * 440 * np.arange(16000) / 16000).astype(np.float32)

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.warmup import warm_up
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import load_model
-from mmrl.models.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.models.warmup import warm_up
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 
@@ -18,7 +19,7 @@ def first_token_probs(model_dir, data_file) -> tuple[torch.Tensor, list[int]]:
     tokenizer, processor = load_tokenizer_and_processor(str(model_dir))
     model = load_model(str(model_dir)).eval()
     dataset = PromptDataset(
-        str(data_file), tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+        str(data_file), tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     )
     batch = collate_prompts([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
     # one dummy response token: the head output at the last prompt position predicts the first token

@@ -35,7 +35,7 @@ or ``audios``) and ``data_source``:
 The folder is complete when ``BUILD_MARKER`` exists (written last); a second call with the same
 arguments returns at once.
 
-CLI: ``python -m mmrl.data.synthetic --task color --out assets/data/shapes-color --n_train 512
+CLI: ``python -m mmrl.demo.synthetic --task color --out assets/data/shapes-color --n_train 512
 --n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_flashes`` /
 ``audio_beeps`` for the video and audio tasks)
 """
@@ -473,7 +473,7 @@ def generate_shapes_dataset(
         return out_dir
     if out_dir.exists() and existing is None and any(out_dir.iterdir()) and not force:
         raise FileExistsError(
-            f"{out_dir} exists, is not empty and was not written by mmrl.data.synthetic "
+            f"{out_dir} exists, is not empty and was not written by mmrl.demo.synthetic "
             f"(no {BUILD_MARKER}); pass force=True (--force) to replace it or choose another folder"
         )
 
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     state = "up to date" if up_to_date else "built"
     print(
-        f"[mmrl.data.synthetic] {state}: task={args.task} train={args.n_train} val={args.n_val} "
+        f"[mmrl.demo.synthetic] {state}: task={args.task} train={args.n_train} val={args.n_val} "
         f"format={args.format} -> {out_dir}"
     )
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl.data import synthetic
-from mmrl.data.synthetic import BACKGROUND_RGB, COLORS, draw_sample, generate_shapes_dataset
+from mmrl.demo import synthetic
+from mmrl.demo.synthetic import BACKGROUND_RGB, COLORS, draw_sample, generate_shapes_dataset
 
 
 def _foreground(image: Image.Image) -> np.ndarray:
@@ -172,8 +172,8 @@ def test_cli_writes_then_reports_up_to_date(tmp_path, capsys):
     synthetic.main(args)
     synthetic.main(args)
     first, second = capsys.readouterr().out.strip().splitlines()
-    assert first.startswith("[mmrl.data.synthetic] built: task=count train=8 val=4 format=parquet")
-    assert second.startswith("[mmrl.data.synthetic] up to date")
+    assert first.startswith("[mmrl.demo.synthetic] built: task=count train=8 val=4 format=parquet")
+    assert second.startswith("[mmrl.demo.synthetic] up to date")
     assert (tmp_path / "cli" / "val.parquet").is_file()
 
 
@@ -294,7 +294,7 @@ def test_video_and_audio_datasets_layout(tmp_path, task, column, suffix):
 
 
 def test_new_answer_words_are_single_tiny_tokens():
-    from mmrl.models import tiny
+    from mmrl.demo import tiny
 
     tokenizer = tiny.train_tokenizer(tiny.TINY_CORPUS, tiny.SIZES["tiny"].vocab_size, "qwen2_5_omni")
     tiny.check_single_token_answers(tokenizer, ["left", "right", "1", "2", "3"])

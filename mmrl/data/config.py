@@ -1,0 +1,51 @@
+"""The ``data`` section of the config tree, and the ``path[@split]`` form of its dataset keys.
+
+It lives with the data layer, which reads it (:class:`mmrl.data.dataset.PromptDataset` takes the
+section whole); :mod:`mmrl.trainer.config` embeds it as ``PPOConfig.data``, so the keys stay ``data.*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def split_dataset_spec(spec: str) -> tuple[str, str | None]:
+    """``"data/train.parquet@train"`` → ``("data/train.parquet", "train")``; no ``@`` → split None."""
+    path, sep, split = spec.rpartition("@")
+    if not sep or not path:
+        return spec, None
+    return path, split
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: str = (
+        ""  # jsonl/json/parquet file or a `datasets` folder, optional `@split`; comma-separated list
+    )
+    val_files: str = ""  # same forms as train_files; empty = no validation
+    prompt_key: str = "problem"  # column with the prompt text (may hold <image>/<video>/<audio> markers)
+    answer_key: str = "answer"  # column with the ground truth handed to the reward function
+    image_key: str = "images"  # column with a list of images (paths, bytes or {"bytes","path"} dicts)
+    video_key: str = "videos"  # column with a list of videos (paths)
+    audio_key: str = "audios"  # column with a list of audio files (paths)
+    media_dir: str | None = None  # base folder of relative media paths; null = the data file's folder
+    format_prompt: str | None = None  # Jinja template file applied to each prompt (gets `content` + columns)
+    system_prompt: str | None = None  # system message put before every prompt; null = the chat template's
+    max_prompt_length: int = 512  # tokens, media placeholders included
+    max_response_length: int = 512  # tokens generated per response
+    filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length at load (count is logged)
+    rollout_batch_size: int = 512  # prompts per training step
+    val_batch_size: int = -1  # prompts per validation batch; -1 = the whole validation set at once
+    shuffle: bool = True  # reshuffle the training prompts every epoch
+    seed: int = 1  # seed of the shuffling
+    min_pixels: int = 262144  # images smaller than this many pixels are upscaled (aspect kept)
+    max_pixels: int = 4194304  # images larger than this many pixels are downscaled (aspect kept)
+    video_fps: float = 2.0  # video frames sampled per second of video (unless num_video_frames is set)
+    num_video_frames: int | None = None  # frames sampled evenly from each video; null = by video_fps
+    max_video_frames: int = 64  # at most this many frames per video (counts are made even for Qwen)
+    video_min_pixels: int = 100352  # video frames smaller than this many pixels are upscaled (aspect kept)
+    video_max_pixels: int = 602112  # video frames larger than this many pixels are downscaled (aspect kept)
+    max_audio_seconds: float = 30.0  # audio and video sound tracks are cut after this many seconds
+    use_audio_in_video: bool = False  # Qwen-Omni: also feed each video's sound track, interleaved with frames
+    skip_bad_samples: bool = False  # skip bad samples (unreadable media, marker mismatch) and count them
+    dataloader_num_workers: int = 0  # worker processes decoding media for the driver's dataloader
