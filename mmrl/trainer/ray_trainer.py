@@ -118,6 +118,7 @@ class RayPPOTrainer:
             reward_function_kwargs=dict(reward.reward_function_kwargs),
             reward_type=reward.reward_type,
             skip_special_tokens=reward.skip_special_tokens,
+            trust_remote_code=model.trust_remote_code,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
 
