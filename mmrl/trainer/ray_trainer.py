@@ -157,10 +157,9 @@ class RayPPOTrainer:
         if self.critic is not None:
             self.critic.start(kwargs=worker_kwargs)
         algo = config.algorithm
-        if algo.kl_type == "adaptive":
-            self.kl_ctrl = core_algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-        else:
-            self.kl_ctrl = core_algos.FixedKLController(algo.kl_coef)
+        self.kl_ctrl = core_algos.build_kl_controller(
+            algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
+        )
         self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
         self.global_step = 0
         self.tracker = None
