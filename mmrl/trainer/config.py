@@ -46,12 +46,21 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A trained model; the actor's section adds what the whole run shares (:class:`ActorModelConfig`)."""
+
     model_path: str | None = None  # Hugging Face folder (or hub id where the hub is reachable)
-    tokenizer_path: str | None = None  # null = model_path
     override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
     enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
-    trust_remote_code: bool = False  # allow the model folder's own Python code
     freeze_vision_tower: bool = False  # keep the vision (and audio) encoder weights fixed
+
+
+@dataclass(frozen=True)
+class ActorModelConfig(ModelConfig):
+    # the run's one tokenizer: data, rollout and reward decoding (a critic needs none)
+    tokenizer_path: str | None = None  # null = model_path
+    # allow the model folder's own Python code: every model, config, tokenizer and processor load of the
+    # run (actor, reference, rollout, reward workers, critic)
+    trust_remote_code: bool = False
 
     @property
     def tokenizer_or_model_path(self) -> str | None:
@@ -63,7 +72,7 @@ class OptimConfig:
     lr: float = 1e-6  # peak learning rate
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     weight_decay: float = 1e-2  # AdamW decoupled weight decay
-    strategy: str = "adamw"  # optimizer: adamw
+    strategy: str = "adamw"  # optimizer, by name in fsdp_engine.OPTIMIZERS: adamw
     lr_warmup_ratio: float = 0.0  # fraction of the training steps spent warming up linearly
     lr_warmup_steps: int | None = None  # warm-up in steps; overrides lr_warmup_ratio when set
     lr_scheduler_type: str = "constant"  # after warm-up: constant | cosine
@@ -89,6 +98,11 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class RefOffloadConfig:
+    offload_params: bool = False  # frozen reference weights on CPU except during its log-prob pass
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
@@ -111,7 +125,7 @@ class ActorConfig:
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ActorModelConfig = field(default_factory=ActorModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -126,7 +140,7 @@ class ActorConfig:
 class RefConfig:
     micro_batch_size_per_device_for_experience: int | None = None  # null = the actor's
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    offload: RefOffloadConfig = field(default_factory=RefOffloadConfig)  # frozen: no optimizer to offload
 
 
 @dataclass(frozen=True)
@@ -136,14 +150,15 @@ class CriticConfig:
     micro_batch_size_per_device_for_experience: int = 16  # responses per forward in the value pass
     max_grad_norm: float = 1.0  # gradient clipping norm
     cliprange_value: float = 0.5  # values clipped to old value ± this in the value loss
-    loss_avg_mode: str = "token_mean"  # aggregation of the value loss
+    loss_avg_mode: str = "token_mean"  # aggregation of the value loss; the actor's modes
     ppo_epochs: int = 1  # passes over each rollout batch
     padding_free: bool = True  # train on packed sequences
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
-    model: ModelConfig = field(default_factory=ModelConfig)  # model_path None = the actor's model
+    # model_path null = the actor's folder; the other model keys are the critic's own
+    model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -273,3 +288,36 @@ class PPOConfig:
     def responses_per_update(self) -> int:
         """Responses in one actor optimizer step (EasyR1 multiplied the config value in place)."""
         return self.worker.actor.global_batch_size * self.worker.rollout.n
+
+
+# ---------------------------------------------------------------------------------------------
+# Choices: every key whose value is one of a fixed set of names, declared here once. The loader
+# validates against these; the registries that implement the names (core_algos, fsdp_engine,
+# logging) are checked against them by tests/trainer/test_config_contract.py, which also fails when a
+# name is exercised by no test. Keyed by (section class, field): a class used by several sections
+# (FSDPConfig for actor, ref and critic) is validated in each of them.
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = ("auto", "fp32", "bf16")  # auto = bf16 on GPU, fp32 on CPU (fp32 storage for torch_dtype)
+STORAGE_DTYPES = ("fp32", "bf16")
+LOSS_AVG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
+    (AlgorithmConfig, "adv_estimator"): ("grpo", "rloo", "reinforce_plus_plus", "remax", "gae"),
+    (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
+    (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
+    (ActorConfig, "loss_type"): ("ppo", "gspo", "cispo"),
+    (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
+    (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,
+    (OptimConfig, "strategy"): ("adamw",),
+    (OptimConfig, "lr_scheduler_type"): ("constant", "cosine"),
+    (FSDPConfig, "torch_dtype"): DTYPES,
+    (FSDPConfig, "mp_param_dtype"): DTYPES,
+    (FSDPConfig, "mp_reduce_dtype"): STORAGE_DTYPES,
+    (FSDPConfig, "mp_buffer_dtype"): STORAGE_DTYPES,
+    (RolloutConfig, "name"): ("vllm", "hf"),
+    (RolloutConfig, "dtype"): DTYPES,
+    (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE
+    (TrainerConfig, "logger"): LOGGERS,  # a list: each entry one of these
+    (TrainerConfig, "device"): ("auto", "cuda", "cpu"),
+}

@@ -1,8 +1,9 @@
 """Load a :class:`PPOConfig`: dataclass defaults ← YAML file ← ``key=value`` arguments, then one
 validation pass.
 
-Every user mistake becomes a :class:`ConfigError` listing all problems at once, each naming the key,
-what was found and what to do; the command line turns it into exit code 2 without a traceback.
+Every user mistake becomes a :class:`ConfigError` listing all problems of the config at once (unknown
+keys, every value of the wrong type, every violated rule), each naming the key, what was found and what
+to do; the command line turns it into exit code 2 without a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mmrl.trainer.config import (
-    LOGGERS,
+    CHOICES,
     SAMPLING_KEYS,
     PPOConfig,
     split_dataset_spec,
@@ -29,6 +30,16 @@ from mmrl.trainer.config import (
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
+# keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
+REMOVED_KEYS = {
+    "worker.critic.model.tokenizer_path": "the critic needs no tokenizer (the run's is worker.actor.model.tokenizer_path)",
+    "worker.critic.model.trust_remote_code": (
+        "worker.actor.model.trust_remote_code applies to every load of the run, the critic's included"
+    ),
+    "worker.ref.offload.offload_optimizer": (
+        "the frozen reference model has no optimizer (worker.ref.offload.offload_params offloads its weights)"
+    ),
+}
 
 
 class ConfigError(ValueError):
@@ -77,6 +88,8 @@ def _unknown_keys(user: Any, cls: type, prefix: str = "") -> Iterator[tuple[str,
 
 
 def _suggest(key: str, siblings: list[str]) -> str:
+    if key in REMOVED_KEYS:
+        return f"remove it: {REMOVED_KEYS[key]}"
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
@@ -92,8 +105,9 @@ def _suggest(key: str, siblings: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Split ``config=x.yaml a.b=c ...`` into the YAML path and the ``key=value`` overrides."""
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
+    """Split ``config=x.yaml a.b=c ...`` into the YAML path, the ``key=value`` overrides and one error
+    per malformed argument."""
     config_path, overrides, errors = None, [], []
     for arg in argv:
         if "=" not in arg or arg.startswith("="):
@@ -102,9 +116,7 @@ def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
             config_path = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    if errors:
-        raise ConfigError(errors)
-    return config_path, overrides
+    return config_path, overrides, errors
 
 
 def _load_yaml(path: str) -> DictConfig:
@@ -121,23 +133,42 @@ def _load_yaml(path: str) -> DictConfig:
     return loaded
 
 
-def _merge(layers: list[tuple[str, DictConfig]]) -> DictConfig:
-    schema = OmegaConf.structured(PPOConfig)
-    errors = []
+def _leaves(user: DictConfig, cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted_key, value)`` of every schema leaf (a free-form dict counts as one) set in ``user``;
+    keys the schema lacks are skipped (see :func:`_unknown_keys`)."""
+    fields = _field_types(cls)
+    for name in user.keys():
+        if name not in fields:
+            continue
+        key, hint = f"{prefix}{name}", fields[name]
+        node = user._get_node(name)
+        if dataclasses.is_dataclass(hint) and isinstance(node, DictConfig) and not node._is_none():
+            yield from _leaves(node, hint, key + ".")
+        else:
+            yield key, node
+
+
+def _merge(layers: list[tuple[str, DictConfig]]) -> tuple[DictConfig, list[str], set[str]]:
+    """The schema with every layer merged over it, one leaf at a time, so that each unknown key and
+    each ill-typed value is reported (and left at its previous value) while the rest merges.
+
+    Returns (merged config, error messages, the keys those messages are about).
+    """
+    merged: DictConfig = OmegaConf.structured(PPOConfig)
+    errors, bad_keys = [], set()
     for source, layer in layers:
         for key, siblings in _unknown_keys(layer, PPOConfig):
             errors.append(f"unknown key '{key}' in {source}: {_suggest(key, siblings)}")
-    if errors:
-        raise ConfigError(errors)
-    merged = schema
-    for source, layer in layers:
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as err:
-            key = getattr(err, "full_key", None) or "?"
-            message = str(err).splitlines()[0]
-            raise ConfigError([f"'{key}' from {source}: {message}"]) from None
-    return merged
+            bad_keys.add(key)
+        for key, node in _leaves(layer, PPOConfig):
+            single = OmegaConf.create()
+            OmegaConf.update(single, key, node, force_add=True)
+            try:
+                merged = OmegaConf.merge(merged, single)
+            except OmegaConfBaseException as err:
+                errors.append(f"'{key}' from {source}: {str(err).splitlines()[0]}")
+                bad_keys.add(key)
+    return merged, errors, bad_keys
 
 
 def _absolute(path: str | None) -> str | None:
@@ -160,8 +191,11 @@ def _resolve_paths(cfg: DictConfig) -> None:
     cfg.data.val_files = dataset_specs(cfg.data.val_files)
     cfg.data.format_prompt = _absolute(cfg.data.format_prompt)
     cfg.data.media_dir = _absolute(cfg.data.media_dir)
-    for model in (cfg.worker.actor.model, cfg.worker.critic.model):
-        for key in ("model_path", "tokenizer_path"):
+    for model, keys in (
+        (cfg.worker.actor.model, ("model_path", "tokenizer_path")),
+        (cfg.worker.critic.model, ("model_path",)),
+    ):
+        for key in keys:
             if model[key] and os.path.exists(model[key]):
                 model[key] = os.path.abspath(model[key])
     if cfg.worker.reward.reward_function:
@@ -177,24 +211,31 @@ def load_config(argv: Sequence[str] = (), check_paths: bool = True) -> PPOConfig
     Raises :class:`ConfigError` naming every problem. ``check_paths=False`` skips the checks that
     files exist (for tooling that only inspects a config).
     """
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides, errors = parse_cli(argv)
     layers = []
     if config_path:
         layers.append((f"'{config_path}'", _load_yaml(config_path)))
-    if overrides:
+    for override in overrides:
         try:
-            layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+            layers.append(("the command line", OmegaConf.from_dotlist([override])))
         except OmegaConfBaseException as err:
-            raise ConfigError([f"command line: {err}"]) from None
+            errors.append(f"command line '{override}': {str(err).splitlines()[0]}")
+    merged, merge_errors, bad_keys = _merge(layers)
+    errors += merge_errors
     # frozen dataclasses make the typed tree read-only: resolve paths on a plain copy, then re-type it
-    plain = OmegaConf.create(OmegaConf.to_container(_merge(layers)))
+    plain = OmegaConf.create(OmegaConf.to_container(merged))
     _resolve_paths(plain)
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError([f"'{key}': {str(err).splitlines()[0]}"]) from None
-    errors = validate_config(cfg, check_paths=check_paths)
+        raise ConfigError([*errors, f"'{key}': {str(err).splitlines()[0]}"]) from None
+    # a rule about a rejected key would judge the default that stands in for it: leave those out
+    errors += [
+        error
+        for error in validate_config(cfg, check_paths=check_paths)
+        if not any(re.search(rf"\b{re.escape(key)}\b", error) for key in bad_keys)
+    ]
     if errors:
         raise ConfigError(errors)
     return cfg
@@ -238,15 +279,15 @@ def _check_model_path(errors: list[str], key: str, value: str | None, required: 
     errors.append(f"{key}: '{value}' does not exist")
 
 
-def _algorithm_names() -> dict[str, Sequence[str]]:
-    from mmrl.trainer import core_algos  # imports torch: only when validating
-
-    return {
-        "adv_estimator": sorted(core_algos.ADV_ESTIMATORS),
-        "loss_type": sorted(core_algos.POLICY_LOSSES),
-        "loss_avg_mode": sorted(core_algos.LOSS_AGG_MODES),
-        "kl_penalty": sorted(core_algos.KL_ESTIMATORS),
-    }
+def _check_choices(errors: list[str], node: Any, prefix: str = "") -> None:
+    """Every key declared in ``config.CHOICES``, in every section of its class (a list: each entry)."""
+    for f in dataclasses.fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(errors, value, key + ".")
+        elif (type(node), f.name) in CHOICES and value is not None:  # null: the documented default
+            for item in value if isinstance(value, list) else [value]:
+                _choice(errors, key, item, CHOICES[type(node), f.name])
 
 
 def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
@@ -378,7 +419,6 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
 
 def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
     rollout = cfg.worker.rollout
-    _choice(errors, "worker.rollout.name", rollout.name, ("vllm", "hf"))
     if rollout.temperature < 0:
         errors.append(f"worker.rollout.temperature={rollout.temperature} must be >= 0 (0 = greedy)")
     if not 0 < rollout.top_p <= 1:
@@ -403,17 +443,7 @@ def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
 
 
 def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
-    names = _algorithm_names()
-    algo, actor = cfg.algorithm, cfg.worker.actor
-    _choice(errors, "algorithm.adv_estimator", algo.adv_estimator, names["adv_estimator"])
-    _choice(errors, "worker.actor.loss_type", actor.loss_type, names["loss_type"])
-    _choice(errors, "worker.actor.loss_avg_mode", actor.loss_avg_mode, names["loss_avg_mode"])
-    _choice(errors, "worker.critic.loss_avg_mode", cfg.worker.critic.loss_avg_mode, names["loss_avg_mode"])
-    _choice(errors, "algorithm.kl_penalty", algo.kl_penalty, names["kl_penalty"])
-    _choice(errors, "algorithm.kl_type", algo.kl_type, ("fixed", "adaptive"))
-    _choice(
-        errors, "worker.actor.optim.lr_scheduler_type", actor.optim.lr_scheduler_type, ("constant", "cosine")
-    )
+    algo = cfg.algorithm
     if algo.adv_estimator in GROUP_ESTIMATORS and cfg.worker.rollout.n < 2:
         errors.append(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a prompt: "
@@ -469,22 +499,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_sequence_parallel(errors, cfg)
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)
-    reward_type = cfg.worker.reward.reward_type
-    if reward_type is not None:
-        _choice(errors, "worker.reward.reward_type", reward_type, ("batch", "sequential"))
-    for name in cfg.trainer.logger:
-        _choice(errors, "trainer.logger", name, LOGGERS)
-    _choice(errors, "trainer.device", cfg.trainer.device, ("auto", "cuda", "cpu"))
-    for key in ("mp_param_dtype", "torch_dtype"):
-        _choice(
-            errors, f"worker.actor.fsdp.{key}", getattr(cfg.worker.actor.fsdp, key), ("auto", "fp32", "bf16")
-        )
-    for role in ("actor", "critic"):
-        role_cfg = getattr(cfg.worker, role)
-        _choice(errors, f"worker.{role}.optim.strategy", role_cfg.optim.strategy, ("adamw",))
-        for key in ("mp_reduce_dtype", "mp_buffer_dtype"):
-            _choice(errors, f"worker.{role}.fsdp.{key}", getattr(role_cfg.fsdp, key), ("fp32", "bf16"))
-    _choice(errors, "worker.rollout.dtype", cfg.worker.rollout.dtype, ("auto", "fp32", "bf16"))
+    _check_choices(errors, cfg)
     if check_paths:
         _check_paths(errors, cfg)
     return errors

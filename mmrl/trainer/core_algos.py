@@ -674,6 +674,21 @@ class AdaptiveKLController:
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
 
+KL_CONTROLLER_TYPES = ("fixed", "adaptive")
+
+
+def build_kl_controller(
+    kl_type: str, kl_coef: float, kl_target: float, kl_horizon: float
+) -> FixedKLController | AdaptiveKLController:
+    """The KL coefficient controller named ``kl_type``: ``fixed`` keeps ``kl_coef``; ``adaptive`` starts
+    there and steers the KL towards ``kl_target`` over ``kl_horizon`` samples."""
+    if kl_type == "fixed":
+        return FixedKLController(kl_coef)
+    if kl_type == "adaptive":
+        return AdaptiveKLController(kl_coef, kl_target, kl_horizon)
+    raise ValueError(f"Unknown KL controller {kl_type!r}. Valid names: {', '.join(KL_CONTROLLER_TYPES)}.")
+
+
 # --------------------------------------------------------------------------------------------------
 # Logit helpers
 # --------------------------------------------------------------------------------------------------

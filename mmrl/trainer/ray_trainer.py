@@ -102,6 +102,7 @@ class RayPPOTrainer:
             reward_function_kwargs=dict(reward.reward_function_kwargs),
             reward_type=reward.reward_type,
             skip_special_tokens=reward.skip_special_tokens,
+            trust_remote_code=model.trust_remote_code,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
 
@@ -149,10 +150,9 @@ class RayPPOTrainer:
         if self.critic is not None:
             self.critic.start(kwargs=worker_kwargs)
         algo = config.algorithm
-        if algo.kl_type == "adaptive":
-            self.kl_ctrl = core_algos.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-        else:
-            self.kl_ctrl = core_algos.FixedKLController(algo.kl_coef)
+        self.kl_ctrl = core_algos.build_kl_controller(
+            algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
+        )
         self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
         self.global_step = 0
         self.tracker = None

@@ -17,9 +17,10 @@ each forward pass issues FSDP collectives that all ranks must join.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,20 +92,38 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
+def _adamw(
+    params: list[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay); the fused kernel (one pass over each tensor: 5x faster than the
+    per-tensor loop on a CPU) when the parameters all live on one device type that has it (CUDA and
+    CPU do)."""
+    device_types = {param.device.type for param in params}
+    fused = len(device_types) == 1 and device_types <= {"cuda", "cpu"}
+    return torch.optim.AdamW(
+        params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True if fused else None
+    )
+
+
+# optim.strategy -> builder(trainable parameters, lr, betas, weight_decay); one entry per optimizer
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": _adamw}
+
+
 def build_optimizer(
-    params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float] | list[float], weight_decay: float
-) -> torch.optim.AdamW:
-    """AdamW over the parameters that require grad; the fused kernel (one pass over each tensor: 5x
-    faster than the per-tensor loop on a CPU) when they all live on one device type that has it
-    (CUDA and CPU do)."""
+    params: Iterable[nn.Parameter],
+    lr: float,
+    betas: tuple[float, float] | list[float],
+    weight_decay: float,
+    strategy: str = "adamw",
+) -> torch.optim.Optimizer:
+    """The optimizer registered as ``strategy`` in :data:`OPTIMIZERS`, over the parameters that
+    require grad."""
+    if strategy not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {strategy!r}; expected one of {', '.join(OPTIMIZERS)}")
     trainable = [param for param in params if param.requires_grad]
     if not trainable:
         raise ValueError("build_optimizer: no parameter requires grad; is the whole model frozen?")
-    device_types = {param.device.type for param in trainable}
-    fused = len(device_types) == 1 and device_types <= {"cuda", "cpu"}
-    return torch.optim.AdamW(
-        trainable, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=True if fused else None
-    )
+    return OPTIMIZERS[strategy](trainable, lr, tuple(betas), weight_decay)
 
 
 def lr_factor(
@@ -190,6 +209,52 @@ def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str)
     """Move the optimizer's moment tensors back to ``device``; no-op on the CPU."""
     if torch.device(device).type != "cpu":
         _move_optimizer_state(optimizer, device)
+
+
+class PhaseOffload:
+    """A role's parameters (and optimizer states) parked in host memory between its phases.
+
+    ``offload()`` after a phase, ``onload()`` before one (or ``with offload.loaded(): ...``); what moves
+    is what the config asks for. ``offloaded`` tells where the state is meant to be: the moves themselves
+    are no-ops on a CPU device, where host memory is the device's.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | str,
+        params: bool,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_state: bool = False,
+    ):
+        if optimizer_state and optimizer is None:
+            raise ValueError("PhaseOffload: optimizer_state=True needs the optimizer")
+        self.module, self.device, self.params = module, torch.device(device), params
+        self.optimizer, self.optimizer_state = optimizer, optimizer_state
+        self.offloaded = False
+
+    def offload(self) -> None:
+        if self.params:
+            offload_fsdp_params(self.module)
+        if self.optimizer_state:
+            offload_optimizer(self.optimizer)
+        self.offloaded = self.params or self.optimizer_state
+
+    def onload(self) -> None:
+        if self.params:
+            load_fsdp_params(self.module, self.device)
+        if self.optimizer_state:
+            load_optimizer(self.optimizer, self.device)
+        self.offloaded = False
+
+    @contextlib.contextmanager
+    def loaded(self) -> Iterator[None]:
+        """On the device for the ``with`` block's phase, offloaded again after it."""
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload()
 
 
 # ------------------------------------------------------------------ gradient steps

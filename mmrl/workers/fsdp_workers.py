@@ -30,14 +30,11 @@ from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_engine import (
+    PhaseOffload,
     apply_fsdp2,
     build_lr_scheduler,
     build_optimizer,
     enable_gradient_checkpointing,
-    load_fsdp_params,
-    load_optimizer,
-    offload_fsdp_params,
-    offload_optimizer,
     resolve_dtype,
 )
 from mmrl.workers.rollout import GenerationMode, SamplingParams
@@ -64,15 +61,21 @@ def setup_distributed() -> torch.device:
 
 
 def build_fsdp_model(
-    model_config: ModelConfig, fsdp: FSDPConfig, role: str, device: torch.device, trainable: bool
+    model_path: str,
+    model_config: ModelConfig,
+    fsdp: FSDPConfig,
+    role: str,
+    device: torch.device,
+    trainable: bool,
+    trust_remote_code: bool,
 ) -> torch.nn.Module:
-    """Load a Hugging Face model and shard it with FSDP2 over all ranks."""
+    """Load the Hugging Face model at ``model_path`` and shard it with FSDP2 over all ranks."""
     storage = fsdp.torch_dtype if fsdp.torch_dtype != "auto" else "fp32"  # fp32 master weights
     module = load_model(
-        model_config.model_path,
+        model_path,
         role=role,
         torch_dtype=resolve_dtype(storage, device),
-        trust_remote_code=model_config.trust_remote_code,
+        trust_remote_code=trust_remote_code,
         override_config=dict(model_config.override_config),
     )
     if not trainable:
@@ -99,7 +102,9 @@ def build_fsdp_model(
 
 def build_optimization(module: torch.nn.Module, actor: ActorConfig | CriticConfig, total_steps: int):
     optim = actor.optim
-    optimizer = build_optimizer(module.parameters(), optim.lr, optim.betas, optim.weight_decay)
+    optimizer = build_optimizer(
+        module.parameters(), optim.lr, optim.betas, optim.weight_decay, optim.strategy
+    )
     warmup = (
         optim.lr_warmup_steps
         if optim.lr_warmup_steps is not None
@@ -140,7 +145,16 @@ class HybridWorker:
         self.sequence_parallel = build_sequence_parallel(actor_cfg.ulysses_size, actor_cfg.ring_size)
         self.dp_size = self.world_size // actor_cfg.sequence_parallel_size
         sp_args = sequence_parallel_args(self.sequence_parallel)
-        module = build_fsdp_model(actor_cfg.model, actor_cfg.fsdp, "actor", self.device, trainable=True)
+        model_cfg = actor_cfg.model
+        module = build_fsdp_model(
+            model_cfg.model_path,
+            model_cfg,
+            actor_cfg.fsdp,
+            "actor",
+            self.device,
+            trainable=True,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
             module,
@@ -156,10 +170,27 @@ class HybridWorker:
         if config.algorithm.use_reference:
             ref_cfg = config.worker.ref
             ref_module = build_fsdp_model(
-                actor_cfg.model, ref_cfg.fsdp, "actor", self.device, trainable=False
+                model_cfg.model_path,
+                model_cfg,
+                ref_cfg.fsdp,
+                "actor",
+                self.device,
+                trainable=False,
+                trust_remote_code=model_cfg.trust_remote_code,
             )
             # the reference scores with the actor's packing settings; it has no loss
             self.ref = PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
+            # frozen: only its weights can move, and they are needed for its log-prob pass alone
+            self.ref_offload = PhaseOffload(ref_module, self.device, params=ref_cfg.offload.offload_params)
+            self.ref_offload.offload()
+        actor_offload = actor_cfg.offload
+        self.actor_offload = PhaseOffload(
+            module,
+            self.device,
+            params=actor_offload.offload_params,
+            optimizer=optimizer,
+            optimizer_state=actor_offload.offload_optimizer,
+        )
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
 
@@ -170,7 +201,9 @@ class HybridWorker:
 
         rollout_cfg = self.config.worker.rollout
         model_cfg = self.config.worker.actor.model
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_or_model_path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_cfg.tokenizer_or_model_path, trust_remote_code=model_cfg.trust_remote_code
+        )
         dtype = resolve_dtype(rollout_cfg.dtype, self.device)
         if rollout_cfg.name == "vllm":
             from mmrl.workers.rollout.vllm_spmd import VLLMRollout
@@ -223,20 +256,6 @@ class HybridWorker:
             **params, max_tokens=self.config.data.max_response_length, ignore_eos=rollout_cfg.ignore_eos
         )
 
-    def _offload(self) -> None:
-        offload = self.config.worker.actor.offload
-        if offload.offload_params:
-            offload_fsdp_params(self.actor.module)
-        if offload.offload_optimizer:
-            offload_optimizer(self.actor.optimizer)
-
-    def _onload(self) -> None:
-        offload = self.config.worker.actor.offload
-        if offload.offload_params:
-            load_fsdp_params(self.actor.module, self.device)
-        if offload.offload_optimizer:
-            load_optimizer(self.actor.optimizer, self.device)
-
     # ---- phases -------------------------------------------------------------------------------
 
     @rows_per_rank
@@ -254,21 +273,21 @@ class HybridWorker:
 
     @rows_per_data_parallel_share
     def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
-        self._onload()
-        log_probs, entropies = self.actor.compute_log_probs(
-            data,
-            self.config.worker.actor.micro_batch_size_per_device_for_experience,
-            temperature,
-            with_entropy=True,
-        )
-        self._offload()
+        with self.actor_offload.loaded():
+            log_probs, entropies = self.actor.compute_log_probs(
+                data,
+                self.config.worker.actor.micro_batch_size_per_device_for_experience,
+                temperature,
+                with_entropy=True,
+            )
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropies": entropies})
 
     @rows_per_data_parallel_share
     def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
-        log_probs, _ = self.ref.compute_log_probs(data, micro, temperature)
+        with self.ref_offload.loaded():
+            log_probs, _ = self.ref.compute_log_probs(data, micro, temperature)
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
 
     @rows_per_data_parallel_share
@@ -277,16 +296,17 @@ class HybridWorker:
         returns the ones its own forward computed (with their entropies) for the step's metrics. The
         rollout still holds the old weights until :meth:`sync_rollout_weights`."""
         actor_cfg = self.config.worker.actor
-        self._onload()
-        update = self.actor.update_policy(
-            data,
-            mini_batch_size=per_rank(self.config.responses_per_update, self.dp_size, "responses per update"),
-            micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
-            ppo_epochs=actor_cfg.ppo_epochs,
-            temperature=temperature,
-            on_policy=on_policy,
-        )
-        self._offload()
+        with self.actor_offload.loaded():
+            update = self.actor.update_policy(
+                data,
+                mini_batch_size=per_rank(
+                    self.config.responses_per_update, self.dp_size, "responses per update"
+                ),
+                micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
+                ppo_epochs=actor_cfg.ppo_epochs,
+                temperature=temperature,
+                on_policy=on_policy,
+            )
         metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
         if not on_policy:
             return DataProto(meta_info=metrics)
@@ -296,31 +316,28 @@ class HybridWorker:
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
-        self._onload()
-        self.rollout.update_weights(
-            iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
-        )
-        self._offload()
+        with self.actor_offload.loaded():
+            self.rollout.update_weights(
+                iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
+            )
 
     # ---- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
-        self._onload()
-        save_train_state(
-            Path(directory) / "actor",
-            self.actor.module,
-            self.actor.optimizer,
-            self.actor.lr_scheduler,
-            hf_source_dir=self.config.worker.actor.model.model_path,
-        )
-        self._offload()
+        with self.actor_offload.loaded():
+            save_train_state(
+                Path(directory) / "actor",
+                self.actor.module,
+                self.actor.optimizer,
+                self.actor.lr_scheduler,
+                hf_source_dir=self.config.worker.actor.model.model_path,
+            )
 
     def load_checkpoint(self, directory: str) -> None:
-        self._onload()
-        load_train_state(
-            Path(directory) / "actor", self.actor.module, self.actor.optimizer, self.actor.lr_scheduler
-        )
-        self._offload()  # the driver pushes the loaded weights into the rollout next (sync_rollout_weights)
+        with self.actor_offload.loaded():  # the driver pushes the loaded weights into the rollout next
+            load_train_state(
+                Path(directory) / "actor", self.actor.module, self.actor.optimizer, self.actor.lr_scheduler
+            )
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -341,10 +358,18 @@ class CriticWorker:
         critic_cfg = config.worker.critic
         self.sequence_parallel = build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
         self.dp_size = self.world_size // critic_cfg.sequence_parallel_size
-        model_cfg = critic_cfg.model if critic_cfg.model.model_path else config.worker.actor.model
-        module = build_fsdp_model(model_cfg, critic_cfg.fsdp, "critic", self.device, trainable=True)
+        actor_model = config.worker.actor.model
+        self.model_path = critic_cfg.model.model_path or actor_model.model_path
+        module = build_fsdp_model(
+            self.model_path,
+            critic_cfg.model,
+            critic_cfg.fsdp,
+            "critic",
+            self.device,
+            trainable=True,
+            trust_remote_code=actor_model.trust_remote_code,
+        )
         optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
-        self.model_path = model_cfg.model_path
         self.critic = ValueCritic(
             module,
             critic_cfg,
@@ -354,37 +379,53 @@ class CriticWorker:
             device=self.device,
             **sequence_parallel_args(self.sequence_parallel),
         )
+        self.offload = PhaseOffload(
+            module,
+            self.device,
+            params=critic_cfg.offload.offload_params,
+            optimizer=optimizer,
+            optimizer_state=critic_cfg.offload.offload_optimizer,
+        )
+        self.offload.offload()
 
     @rows_per_data_parallel_share
     def compute_values(self, data: DataProto) -> DataProto:
         micro = self.config.worker.critic.micro_batch_size_per_device_for_experience
-        return DataProto.from_dict(tensors={"values": self.critic.compute_values(data, micro)})
+        with self.offload.loaded():
+            values = self.critic.compute_values(data, micro)
+        return DataProto.from_dict(tensors={"values": values})
 
     @rows_per_data_parallel_share
     def update_critic(self, data: DataProto) -> DataProto:
         critic_cfg = self.config.worker.critic
         responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
-        metrics = self.critic.update_critic(
-            data,
-            mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
-            micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
-            ppo_epochs=critic_cfg.ppo_epochs,
-        )
+        with self.offload.loaded():
+            metrics = self.critic.update_critic(
+                data,
+                mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
+                micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
+                ppo_epochs=critic_cfg.ppo_epochs,
+            )
         return DataProto(meta_info={"metrics": {f"critic/{key}": value for key, value in metrics.items()}})
 
     def save_checkpoint(self, directory: str) -> None:
-        save_train_state(
-            Path(directory) / "critic",
-            self.critic.module,
-            self.critic.optimizer,
-            self.critic.lr_scheduler,
-            hf_source_dir=self.model_path,
-        )
+        with self.offload.loaded():
+            save_train_state(
+                Path(directory) / "critic",
+                self.critic.module,
+                self.critic.optimizer,
+                self.critic.lr_scheduler,
+                hf_source_dir=self.model_path,
+            )
 
     def load_checkpoint(self, directory: str) -> None:
-        load_train_state(
-            Path(directory) / "critic", self.critic.module, self.critic.optimizer, self.critic.lr_scheduler
-        )
+        with self.offload.loaded():
+            load_train_state(
+                Path(directory) / "critic",
+                self.critic.module,
+                self.critic.optimizer,
+                self.critic.lr_scheduler,
+            )
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -53,10 +53,11 @@ class RewardScorer:
         reward_function_kwargs: dict[str, Any] | None = None,
         reward_type: str | None = None,
         skip_special_tokens: bool = True,
+        trust_remote_code: bool = False,
     ):
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         self.function = load_reward_function(reward_function, reward_function_kwargs)
         if reward_type is not None:  # config overrides the file's REWARD_TYPE (old EasyR1 files lack it)
             self.function = dataclasses.replace(self.function, reward_type=reward_type)

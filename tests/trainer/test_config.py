@@ -376,3 +376,114 @@ def test_step_plan_follows_critic_warmup_and_scores_greedy_rollouts_at_temperatu
     assert trained.update_actor and trained.old_log_probs_from_update
     assert warming.use_critic and not warming.use_reference and not warming.greedy_baseline
     assert warming.temperature == trained.temperature == 1.0
+
+
+def test_every_problem_is_reported_in_one_pass(tmp_path, run_files):
+    """An unknown key, two ill-typed values and a bad choice: one ConfigError naming all four (and no
+    rule about a rejected key, which would judge the default standing in for it)."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("data:\n  max_pixels: lots\nworker:\n  rollout:\n    tempreature: 0.5\n")
+    errors = errors_of(
+        [
+            f"config={config_file}",
+            *valid_args(run_files, "data.rollout_batch_size=many", "algorithm.kl_penalty=k4"),
+        ]
+    )
+    assert len(errors) == 4, errors
+    joined = "\n".join(errors)
+    for expected in (
+        "data.max_pixels",
+        "lots",
+        "worker.rollout.tempreature",
+        "data.rollout_batch_size",
+        "many",
+    ):
+        assert expected in joined
+    assert "algorithm.kl_penalty='k4' is not one of" in joined
+
+
+def test_cli_reports_every_problem_and_exits_2(tmp_path, run_files):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmrl.trainer.main",
+            *valid_args(run_files, "data.max_pixels=x", "trainer.zzz=1"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "data.max_pixels" in result.stderr and "trainer.zzz" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("worker.critic.model.tokenizer_path=x", "the critic needs no tokenizer"),
+        ("worker.critic.model.trust_remote_code=true", "applies to every load of the run"),
+        ("worker.ref.offload.offload_optimizer=true", "has no optimizer"),
+    ],
+)
+def test_removed_keys_say_why(run_files, key, expected):
+    (error,) = errors_of(valid_args(run_files, key))
+    assert key.split("=")[0] in error and expected in error
+
+
+@pytest.mark.parametrize("role", ["ref", "critic"])
+def test_every_fsdp_section_validates_its_dtypes(run_files, role):
+    errors = errors_of(
+        valid_args(
+            run_files, f"worker.{role}.fsdp.torch_dtype=fp16", f"worker.{role}.fsdp.mp_param_dtype=half"
+        )
+    )
+    assert len(errors) == 2
+    assert errors[0].startswith(f"worker.{role}.fsdp.torch_dtype='fp16' is not one of auto, fp32, bf16")
+    assert errors[1].startswith(f"worker.{role}.fsdp.mp_param_dtype='half' is not one of auto, fp32, bf16")
+
+
+def test_critic_loss_avg_mode_error_names_key_value_and_choices(run_files):
+    (error,) = errors_of(valid_args(run_files, "worker.critic.loss_avg_mode=seq_sum"))
+    assert error.startswith(
+        "worker.critic.loss_avg_mode='seq_sum' is not one of token_mean, seq_mean_token_mean"
+    )
+
+
+def _main_with_missing(monkeypatch, capsys, run_files, module: str) -> tuple[int, str]:
+    """``main`` with the engine re-imported while ``module`` cannot be imported."""
+    from mmrl.trainer.main import main
+
+    monkeypatch.delitem(sys.modules, "mmrl.trainer.ray_trainer", raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ModuleNotFoundError
+    code = main(valid_args(run_files))
+    return code, capsys.readouterr().err
+
+
+def test_missing_dependency_is_named_with_its_install_command(monkeypatch, capsys, run_files):
+    code, err = _main_with_missing(monkeypatch, capsys, run_files, "torch")
+    assert code == 2
+    assert "needs the Python package 'torch', which is not installed: pip install torch" in err
+    assert "training engine" not in err
+
+
+def test_missing_engine_module_is_reported_as_such(monkeypatch, capsys, run_files):
+    code, err = _main_with_missing(monkeypatch, capsys, run_files, "mmrl.trainer.ray_trainer")
+    assert code == 3 and "training engine module 'mmrl.trainer.ray_trainer' is missing" in err
+
+
+def test_incompatible_dependency_is_named(monkeypatch, capsys, run_files):
+    from mmrl.trainer import main as main_module
+
+    def failing_run(config):
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+
+    import mmrl.trainer.ray_trainer as ray_trainer
+
+    monkeypatch.setattr(ray_trainer, "run", failing_run)
+    assert main_module.main(valid_args(run_files)) == 2
+    assert "pip install 'ray[default]'" in capsys.readouterr().err
+    error = ImportError("cannot import name 'X' from 'transformers'", name="transformers")
+    assert main_module.report_import_error(error) == 2
+    assert "cannot import name 'X' from 'transformers'; install the versions" in capsys.readouterr().err

@@ -436,6 +436,18 @@ def test_kl_controllers_by_hand():
         ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=0)
 
 
+def test_kl_controller_by_name():
+    fixed = ca.build_kl_controller("fixed", kl_coef=0.05, kl_target=6.0, kl_horizon=10000)
+    fixed.update(current_kl=9.0, n_steps=256)
+    assert isinstance(fixed, ca.FixedKLController) and fixed.value == 0.05
+    # as in test_kl_controllers_by_hand: 0.1 * (1 + 0.2 * 256 / 10000)
+    adaptive = ca.build_kl_controller("adaptive", kl_coef=0.1, kl_target=6.0, kl_horizon=10000)
+    adaptive.update(current_kl=9.0, n_steps=256)
+    assert adaptive.value == pytest.approx(0.100512, abs=1e-12)
+    with pytest.raises(ValueError, match="fixed, adaptive"):
+        ca.build_kl_controller("pid", kl_coef=0.1, kl_target=6.0, kl_horizon=10000)
+
+
 # ------------------------------------------------------------------------------------------------
 # Value loss and logit helpers
 # ------------------------------------------------------------------------------------------------
