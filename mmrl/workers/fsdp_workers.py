@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
 from mmrl.models.loading import freeze_vision_tower, load_model
+from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
@@ -57,9 +58,17 @@ def setup_distributed() -> torch.device:
 
 
 def build_fsdp_model(
-    model_config: ModelConfig, fsdp: FSDPConfig, role: str, device: torch.device, trainable: bool
+    model_config: ModelConfig,
+    fsdp: FSDPConfig,
+    role: str,
+    device: torch.device,
+    trainable: bool,
+    *,
+    padding_free: bool,
+    sequence_parallel: bool,
 ) -> torch.nn.Module:
-    """Load a Hugging Face model and shard it with FSDP2 over all ranks."""
+    """Load a Hugging Face model, prepare it for the passes it runs (packed with ``padding_free``, rows
+    split over ranks with ``sequence_parallel``) and shard it with FSDP2 over all ranks."""
     storage = fsdp.torch_dtype if fsdp.torch_dtype != "auto" else "fp32"  # fp32 master weights
     module = load_model(
         model_config.model_path,
@@ -68,6 +77,7 @@ def build_fsdp_model(
         trust_remote_code=model_config.trust_remote_code,
         override_config=dict(model_config.override_config),
     )
+    prepare_for_training(module, packing=padding_free, sequence_parallel=sequence_parallel)
     if not trainable:
         module.requires_grad_(False)
     elif model_config.freeze_vision_tower:
@@ -133,7 +143,14 @@ class HybridWorker:
         self.sequence_parallel = build_sequence_parallel(actor_cfg.ulysses_size, actor_cfg.ring_size)
         self.dp_size = self.world_size // actor_cfg.sequence_parallel_size
         sp_args = sequence_parallel_args(self.sequence_parallel)
-        module = build_fsdp_model(actor_cfg.model, actor_cfg.fsdp, "actor", self.device, trainable=True)
+        # the ref shares the actor's passes: packed or not, split over the same SP groups
+        passes = {
+            "padding_free": actor_cfg.padding_free,
+            "sequence_parallel": self.sequence_parallel is not None,
+        }
+        module = build_fsdp_model(
+            actor_cfg.model, actor_cfg.fsdp, "actor", self.device, trainable=True, **passes
+        )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
             module,
@@ -160,7 +177,7 @@ class HybridWorker:
         if config.algorithm.use_reference:
             ref_cfg = config.worker.ref
             ref_module = build_fsdp_model(
-                actor_cfg.model, ref_cfg.fsdp, "actor", self.device, trainable=False
+                actor_cfg.model, ref_cfg.fsdp, "actor", self.device, trainable=False, **passes
             )
             self.ref = PolicyActor(
                 ref_module,
@@ -215,6 +232,7 @@ class HybridWorker:
             trust_remote_code=model_cfg.trust_remote_code,
             override_config=dict(model_cfg.override_config),
         ).to(self.device)
+        prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
         return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
 
@@ -345,7 +363,15 @@ class CriticWorker:
         self.sequence_parallel = build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
         self.dp_size = self.world_size // critic_cfg.sequence_parallel_size
         model_cfg = critic_cfg.model if critic_cfg.model.model_path else config.worker.actor.model
-        module = build_fsdp_model(model_cfg, critic_cfg.fsdp, "critic", self.device, trainable=True)
+        module = build_fsdp_model(
+            model_cfg,
+            critic_cfg.fsdp,
+            "critic",
+            self.device,
+            trainable=True,
+            padding_free=critic_cfg.padding_free,
+            sequence_parallel=self.sequence_parallel is not None,
+        )
         optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
         self.model_path = model_cfg.model_path
         self.critic = ValueCritic(
