@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from mmrl.models.prepare import prepare_for_training
     from mmrl.protocol import DataProto
     from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         )  # random fp32 master weights, built on the device
     build_s = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
+    prepare_for_training(model, packing=True)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     mesh = dist.device_mesh.init_device_mesh(device.type, (1,))

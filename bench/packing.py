@@ -195,6 +195,7 @@ def main() -> None:
 
     from mmrl.demo.tiny import build_tiny_model, count_parameters, tiny_model_path
     from mmrl.models.loading import load_model
+    from mmrl.models.prepare import prepare_for_training
 
     torch.set_num_threads(args.threads)
     lengths = response_lengths(args.rows, args.min_response, args.max_response)
@@ -205,7 +206,7 @@ def main() -> None:
         valid_per_row = batch.batch["attention_mask"].sum(-1)
         count_micro_batches = math.ceil(args.rows / args.micro_batch_size)
         budget = max(int(valid_per_row.max()), math.ceil(int(valid_per_row.sum()) / count_micro_batches))
-        model = load_model(str(path))
+        model = prepare_for_training(load_model(str(path)), packing=True)  # padded and packed modes
         batch = add_old_log_probs(model, batch)
         modes = (("padded", False, None), ("packed", True, None), ("packed+budget", True, budget))
         results = bench_modes(model, batch, modes, args.micro_batch_size, args.repeats)

@@ -88,13 +88,14 @@ def _bench_size(model_path: str, prompts: dict, args: argparse.Namespace) -> dic
     from transformers import AutoTokenizer
 
     from mmrl.models.loading import load_model
+    from mmrl.models.prepare import prepare_for_training
     from mmrl.workers.rollout import SamplingParams
     from mmrl.workers.rollout.hf import HFRollout
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout
     from mmrl.workers.weight_sync import iter_full_state_dict
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = load_model(model_path)
+    model = prepare_for_training(load_model(model_path), packing=False)
     backends = {"transformers": HFRollout(model, tokenizer)}
     start = time.perf_counter()
     backends["vllm"] = VLLMRollout(

@@ -70,13 +70,14 @@ def _rank_job(
     from torch.distributed.device_mesh import init_device_mesh
 
     from mmrl.models.loading import load_model
+    from mmrl.models.prepare import prepare_for_training
     from mmrl.parallel.sequence import init_sequence_parallel
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer
 
     ulysses_size, ring_size = layout
     groups = init_sequence_parallel(ulysses_size, ring_size) if world_size > 1 else None
-    model = load_model(model_path)
+    model = prepare_for_training(load_model(model_path), packing=True, sequence_parallel=groups is not None)
     vocab_size = model.config.vocab_size
     module = apply_fsdp2(model, init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)

@@ -130,10 +130,10 @@ def greedy_accuracy(
 
 def build_trainer(args, train_rows: list[dict]):
     from datasets import Dataset
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoProcessor
     from trl import GRPOConfig, GRPOTrainer
 
-    from mmrl.workers.rollout.hf import placeholder_token_ids
+    from mmrl.models.families import family_for
 
     completions = args.prompts * args.n
     if completions % (args.updates_per_rollout * args.micro_batch):
@@ -142,7 +142,7 @@ def build_trainer(args, train_rows: list[dict]):
             f"optimizer steps of --micro_batch={args.micro_batch} completions"
         )
     processor = AutoProcessor.from_pretrained(args.model, padding_side="left")
-    suppress = placeholder_token_ids(processor.tokenizer)
+    suppress = family_for(AutoConfig.from_pretrained(args.model)).placeholder_token_ids(processor.tokenizer)
     generation_kwargs = {"suppress_tokens": suppress}
     if args.force_length:
         generation_kwargs["min_new_tokens"] = args.response_length

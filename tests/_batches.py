@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 import torch
+from _models import training_model
 from PIL import Image
 
-from mmrl.models.loading import load_model
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, AlgorithmConfig, CriticConfig
 from mmrl.workers.actor import PolicyActor
@@ -73,9 +73,12 @@ def encode_prompt(
     video_frames: int | None = None,
     audio_s: float | None = None,
     audio_in_video: bool = False,
+    video_fps: float | None = None,
 ) -> dict:
     """One prompt through the processor: media markers first, then a question. With
-    ``audio_in_video`` the clip is the video's sound track (Qwen2.5-Omni interleaves their tokens)."""
+    ``audio_in_video`` the clip is the video's sound track (Qwen2.5-Omni interleaves their tokens).
+    With ``video_fps`` the frames are passed as already sampled at that rate, with their metadata
+    (Qwen3-VL writes each frame's timestamp into the prompt)."""
     rng = np.random.default_rng(seed)
     content, media = [], {}
     if image is not None:
@@ -87,6 +90,13 @@ def encode_prompt(
         media["videos"] = [rng.integers(0, 256, (video_frames, 56, 56, 3), dtype=np.uint8)]
         if hasattr(processor, "feature_extractor"):  # Omni: its video defaults would upscale the frames
             media["videos_kwargs"] = {**OMNI_VIDEO_KWARGS, "use_audio_in_video": audio_in_video}
+        elif video_fps is not None:
+            metadata = {
+                "fps": video_fps,
+                "total_num_frames": video_frames,
+                "frames_indices": list(range(video_frames)),
+            }
+            media["videos_kwargs"] = {"do_sample_frames": False, "video_metadata": [metadata]}
     if audio_s is not None:
         if not audio_in_video:
             content.append({"type": "audio"})
@@ -140,7 +150,7 @@ def add_training_columns(batch: DataProto, model_path, seed: int = 1) -> DataPro
     """``old_log_probs`` near the model's own (some ratios clip), ``ref_log_probs``, ``advantages``,
     critic ``values`` and ``returns``."""
     generator = torch.Generator().manual_seed(seed)
-    log_probs, _ = policy_actor(load_model(str(model_path))).compute_log_probs(batch, len(batch), TEMPERATURE)
+    log_probs, _ = policy_actor(training_model(model_path)).compute_log_probs(batch, len(batch), TEMPERATURE)
     mask = batch.batch["response_mask"].float()
     shape = log_probs.shape
     columns = {

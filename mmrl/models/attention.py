@@ -8,7 +8,8 @@ transformers v5 hands unknown forward keywords through the decoder layers to the
 (and to the vision/audio towers, whose attention functions ignore it).
 
 :data:`PACKED_ATTENTION` is registered with transformers' ``AttentionInterface`` and
-``AttentionMaskInterface`` and set on the text decoder only (:func:`enable_packed_attention`):
+``AttentionMaskInterface`` and set on the text decoder only (:func:`enable_packed_attention`, where
+the model is built):
 
 - with ``packed_sequences``: flash-attn's ``flash_attn_varlen_func`` when the package is installed and
   the tensors are fp16/bf16 on CUDA; otherwise torch sdpa run causally on each sequence in turn,
@@ -310,7 +311,8 @@ def register_packed_attention() -> None:
 
 
 def enable_packed_attention(model: nn.Module) -> None:
-    """Make the text decoder of ``model`` use :data:`PACKED_ATTENTION` (idempotent).
+    """Make the text decoder of ``model`` use :data:`PACKED_ATTENTION` (idempotent). Called by
+    :func:`mmrl.models.prepare.prepare_for_training` where the model is built.
 
     Only the decoder's config changes: the vision/audio towers keep their own attention, and a padded
     forward computes what transformers' sdpa computes.
@@ -319,3 +321,8 @@ def enable_packed_attention(model: nn.Module) -> None:
     config = model.get_decoder().config
     if config._attn_implementation != PACKED_ATTENTION:
         config._attn_implementation = PACKED_ATTENTION
+
+
+def packed_attention_enabled(model: nn.Module) -> bool:
+    """Whether ``model``'s text decoder uses :data:`PACKED_ATTENTION` (see :func:`enable_packed_attention`)."""
+    return model.get_decoder().config._attn_implementation == PACKED_ATTENTION

@@ -5,8 +5,7 @@ padding). Position ids are computed here rather than left to the model, because 
 them from the sequence length counts left padding as positions and so shifts every valid token:
 
 - Qwen-VL / Qwen-Omni: M-RoPE ids ``[3, B, L]`` from the model's own ``get_rope_index`` over the valid
-  tokens of each row (transformers v5: on ``model.model`` for Qwen-VL, taking ``mm_token_type_ids``;
-  on the thinker itself for Omni, taking the audio lengths).
+  tokens of each row, called as the model's family says (:mod:`mmrl.models.families`);
 - Text models: ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` ``[B, L]``.
 
 :func:`response_token_outputs` (and :func:`response_head_outputs`, its [B, R, D] layout) is the one
@@ -14,6 +13,8 @@ place a micro-batch goes through the model, padded or packed (``padding_free``).
 tokens of all rows form one row ``[1, T]`` in row order, each sequence numbered by the model's own
 ``get_rope_index`` on that sequence alone, the media tensors joined in the same row order, and
 attention gets the sequence boundaries (:mod:`mmrl.models.attention`): no padding token is computed.
+Packed and sequence-parallel passes need a model prepared for them where it was built
+(:func:`mmrl.models.prepare.prepare_for_training`); nothing here changes the model.
 """
 
 from __future__ import annotations
@@ -25,21 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.models.attention import PackedSequences, SharedPrefixSequences, enable_packed_attention
+from mmrl.models.attention import PackedSequences, SharedPrefixSequences
+from mmrl.models.families import family_of
+from mmrl.models.prepare import check_prepared
 from mmrl.parallel.sequence import (
     SequenceParallelGroups,
     ShardedSequences,
     ShardLayout,
-    enable_sequence_parallel,
     gather_token_outputs,
     token_owners,
 )
-
-# Media keys used only to compute positions; the forward gets the finished position ids instead.
-POSITION_ONLY_KEYS = ("second_per_grid_ts", "video_second_per_grid", "use_audio_in_video")
-# Media keys that compute_position_ids reads.
-POSITION_KEYS = ("image_grid_thw", "video_grid_thw", "feature_attention_mask", *POSITION_ONLY_KEYS)
-MM_TOKEN_TYPES = {"image_token_id": 1, "video_token_id": 2}  # Qwen-VL v5: 0 text, 1 image, 2 video
 
 
 def concat_multi_modal_inputs(
@@ -73,11 +69,6 @@ def concat_multi_modal_inputs(
     return joined
 
 
-def forward_media(media: dict[str, Any]) -> dict[str, Any]:
-    """The joined media a forward takes: without the keys only position ids need."""
-    return {key: value for key, value in media.items() if key not in POSITION_ONLY_KEYS}
-
-
 def _pad_trailing_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Zero-pad every dim after the first to the largest size among ``tensors``."""
     max_shape = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors))]
@@ -93,24 +84,6 @@ def _pad_trailing_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return padded
 
 
-def _rope_index_owner(model: nn.Module) -> nn.Module | None:
-    """The module whose ``get_rope_index`` computes M-RoPE ids, or None for 1-D RoPE models."""
-    for owner in (getattr(model, "model", None), model):
-        if isinstance(owner, nn.Module) and callable(getattr(owner, "get_rope_index", None)):
-            return owner
-    return None
-
-
-def mm_token_types_from_ids(config, input_ids: torch.Tensor) -> torch.Tensor:
-    """Qwen-VL ``mm_token_type_ids`` [B, L] from placeholder ids: 1 image, 2 video, 0 otherwise."""
-    token_types = torch.zeros_like(input_ids)
-    for attribute, token_type in MM_TOKEN_TYPES.items():
-        token_id = getattr(config, attribute, None)
-        if token_id is not None:
-            token_types[input_ids == token_id] = token_type
-    return token_types
-
-
 def compute_position_ids(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -120,41 +93,11 @@ def compute_position_ids(
 ) -> torch.Tensor:
     """Position ids of a padded batch: M-RoPE ``[3, B, L]`` or 1-D ``[B, L]``; padding gets 0 or 1.
 
-    ``media`` is the joined output of :func:`concat_multi_modal_inputs` for the same rows. Without
-    ``mm_token_type_ids`` (Qwen-VL) they are derived from the image/video placeholder ids.
+    ``media`` is the joined output of :func:`concat_multi_modal_inputs` for the same rows; the model's
+    family computes the ids (Qwen-VL: ``mm_token_type_ids`` derived from the placeholder ids when not
+    given).
     """
-    owner = _rope_index_owner(model)
-    if owner is None:
-        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    parameters = inspect.signature(owner.get_rope_index).parameters
-    if "mm_token_type_ids" in parameters:  # Qwen2/2.5-VL (transformers v5)
-        if mm_token_type_ids is None:
-            mm_token_type_ids = mm_token_types_from_ids(owner.config, input_ids)
-        position_ids, _ = owner.get_rope_index(
-            input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=media.get("image_grid_thw"),
-            video_grid_thw=media.get("video_grid_thw"),
-            second_per_grid_ts=media.get("second_per_grid_ts"),
-            attention_mask=attention_mask,
-        )
-        return position_ids
-    if "audio_seqlens" in parameters:  # Qwen2.5-Omni thinker
-        feature_mask = media.get("feature_attention_mask")
-        position_ids, _ = owner.get_rope_index(
-            input_ids,
-            image_grid_thw=media.get("image_grid_thw"),
-            video_grid_thw=media.get("video_grid_thw"),
-            attention_mask=attention_mask,
-            use_audio_in_video=bool(media.get("use_audio_in_video", False)),
-            audio_seqlens=None if feature_mask is None else feature_mask.sum(-1),
-            second_per_grids=media.get("video_second_per_grid"),
-        )
-        return position_ids
-    raise NotImplementedError(
-        f"{type(owner).__name__}.get_rope_index has an unknown signature {list(parameters)}; add its "
-        "model family to mmrl.models.inputs.compute_position_ids"
-    )
+    return family_of(model).position_ids(model, input_ids, attention_mask, media, mm_token_type_ids)
 
 
 def build_forward_inputs(
@@ -181,7 +124,7 @@ def build_forward_inputs(
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
-        **forward_media(media),
+        **family_of(model).forward_media(media),
     }
 
 
@@ -255,9 +198,9 @@ def sequence_position_ids(
     rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(input_ids)
     group_of_row = prompt_groups(prompt_ids, prompt_mask, multi_modal_inputs)
     firsts = sorted(set(group_of_row))
+    family = family_of(model)
     prompt_media = concat_multi_modal_inputs(
-        [{k: v for k, v in (rows_media[row] or {}).items() if k in POSITION_KEYS} for row in firsts],
-        device=input_ids.device,
+        [family.position_media(rows_media[row] or {}) for row in firsts], device=input_ids.device
     )
     prompt_positions = compute_position_ids(
         model,
@@ -289,12 +232,13 @@ def packed_position_ids(
     audio lengths and flags, exactly as the model's ``get_rope_index`` would number that sequence by
     itself; the rows' ids are then concatenated, so they restart at every sequence.
     """
+    family = family_of(model)
     positions = []
     for row in range(input_ids.shape[0]):
         valid = attention_mask[row].bool()
         row_ids = input_ids[row, valid].unsqueeze(0)  # [1, L_row]
         row_media = (multi_modal_inputs[row] or {}) if multi_modal_inputs is not None else {}
-        position_media = {key: value for key, value in row_media.items() if key in POSITION_KEYS}
+        position_media = family.position_media(row_media)
         row_types = None if mm_token_type_ids is None else mm_token_type_ids[row, valid].unsqueeze(0)
         positions.append(
             compute_position_ids(
@@ -322,10 +266,10 @@ def build_packed_forward_inputs(
     the valid tokens' ids from the given batch-first ``position_ids`` (see
     :func:`sequence_position_ids`) or else :func:`packed_position_ids`, ``packed_sequences`` the
     boundaries for attention, the media tensors joined in row order, and no ``attention_mask``.
-    Switches the model's text decoder to packed attention (once), without which ``packed_sequences``
-    would be ignored.
+    ``model`` must be prepared for packing (:func:`mmrl.models.prepare.prepare_for_training`), or
+    ``packed_sequences`` would be ignored: raises otherwise.
     """
-    enable_packed_attention(model)
+    check_prepared(model, sequence_parallel=False, where="build_packed_forward_inputs")
     valid = attention_mask.bool()  # [B, L]
     media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
     if position_ids is None:
@@ -338,7 +282,7 @@ def build_packed_forward_inputs(
         "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
         "position_ids": packed_positions,
         "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
-        **forward_media(media),
+        **family_of(model).forward_media(media),
     }
 
 
@@ -359,9 +303,10 @@ def build_shared_prefix_inputs(
     the model once instead of n times; attention (:class:`~mmrl.models.attention.SharedPrefixSequences`)
     lets each response see its prompt and itself, so every output equals the one of the row alone,
     and gradients reach the shared prompt from all its responses. A response's first token is
-    predicted by the prompt's last token, whose output is gathered once per response.
+    predicted by the prompt's last token, whose output is gathered once per response. ``model`` must be
+    prepared for packing (:func:`mmrl.models.prepare.prepare_for_training`).
     """
-    enable_packed_attention(model)
+    check_prepared(model, sequence_parallel=False, where="build_shared_prefix_inputs")
     device = input_ids.device
     prompt_length = input_ids.shape[1] - response_length
     valid = attention_mask.bool()
@@ -407,7 +352,7 @@ def build_shared_prefix_inputs(
         "input_ids": torch.cat(token_pieces).unsqueeze(0),  # [1, T]
         "position_ids": torch.cat(position_pieces, dim=-1).unsqueeze(-2),  # [3, 1, T] or [1, T]
         "packed_sequences": SharedPrefixSequences.from_segments(segments, device),
-        **forward_media(media),
+        **family_of(model).forward_media(media),
     }
     indices = torch.cat([predicting[row] for row in range(len(input_ids))]).to(device)
     return inputs, indices, response_valid
@@ -550,10 +495,10 @@ def _sequence_parallel_outputs(
     model: nn.Module, inputs: dict[str, Any], indices: torch.Tensor, groups: SequenceParallelGroups
 ) -> torch.Tensor:
     """Head outputs [K, D] at packed ``indices``, each computed by the SP rank holding its position."""
+    check_prepared(model, sequence_parallel=True, where="response_token_outputs(sequence_parallel=...)")
     packed = inputs["packed_sequences"]
     layout = ShardLayout(packed.lengths, groups.ring_size, groups.ulysses_size)
     inputs["packed_sequences"] = ShardedSequences(packed, layout, groups)
-    enable_sequence_parallel(model)
     owners, local_index = token_owners(layout, indices)  # [K] each
     mine = local_index[owners == groups.rank].to(indices.device)  # ascending in K order
     if _accepts_logits_to_keep(model):

@@ -1,13 +1,9 @@
 """Loading Hugging Face models for training, and finding their parts (towers, decoder layers).
 
-Which class loads a folder:
-
-- Qwen2/2.5/3-VL and other image-text models: ``AutoModelForImageTextToText``.
-- Qwen2.5-Omni folders (``model_type: qwen2_5_omni``, a thinker plus an optional talker): only the
-  thinker is trained, loaded from the folder's ``thinker_config`` by ``AutoModelForImageTextToText``
-  (which maps ``qwen2_5_omni_thinker`` to ``Qwen2_5OmniThinkerForConditionalGeneration``; its
-  ``base_model_prefix = "thinker"`` strips the ``thinker.`` prefix of the stored weights).
-- Text models: ``AutoModelForCausalLM``.
+Which class loads a folder, from which (sub-)config, and where its towers are is the model family's
+knowledge (:mod:`mmrl.models.families`, looked up by the folder's ``model_type``); e.g. a Qwen2.5-Omni
+folder loads only its thinker. Packed and sequence-parallel passes need the loaded model prepared
+where it is built (:func:`mmrl.models.prepare.prepare_for_training`).
 
 A critic is the same model whose ``lm_head`` is replaced by a value head ``nn.Linear(hidden, 1)``, so
 ``model(...).logits`` is ``[B, L, 1]``: one value per position.
@@ -21,12 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrl.models.mrope import resume_text_after_vision_max
+from mmrl.models.families import family_for, family_of
 
 ROLES = ("actor", "critic")
-# Attribute names of encoder towers in the supported families (transformers v5): Qwen-VL keeps the
-# vision tower at `model.model.visual`, the Omni thinker at `model.visual` and `model.audio_tower`.
-TOWER_ATTRIBUTES = ("visual", "vision_tower", "audio_tower")
 
 
 class MergeNotSupportedError(ValueError):
@@ -51,35 +44,26 @@ def load_model(
     dict updates a sub-config (``{"text_config": {"rms_norm_eps": 1e-5}}``). The critic's value head
     is initialised the same way on every rank (fixed seed), since FSDP shards whatever each rank holds.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
 
     if role not in ROLES:
         raise ValueError(f"load_model: role must be one of {ROLES}, got {role!r}")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if hasattr(config, "thinker_config"):
-        config = config.thinker_config  # Qwen-Omni: the thinker is the policy; the talker is not trained
+    folder_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    family = family_for(folder_config)
+    config = family.training_config(folder_config)  # e.g. Qwen2.5-Omni: the thinker; no talker is trained
     apply_config_overrides(config, override_config or {}, where="override_config")
-    auto_class = AutoModelForImageTextToText if _is_image_text_config(config) else AutoModelForCausalLM
-    model = auto_class.from_pretrained(
+    model = getattr(transformers, family.auto_class).from_pretrained(
         path,
         config=config,
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
-    resume_text_after_vision_max(model)  # transformers v5 numbers text after a video differently
+    if family.fix_model is not None:  # the family's fix (e.g. Qwen2.5-VL text positions after a video)
+        family.fix_model(model)
     if role == "critic":
         attach_value_head(model)
     return model
-
-
-def _is_image_text_config(config) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    auto_map = getattr(config, "auto_map", None) or {}
-    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
-        "AutoModelForImageTextToText" in auto_map
-    )
 
 
 def apply_config_overrides(config, overrides: dict[str, Any], where: str) -> None:
@@ -121,15 +105,7 @@ def attach_value_head(model: nn.Module) -> nn.Linear:
 
 def tower_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of every vision/audio encoder tower, e.g. ``model.visual``."""
-    towers = []
-    for prefix, owner in (("", model), ("model.", getattr(model, "model", None))):
-        if not isinstance(owner, nn.Module):
-            continue
-        for attribute in TOWER_ATTRIBUTES:
-            tower = getattr(owner, attribute, None)
-            if isinstance(tower, nn.Module):
-                towers.append((prefix + attribute, tower))
-    return towers
+    return family_of(model).tower_modules(model)
 
 
 def vision_modules(model: nn.Module) -> list[nn.Module]:
@@ -149,7 +125,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
             f"{type(model).__name__}: its decoder {type(decoder).__name__} has no `layers` ModuleList; "
-            "add this model family to mmrl.models.loading"
+            "its model family (mmrl.models.families) needs a decoder mmrl can find"
         )
     return layers
 

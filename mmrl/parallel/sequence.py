@@ -14,13 +14,15 @@ and each computes the decoder on a slice of the packed row (:class:`ShardLayout`
 
 Everything before the decoder (embeddings, vision/audio towers, M-RoPE ids of the whole sequence)
 runs on the whole row on every SP rank; a forward pre-hook on the text decoder then keeps this rank's
-tokens (:func:`enable_sequence_parallel`). The head's outputs at the response tokens are gathered back
+tokens (:func:`enable_sequence_parallel`, installed where the model is built). The head's outputs at the response tokens are gathered back
 in the row's order (:func:`gather_token_outputs`), so every SP rank computes the same loss; the
 gather's backward keeps each rank's own rows, so the SP ranks' gradients add up to the whole row's.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -172,9 +174,15 @@ class ShardedSequences(NamedTuple):
 # ------------------------------------------------------------------ decoder inputs
 
 
-def _keep_local_tokens(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of the text decoder: keep this rank's tokens of the embeddings (or ids) and
-    of the position ids, whose last dimension is the packed row."""
+def _keep_local_tokens(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    shard_extra_inputs: Callable[[dict[str, Any], torch.Tensor], None] | None = None,
+) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the text decoder: keep this rank's tokens of the embeddings (or ids), of the
+    position ids, whose last dimension is the packed row, and (``shard_extra_inputs``, from the model's
+    family) of any other per-token decoder input."""
     sharded = kwargs.get("packed_sequences")
     if not isinstance(sharded, ShardedSequences):
         return None
@@ -184,6 +192,8 @@ def _keep_local_tokens(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
             kwargs[key] = kwargs[key].index_select(1, index)
     if kwargs.get("position_ids") is not None:
         kwargs["position_ids"] = kwargs["position_ids"].index_select(-1, index)
+    if shard_extra_inputs is not None:
+        shard_extra_inputs(kwargs, index)
     if args:
         raise TypeError(
             f"{type(module).__name__}: sequence parallelism expects the decoder to be called with "
@@ -192,12 +202,21 @@ def _keep_local_tokens(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, kwargs
 
 
-def enable_sequence_parallel(model: nn.Module) -> None:
-    """Install the pre-hook that shards the text decoder's inputs (idempotent)."""
+def enable_sequence_parallel(
+    model: nn.Module, shard_extra_inputs: Callable[[dict[str, Any], torch.Tensor], None] | None = None
+) -> None:
+    """Install the pre-hook that shards the text decoder's inputs (idempotent). Called by
+    :func:`mmrl.models.prepare.prepare_for_training` where the model is built."""
     decoder = model.get_decoder()
-    if not getattr(decoder, "_mmrl_sequence_parallel", False):
-        decoder.register_forward_pre_hook(_keep_local_tokens, with_kwargs=True)
+    if not sequence_parallel_enabled(model):
+        hook = functools.partial(_keep_local_tokens, shard_extra_inputs=shard_extra_inputs)
+        decoder.register_forward_pre_hook(hook, with_kwargs=True)
         decoder._mmrl_sequence_parallel = True
+
+
+def sequence_parallel_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable_sequence_parallel` prepared ``model``'s text decoder."""
+    return bool(getattr(model.get_decoder(), "_mmrl_sequence_parallel", False))
 
 
 # ------------------------------------------------------------------ Ulysses all-to-all

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mmrl.checkpoint.state import load_train_state, save_train_state
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.loading import freeze_vision_tower, load_model
+from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import SAMPLING_KEYS, ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
@@ -67,9 +68,13 @@ def build_fsdp_model(
     role: str,
     device: torch.device,
     trainable: bool,
+    *,
     trust_remote_code: bool,
+    padding_free: bool,
+    sequence_parallel: bool,
 ) -> torch.nn.Module:
-    """Load the Hugging Face model at ``model_path`` and shard it with FSDP2 over all ranks."""
+    """Load the Hugging Face model at ``model_path``, prepare it for the passes it runs (packed with
+    ``padding_free``, rows split over ranks with ``sequence_parallel``) and shard it with FSDP2."""
     storage = fsdp.torch_dtype if fsdp.torch_dtype != "auto" else "fp32"  # fp32 master weights
     module = load_model(
         model_path,
@@ -78,6 +83,7 @@ def build_fsdp_model(
         trust_remote_code=trust_remote_code,
         override_config=dict(model_config.override_config),
     )
+    prepare_for_training(module, packing=padding_free, sequence_parallel=sequence_parallel)
     if not trainable:
         module.requires_grad_(False)
     elif model_config.freeze_vision_tower:
@@ -146,14 +152,14 @@ class HybridWorker:
         self.dp_size = self.world_size // actor_cfg.sequence_parallel_size
         sp_args = sequence_parallel_args(self.sequence_parallel)
         model_cfg = actor_cfg.model
+        # the ref shares the actor's passes: packed or not, split over the same SP groups
+        passes = {
+            "trust_remote_code": model_cfg.trust_remote_code,
+            "padding_free": actor_cfg.padding_free,
+            "sequence_parallel": self.sequence_parallel is not None,
+        }
         module = build_fsdp_model(
-            model_cfg.model_path,
-            model_cfg,
-            actor_cfg.fsdp,
-            "actor",
-            self.device,
-            trainable=True,
-            trust_remote_code=model_cfg.trust_remote_code,
+            model_cfg.model_path, model_cfg, actor_cfg.fsdp, "actor", self.device, trainable=True, **passes
         )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
@@ -170,13 +176,7 @@ class HybridWorker:
         if config.algorithm.use_reference:
             ref_cfg = config.worker.ref
             ref_module = build_fsdp_model(
-                model_cfg.model_path,
-                model_cfg,
-                ref_cfg.fsdp,
-                "actor",
-                self.device,
-                trainable=False,
-                trust_remote_code=model_cfg.trust_remote_code,
+                model_cfg.model_path, model_cfg, ref_cfg.fsdp, "actor", self.device, trainable=False, **passes
             )
             # the reference scores with the actor's packing settings; it has no loss
             self.ref = PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
@@ -237,6 +237,7 @@ class HybridWorker:
             trust_remote_code=model_cfg.trust_remote_code,
             override_config=dict(model_cfg.override_config),
         ).to(self.device)
+        prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
         return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
 
@@ -368,6 +369,8 @@ class CriticWorker:
             self.device,
             trainable=True,
             trust_remote_code=actor_model.trust_remote_code,
+            padding_free=critic_cfg.padding_free,
+            sequence_parallel=self.sequence_parallel is not None,
         )
         optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
         self.critic = ValueCritic(

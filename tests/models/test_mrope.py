@@ -1,11 +1,12 @@
-"""Text after a video resumes at the video's largest M-RoPE id + 1 (mmrl.models.mrope), by hand."""
+"""Text after a video resumes at the video's largest M-RoPE id + 1 (mmrl.models.families.qwen2_vl), by hand."""
 
 from __future__ import annotations
 
 import torch
 
+from mmrl.models.families import family_of
+from mmrl.models.families.qwen2_vl import renumber_text_after_vision, resume_text_after_vision_max
 from mmrl.models.loading import load_model
-from mmrl.models.mrope import renumber_text_after_vision, resume_text_after_vision_max
 
 VIDEO, IMAGE = 2, 1
 
@@ -96,7 +97,10 @@ def test_renumbering_keeps_vision_layout_and_padding():
 
 def test_only_qwen2_vl_families_are_wrapped(tiny_vl_path, tiny_omni_path, tiny_text_path):
     assert getattr(load_model(str(tiny_vl_path)).model.get_rope_index, "mmrl_resumes_after_vision_max", False)
-    for path in (tiny_omni_path, tiny_text_path):
-        assert not resume_text_after_vision_max(load_model(str(path)))
+    for path in (tiny_omni_path, tiny_text_path):  # the fix belongs to the Qwen2-VL family's spec only
+        model = load_model(str(path))
+        assert family_of(model).fix_model is None
+        owners = [module for module in model.modules() if hasattr(module, "get_rope_index")]
+        assert not any(hasattr(owner.get_rope_index, "mmrl_resumes_after_vision_max") for owner in owners)
     # idempotent: a second call leaves the wrapped method alone
     assert not resume_text_after_vision_max(load_model(str(tiny_vl_path)))

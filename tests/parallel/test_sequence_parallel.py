@@ -128,14 +128,18 @@ class GradientRecorder(torch.optim.Optimizer):
 
 
 def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size: int, ring_size: int) -> dict:
+    from _models import training_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mmrl.models.loading import decoder_layers, load_model
+    from mmrl.models.loading import decoder_layers
     from mmrl.workers.fsdp_engine import apply_fsdp2
 
     groups = init_sequence_parallel(ulysses_size, ring_size)
     module = apply_fsdp2(
-        load_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
+        training_model(model_path, sequence_parallel=world_size > 1),
+        init_device_mesh("cpu", (world_size,)),
+        torch.float32,
+        torch.float32,
     )
     recorder = GradientRecorder(module.named_parameters())
     layer_tokens = []  # tokens each decoder layer call computed: this rank's share of the packed row

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _batches import ACTOR_SETTINGS as SHARED_ACTOR_SETTINGS
 from _batches import policy_actor, value_critic
+from _models import training_model
 from PIL import Image
 
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
@@ -113,7 +114,7 @@ def add_training_columns(batch: DataProto, model_path: Path, seed: int = 1) -> D
     """``old_log_probs`` near the model's own (so some ratios clip), ``ref_log_probs``, advantages,
     critic ``values`` and ``returns``."""
     generator = torch.Generator().manual_seed(seed)
-    log_probs, _ = policy_actor(load_model(str(model_path))).compute_log_probs(batch, 4, TEMPERATURE)
+    log_probs, _ = policy_actor(training_model(str(model_path))).compute_log_probs(batch, 4, TEMPERATURE)
     mask = batch.batch["response_mask"].float()
     shape = log_probs.shape
     columns = {
@@ -144,7 +145,7 @@ def vl_batch(tiny_vl_path, vl_processor) -> DataProto:
 def _sharded(model_path: str, mesh, role="actor", freeze=False, checkpointing=False, cpu_offload=False):
     from mmrl.workers.fsdp_engine import apply_fsdp2, enable_gradient_checkpointing
 
-    model = load_model(model_path, role=role)
+    model = training_model(model_path, role=role)
     if freeze:
         freeze_vision_tower(model)
     if checkpointing:
@@ -238,7 +239,7 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 
 
 def _reference_update(model_path, batch, micro_batch_size, **overrides):
-    model = load_model(str(model_path))
+    model = training_model(str(model_path))
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     actor = policy_actor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
     metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
@@ -505,7 +506,7 @@ def test_update_is_independent_of_micro_batch_size(tiny_vl_path, vl_batch):
 
 
 def test_one_step_changes_every_trainable_tensor_vision_tower_included(tiny_vl_path, vl_batch):
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(vl_batch, 4, 2, 1, TEMPERATURE)
@@ -516,7 +517,7 @@ def test_one_step_changes_every_trainable_tensor_vision_tower_included(tiny_vl_p
 
 
 def test_frozen_vision_tower_stays_unchanged(tiny_vl_path, vl_batch):
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     freeze_vision_tower(model)
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
@@ -527,7 +528,7 @@ def test_frozen_vision_tower_stays_unchanged(tiny_vl_path, vl_batch):
 
 
 def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     batch = add_training_columns(
         build_batch(vl_processor, image_sizes=(None, None), response_lengths=(4, 2)), tiny_vl_path
     )
@@ -546,7 +547,7 @@ def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
 
 @pytest.mark.distributed
 def test_two_rank_log_probs_and_grads_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     actor = policy_actor(model, **ACTOR_SETTINGS)
     log_probs, entropy = actor.compute_log_probs(vl_batch, 4, TEMPERATURE, with_entropy=True)
     mask = vl_batch.batch["response_mask"].bool()
@@ -591,7 +592,7 @@ def test_two_rank_frozen_tower_unchanged(two_rank_results):
 
 @pytest.mark.distributed
 def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
-    model = load_model(str(tiny_vl_path), role="critic")
+    model = training_model(str(tiny_vl_path), role="critic")
     critic = value_critic(
         model, torch.optim.SGD(model.parameters(), lr=SGD_LR), max_grad_norm=1e9, cliprange_value=CRITIC_CLIP
     )

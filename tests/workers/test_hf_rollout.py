@@ -5,17 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from _batches import policy_actor
+from _models import training_model
 
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.models.families import family_for
 from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.models.loading import load_model
 from mmrl.protocol import DataProto
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
-from mmrl.workers.rollout.hf import HFRollout, filter_logits, placeholder_token_ids
+from mmrl.workers.rollout.hf import HFRollout, filter_logits
 from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears, prepacking_available
 
 
@@ -97,8 +99,8 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(vl_parts, p
 
 
 def test_placeholder_tokens_are_never_sampled(vl_parts, prompts):
-    _, tokenizer, _ = vl_parts
-    blocked = placeholder_token_ids(tokenizer)
+    path, tokenizer, _ = vl_parts
+    blocked = family_for(load_model(str(path)).config).placeholder_token_ids(tokenizer)
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in blocked
     assert tokenizer.eos_token_id not in blocked
     # near-uniform sampling over the ~460-token vocabulary: without the block, 1,152 draws hit one of
@@ -117,7 +119,7 @@ def test_rollout_log_probs_match_the_trainer(vl_parts, prompts):
     rollout = make_rollout(vl_parts, return_log_probs=True)
     sampling = SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2)
     batch = rollout.generate(prompts, sampling)
-    actor = policy_actor(load_model(str(path)))
+    actor = policy_actor(training_model(path))
     log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=0.7)
     mask = batch.batch["response_mask"].bool()
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
@@ -261,7 +263,7 @@ def test_prepacked_rollout_equals_plain_rollout_before_and_after_weight_sync(vl_
     plain = make_rollout(vl_parts, return_log_probs=True, prepack=False)
     packed = make_rollout(vl_parts, return_log_probs=True, prepack=False)
     assert prepack_linears(packed.model, rows=8, min_elements=1) > 20
-    other = load_model(str(vl_parts[0]))
+    other = training_model(vl_parts[0])  # the trainer's model: it scores the rollout below
     torch.manual_seed(0)
     with torch.no_grad():
         for parameter in other.parameters():

@@ -19,6 +19,7 @@ from _batches import (
     policy_actor,
     value_critic,
 )
+from _models import training_model
 
 from mmrl.models.inputs import (
     build_packed_forward_inputs,
@@ -27,7 +28,7 @@ from mmrl.models.inputs import (
     packed_position_ids,
     response_head_outputs,
 )
-from mmrl.models.loading import load_model, tower_modules
+from mmrl.models.loading import tower_modules
 from mmrl.parallel.packing import (
     balance_batch,
     balance_by_length,
@@ -111,7 +112,7 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, tiny_vl_path, tiny_omni_path):
     batch = batches[kind]
-    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
     padded, padded_grads = _log_probs_and_grads(model, batch, padding_free=False)
     packed, packed_grads = _log_probs_and_grads(model, batch, padding_free=True)
 
@@ -129,7 +130,7 @@ def test_packed_log_probs_and_gradients_equal_padded(kind, batches, tiny_vl_path
 def test_packed_values_equal_padded_and_boundaries_matter(tiny_vl_path, batches):
     batch = batches["mixed"]
     mask = batch.batch["response_mask"].bool()
-    critic = load_model(str(tiny_vl_path), role="critic").eval()
+    critic = training_model(str(tiny_vl_path), role="critic").eval()
     with torch.no_grad():
         padded = _head_outputs(critic, batch, padding_free=False)[..., 0]
         packed = _head_outputs(critic, batch, padding_free=True)[..., 0]
@@ -137,7 +138,7 @@ def test_packed_values_equal_padded_and_boundaries_matter(tiny_vl_path, batches)
 
     # Not vacuous: the same packed row without its boundaries (one causal sequence) lets later rows
     # attend to earlier ones, and their log-probs change.
-    model = load_model(str(tiny_vl_path)).eval()
+    model = training_model(str(tiny_vl_path)).eval()
     tensors = batch.batch
     inputs = build_packed_forward_inputs(
         model,
@@ -174,7 +175,7 @@ def test_packed_mrope_positions_are_the_models_own(kind, batches, tiny_vl_path, 
     """Each packed sequence gets the ids the model computes itself (no ``position_ids`` given) for that
     sequence alone: images, videos, and (Omni) audio, image + audio, and video with its sound track."""
     batch = batches[kind]
-    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path))).eval()
+    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path))).eval()
     packed = _decoder_positions(model, lambda: _head_outputs(model, batch, padding_free=True))  # [3, 1, T]
     tensors = batch.batch
     lengths = tensors["attention_mask"].sum(-1).tolist()
@@ -211,7 +212,7 @@ def test_packed_step_changes_every_trainable_tensor_towers_included(
     rows (Omni thinker) moves every tensor, the vision and audio towers included."""
     path = _model_path(kind, tiny_vl_path, tiny_omni_path)
     batch = add_training_columns(batches[kind], path)
-    model = load_model(str(path))
+    model = training_model(str(path))
     before = _unique_state(model)
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, padding_free=True)
@@ -239,7 +240,7 @@ def test_packed_token_budget_update_equals_padded_sample_count_update(tiny_vl_pa
     results = {}
     settings = {**ACTOR_SETTINGS, "loss_avg_mode": "seq_mean_token_mean"}  # per-sequence normalisers too
     for padding_free, micro_batch_size, max_tokens in ((False, 2, None), (True, 1, budget)):
-        model = load_model(str(tiny_vl_path))
+        model = training_model(str(tiny_vl_path))
         actor = policy_actor(
             model,
             torch.optim.SGD(model.parameters(), lr=1.0),
@@ -263,7 +264,7 @@ def test_token_budget_log_probs_and_values_come_back_in_row_order(tiny_vl_path, 
     batch = mixed_training_batch
     mask = batch.batch["response_mask"].bool()
     budget = 2 * int(batch.batch["attention_mask"].sum(-1).max())
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     by_count, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
     by_budget, entropy = policy_actor(model, max_tokens_per_micro_batch=budget).compute_log_probs(
         batch, 2, TEMPERATURE, with_entropy=True
@@ -271,7 +272,7 @@ def test_token_budget_log_probs_and_values_come_back_in_row_order(tiny_vl_path, 
     torch.testing.assert_close(by_budget[mask], by_count[mask], atol=1e-5, rtol=0)
     assert entropy.shape == by_count.shape
 
-    critic_model = load_model(str(tiny_vl_path), role="critic")
+    critic_model = training_model(str(tiny_vl_path), role="critic")
     values = value_critic(critic_model).compute_values(batch, len(batch))
     budget_values = value_critic(critic_model, max_tokens_per_micro_batch=budget).compute_values(batch, 1)
     torch.testing.assert_close(budget_values[mask], values[mask], atol=1e-5, rtol=0)
@@ -285,7 +286,7 @@ def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProt
 
     shard = data.chunk(world_size)[rank]
     model = apply_fsdp2(
-        load_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
+        training_model(model_path), init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32
     )
     actor = policy_actor(
         model,
@@ -314,7 +315,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_equal_one_rank(tiny_vl_path, 
     results = run_on_ranks(_budget_rank_job, 2, str(tiny_vl_path), batch, budget)
     assert [result["own_groups"] for result in results] == [2, 1]  # rank 1 splits its group to match
 
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
     log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
     metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
@@ -408,7 +409,7 @@ def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
     reading it computes the same log-probs as one that numbers rows itself."""
     from mmrl.workers.forward import add_position_ids
 
-    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
     batch = _with_repeated_prompts(batches[kind])
     with_column = add_position_ids(
         model,
@@ -449,7 +450,7 @@ def test_on_policy_update_without_old_log_probs_equals_the_two_pass_update(
     batch = mixed_training_batch
     results = {}
     for on_policy in (False, True):
-        model = load_model(str(tiny_vl_path))
+        model = training_model(str(tiny_vl_path))
         actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
         data = batch
         if not on_policy:
@@ -482,7 +483,7 @@ def test_on_policy_update_needs_one_optimizer_step(tiny_vl_path, mixed_training_
         batch_keys=[key for key in mixed_training_batch.batch.keys() if key != "old_log_probs"],
         non_tensor_keys=["multi_modal_inputs"],
     )
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), **ACTOR_SETTINGS)
     with pytest.raises(ValueError, match="no old_log_probs.*ppo_epochs=2"):
         actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE, on_policy=True)
@@ -516,7 +517,7 @@ def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, tiny_vl
     from mmrl.models.inputs import build_shared_prefix_inputs, prompt_groups
 
     batch = _with_repeated_prompts(batches[kind])
-    model = load_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
     whole, whole_grads = _shared_outputs(model, batch, share_prompts=False)
     shared, shared_grads = _shared_outputs(model, batch, share_prompts=True)
     torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
@@ -585,7 +586,7 @@ def test_flash_attn_arguments_of_packed_and_shared_prefix_rows(monkeypatch, batc
     from mmrl.models import attention
 
     batch = _with_repeated_prompts(batches["image"])
-    model = load_model(str(tiny_vl_path))
+    model = training_model(str(tiny_vl_path))
     expected = {share: _shared_outputs(model, batch, share)[0] for share in (False, True)}
     monkeypatch.setattr(attention, "_can_use_flash_attn", lambda query: True)
     monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_varlen)

@@ -94,9 +94,9 @@ def _prompts(model_path: str, files: list[str], rows_per_file: int, **dataset_kw
 def _perturbed_model(model_path: str, seed: int = 0):
     """The tiny model with noise added to every weight: a random tiny model answers every prompt with
     the same token, which would make token-for-token agreement meaningless."""
-    from mmrl.models.loading import load_model
+    from _models import training_model
 
-    model = load_model(model_path)
+    model = training_model(model_path)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -148,16 +148,16 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
     """Rollout → trainer log-probs → FSDP2 update → weight push, ``UPDATE_STEPS`` times, then a last
     rollout. Returns the |vLLM − trainer| log-prob gap of every rollout, and timings."""
     from _batches import policy_actor
+    from _models import training_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mmrl.models.loading import load_model
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout
     from mmrl.workers.weight_sync import iter_full_state_dict
 
     tokenizer, _ = load_tokenizer_and_processor(model_path)
     mesh = init_device_mesh("cpu", (world_size,))
-    module = apply_fsdp2(load_model(model_path), mesh, torch.float32, torch.float32)
+    module = apply_fsdp2(training_model(model_path), mesh, torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     actor = policy_actor(module, optimizer, max_response_length=MAX_TOKENS)
     start = time.perf_counter()
@@ -189,7 +189,7 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
         actor.update_policy(batch, len(batch), len(batch), ppo_epochs=1, temperature=TEMPERATURE)
         push_weights()
     # how far training moved the policy: the start model's log-probs of the last rollout's tokens
-    start_log_probs, _ = policy_actor(load_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
+    start_log_probs, _ = policy_actor(training_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
     results["gap_to_start"] = float((start_log_probs - log_probs).abs()[mask].max())
     results["batch"] = batch
     return results
@@ -334,10 +334,14 @@ def test_seeded_sampling_is_reproducible(one_rank):
 
 
 def test_placeholder_tokens_are_never_sampled(one_rank, tiny_vl_path):
-    tokenizer, _ = load_tokenizer_and_processor(str(tiny_vl_path))
-    from mmrl.workers.rollout.hf import placeholder_token_ids
+    from transformers import AutoConfig
 
-    blocked = torch.tensor(placeholder_token_ids(tokenizer))
+    from mmrl.models.families import family_for
+
+    tokenizer, _ = load_tokenizer_and_processor(str(tiny_vl_path))
+    blocked = torch.tensor(
+        family_for(AutoConfig.from_pretrained(tiny_vl_path)).placeholder_token_ids(tokenizer)
+    )
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in blocked
     assert not torch.isin(one_rank["sampling"]["hot"], blocked).any()
     assert torch.isin(one_rank["sampling"]["hot_unblocked"], blocked).any()

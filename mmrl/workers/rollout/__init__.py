@@ -50,6 +50,17 @@ class Rollout(Protocol):
         """Load new policy weights, given one full tensor at a time under Hugging Face names."""
 
 
+def eos_token_ids(tokenizer: Any, generation_config: Any | None) -> list[int]:
+    """EOS ids from the model's generation config (may be several) and the tokenizer."""
+    ids = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def response_mask_until_eos(
     responses: torch.Tensor, eos_token_ids: list[int], ignore_eos: bool = False
 ) -> torch.Tensor:

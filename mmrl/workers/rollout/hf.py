@@ -24,55 +24,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from mmrl.models.inputs import (
-    compute_position_ids,
-    concat_multi_modal_inputs,
-    forward_media,
-    next_text_position,
-)
+from mmrl.models.families import family_of
+from mmrl.models.inputs import compute_position_ids, concat_multi_modal_inputs, next_text_position
 from mmrl.protocol import DataProto
-from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
+from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 from mmrl.workers.rollout.prepack import prepack_linears
 from mmrl.workers.weight_sync import load_into
-
-# Tokens that only the processor may place: sampling one breaks re-scoring of the response
-# ("Image features and image tokens do not match"), so they are suppressed during generation.
-MULTIMODAL_PLACEHOLDERS = (
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|audio_pad|>",
-    "<|AUDIO|>",
-    "<|IMAGE|>",
-    "<|VIDEO|>",
-    "<|audio_bos|>",
-    "<|audio_eos|>",
-    "<|vision_bos|>",
-    "<|vision_eos|>",
-    "<|audio_start|>",
-    "<|audio_end|>",
-)
-
-
-def placeholder_token_ids(tokenizer: Any) -> list[int]:
-    """Ids of the multimodal placeholder tokens this tokenizer knows (never to be sampled)."""
-    vocab = tokenizer.get_vocab()
-    return sorted({vocab[token] for token in MULTIMODAL_PLACEHOLDERS if token in vocab})
-
-
-def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> list[int]:
-    """EOS ids from the model's generation config (may be several) and the tokenizer."""
-    ids = set()
-    configured = getattr(generation_config, "eos_token_id", None)
-    if configured is not None:
-        ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -173,7 +133,10 @@ class HFRollout:
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         )
-        self.blocked_token_ids = placeholder_token_ids(tokenizer)
+        self.family = family_of(model)
+        # sampling a token only the processor may place breaks re-scoring of the response ("Image
+        # features and image tokens do not match"): they are suppressed during generation
+        self.blocked_token_ids = self.family.placeholder_token_ids(tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -213,7 +176,7 @@ class HFRollout:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **forward_media(media),
+            **self.family.forward_media(media),
         ).logits[:, -1]
         axes = position_ids.shape[0] if position_ids.dim() == 3 else 1
         next_position = next_text_position(position_ids, attention_mask)  # [G]

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmrl.models.families import family_for
 from mmrl.protocol import DataProto
-from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch
-from mmrl.workers.rollout.hf import eos_token_ids, placeholder_token_ids
+from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,6 @@ class VLLMRollout:
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         )
-        self.blocked_token_ids = placeholder_token_ids(tokenizer)
         self.sleep_level = sleep_level
         self.sleep_enabled = enable_sleep_mode and on_gpu
         engine_args: dict[str, Any] = {
@@ -241,10 +240,11 @@ class VLLMRollout:
         if override_config:
             engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
         self.llm = LLM(**engine_args)
-        # A Qwen2.5-Omni folder holds the thinker under `thinker.*`, which the engine's loader expects,
-        # while the trained thinker's own names carry no prefix.
         hf_config = self.llm.llm_engine.model_config.hf_config
-        self.weight_name_prefix = "thinker." if hasattr(hf_config, "thinker_config") else ""
+        family = family_for(hf_config)
+        self.blocked_token_ids = family.placeholder_token_ids(tokenizer)
+        # e.g. a Qwen2.5-Omni folder holds the trained thinker's weights under `thinker.*`
+        self.weight_name_prefix = family.weight_prefix_for_vllm(hf_config)
         self.tp_size = tensor_parallel_size
         self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
         self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating

@@ -1,7 +1,11 @@
-"""Where text resumes after a video in Qwen2-VL / Qwen2.5-VL M-RoPE, as the models were trained.
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``).
 
-Qwen2-VL and Qwen2.5-VL number the tokens after a vision block from the largest position id inside
-that block plus one. For a video that is usually its last temporal id: ``(grid_t - 1) * interval``
+Their facts are the same but for the model type: the vision tower at ``model.visual``, M-RoPE ids from
+``model.model.get_rope_index`` (taking ``mm_token_type_ids``; Qwen2.5-VL also the seconds per temporal
+patch of each video, ``second_per_grid_ts``), vLLM's weight names equal to transformers' on-disk ones.
+
+Their fix: where text resumes after a video, as the models were trained. Qwen2-VL and Qwen2.5-VL
+number the tokens after a vision block from the largest position id inside that block plus one. For a video that is usually its last temporal id: ``(grid_t - 1) * interval``
 (Qwen2.5-VL: ``interval = tokens_per_second * second_per_grid_ts``) past the block's start. The
 original Qwen code and vLLM (``get_mrope_input_positions``) do this. Transformers' v5 rewrite of
 ``get_rope_index`` resumes at ``start + max(grid_h, grid_w) // merge`` instead, ignoring the video's
@@ -25,8 +29,7 @@ import itertools
 import torch
 from torch import nn
 
-# Model types whose released checkpoints use "text resumes at the vision block's max + 1".
-PATCHED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+from mmrl.models.families import ModelFamily, mm_token_types_from_ids
 
 
 def renumber_text_after_vision(
@@ -67,9 +70,8 @@ def _needs_patch(owner: nn.Module) -> bool:
         return False
     input_ids = torch.tensor([[0] + [video_token] * 3 + [0]])  # grid (3, merge, merge) -> 3 tokens
     token_types = torch.tensor([[0, 2, 2, 2, 0]])
-    kwargs = {"video_grid_thw": torch.tensor([[3, merge, merge]])}
-    if "second_per_grid_ts" in inspect.signature(owner.get_rope_index).parameters:
-        kwargs["second_per_grid_ts"] = torch.tensor([1.0])
+    # Qwen2-VL's get_rope_index takes no second_per_grid_ts (its **kwargs swallow it)
+    kwargs = {"video_grid_thw": torch.tensor([[3, merge, merge]]), "second_per_grid_ts": torch.tensor([1.0])}
     position_ids, _ = owner.get_rope_index(input_ids, mm_token_type_ids=token_types, **kwargs)
     video_max = int(position_ids[:, 0, 1:4].max())
     return int(position_ids[0, 0, 4]) != video_max + 1
@@ -77,11 +79,8 @@ def _needs_patch(owner: nn.Module) -> bool:
 
 def resume_text_after_vision_max(model: nn.Module) -> bool:
     """Wrap ``get_rope_index`` of a Qwen2-VL / Qwen2.5-VL ``model`` (see module doc) on this instance;
-    returns whether it was wrapped. Other families, and fixed transformers releases, are untouched."""
-    owner = getattr(model, "model", None)
-    config = getattr(owner, "config", None)
-    if getattr(config, "model_type", None) not in PATCHED_MODEL_TYPES:
-        return False
+    returns whether it was wrapped. Fixed transformers releases, and a wrapped model, are untouched."""
+    owner = model.model
     if getattr(owner.get_rope_index, "mmrl_resumes_after_vision_max", False) or not _needs_patch(owner):
         return False
     original = owner.get_rope_index
@@ -110,3 +109,34 @@ def resume_text_after_vision_max(model: nn.Module) -> bool:
     get_rope_index.mmrl_resumes_after_vision_max = True
     owner.get_rope_index = get_rope_index
     return True
+
+
+def position_ids(model, input_ids, attention_mask, media, mm_token_type_ids=None):
+    """M-RoPE ids [3, B, L] from the model's own (wrapped) ``get_rope_index``; ``mm_token_type_ids``
+    are derived from the placeholder ids when not given."""
+    owner = model.model
+    if mm_token_type_ids is None:
+        mm_token_type_ids = mm_token_types_from_ids(owner.config, input_ids)
+    positions, _ = owner.get_rope_index(
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=media.get("image_grid_thw"),
+        video_grid_thw=media.get("video_grid_thw"),
+        second_per_grid_ts=media.get("second_per_grid_ts"),  # Qwen2.5-VL; Qwen2-VL takes none
+        attention_mask=attention_mask,
+    )
+    return positions
+
+
+FAMILY = ModelFamily(
+    name="qwen2_vl",
+    model_types=("qwen2_vl", "qwen2_5_vl"),
+    auto_class="AutoModelForImageTextToText",
+    position_ids=position_ids,
+    towers=("model.visual",),
+    placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+    position_keys=("image_grid_thw", "video_grid_thw", "second_per_grid_ts"),
+    position_only_keys=("second_per_grid_ts",),
+    token_type_ids=True,
+    fix_model=resume_text_after_vision_max,
+)

@@ -1,0 +1,172 @@
+"""Model families: everything mmrl knows about a kind of model, in one small spec per family.
+
+A :class:`ModelFamily` says how the trained model is loaded (its Auto class; Qwen2.5-Omni: from the
+thinker's sub-config), where its vision/audio towers are, which tokens only the processor may place
+(never sampled), how its position ids are computed (a plain function calling the model's own
+``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
+outputs serve only the position ids, and how its weights are named for vLLM.
+
+Families are looked up by the config's ``model_type`` (:func:`family_for`, :func:`family_of`). Every
+module of this package defining ``FAMILY`` is registered on first lookup, so adding a family is one
+new file here (plus a tiny test model); code elsewhere may also call :func:`register_family`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# (model, input_ids [B, L], attention_mask [B, L], media, mm_token_type_ids [B, L] | None) -> position ids:
+# [3, B, L] (M-RoPE) or [B, L]; ``media`` holds the joined processor outputs of the B rows.
+PositionIdsFn = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, dict[str, Any], "torch.Tensor | None"], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What mmrl must know about one family of models (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.model_type values: of the folder, and of the trained model
+    auto_class: str  # the transformers Auto class that loads the trained model
+    position_ids: PositionIdsFn  # numbers the valid tokens of a padded batch (padding gets 0 or 1)
+    towers: tuple[str, ...] = ()  # attribute paths of the encoder towers on the trained model
+    placeholder_tokens: tuple[str, ...] = ()  # media tokens only the processor places: never sampled
+    position_keys: tuple[str, ...] = ()  # processor outputs that ``position_ids`` reads
+    position_only_keys: tuple[str, ...] = ()  # of those, the ones the model's forward must not get
+    token_type_ids: bool = False  # the processor returns ``mm_token_type_ids`` (0 text, 1 image, 2 video)
+    trained_config: Callable[[Any], Any] | None = None  # folder config -> trained model's (Omni: thinker)
+    # folder config -> the prefix under which vLLM reads the trained model's weights (None: no prefix)
+    vllm_weight_prefix: Callable[[Any], str] | None = None
+    # A fix of the model's own code, applied once where the model is built (returns whether it changed
+    # anything); idempotent.
+    fix_model: Callable[[nn.Module], bool] | None = None
+    # Sequence parallelism: slices family-specific decoder keyword arguments (besides the embeddings
+    # and position ids) to this rank's ``local_index`` [T_local] of the packed row, in place.
+    shard_decoder_inputs: Callable[[dict[str, Any], torch.Tensor], None] | None = None
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.towers)
+
+    def training_config(self, config: Any) -> Any:
+        """The config of the model mmrl trains, from a folder's config."""
+        return config if self.trained_config is None else self.trained_config(config)
+
+    def weight_prefix_for_vllm(self, folder_config: Any) -> str:
+        """What to prepend to the trained model's weight names for a vLLM engine serving the folder."""
+        return "" if self.vllm_weight_prefix is None else self.vllm_weight_prefix(folder_config)
+
+    def position_media(self, media: dict[str, Any]) -> dict[str, Any]:
+        """The processor outputs of ``media`` that position ids need."""
+        return {key: value for key, value in media.items() if key in self.position_keys}
+
+    def forward_media(self, media: dict[str, Any]) -> dict[str, Any]:
+        """The processor outputs of ``media`` that the forward takes (position ids come finished)."""
+        return {key: value for key, value in media.items() if key not in self.position_only_keys}
+
+    def placeholder_token_ids(self, tokenizer: Any) -> list[int]:
+        """Ids of this family's placeholder tokens that ``tokenizer`` knows."""
+        vocab = tokenizer.get_vocab()
+        return sorted({vocab[token] for token in self.placeholder_tokens if token in vocab})
+
+    def tower_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(attribute path, module)`` of each encoder tower ``model`` has."""
+        towers = []
+        for path in self.towers:
+            module = model
+            for attribute in path.split("."):
+                module = getattr(module, attribute, None)
+            if isinstance(module, nn.Module):
+                towers.append((path, module))
+        return towers
+
+
+class UnknownModelFamilyError(ValueError):
+    """A model whose ``model_type`` no registered family covers."""
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make ``family`` the one looked up for each of its model types; returns it."""
+    for model_type in family.model_types:
+        known = _FAMILIES.get(model_type)
+        if known is not None and known != family:
+            raise ValueError(
+                f"model_type {model_type!r} belongs to family {known.name!r} already; "
+                f"family {family.name!r} cannot claim it too"
+            )
+        _FAMILIES[model_type] = family
+    return family
+
+
+@functools.cache
+def _register_package_families() -> None:
+    """Import every module of this package and register its ``FAMILY`` (once per process)."""
+    for module_info in pkgutil.iter_modules(__path__):
+        if module_info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        family = getattr(module, "FAMILY", None)
+        if isinstance(family, ModelFamily):
+            register_family(family)
+
+
+def known_model_types() -> list[str]:
+    _register_package_families()
+    return sorted(_FAMILIES)
+
+
+def family_for(config: Any) -> ModelFamily:
+    """The family of a Hugging Face config (a folder's, or a model's), by ``config.model_type``."""
+    _register_package_families()
+    model_type = getattr(config, "model_type", None)
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise UnknownModelFamilyError(
+            f"mmrl has no model family for model_type {model_type!r} ({type(config).__name__}); known "
+            f"model types: {', '.join(known_model_types())}. Add a family: a file in mmrl/models/families/ "
+            "defining FAMILY = ModelFamily(...)"
+        )
+    return family
+
+
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family of a loaded model (FSDP-wrapped or not)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnknownModelFamilyError(
+            f"{type(model).__name__} has no Hugging Face `config`; mmrl cannot tell its family"
+        )
+    return family_for(config)
+
+
+# ---------------------------------------------------------------- helpers shared by family specs
+
+
+def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """1-D RoPE ids [B, L] of left-padded rows: 0, 1, ... over the valid tokens, 0 on padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+MM_TOKEN_TYPES = {"image_token_id": 1, "video_token_id": 2}  # Qwen-VL v5: 0 text, 1 image, 2 video
+
+
+def mm_token_types_from_ids(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """Qwen-VL ``mm_token_type_ids`` [B, L] from the placeholder ids: 1 image, 2 video, 0 otherwise."""
+    token_types = torch.zeros_like(input_ids)
+    for attribute, token_type in MM_TOKEN_TYPES.items():
+        token_id = getattr(config, attribute, None)
+        if token_id is not None:
+            token_types[input_ids == token_id] = token_type
+    return token_types

@@ -1,0 +1,51 @@
+"""Preparing a model for the forward passes mmrl runs, once, where the model is built.
+
+:func:`prepare_for_training` applies its family's fix (:class:`~mmrl.models.families.ModelFamily`
+``fix_model``), switches the text decoder to packed attention (``packing``) and installs the
+sequence-parallel input sharding (``sequence_parallel``). The forward helpers of
+:mod:`mmrl.models.inputs` never change a model: handed an unprepared one for a packed or
+sequence-parallel pass they raise, so the module a builder returns is the module that runs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mmrl.models.attention import enable_packed_attention, packed_attention_enabled
+from mmrl.models.families import family_of
+from mmrl.parallel.sequence import enable_sequence_parallel, sequence_parallel_enabled
+
+PREPARE_HINT = (
+    "call mmrl.models.prepare.prepare_for_training(model, packing=True, sequence_parallel=...) where the "
+    "model is built"
+)
+
+
+def prepare_for_training(model: nn.Module, packing: bool, sequence_parallel: bool = False) -> nn.Module:
+    """Make ``model`` (before FSDP wrapping, or after) ready for padded passes and, with ``packing``,
+    packed ones (padding-free, shared prompts); with ``sequence_parallel`` also for passes whose rows
+    are split over ranks (which are packed). Idempotent; returns ``model`` itself."""
+    if sequence_parallel and not packing:
+        raise ValueError("prepare_for_training: sequence parallelism runs on packed rows; pass packing=True")
+    family = family_of(model)
+    if family.fix_model is not None:
+        family.fix_model(model)
+    if packing:
+        enable_packed_attention(model)
+    if sequence_parallel:
+        enable_sequence_parallel(model, family.shard_decoder_inputs)
+    return model
+
+
+def check_prepared(model: nn.Module, sequence_parallel: bool, where: str) -> None:
+    """Raise unless ``model`` was prepared for packed (and ``sequence_parallel``) passes."""
+    missing = []
+    if not packed_attention_enabled(model):
+        missing.append("packed attention")
+    if sequence_parallel and not sequence_parallel_enabled(model):
+        missing.append("sequence-parallel input sharding")
+    if missing:
+        raise RuntimeError(
+            f"{where}: {type(model).__name__} is not prepared for this pass ({' and '.join(missing)} not "
+            f"enabled): {PREPARE_HINT}"
+        )
