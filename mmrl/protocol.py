@@ -6,7 +6,8 @@ A `DataProto` of length B holds three things:
   (token ids, masks, log-probs, advantages, ...). Nested TensorDicts are not used.
 - `non_tensor_batch`: `dict[str, np.ndarray]`, each a 1-D `dtype=object` array of length B (raw prompts,
   media dicts, uids, ground truths). Elements may be any picklable Python object.
-- `meta_info`: a plain dict that describes the whole batch (step, temperature, ...).
+- `meta_info`: a plain dict for the whole batch; in training only `metrics` (what a worker returns; see
+  `mmrl.columns`: modes are arguments of the worker methods, not meta keys).
 
 Rules that hold for every method:
 
