@@ -326,6 +326,7 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
             "timing_s/gen",  # no timing_s/old_log_prob: on-policy, the update computes them
             "timing_s/ref_log_prob",
             "timing_s/update_actor",
+            "timing_s/sync",  # the weight push into the rollout, a phase of its own
             "throughput/tokens_per_s",
         ):
             assert key in step_metrics, f"step {step} has no {key}: {sorted(step_metrics)}"
@@ -333,6 +334,7 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
         assert step_metrics["actor/lr"] == pytest.approx(LEARNING_RATE)
         assert step_metrics["actor/grad_norm"] > 0  # the dense reward gives non-zero advantages
         assert step_metrics["timing_s/step"] > 0
+        assert 0 < step_metrics["timing_s/sync"] < step_metrics["timing_s/step"]
         assert ("val/reward/overall" in step_metrics) == (step % 2 == 0)  # val_freq=2 and the last step
     # the policy moved: greedy validation answers differ after training
     assert metrics[4]["val/reward/fingerprint"] != metrics[0]["val/reward/fingerprint"]
