@@ -12,8 +12,8 @@ calls reload:
   ``qwen2_5_omni`` model type to the thinker) and ``AutoProcessor`` (``Qwen2_5OmniProcessor``).
 - ``qwen2``: ``Qwen2ForCausalLM``; ``AutoModelForCausalLM`` and ``AutoTokenizer``.
 - ``qwen3_vl``: ``Qwen3VLForConditionalGeneration`` (interleaved M-RoPE, deepstack features of the
-  first vision blocks added in the first decoder layers); ``AutoModelForImageTextToText`` and ``AutoProcessor``
-  (``Qwen3VLProcessor``: 16-pixel patches, timestamps between video frames).
+  first vision blocks added in the first decoder layers); ``AutoModelForImageTextToText`` and
+  ``AutoProcessor`` (``Qwen3VLProcessor``: 16-pixel patches, timestamps between video frames).
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
