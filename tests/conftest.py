@@ -1,7 +1,7 @@
 """Session fixtures shared by all tests: tiny models and a synthetic dataset, built once per session.
 
 They are built into pytest's per-session temporary folder rather than cached under ``assets/``:
-building all three models and the dataset takes well under a second once torch and transformers are
+building all the models and the dataset takes well under a second once torch and transformers are
 imported, so a cache would save little, while building fresh means every run tests the current
 builder code (a stale cache could hide a change), never writes into the repository, and lets parallel
 sessions run side by side. Code that wants the persistent copies (the demo) uses
@@ -61,6 +61,15 @@ def tiny_text_path(tiny_models_dir) -> Path:
     from mmrl.demo.tiny import build_tiny_model, tiny_model_path
 
     kind = "qwen2"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen3-VL (seed 0): AutoModelForImageTextToText + AutoProcessor."""
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen3_vl"
     return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
 
 

@@ -11,6 +11,9 @@ calls reload:
   ``Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained`` (no Auto class maps the
   ``qwen2_5_omni`` model type to the thinker) and ``AutoProcessor`` (``Qwen2_5OmniProcessor``).
 - ``qwen2``: ``Qwen2ForCausalLM``; ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+- ``qwen3_vl``: ``Qwen3VLForConditionalGeneration`` (interleaved M-RoPE, deepstack features of the
+  first vision blocks added in the first decoder layers); ``AutoModelForImageTextToText`` and
+  ``AutoProcessor`` (``Qwen3VLProcessor``: 16-pixel patches, timestamps between video frames).
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -45,7 +48,7 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2")
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -87,6 +90,7 @@ NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen2_5_vl": _VL_TOKENS,
     "qwen2_5_omni": _OMNI_TOKENS,
     "qwen2": _VL_TOKENS,
+    "qwen3_vl": _VL_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -377,6 +381,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
     vocab_size = len(tokenizer)
     if kind == "qwen2":
         return Qwen2Config(**_text_config(size, vocab_size, ids, mrope=False), tie_word_embeddings=True)
+    if kind == "qwen3_vl":
+        return _qwen3_vl_config(size, vocab_size, ids)
     if kind == "qwen2_5_vl":
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), "tie_word_embeddings": True}
         return Qwen2_5_VLConfig(
@@ -420,6 +426,68 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
 
 
+def _qwen3_vl_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+    """A Qwen3-VL config: Qwen3 text layers (explicit ``head_dim``, q/k norms) with interleaved M-RoPE
+    (Qwen3-VL's 24:20:20 split of the rotary pairs), and a vision tower of 16-pixel patches whose first
+    blocks feed deepstack mergers (block i's features are added in decoder layer i)."""
+    from transformers import Qwen3VLConfig
+
+    pairs = size.head_dim // 2
+    spatial = round(pairs * 20 / 64)
+    text_config = {
+        **_text_config(size, vocab_size, ids, mrope=False),
+        "head_dim": size.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [pairs - 2 * spatial, spatial, spatial],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": True,
+    }
+    vision_config = {
+        "depth": size.vision_depth,
+        "hidden_size": size.vision_hidden_size,
+        "num_heads": size.vision_heads,
+        "intermediate_size": size.vision_intermediate_size,
+        "out_hidden_size": size.hidden_size,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 256,  # a 16 x 16 grid of learned positions, interpolated per image
+        # block i feeds decoder layer i; never the last layer, whose visual positions no later token reads
+        "deepstack_visual_indexes": list(range(min(size.vision_depth, size.num_layers - 1))),
+    }
+    return Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen3_vl_processor(tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
+    """``Qwen3VLProcessor``: images and video frames resized into ``[MIN_PIXELS, MAX_PIXELS]`` in
+    32-pixel steps (16-pixel patches, 2x2 merge), normalised with mean = std = 0.5 as Qwen3-VL's; each
+    video becomes frames of 2 temporal patches, each after its ``<t seconds>`` timestamp."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    vision = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
+    normalise = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, **vision, **normalise),
+        video_processor=Qwen3VLVideoProcessor(
+            size=size, **vision, **normalise, min_frames=2, max_frames=32, fps=2.0, cap_pixels_per_frame=True
+        ),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
 def model_class(kind: str) -> type[PreTrainedModel]:
     """The transformers class that builds the saved model of ``kind``; for Omni that is the full model
     with the talker switched off, whose only submodule is the thinker."""
@@ -429,6 +497,7 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
         "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
         "qwen2": "Qwen2ForCausalLM",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -446,6 +515,8 @@ def build_processor(
     """
     if kind == "qwen2":
         return None
+    if kind == "qwen3_vl":
+        return _qwen3_vl_processor(tokenizer)
     from transformers import (
         Qwen2_5_VLProcessor,
         Qwen2_5OmniProcessor,
@@ -586,7 +657,12 @@ def _move_into_place(tmp_dir: Path, out_dir: Path, done_elsewhere: Callable[[], 
         shutil.rmtree(tmp_dir)
 
 
-_FOLDER_NAMES = {"qwen2_5_vl": "qwen2.5-vl", "qwen2_5_omni": "qwen2.5-omni", "qwen2": "qwen2"}
+_FOLDER_NAMES = {
+    "qwen2_5_vl": "qwen2.5-vl",
+    "qwen2_5_omni": "qwen2.5-omni",
+    "qwen2": "qwen2",
+    "qwen3_vl": "qwen3-vl",
+}
 
 
 def tiny_model_path(kind: str, size: str = "tiny", root: str | Path = "assets/models") -> Path:

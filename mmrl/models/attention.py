@@ -324,5 +324,5 @@ def enable_packed_attention(model: nn.Module) -> None:
 
 
 def packed_attention_enabled(model: nn.Module) -> bool:
-    """Whether ``model``'s text decoder uses :data:`PACKED_ATTENTION` (see :func:`enable_packed_attention`)."""
+    """Whether ``model``'s text decoder uses :data:`PACKED_ATTENTION` (:func:`enable_packed_attention`)."""
     return model.get_decoder().config._attn_implementation == PACKED_ATTENTION

@@ -14,8 +14,8 @@ and each computes the decoder on a slice of the packed row (:class:`ShardLayout`
 
 Everything before the decoder (embeddings, vision/audio towers, M-RoPE ids of the whole sequence)
 runs on the whole row on every SP rank; a forward pre-hook on the text decoder then keeps this rank's
-tokens (:func:`enable_sequence_parallel`, installed where the model is built). The head's outputs at the response tokens are gathered back
-in the row's order (:func:`gather_token_outputs`), so every SP rank computes the same loss; the
+tokens (:func:`enable_sequence_parallel`, installed where the model is built). The head's outputs at
+the response tokens are gathered back in the row's order (:func:`gather_token_outputs`), so every SP rank computes the same loss; the
 gather's backward keeps each rank's own rows, so the SP ranks' gradients add up to the whole row's.
 """
 

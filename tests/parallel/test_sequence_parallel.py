@@ -8,7 +8,8 @@ Two levels:
   (key/value heads fewer than the Ulysses size) and sequences shorter than the ring's 2R chunks;
 - the tiny Qwen2.5-VL under FSDP2 with a ``PolicyActor``: log-probs, entropies, every loss term and
   every parameter's gradient of one update on a batch of text, image and video rows of uneven
-  lengths, against the same actor on one rank (fp32, within 1e-5 relative).
+  lengths, against the same actor on one rank (fp32, within 1e-5 relative); the same for the tiny
+  Qwen3-VL, whose deepstack features must follow the tokens each rank holds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 # no clipping of the gradient norm, so gradients compare as they are
 SP_ACTOR_SETTINGS = {**ACTOR_SETTINGS, "max_grad_norm": 0.0}
 MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)}, {"video_frames": 2})
+QWEN3_ROWS = (
+    {},
+    {"image": (84, 56)},
+    {"video_frames": 4, "video_fps": 2.0},
+    {},
+    {"image": (56, 56)},
+    {"video_frames": 6, "video_fps": 2.0},
+)
 
 
 # ---------------------------------------------------------------- layout
@@ -211,6 +220,36 @@ def test_policy_step_with_sequence_parallel_equals_one_rank(
     for run in runs:  # every SP rank sees the whole rows' results
         _assert_same_step(run, single_rank)
     _assert_tokens_split(runs, single_rank)
+
+
+@pytest.fixture(scope="module")
+def qwen3_sp_batch(tiny_qwen3_vl_path):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
+    batch = build_batch(processor, QWEN3_ROWS, (6, 1, 4, 3, 7, 2), seed=40)
+    return add_training_columns(batch, tiny_qwen3_vl_path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_single_rank(tiny_qwen3_vl_path, qwen3_sp_batch) -> dict:
+    return run_on_ranks(_actor_job, 1, str(tiny_qwen3_vl_path), qwen3_sp_batch, 1, 1, timeout_s=180)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("ulysses_size", "ring_size"), [(2, 1), (1, 2)])
+def test_qwen3_vl_policy_step_with_sequence_parallel_equals_one_rank(
+    tiny_qwen3_vl_path, qwen3_sp_batch, qwen3_single_rank, ulysses_size, ring_size
+):
+    """Each rank adds the deepstack features of the visual tokens it holds (ring: non-adjacent chunks)."""
+    runs = run_on_ranks(
+        _actor_job, 2, str(tiny_qwen3_vl_path), qwen3_sp_batch, ulysses_size, ring_size, timeout_s=180
+    )
+    for run in runs:
+        _assert_same_step(run, qwen3_single_rank)
+    _assert_tokens_split(runs, qwen3_single_rank)
+    merger_grads = [grad for name, grad in qwen3_single_rank["grads"].items() if "deepstack_merger" in name]
+    assert merger_grads and all(grad.abs().sum() > 0 for grad in merger_grads)
 
 
 @pytest.mark.slow

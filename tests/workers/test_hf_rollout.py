@@ -126,6 +126,49 @@ def test_rollout_log_probs_match_the_trainer(vl_parts, prompts):
     assert gap.max() < 1e-5
 
 
+@pytest.fixture(scope="module")
+def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
+    """Image prompts (the colour task) and video prompts (the dot task, 8 frames)."""
+    from mmrl.demo.synthetic import generate_shapes_dataset
+
+    video_dir = generate_shapes_dataset(
+        "video_direction", tmp_path_factory.mktemp("hf-video"), n_train=3, n_val=1, seed=0
+    )
+    return {"image": str(shapes_data_dir / "train.jsonl"), "video": str(video_dir / "train.jsonl")}
+
+
+@pytest.mark.parametrize("media", ["image", "video"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_rollout_log_probs_match_the_trainer_per_family(
+    family, media, tiny_vl_path, tiny_qwen3_vl_path, media_data_files
+):
+    """Sampled-token log-probs of the transformers rollout equal the trainer's (packed) log-probs of the
+    same tokens, for each vision family on images and on videos (Qwen3-VL: frame timestamps in the
+    prompt, deepstack features)."""
+    path = {"qwen2_5_vl": tiny_vl_path, "qwen3_vl": tiny_qwen3_vl_path}[family]
+    tokenizer, processor = load_tokenizer_and_processor(str(path))
+    frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
+    dataset = PromptDataset(
+        media_data_files[media], tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+        video_key="videos", **frame_range,
+    )  # fmt: skip
+    prompts = collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+    model = training_model(path)
+    with torch.no_grad():  # a random tiny model answers everything alike: spread its predictions
+        generator = torch.Generator().manual_seed(0)
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    rollout = HFRollout(model, tokenizer, return_log_probs=True)
+    batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2))
+    placeholders = batch.batch["mm_token_type_ids"][:, : prompts.batch["input_ids"].shape[1]]
+    assert (placeholders == {"image": 1, "video": 2}[media]).sum(-1).min() > 0  # every prompt has its media
+    log_probs, _ = policy_actor(model, share_prompts=True).compute_log_probs(batch, 4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    assert mask.sum() > 12
+    gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
+    assert gap.max() < 1e-5, gap.max()
+
+
 def test_update_weights_changes_the_policy(vl_parts, prompts):
     rollout = make_rollout(vl_parts)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)

@@ -1,8 +1,8 @@
 """Padding-free training: packed forward passes equal padded ones, token-budget micro-batches, balancing.
 
 Batches are built by hand as the rollout hands them over (left-padded prompts, right-padded responses
-of uneven lengths) from the tiny Qwen2.5-VL (images, videos) and Qwen2.5-Omni thinker (audio, video
-with its sound track). Everything runs in fp32, where packed and padded passes differ only by the
+of uneven lengths) from the tiny Qwen2.5-VL (images, videos), Qwen2.5-Omni thinker (audio, video
+with its sound track) and Qwen3-VL (images, videos with frame timestamps; deepstack features). Everything runs in fp32, where packed and padded passes differ only by the
 order of floating-point sums.
 """
 
@@ -47,6 +47,9 @@ from mmrl.workers.weight_sync import iter_full_state_dict
 IMAGE_ROWS = ({"image": (56, 56)}, {"image": (84, 56)}, {"image": (56, 112)})
 VIDEO_ROWS = ({"video_frames": 4}, {"video_frames": 2})
 MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)})
+# Qwen3-VL: frames passed as sampled at 2 fps, so the prompt holds one timestamp per temporal patch
+QWEN3_VIDEO_ROWS = ({"video_frames": 4, "video_fps": 2.0}, {"video_frames": 6, "video_fps": 2.0})
+QWEN3_MIXED_ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4, "video_fps": 2.0}, {}, {"image": (56, 56)})
 AUDIO_ROWS = (
     {"audio_s": 1.0},
     {"image": (56, 56), "audio_s": 0.5},
@@ -69,12 +72,22 @@ def omni_processor(tiny_omni_path):
 
 
 @pytest.fixture(scope="module")
-def batches(vl_processor, omni_processor) -> dict[str, DataProto]:
+def qwen3_processor(tiny_qwen3_vl_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
+
+
+@pytest.fixture(scope="module")
+def batches(vl_processor, omni_processor, qwen3_processor) -> dict[str, DataProto]:
     return {
         "image": build_batch(vl_processor, IMAGE_ROWS, (7, 2, 5), seed=0),
         "video": build_batch(vl_processor, VIDEO_ROWS, (3, 6), seed=10),
         "mixed": build_batch(vl_processor, MIXED_ROWS, (6, 1, 4, 3, 7), seed=20),
         "audio": build_batch(omni_processor, AUDIO_ROWS, (4, 7, 2), seed=30),
+        "qwen3_image": build_batch(qwen3_processor, IMAGE_ROWS, (7, 2, 5), seed=40),
+        "qwen3_video": build_batch(qwen3_processor, QWEN3_VIDEO_ROWS, (3, 6), seed=50),
+        "qwen3_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=60),
     }
 
 
@@ -83,8 +96,16 @@ def mixed_training_batch(tiny_vl_path, batches) -> DataProto:
     return add_training_columns(batches["mixed"], tiny_vl_path)
 
 
-def _model_path(kind: str, tiny_vl_path, tiny_omni_path):
-    return tiny_omni_path if kind == "audio" else tiny_vl_path
+@pytest.fixture(scope="module")
+def model_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path) -> dict[str, object]:
+    """The tiny model of each batch kind's family."""
+    return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path}
+
+
+def _model_path(kind: str, model_paths):
+    if kind.startswith("qwen3_"):
+        return model_paths["qwen3_vl"]
+    return model_paths["qwen2_5_omni" if kind == "audio" else "qwen2_5_vl"]
 
 
 def _head_outputs(model, batch: DataProto, padding_free: bool) -> torch.Tensor:
@@ -109,10 +130,12 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- packed == padded
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
-def test_packed_log_probs_and_gradients_equal_padded(kind, batches, tiny_vl_path, tiny_omni_path):
+@pytest.mark.parametrize(
+    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed"]
+)
+def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]
-    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, model_paths)))
     padded, padded_grads = _log_probs_and_grads(model, batch, padding_free=False)
     packed, packed_grads = _log_probs_and_grads(model, batch, padding_free=True)
 
@@ -127,10 +150,11 @@ def test_packed_log_probs_and_gradients_equal_padded(kind, batches, tiny_vl_path
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.parameters()), tower_name
 
 
-def test_packed_values_equal_padded_and_boundaries_matter(tiny_vl_path, batches):
-    batch = batches["mixed"]
+@pytest.mark.parametrize("kind", ["mixed", "qwen3_mixed"])
+def test_packed_values_equal_padded_and_boundaries_matter(kind, batches, model_paths):
+    batch = batches[kind]
     mask = batch.batch["response_mask"].bool()
-    critic = training_model(str(tiny_vl_path), role="critic").eval()
+    critic = training_model(str(_model_path(kind, model_paths)), role="critic").eval()
     with torch.no_grad():
         padded = _head_outputs(critic, batch, padding_free=False)[..., 0]
         packed = _head_outputs(critic, batch, padding_free=True)[..., 0]
@@ -138,7 +162,7 @@ def test_packed_values_equal_padded_and_boundaries_matter(tiny_vl_path, batches)
 
     # Not vacuous: the same packed row without its boundaries (one causal sequence) lets later rows
     # attend to earlier ones, and their log-probs change.
-    model = training_model(str(tiny_vl_path)).eval()
+    model = training_model(str(_model_path(kind, model_paths))).eval()
     tensors = batch.batch
     inputs = build_packed_forward_inputs(
         model,
@@ -170,12 +194,12 @@ def _decoder_positions(model, run) -> torch.Tensor:
     return captured[-1][-3:]  # [3, B, L]
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "audio"])
-def test_packed_mrope_positions_are_the_models_own(kind, batches, tiny_vl_path, tiny_omni_path):
+@pytest.mark.parametrize("kind", ["image", "video", "audio", "qwen3_image", "qwen3_video"])
+def test_packed_mrope_positions_are_the_models_own(kind, batches, model_paths):
     """Each packed sequence gets the ids the model computes itself (no ``position_ids`` given) for that
     sequence alone: images, videos, and (Omni) audio, image + audio, and video with its sound track."""
     batch = batches[kind]
-    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path))).eval()
+    model = training_model(str(_model_path(kind, model_paths))).eval()
     packed = _decoder_positions(model, lambda: _head_outputs(model, batch, padding_free=True))  # [3, 1, T]
     tensors = batch.batch
     lengths = tensors["attention_mask"].sum(-1).tolist()
@@ -204,13 +228,11 @@ def test_packed_mrope_positions_are_the_models_own(kind, batches, tiny_vl_path, 
 # ---------------------------------------------------------------- training steps
 
 
-@pytest.mark.parametrize("kind", ["mixed", "audio"])
-def test_packed_step_changes_every_trainable_tensor_towers_included(
-    kind, batches, tiny_vl_path, tiny_omni_path
-):
+@pytest.mark.parametrize("kind", ["mixed", "audio", "qwen3_mixed"])
+def test_packed_step_changes_every_trainable_tensor_towers_included(kind, batches, model_paths):
     """One packed update on text + image + video rows (Qwen2.5-VL) and on audio + image + video-with-audio
     rows (Omni thinker) moves every tensor, the vision and audio towers included."""
-    path = _model_path(kind, tiny_vl_path, tiny_omni_path)
+    path = _model_path(kind, model_paths)
     batch = add_training_columns(batches[kind], path)
     model = training_model(str(path))
     before = _unique_state(model)
@@ -400,16 +422,14 @@ def _with_repeated_prompts(batch: DataProto) -> DataProto:
     return both.reorder(torch.arange(2 * len(batch)).view(2, -1).t().flatten())  # [a, a', b, b', ...]
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
-def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(
-    kind, batches, tiny_vl_path, tiny_omni_path
-):
+@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio", "qwen3_video", "qwen3_mixed"])
+def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(kind, batches, model_paths):
     """The ``position_ids`` column (get_rope_index once per distinct prompt, responses numbered on from
     the prompt's largest id) equals the model's own numbering of every whole row, and a forward pass
     reading it computes the same log-probs as one that numbers rows itself."""
     from mmrl.workers.forward import add_position_ids
 
-    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, model_paths)))
     batch = _with_repeated_prompts(batches[kind])
     with_column = add_position_ids(
         model,
@@ -510,14 +530,16 @@ def _shared_outputs(model, batch: DataProto, share_prompts: bool):
     return log_probs.detach(), grads
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio"])
-def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, tiny_vl_path, tiny_omni_path):
+@pytest.mark.parametrize(
+    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed"]
+)
+def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, model_paths):
     """Rows repeating a prompt (two responses each) packed with the prompt once: the same log-probs and
     gradients as packing every row whole, with each prompt's tokens and media computed once."""
     from mmrl.models.inputs import build_shared_prefix_inputs, prompt_groups
 
     batch = _with_repeated_prompts(batches[kind])
-    model = training_model(str(_model_path(kind, tiny_vl_path, tiny_omni_path)))
+    model = training_model(str(_model_path(kind, model_paths)))
     whole, whole_grads = _shared_outputs(model, batch, share_prompts=False)
     shared, shared_grads = _shared_outputs(model, batch, share_prompts=True)
     torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
@@ -534,7 +556,7 @@ def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, tiny_vl
     )
     distinct = sorted(set(firsts))
     # every row's copy joins it; in the mixed batch the two text-only rows ask the same question too
-    assert distinct == ([0, 2, 4, 8] if kind == "mixed" else list(range(0, len(batch), 2)))
+    assert distinct == ([0, 2, 4, 8] if kind.endswith("mixed") else list(range(0, len(batch), 2)))
     prompt_tokens = prompt_mask[distinct].sum()  # each distinct prompt once
     assert inputs["input_ids"].shape[1] == prompt_tokens + tensors["response_mask"].sum()
     original = concat_multi_modal_inputs(list(batches[kind].non_tensor_batch["multi_modal_inputs"]))

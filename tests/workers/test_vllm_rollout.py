@@ -7,8 +7,9 @@ which may touch the pytest process. Each spawn starts its engines once and makes
 - one rank: greedy responses equal ``HFRollout``'s token for token (text model, and the VL model on
   image + text-only prompts), row layout, seeded sampling, placeholder blocking, and log-probs after
   FSDP2 updates + weight pushes;
-- one rank, video (Qwen2.5-VL) and audio (Qwen2.5-Omni thinker) prompts: the engine expands each
-  prompt to exactly the trainer's token ids, greedy responses equal ``HFRollout``'s, and sampled-token
+- one rank, video (Qwen2.5-VL), audio (Qwen2.5-Omni thinker), and image + video (Qwen3-VL: frame
+  timestamps, deepstack features) prompts: the engine expands each prompt to exactly the trainer's
+  token ids, greedy responses equal ``HFRollout``'s, and sampled-token
   log-probs equal the trainer's: both backends see the same frames, sound and M-RoPE positions;
 - two ranks with ``tensor_parallel_size`` 1 (an engine per rank) and 2 (one engine over both ranks):
   the same log-prob parity after updates.
@@ -220,10 +221,8 @@ def _media_checks(model_path: str, prompts: DataProto) -> dict:
     return results
 
 
-def _media_job(
-    rank: int, world_size: int, vl_path: str, video_prompts, omni_path: str, audio_prompts
-) -> dict:
-    return {"video": _media_checks(vl_path, video_prompts), "audio": _media_checks(omni_path, audio_prompts)}
+def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[str, DataProto]) -> dict:
+    return {kind: _media_checks(paths[kind], kind_prompts) for kind, kind_prompts in prompts.items()}
 
 
 def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
@@ -259,33 +258,33 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 
 
 @pytest.fixture(scope="module")
-def media_prompts(tiny_vl_path, tiny_omni_path, tmp_path_factory) -> dict[str, DataProto]:
-    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni."""
+def media_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path) -> dict[str, str]:
+    return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path)}
+
+
+@pytest.fixture(scope="module")
+def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, DataProto]:
+    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni, and
+    2 image + 2 video prompts for Qwen3-VL."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
     video_dir = generate_shapes_dataset("video_direction", root / "video", n_train=3, n_val=1, seed=0)
     audio_dir = generate_shapes_dataset("audio_beeps", root / "audio", n_train=3, n_val=1, seed=0)
     frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
+    video_file, image_file = str(video_dir / "train.jsonl"), str(shapes_data_dir / "train.jsonl")
     return {
-        "video": _prompts(
-            str(tiny_vl_path), [str(video_dir / "train.jsonl")], 3, video_key="videos", **frame_range
+        "video": _prompts(media_paths["video"], [video_file], 3, video_key="videos", **frame_range),
+        "audio": _prompts(media_paths["audio"], [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
+        "qwen3_vl": _prompts(
+            media_paths["qwen3_vl"], [image_file, video_file], 2, video_key="videos", **frame_range
         ),
-        "audio": _prompts(str(tiny_omni_path), [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
     }
 
 
 @pytest.fixture(scope="module")
-def media_rank(tiny_vl_path, tiny_omni_path, media_prompts) -> dict:
-    return run_on_ranks(
-        _media_job,
-        1,
-        str(tiny_vl_path),
-        media_prompts["video"],
-        str(tiny_omni_path),
-        media_prompts["audio"],
-        timeout_s=300,
-    )[0]
+def media_rank(media_paths, media_prompts) -> dict:
+    return run_on_ranks(_media_job, 1, media_paths, media_prompts, timeout_s=450)[0]
 
 
 def _two_ranks(tiny_vl_path, vl_prompts, tp_size: int) -> list[dict]:
@@ -361,21 +360,22 @@ def test_log_probs_match_the_trainer_after_updates_one_rank(one_rank):
 # ---------------------------------------------------------------- video and audio
 
 
-@pytest.mark.parametrize("kind", ["video", "audio"])
+@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl"])
 def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     run, prompts = media_rank[kind], media_prompts[kind]
     # the engine's processor expanded every placeholder to the trainer's exact token ids
     for row, engine_ids in enumerate(run["engine_prompt_ids"]):
         trainer_ids = prompts.batch["input_ids"][row][prompts.batch["attention_mask"][row].bool()]
         assert engine_ids == trainer_ids.tolist(), row
-    media_key = {"video": "videos", "audio": "audios"}[kind]
-    assert all(media_key in row for row in prompts.non_tensor_batch["multi_modal_data"])
+    media_keys = {"video": ["videos"], "audio": ["audios"], "qwen3_vl": ["images"] * 2 + ["videos"] * 2}[kind]
+    media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
+    assert all(key in row for key, row in zip(media_keys, prompts.non_tensor_batch["multi_modal_data"]))
     vllm, hf = run["vllm"], run["hf"]
     assert torch.equal(vllm.batch["responses"], hf.batch["responses"]), kind
     assert torch.equal(vllm.batch["response_mask"], hf.batch["response_mask"]), kind
     # same frames / sound, same M-RoPE positions (text after a video included): log-probs agree to fp32
     # rounding of the perturbed model's long contexts (~1.5e-5 seen); positions numbered as
-    # transformers 5.19 alone does after a video gave gaps of 5 nats (mmrl.models.mrope)
+    # transformers 5.19 alone does after a video gave gaps of 5 nats (the qwen2_vl family fix)
     assert run["sampled_tokens"] > 20
     assert run["sampled_gap"] < 1e-4, run["sampled_gap"]
 

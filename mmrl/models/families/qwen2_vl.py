@@ -5,7 +5,8 @@ Their facts are the same but for the model type: the vision tower at ``model.vis
 patch of each video, ``second_per_grid_ts``), vLLM's weight names equal to transformers' on-disk ones.
 
 Their fix: where text resumes after a video, as the models were trained. Qwen2-VL and Qwen2.5-VL
-number the tokens after a vision block from the largest position id inside that block plus one. For a video that is usually its last temporal id: ``(grid_t - 1) * interval``
+number the tokens after a vision block from the largest position id inside that block plus one. For
+a video that is usually its last temporal id: ``(grid_t - 1) * interval``
 (Qwen2.5-VL: ``interval = tokens_per_second * second_per_grid_ts``) past the block's start. The
 original Qwen code and vLLM (``get_mrope_input_positions``) do this. Transformers' v5 rewrite of
 ``get_rope_index`` resumes at ``start + max(grid_h, grid_w) // merge`` instead, ignoring the video's
