@@ -23,6 +23,7 @@ from mmrl.parallel.sequence import SequenceParallelGroups
 
 SHIPPED = {
     "qwen2": "qwen2",
+    "qwen3": "qwen2",
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
     "qwen2_5_omni": "qwen2_5_omni",
@@ -59,6 +60,40 @@ def test_tiny_folders_and_loaded_models_find_their_family(tiny_paths):
         blocked = family.placeholder_token_ids(tokenizer)
         assert len(blocked) == len(family.placeholder_tokens)  # the tiny tokenizers know them all
         assert tokenizer.eos_token_id not in blocked and tokenizer.pad_token_id not in blocked
+
+
+def test_qwen3_text_is_a_text_family_member_packed_equal_to_padded(tmp_path):
+    """A random 2-layer Qwen3 text model loads through its family and scores packed as padded."""
+    from _batches import policy_actor
+    from _models import training_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mmrl.protocol import DataProto
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    model = training_model(tmp_path)
+    assert family_of(model).name == "qwen2"
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 10, 11]])  # left-padded with 0
+    responses = torch.tensor([[12, 13, 0], [14, 15, 16]])  # right-padded
+    prompt_mask = (prompts != 0).long()
+    response_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = DataProto.from_dict(
+        tensors={
+            "input_ids": torch.cat([prompts, responses], -1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], -1),
+            "responses": responses,
+        }
+    )
+    packed, _ = policy_actor(model, padding_free=True).compute_log_probs(batch, 2, 1.0)
+    padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 2, 1.0)
+    mask = response_mask.bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    assert (packed[mask] < 0).all()
 
 
 def test_unknown_model_type_names_itself_and_the_known_ones():

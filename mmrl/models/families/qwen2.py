@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 text models: ``Qwen2ForCausalLM``, 1-D RoPE, no towers."""
+"""Qwen2 / Qwen2.5 / Qwen3 text models: ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; 1-D RoPE, no towers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def position_ids(model, input_ids, attention_mask, media, mm_token_type_ids=None
 
 FAMILY = ModelFamily(
     name="qwen2",
-    model_types=("qwen2",),
+    model_types=("qwen2", "qwen3"),
     auto_class="AutoModelForCausalLM",
     position_ids=position_ids,
 )
