@@ -89,6 +89,7 @@ def _bench_size(model_path: str, prompts: dict, args: argparse.Namespace) -> dic
 
     from mmrl.models.loading import load_model
     from mmrl.models.prepare import prepare_for_training
+    from mmrl.trainer.config import RolloutConfig
     from mmrl.workers.rollout import SamplingParams
     from mmrl.workers.rollout.hf import HFRollout
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout
@@ -98,9 +99,10 @@ def _bench_size(model_path: str, prompts: dict, args: argparse.Namespace) -> dic
     model = prepare_for_training(load_model(model_path), packing=False)
     backends = {"transformers": HFRollout(model, tokenizer)}
     start = time.perf_counter()
-    backends["vllm"] = VLLMRollout(
-        model_path, tokenizer, max_model_len=1024, cpu_kv_cache_gib=0.5, enforce_eager=not args.compile
+    engine = RolloutConfig(
+        name="vllm", max_model_len=1024, cpu_kv_cache_gib=0.5, enforce_eager=not args.compile
     )
+    backends["vllm"] = VLLMRollout(model_path, tokenizer, engine)
     results: dict[str, dict] = {"transformers": {}, "vllm": {"engine_start_s": time.perf_counter() - start}}
     push_s = []
     for _ in range(args.repeats):

@@ -204,7 +204,6 @@ class HybridWorker:
         tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer_or_model_path, trust_remote_code=model_cfg.trust_remote_code
         )
-        dtype = resolve_dtype(rollout_cfg.dtype, self.device)
         if rollout_cfg.name == "vllm":
             from mmrl.workers.rollout.vllm_spmd import VLLMRollout
 
@@ -212,20 +211,10 @@ class HybridWorker:
             return VLLMRollout(
                 model_cfg.model_path,
                 tokenizer,
-                tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-                dtype=dtype,
-                seed=rollout_cfg.seed,
-                max_model_len=rollout_cfg.max_model_len or data.max_prompt_length + data.max_response_length,
-                max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
-                enforce_eager=rollout_cfg.enforce_eager,
-                enable_chunked_prefill=rollout_cfg.enable_chunked_prefill,
-                gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-                cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_gib,
-                enable_sleep_mode=rollout_cfg.enable_sleep_mode,
+                rollout_cfg,
+                context_length=data.max_prompt_length + data.max_response_length,
                 # weights are pushed after every update anyway: nothing is gained by keeping a host copy
                 sleep_level=2,
-                limit_images=rollout_cfg.limit_images,
-                show_progress=not rollout_cfg.disable_tqdm,
                 trust_remote_code=model_cfg.trust_remote_code,
                 override_config=dict(model_cfg.override_config),
             )
@@ -233,7 +222,7 @@ class HybridWorker:
 
         model = load_model(
             model_cfg.model_path,
-            torch_dtype=dtype,
+            torch_dtype=resolve_dtype(rollout_cfg.dtype, self.device),
             trust_remote_code=model_cfg.trust_remote_code,
             override_config=dict(model_cfg.override_config),
         ).to(self.device)

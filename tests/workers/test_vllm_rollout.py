@@ -21,6 +21,7 @@ move far from where they started; vLLM's sampled-token log-probs must still equa
 
 from __future__ import annotations
 
+import glob
 import json
 import time
 from pathlib import Path
@@ -35,14 +36,17 @@ from mmrl.data.dataset import PromptDataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
+from mmrl.trainer.config import RolloutConfig
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams
+from mmrl.workers.rollout.vllm_spmd import CPU_SHM_PATTERN, unlink_cpu_shared_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
 MAX_TOKENS = 8
 UPDATE_STEPS = 3
 ENGINE_ARGS = {
+    "name": "vllm",
     "max_model_len": 512,
     "max_num_batched_tokens": 1024,
     "enforce_eager": True,  # no torch.compile: starts in seconds
@@ -114,7 +118,7 @@ def _greedy_against_hf(model_path: str, prompts: DataProto) -> dict:
     tokenizer, _ = load_tokenizer_and_processor(model_path)
     model = _perturbed_model(model_path)
     start = time.perf_counter()
-    rollout = _keep(VLLMRollout(model_path, tokenizer, **ENGINE_ARGS))
+    rollout = _keep(VLLMRollout(model_path, tokenizer, RolloutConfig(**ENGINE_ARGS)))
     engine_start_s = time.perf_counter() - start
     rollout.update_weights(iter_full_state_dict(model, checkpoint_format=True))
     greedy = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS)
@@ -162,7 +166,8 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
     optimizer = build_optimizer(module.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     actor = policy_actor(module, optimizer, max_response_length=MAX_TOKENS)
     start = time.perf_counter()
-    rollout = _keep(VLLMRollout(model_path, tokenizer, tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS))
+    config = RolloutConfig(tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS)
+    rollout = _keep(VLLMRollout(model_path, tokenizer, config))
     results = {"engine_start_s": time.perf_counter() - start, "gaps": [], "sync_s": [], "tokens": 0}
 
     def push_weights():
@@ -387,7 +392,10 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size):
+    if tp_size == 2:  # what a crashed TP=2 run leaves behind (vLLM never unlinks its segments)
+        Path("/dev/shm/-tp:0-[0-1]-cpushm_0").write_bytes(b"\0" * 64)
     runs = _two_ranks(tiny_vl_path, vl_prompts, tp_size)
+    assert not glob.glob(CPU_SHM_PATTERN), "the run left shared memory behind"
     for run in runs:
         _assert_training_parity(run)
     # each rank gets back exactly its own prompts' responses (with TP=2 the group generates all six)
@@ -396,6 +404,20 @@ def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_pr
         assert list(run["batch"].non_tensor_batch["uid"]) == [
             uid for uid in prompts.non_tensor_batch["uid"] for _ in range(2)
         ]
+
+
+def test_only_stale_cpu_shared_memory_is_unlinked(tmp_path):
+    """A segment some process still maps stays; one nobody maps goes."""
+    import mmap
+
+    stale, live = Path("/dev/shm/mmrl-test-stale-cpushm_0"), Path("/dev/shm/mmrl-test-live-cpushm_0")
+    for segment in (stale, live):
+        segment.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        unlink_cpu_shared_memory(stale_only=True)
+        assert not stale.exists() and live.exists()
+        unlink_cpu_shared_memory(stale_only=False)  # what this process maps: the live one
+        assert not live.exists()
 
 
 # ---------------------------------------------------------------- the trainer

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,6 +44,8 @@ import torch.distributed as dist
 
 from mmrl.models.families import family_for
 from mmrl.protocol import DataProto
+from mmrl.trainer.config import RolloutConfig
+from mmrl.workers.fsdp_engine import resolve_dtype
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -154,6 +157,34 @@ def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
     return config
 
 
+CPU_SHM_PATTERN = "/dev/shm/*-cpushm_*"  # vLLM 0.32 CPU backend: {ident}-{group}-cpushm_{rank}
+
+
+def _mapped_shm_segments(maps_file: str) -> set[str]:
+    with contextlib.suppress(OSError), open(maps_file) as maps:
+        return {line.split(maxsplit=5)[-1].strip() for line in maps if "-cpushm_" in line}
+    return set()
+
+
+def unlink_cpu_shared_memory(stale_only: bool) -> None:
+    """Unlink vLLM's CPU tensor-parallel shared-memory segments: those no running process maps
+    (``stale_only``, before an engine starts), or those this process maps (once its engine has
+    started: every rank of the group has opened them by then, and their mappings outlive the names).
+
+    vLLM's CPU backend (0.32) never unlinks its segments, and under the external launcher their names
+    are the same in every run (``/dev/shm/-tp:0-[0-1]-cpushm_0``), so a segment left by an earlier run
+    makes the next engine fail with "create shm in SHMManager failed. errno: 17".
+    """
+    if stale_only:
+        in_use = set().union(*(_mapped_shm_segments(maps) for maps in glob.glob("/proc/[0-9]*/maps")))
+        segments = set(glob.glob(CPU_SHM_PATTERN)) - in_use
+    else:
+        segments = _mapped_shm_segments("/proc/self/maps")
+    for segment in segments:
+        with contextlib.suppress(OSError):
+            os.unlink(segment)
+
+
 def _device_memory_used_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -164,42 +195,41 @@ def _device_memory_used_gib() -> float | None:
 class VLLMRollout:
     """One vLLM engine per training process; see the module docstring.
 
-    ``dtype`` is the engine's (fp32 on CPU keeps it equal to the fp32 trainer). The KV cache is
-    ``cpu_kv_cache_gib`` on the CPU (vLLM's default takes 90% of the RAM) and ``gpu_memory_utilization``
-    of the GPU otherwise. ``enable_sleep_mode`` applies on GPUs only (vLLM's CPU backend refuses it).
-    ``seed`` must be the same on every rank of a tensor-parallel group. Needs ``LOCAL_RANK`` set and,
-    when ``torch.distributed`` is initialised, every rank of the group to build its engine together.
+    Built from the rollout's config section: the engine's dtype (``auto``: fp32 on a CPU, which keeps
+    it equal to the fp32 trainer), ``tensor_parallel_size``, ``seed`` (the same on every rank of a
+    tensor-parallel group), the scheduler and context limits (``max_model_len``; null = the run's
+    ``context_length``), the KV cache (``cpu_kv_cache_gib`` on a CPU, where vLLM's default takes 90%
+    of the RAM; ``gpu_memory_utilization`` of a GPU), ``enable_sleep_mode`` (GPUs only: vLLM's CPU
+    backend refuses it), ``limit_images`` and ``disable_tqdm``. Needs ``LOCAL_RANK`` set and, when
+    ``torch.distributed`` is initialised, every rank of the group to build its engine together.
     """
 
     def __init__(
         self,
         model_path: str,
         tokenizer: Any,
+        config: RolloutConfig | None = None,
         *,
-        tensor_parallel_size: int = 1,
-        dtype: torch.dtype | str = torch.float32,
-        seed: int = 1,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 8192,
-        enforce_eager: bool = False,
-        enable_chunked_prefill: bool = False,
-        gpu_memory_utilization: float = 0.6,
-        cpu_kv_cache_gib: float = 1.0,
-        enable_sleep_mode: bool = False,
+        context_length: int | None = None,
         sleep_level: int = 1,
-        limit_images: int = 0,
-        show_progress: bool = False,
         trust_remote_code: bool = False,
         override_config: dict[str, Any] | None = None,
     ):
         from transformers import GenerationConfig
         from vllm import LLM
 
+        config = config or RolloutConfig(name="vllm")
         if sleep_level not in (1, 2):
             raise ValueError(f"VLLMRollout: sleep_level must be 1 or 2, got {sleep_level}")
-        self.show_progress = show_progress  # the engine's progress bar per generate call
+        max_model_len = config.max_model_len or context_length
+        if max_model_len is None:
+            raise ValueError("VLLMRollout: set rollout.max_model_len or pass the run's context_length")
+        self.show_progress = not config.disable_tqdm  # the engine's progress bar per generate call
         os.environ.setdefault("LOCAL_RANK", "0")  # the external launcher reads it
         on_gpu = torch.cuda.is_available()
+        cpu_shared_memory = not on_gpu and config.tensor_parallel_size > 1
+        if cpu_shared_memory:
+            unlink_cpu_shared_memory(stale_only=True)
         self.tokenizer = tokenizer
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -210,19 +240,19 @@ class VLLMRollout:
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         )
         self.sleep_level = sleep_level
-        self.sleep_enabled = enable_sleep_mode and on_gpu
+        self.sleep_enabled = config.enable_sleep_mode and on_gpu
         engine_args: dict[str, Any] = {
             "model": model_path,
             "tokenizer": getattr(tokenizer, "name_or_path", None) or model_path,
             "load_format": "dummy",  # the real weights arrive through update_weights
             "distributed_executor_backend": "external_launcher",
-            "tensor_parallel_size": tensor_parallel_size,
-            "dtype": dtype,
-            "seed": seed,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "dtype": resolve_dtype(config.dtype, torch.device("cuda" if on_gpu else "cpu")),
+            "seed": config.seed,
             "max_model_len": max_model_len,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "enforce_eager": enforce_eager,
-            "enable_chunked_prefill": enable_chunked_prefill,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enforce_eager": config.enforce_eager,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
             "enable_prefix_caching": True,
             "enable_sleep_mode": self.sleep_enabled,
             "logprobs_mode": "raw_logprobs",  # with the temperature in the logits scale: see module doc
@@ -232,20 +262,22 @@ class VLLMRollout:
             "disable_log_stats": True,
         }
         if on_gpu:
-            engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+            engine_args["gpu_memory_utilization"] = config.gpu_memory_utilization
         else:
-            engine_args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
-        if limit_images > 0:
-            engine_args["limit_mm_per_prompt"] = {"image": limit_images}
+            engine_args["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
+        if config.limit_images > 0:
+            engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
         if override_config:
             engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
         self.llm = LLM(**engine_args)
+        if cpu_shared_memory:  # nothing of this run is left in /dev/shm, whatever way it ends
+            unlink_cpu_shared_memory(stale_only=False)
         hf_config = self.llm.llm_engine.model_config.hf_config
         family = family_for(hf_config)
         self.blocked_token_ids = family.placeholder_token_ids(tokenizer)
         # e.g. a Qwen2.5-Omni folder holds the trained thinker's weights under `thinker.*`
         self.weight_name_prefix = family.weight_prefix_for_vllm(hf_config)
-        self.tp_size = tensor_parallel_size
+        self.tp_size = config.tensor_parallel_size
         self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
         self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating
         self.memory_gib: dict[str, float | None] = {}  # device memory in use around the last sleep / wake
