@@ -626,3 +626,29 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
         ):
             assert skipped[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
         assert skipped["rollout/log_prob_gap_max"] < 1e-5
+
+
+@trainer_e2e
+def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_dir, tmp_path):
+    """GAE with one warm-up step: step 1 trains the critic only (the old log-probs come from their own
+    pass, no weight push), step 2 trains both, the actor on-policy, and pushes its weights."""
+    from _trainer_run import run_main, small_run_overrides
+
+    save_dir = tmp_path / "gae"
+    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "algorithm.adv_estimator=gae",
+        "algorithm.disable_kl=true",
+        "worker.critic.global_batch_size=4",
+        "worker.critic.model.enable_gradient_checkpointing=false",
+        "worker.rollout.name=hf",
+        "trainer.critic_warmup=1",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+    ]
+    warmup, trained = [row for row in run_main(overrides, save_dir) if "critic/vf_loss" in row]
+    for step in (warmup, trained):
+        assert {"timing_s/values", "timing_s/update_critic", "critic/values/mean"} <= set(step)
+    assert "actor/pg_loss" not in warmup and "timing_s/sync" not in warmup
+    assert "timing_s/old_log_prob" in warmup  # no actor update yet to supply them
+    assert "actor/pg_loss" in trained and "timing_s/sync" in trained
+    assert "timing_s/old_log_prob" not in trained  # on-policy: the update computes them

@@ -147,11 +147,10 @@ def test_rollout_log_probs_match_the_trainer_per_family(
     prompt, deepstack features)."""
     path = {"qwen2_5_vl": tiny_vl_path, "qwen3_vl": tiny_qwen3_vl_path}[family]
     tokenizer, processor = load_tokenizer_and_processor(str(path))
-    frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
-    dataset = PromptDataset(
-        media_data_files[media], tokenizer, processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        video_key="videos", **frame_range,
-    )  # fmt: skip
+    pixels = DataConfig(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
+    )
+    dataset = PromptDataset(media_data_files[media], tokenizer, processor, pixels)
     prompts = collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
     model = training_model(path)
     with torch.no_grad():  # a random tiny model answers everything alike: spread its predictions
