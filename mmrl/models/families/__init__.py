@@ -170,3 +170,28 @@ def mm_token_types_from_ids(config: Any, input_ids: torch.Tensor) -> torch.Tenso
         if token_id is not None:
             token_types[input_ids == token_id] = token_type
     return token_types
+
+
+def token_type_position_ids(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    media: dict[str, Any],
+    mm_token_type_ids: torch.Tensor | None = None,
+    **family_arguments: Any,
+) -> torch.Tensor:
+    """M-RoPE ids [3, B, L] from ``model.model.get_rope_index`` of the Qwen-VL families that number
+    media by ``mm_token_type_ids`` (transformers v5), derived from the placeholder ids when not given;
+    ``family_arguments`` are the ones only that family's ``get_rope_index`` takes."""
+    owner = model.model
+    if mm_token_type_ids is None:
+        mm_token_type_ids = mm_token_types_from_ids(owner.config, input_ids)
+    positions, _ = owner.get_rope_index(
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=media.get("image_grid_thw"),
+        video_grid_thw=media.get("video_grid_thw"),
+        attention_mask=attention_mask,
+        **family_arguments,
+    )
+    return positions

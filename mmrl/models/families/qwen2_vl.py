@@ -30,7 +30,7 @@ import itertools
 import torch
 from torch import nn
 
-from mmrl.models.families import ModelFamily, mm_token_types_from_ids
+from mmrl.models.families import ModelFamily, token_type_position_ids
 
 
 def renumber_text_after_vision(
@@ -113,20 +113,12 @@ def resume_text_after_vision_max(model: nn.Module) -> bool:
 
 
 def position_ids(model, input_ids, attention_mask, media, mm_token_type_ids=None):
-    """M-RoPE ids [3, B, L] from the model's own (wrapped) ``get_rope_index``; ``mm_token_type_ids``
-    are derived from the placeholder ids when not given."""
-    owner = model.model
-    if mm_token_type_ids is None:
-        mm_token_type_ids = mm_token_types_from_ids(owner.config, input_ids)
-    positions, _ = owner.get_rope_index(
-        input_ids,
-        mm_token_type_ids=mm_token_type_ids,
-        image_grid_thw=media.get("image_grid_thw"),
-        video_grid_thw=media.get("video_grid_thw"),
-        second_per_grid_ts=media.get("second_per_grid_ts"),  # Qwen2.5-VL; Qwen2-VL takes none
-        attention_mask=attention_mask,
+    """M-RoPE ids [3, B, L] from the model's own (wrapped) ``get_rope_index``; Qwen2.5-VL also takes the
+    seconds per temporal patch of each video (Qwen2-VL none)."""
+    second_per_grid_ts = media.get("second_per_grid_ts")
+    return token_type_position_ids(
+        model, input_ids, attention_mask, media, mm_token_type_ids, second_per_grid_ts=second_per_grid_ts
     )
-    return positions
 
 
 FAMILY = ModelFamily(

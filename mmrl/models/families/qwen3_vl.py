@@ -18,23 +18,7 @@ from typing import Any
 
 import torch
 
-from mmrl.models.families import ModelFamily, mm_token_types_from_ids
-
-
-def position_ids(model, input_ids, attention_mask, media, mm_token_type_ids=None):
-    """M-RoPE ids [3, B, L] from the model's own ``get_rope_index``; ``mm_token_type_ids`` are derived
-    from the placeholder ids when not given."""
-    owner = model.model
-    if mm_token_type_ids is None:
-        mm_token_type_ids = mm_token_types_from_ids(owner.config, input_ids)
-    positions, _ = owner.get_rope_index(
-        input_ids,
-        mm_token_type_ids=mm_token_type_ids,
-        image_grid_thw=media.get("image_grid_thw"),
-        video_grid_thw=media.get("video_grid_thw"),
-        attention_mask=attention_mask,
-    )
-    return positions
+from mmrl.models.families import ModelFamily, token_type_position_ids
 
 
 def shard_deepstack_inputs(decoder_kwargs: dict[str, Any], local_index: torch.Tensor) -> None:
@@ -57,7 +41,7 @@ FAMILY = ModelFamily(
     name="qwen3_vl",
     model_types=("qwen3_vl",),
     auto_class="AutoModelForImageTextToText",
-    position_ids=position_ids,
+    position_ids=token_type_position_ids,  # the model's own get_rope_index
     towers=("model.visual",),
     placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     position_keys=("image_grid_thw", "video_grid_thw"),
