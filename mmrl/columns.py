@@ -38,8 +38,9 @@ class Column:
         return self.dtype is not None
 
     def width(self, prompt_length: int, response_length: int) -> int | None:
-        """The size of dim 1 this shape implies (None when the column is 1-D or not a tensor)."""
-        last = self.shape.strip("[]").split(",")[-1].strip()
+        """The size of the last dim the shape implies: P, R or L = P + R (before generation R is 0);
+        None for 1-D and object columns."""
+        last = self.shape.rsplit(",", 1)[-1].strip(" ]") if "," in self.shape else None
         return {"P": prompt_length, "R": response_length, "L": prompt_length + response_length}.get(last)
 
 

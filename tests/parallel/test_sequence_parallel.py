@@ -23,6 +23,7 @@ from mmrl.models.attention import PackedSequences
 from mmrl.parallel.ring_attention import sharded_attention
 from mmrl.parallel.sequence import ShardedSequences, ShardLayout, init_sequence_parallel, split_sizes
 from mmrl.parallel.spawn import run_on_ranks
+from mmrl.protocol import DataProto
 
 LENGTHS = (13, 5, 22, 1, 9)  # the 1-token sequence leaves most of its ring chunks empty
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -175,13 +176,17 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
     }
 
 
-@pytest.fixture(scope="module")
-def sp_batch(tiny_vl_path):
+def _sp_training_batch(model_path, rows) -> DataProto:
+    """Six rows of uneven response lengths through the model's processor, with the update's columns."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_vl_path)
-    batch = build_batch(processor, MIXED_ROWS, (6, 1, 4, 3, 7, 2), seed=40)
-    return add_training_columns(batch, tiny_vl_path)
+    batch = build_batch(AutoProcessor.from_pretrained(model_path), rows, (6, 1, 4, 3, 7, 2), seed=40)
+    return add_training_columns(batch, model_path)
+
+
+@pytest.fixture(scope="module")
+def sp_batch(tiny_vl_path):
+    return _sp_training_batch(tiny_vl_path, MIXED_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -224,11 +229,7 @@ def test_policy_step_with_sequence_parallel_equals_one_rank(
 
 @pytest.fixture(scope="module")
 def qwen3_sp_batch(tiny_qwen3_vl_path):
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_path)
-    batch = build_batch(processor, QWEN3_ROWS, (6, 1, 4, 3, 7, 2), seed=40)
-    return add_training_columns(batch, tiny_qwen3_vl_path)
+    return _sp_training_batch(tiny_qwen3_vl_path, QWEN3_ROWS)
 
 
 @pytest.fixture(scope="module")
