@@ -9,7 +9,9 @@ arguments (``RayWorkerGroup.call``).
   prompts).
 - ``rows_per_data_parallel_share``: the rows are split over the data-parallel shares; the ranks of one
   sequence-parallel group get the same share (a ``(dp, sp)`` mesh of consecutive ranks). The worker
-  group is told its role's sequence-parallel size when it is made.
+  group is told its roles' sequence-parallel sizes when it is made; a worker holding several roles
+  (the critic next to the actor) names the role whose size splits a method's rows:
+  ``@rows_per_data_parallel_share(role="critic")``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = ["ROWS_PER_DATA_PARALLEL_SHARE", "ROWS_PER_RANK", "layout_of", "rows_per_data_parallel_share",
-           "rows_per_rank"]  # fmt: skip
+           "rows_per_rank", "sequence_parallel_role_of"]  # fmt: skip
 
 ROWS_PER_RANK = "rows_per_rank"
 ROWS_PER_DATA_PARALLEL_SHARE = "rows_per_data_parallel_share"
 _ATTRIBUTE = "mmrl_dispatch_layout"
+_ROLE_ATTRIBUTE = "mmrl_dispatch_role"
 
 Method = TypeVar("Method", bound=Callable)
 
@@ -32,11 +35,23 @@ def rows_per_rank(method: Method) -> Method:
     return method
 
 
-def rows_per_data_parallel_share(method: Method) -> Method:
-    setattr(method, _ATTRIBUTE, ROWS_PER_DATA_PARALLEL_SHARE)
-    return method
+def rows_per_data_parallel_share(method: Method | None = None, /, *, role: str | None = None):
+    """Mark ``method`` (bare, or called with ``role``: the role whose sequence-parallel size splits
+    the rows; None = the worker group's own size)."""
+
+    def mark(marked: Method) -> Method:
+        setattr(marked, _ATTRIBUTE, ROWS_PER_DATA_PARALLEL_SHARE)
+        setattr(marked, _ROLE_ATTRIBUTE, role)
+        return marked
+
+    return mark if method is None else mark(method)
 
 
 def layout_of(worker_cls: type, method: str) -> str | None:
     """The declared layout of ``worker_cls.method``; None when the method takes no batch."""
     return getattr(getattr(worker_cls, method, None), _ATTRIBUTE, None)
+
+
+def sequence_parallel_role_of(worker_cls: type, method: str) -> str | None:
+    """The role named by ``worker_cls.method``'s mark; None for the worker group's own size."""
+    return getattr(getattr(worker_cls, method, None), _ROLE_ATTRIBUTE, None)

@@ -11,3 +11,18 @@ def training_model(path, role: str = "actor", sequence_parallel: bool = False, *
     ``sequence_parallel``, rows split over ranks), as ``build_fsdp_model`` prepares the trainer's."""
     model = load_model(str(path), role=role, **load_kwargs)
     return prepare_for_training(model, packing=True, sequence_parallel=sequence_parallel)
+
+
+def build_hub_cache(model_dir, cache_dir, repo_id: str, revision: str = "0" * 40):
+    """A Hugging Face hub cache at ``cache_dir`` (what ``HF_HUB_CACHE`` names) holding ``repo_id`` as
+    a copy of ``model_dir``: ``models--owner--name/snapshots/<revision>/`` and ``refs/main``, the layout
+    ``snapshot_download`` leaves; returns the snapshot folder."""
+    import shutil
+    from pathlib import Path
+
+    repo = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

@@ -7,10 +7,17 @@ where it is built (:func:`mmrl.models.prepare.prepare_for_training`).
 
 A critic is the same model whose ``lm_head`` is replaced by a value head ``nn.Linear(hidden, 1)``, so
 ``model(...).logits`` is ``[B, L, 1]``: one value per position.
+
+A ``model_path`` (or tokenizer path) may be a hub id: :func:`resolve_model_path` turns it into its
+folder in the Hugging Face cache once per process, and every load, checkpoint and merge reads that
+folder.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,73 @@ from torch import nn
 from mmrl.models.families import family_for, family_of
 
 ROLES = ("actor", "critic")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
+# what reading a model's config needs: config, tokenizer and processor JSON, remote code
+CONFIG_FILES = ("*.json", "*.py", "*.jinja", "*.txt", "*.model")
+
+
+class ModelPathError(ValueError):
+    """A model or tokenizer path that is neither a folder nor a hub id that can be resolved."""
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids downloads (the values huggingface_hub takes as true)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_model_path(path: str, key: str, *, config_only: bool = False) -> str:
+    """The local folder holding ``path``'s files: ``path`` itself when it is a folder; for a hub id
+    (``owner/name``) its snapshot folder in the Hugging Face cache (``HF_HUB_CACHE``, else under
+    ``HF_HOME``), downloaded there unless ``HF_HUB_OFFLINE`` is set. Resolved once per process.
+
+    ``config_only`` fetches only the config, tokenizer and processor files and remote code (the
+    config loader reads the model's shape before anything starts); a later full resolution fills the
+    same snapshot folder. ``key`` names the config key in the :class:`ModelPathError` raised otherwise.
+    """
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if os.path.exists(path) or not HUB_ID.match(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise ModelPathError(
+            f"{key}: '{path}' {what}; give a Hugging Face model folder (config.json, weights, tokenizer "
+            "files) or a hub id such as Qwen/Qwen2.5-VL-7B-Instruct"
+        )
+    from huggingface_hub import constants
+
+    try:
+        return _hub_snapshot(
+            path, constants.HF_HUB_CACHE, hub_offline(), CONFIG_FILES if config_only else None
+        )
+    except (OSError, ValueError) as error:  # huggingface_hub's errors derive from these
+        fix = (
+            f"HF_HUB_OFFLINE is set: download it first (`hf download {path}`) or unset HF_HUB_OFFLINE"
+            if hub_offline()
+            else "check the id (and HF_TOKEN for a gated model) and the network"
+        )
+        raise ModelPathError(
+            f"{key}: '{path}' is neither a local folder nor a model id found in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} ({type(error).__name__}: {str(error).splitlines()[0]}); {fix}, or "
+            "give the model's folder"
+        ) from None
+
+
+@functools.cache
+def _hub_snapshot(repo_id: str, cache_dir: str, offline: bool, patterns: tuple[str, ...] | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    allow = list(patterns) if patterns is not None else None
+    return snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=offline, allow_patterns=allow)
+
+
+def attention_heads(folder: str, trust_remote_code: bool = False) -> tuple[int, int]:
+    """``(attention heads, key/value heads)`` of the text decoder mmrl trains from ``folder`` (the heads
+    sequence parallelism splits; the vision and audio towers run whole on every rank)."""
+    import transformers
+
+    folder_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    text_config = family_for(folder_config).training_config(folder_config).get_text_config()
+    heads = text_config.num_attention_heads
+    return heads, getattr(text_config, "num_key_value_heads", None) or heads
 
 
 class MergeNotSupportedError(ValueError):

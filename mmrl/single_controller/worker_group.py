@@ -23,14 +23,14 @@ import os
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mmrl.dispatch import ROWS_PER_DATA_PARALLEL_SHARE, ROWS_PER_RANK, layout_of
+from mmrl.dispatch import ROWS_PER_DATA_PARALLEL_SHARE, ROWS_PER_RANK, layout_of, sequence_parallel_role_of
 from mmrl.single_controller.resource_pool import ResourcePool
 
 if TYPE_CHECKING:
@@ -188,7 +188,9 @@ class RayWorkerGroup:
     import; `start(args, kwargs)` then builds the workers (so a driver can prepare what the arguments need
     meanwhile). `sequence_parallel_size` is the ranks of one sequence-parallel group of this role: the
     methods its worker class marks `rows_per_data_parallel_share` (`mmrl.dispatch`) get one share of the
-    rows per `world_size // sequence_parallel_size` data-parallel rank.
+    rows per `world_size // sequence_parallel_size` data-parallel rank; a method whose mark names a role
+    (a worker holding several, e.g. the critic next to the actor) uses that role's size in
+    `role_sequence_parallel_sizes`.
     Keyword arguments are forwarded to the worker's method, except those named in a method's signature here
     (`dp_size`, `dp_rank_of` for `dispatch`). If a rank fails while the group starts, the constructor raises
     `WorkerGroupError` after killing the actors; the pool stays reserved until `resource_pool.remove()`.
@@ -207,14 +209,18 @@ class RayWorkerGroup:
         start_timeout_s: float | None = None,
         start: bool = True,
         sequence_parallel_size: int = 1,
+        role_sequence_parallel_sizes: Mapping[str, int] | None = None,
     ) -> None:
-        if sequence_parallel_size < 1 or resource_pool.world_size % sequence_parallel_size:
-            raise ValueError(
-                f"{name_prefix}: sequence_parallel_size={sequence_parallel_size} must divide the world size "
-                f"{resource_pool.world_size}"
-            )
+        role_sizes = dict(role_sequence_parallel_sizes or {})
+        for what, size in {"sequence_parallel_size": sequence_parallel_size, **role_sizes}.items():
+            if size < 1 or resource_pool.world_size % size:
+                raise ValueError(
+                    f"{name_prefix}: the sequence-parallel size {what}={size} must divide the world size "
+                    f"{resource_pool.world_size}"
+                )
         self.worker_cls = worker_cls
         self.sequence_parallel_size = sequence_parallel_size
+        self.role_sequence_parallel_sizes = role_sizes
         self.start_timeout_s = start_timeout_s
         self.resource_pool = resource_pool
         self.name_prefix = name_prefix
@@ -359,7 +365,16 @@ class RayWorkerGroup:
         if layout == ROWS_PER_RANK:
             return self.world_size
         assert layout == ROWS_PER_DATA_PARALLEL_SHARE, layout
-        return self.world_size // self.sequence_parallel_size
+        role = sequence_parallel_role_of(self.worker_cls, method)
+        if role is None:
+            return self.world_size // self.sequence_parallel_size
+        if role not in self.role_sequence_parallel_sizes:
+            raise ValueError(
+                f"dispatch: {self.worker_cls.__name__}.{method} splits its rows by the sequence-parallel size "
+                f"of role {role!r}, which this group was not given (role_sequence_parallel_sizes="
+                f"{self.role_sequence_parallel_sizes})"
+            )
+        return self.world_size // self.role_sequence_parallel_sizes[role]
 
     def _dp_rank_of(self, dp_size: int | None, dp_rank_of: Sequence[int] | None) -> list[int]:
         world_size = self.world_size

@@ -48,7 +48,9 @@ class AlgorithmConfig:
 class ModelConfig:
     """A trained model; the actor's section adds what the whole run shares (:class:`ActorModelConfig`)."""
 
-    model_path: str | None = None  # Hugging Face folder (or hub id where the hub is reachable)
+    model_path: str | None = (
+        None  # Hugging Face folder, or hub id (from the HF cache; downloaded unless HF_HUB_OFFLINE)
+    )
     override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
     enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
     freeze_vision_tower: bool = False  # keep the vision (and audio) encoder weights fixed
@@ -65,6 +67,11 @@ class ActorModelConfig(ModelConfig):
     @property
     def tokenizer_or_model_path(self) -> str | None:
         return self.tokenizer_path or self.model_path
+
+    @property
+    def tokenizer_key(self) -> str:
+        """The key naming the run's tokenizer (in messages about it)."""
+        return f"worker.actor.model.{'tokenizer_path' if self.tokenizer_path else 'model_path'}"
 
 
 @dataclass(frozen=True)

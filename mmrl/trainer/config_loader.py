@@ -267,16 +267,50 @@ def _check_dataset(errors: list[str], key: str, value: str) -> None:
         errors.append(f"{key}: '{path}' does not exist (a jsonl/json/parquet file or a `datasets` folder)")
 
 
-def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> None:
+def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> str | None:
+    """The folder holding ``value``'s config (a hub id is resolved through the Hugging Face cache,
+    fetching only its config files), or None after recording why there is none."""
+    from mmrl.models.loading import ModelPathError, resolve_model_path
+
     if not value:
         if required:
-            errors.append(f"{key} is required (a Hugging Face model folder)")
+            errors.append(f"{key} is required (a Hugging Face model folder or hub id)")
+        return None
+    try:
+        return resolve_model_path(value, key, config_only=True)
+    except ModelPathError as error:
+        errors.append(str(error))
+        return None
+
+
+def _check_ulysses_heads(errors: list[str], cfg: PPOConfig, role: str, folder: str) -> None:
+    """Ulysses gives each rank ``heads / ulysses_size`` of the text decoder's attention heads: the size
+    must divide the heads. Key/value heads it does not divide are repeated to one per query head
+    (more memory, still exact), so they set no rule; ring attention splits tokens, not heads."""
+    from mmrl.models.loading import attention_heads
+
+    size = getattr(cfg.worker, role).ulysses_size
+    if size <= 1:
         return
-    if os.path.exists(value):
+    try:
+        heads, kv_heads = attention_heads(folder, cfg.worker.actor.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        errors.append(
+            f"worker.{role}.ulysses_size={size} needs the model's attention heads, but its config in "
+            f"{folder} cannot be read: {str(error).splitlines()[0]}"
+        )
         return
-    if HUB_ID.match(value) and os.environ.get("HF_HUB_OFFLINE") != "1":
-        return  # a hub id: downloaded by the workers
-    errors.append(f"{key}: '{value}' does not exist")
+    if heads % size == 0:
+        return
+    world = cfg.trainer.world_size
+    fitting = [n for n in range(1, heads + 1) if heads % n == 0]
+    usable = [n for n in fitting if world % n == 0]
+    errors.append(
+        f"worker.{role}.ulysses_size={size} does not divide the model's {heads} attention heads "
+        f"({kv_heads} key/value heads) in {folder}: Ulysses gives each rank heads / ulysses_size of them. "
+        f"Sizes that work: {', '.join(map(str, fitting))} (of those, {', '.join(map(str, usable))} also "
+        f"divide the {world} processes); or split sequences with worker.{role}.ring_size instead"
+    )
 
 
 def _check_choices(errors: list[str], node: Any, prefix: str = "") -> None:
@@ -467,14 +501,19 @@ def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"data.format_prompt: template '{data.format_prompt}' does not exist")
     if data.media_dir and not os.path.isdir(data.media_dir):
         errors.append(f"data.media_dir: folder '{data.media_dir}' does not exist")
-    _check_model_path(
-        errors, "worker.actor.model.model_path", cfg.worker.actor.model.model_path, required=True
-    )
-    _check_model_path(
-        errors, "worker.actor.model.tokenizer_path", cfg.worker.actor.model.tokenizer_path, False
-    )
+    actor_model = cfg.worker.actor.model
+    actor_folder = _check_model_path(errors, "worker.actor.model.model_path", actor_model.model_path, True)
+    _check_model_path(errors, "worker.actor.model.tokenizer_path", actor_model.tokenizer_path, False)
+    if actor_folder is not None:
+        _check_ulysses_heads(errors, cfg, "actor", actor_folder)
     if cfg.use_critic:
-        _check_model_path(errors, "worker.critic.model.model_path", cfg.worker.critic.model.model_path, False)
+        critic_key = "worker.critic.model.model_path"
+        critic_path = cfg.worker.critic.model.model_path
+        critic_folder = (
+            _check_model_path(errors, critic_key, critic_path, False) if critic_path else actor_folder
+        )
+        if critic_folder is not None:
+            _check_ulysses_heads(errors, cfg, "critic", critic_folder)
     reward = cfg.worker.reward.reward_function
     if not reward:
         errors.append(

@@ -44,9 +44,16 @@ logger = logging.getLogger(__name__)
 VAL_METRIC = "val/reward/overall"  # the checkpoint tracker's "best" follows this
 
 
-def load_tokenizer_and_processor(model_path: str, trust_remote_code: bool = False) -> tuple[Any, Any | None]:
-    """The model's tokenizer, and its multimodal processor (None for text-only models)."""
+def load_tokenizer_and_processor(
+    model_path: str, trust_remote_code: bool = False, key: str = "worker.actor.model.tokenizer_path"
+) -> tuple[Any, Any | None]:
+    """The tokenizer of ``model_path`` (a folder or hub id, named by config ``key``), and its multimodal
+    processor (None for text-only models)."""
     from transformers import AutoProcessor, AutoTokenizer
+
+    from mmrl.models.loading import resolve_model_path
+
+    model_path = resolve_model_path(model_path, key)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     try:
@@ -73,8 +80,9 @@ def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
 
 def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
-    workers size their own thread pools; Ray's CPU count only gates scheduling)."""
-    workers = config.trainer.world_size * (2 if config.use_critic else 1)
+    workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
+    per device holds every model role, the critic's included."""
+    workers = config.trainer.world_size
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
     return max(os.cpu_count() or 1, int(workers + rewards + 1))
 
@@ -84,7 +92,7 @@ class RayPPOTrainer:
 
     def __init__(self, config: PPOConfig):
         from mmrl.single_controller import RayWorkerGroup, ResourcePool
-        from mmrl.workers.fsdp_workers import CriticWorker, HybridWorker
+        from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
         self.config = config
@@ -98,6 +106,7 @@ class RayPPOTrainer:
             reward.num_cpus,
             reward.timeout_s,
             tokenizer_path=model.tokenizer_or_model_path,
+            tokenizer_key=model.tokenizer_key,
             reward_function=reward.reward_function,
             reward_function_kwargs=dict(reward.reward_function_kwargs),
             reward_type=reward.reward_type,
@@ -105,27 +114,26 @@ class RayPPOTrainer:
             trust_remote_code=model.trust_remote_code,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
-
-        def new_group(worker_cls: type, name: str, sequence_parallel_size: int) -> RayWorkerGroup:
-            pool = ResourcePool(
-                trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
-            )
-            return RayWorkerGroup(
-                worker_cls,
-                pool,
-                name_prefix=name,
-                start=False,
-                sequence_parallel_size=sequence_parallel_size,
-            )
-
-        worker = config.worker
-        self.actor = new_group(HybridWorker, "actor", worker.actor.sequence_parallel_size)
-        self.critic = None
-        if config.use_critic:
-            self.critic = new_group(CriticWorker, "critic", worker.critic.sequence_parallel_size)
+        pool = ResourcePool(
+            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+        )
+        # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
+        # their rows by its own sequence-parallel size
+        self.actor = RayWorkerGroup(
+            HybridWorker,
+            pool,
+            name_prefix="actor",
+            start=False,
+            sequence_parallel_size=config.worker.actor.sequence_parallel_size,
+            role_sequence_parallel_sizes=(
+                {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
+            ),
+        )
 
         self.tokenizer, processor = load_tokenizer_and_processor(
-            model.tokenizer_or_model_path, model.trust_remote_code
+            model.tokenizer_or_model_path,
+            model.trust_remote_code,
+            key=model.tokenizer_key,
         )
         data = config.data
         train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)
@@ -147,8 +155,6 @@ class RayPPOTrainer:
 
         worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
         self.actor.start(kwargs=worker_kwargs)
-        if self.critic is not None:
-            self.critic.start(kwargs=worker_kwargs)
         algo = config.algorithm
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
@@ -209,7 +215,7 @@ class RayPPOTrainer:
                     )
             if plan.use_critic:
                 with timer("values", timings):
-                    batch = batch.union(self.critic.dispatch("compute_values", batch))
+                    batch = batch.union(self.actor.dispatch("compute_values", batch))
             with timer("reward", timings):
                 scores = self.rewards.collect(pending_rewards).reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
@@ -279,7 +285,7 @@ class RayPPOTrainer:
         metrics: dict[str, float] = {}
         if plan.use_critic:
             with timer("update_critic", timings):
-                update = self.critic.dispatch("update_critic", batch)
+                update = self.actor.dispatch("update_critic", batch)
                 metrics.update(self._worker_metrics(update))
         if plan.update_actor:
             with timer("update_actor", timings):
@@ -343,11 +349,8 @@ class RayPPOTrainer:
 
     def save_checkpoint(self, val_metric: float | None = None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
-        self.actor.call("save_checkpoint", tmp_dir)
-        parts = ["actor", "trainer_state.json"]
-        if self.critic is not None:
-            self.critic.call("save_checkpoint", tmp_dir)
-            parts.append("critic")
+        self.actor.call("save_checkpoint", tmp_dir)  # the critic's too
+        parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
         state = {
             "global_step": self.global_step,
             "loader": self.train_loader.state_dict(),
@@ -364,10 +367,8 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
-        self.actor.call("load_checkpoint", str(path))
+        self.actor.call("load_checkpoint", str(path))  # the critic's too
         self.actor.call("sync_rollout_weights")
-        if self.critic is not None:
-            self.critic.call("load_checkpoint", str(path))
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])

@@ -1,9 +1,13 @@
 """Worker roles: one process per device, holding models and running the phases the driver asks for.
 
-``HybridWorker`` holds the actor (FSDP2, trained), the reference policy (FSDP2, frozen) and the
-rollout engine in one process; ``CriticWorker`` holds the value model. Both are plain classes: the
-single controller instantiates them inside Ray actors after setting the torch.distributed
-environment. They are builders: they hand each component its config section.
+``HybridWorker`` holds the actor (FSDP2, trained), the reference policy (FSDP2, frozen), the
+rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
+roles share the device, its CUDA context and one torch.distributed world (as in verl and EasyR1), so
+a critic needs no devices of its own; each role's ``offload`` settings move it off the device between
+its phases. It is a plain class: the single controller instantiates it inside Ray actors after
+setting the torch.distributed environment. It is a builder: it hands each component its config
+section, and model paths (hub ids included) are resolved to folders here, once
+(:func:`~mmrl.models.loading.resolve_model_path`).
 
 Each phase is a method whose mode is an explicit argument (the driver's
 :class:`~mmrl.trainer.step_plan.StepPlan` decides it), and whose batch layout over the ranks is
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
-from mmrl.models.loading import freeze_vision_tower, load_model
+from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path
 from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
@@ -138,8 +142,98 @@ def per_rank(count: int, world_size: int, what: str) -> int:
     return count // world_size
 
 
+class CriticRole:
+    """The value model of GAE, built inside a :class:`HybridWorker` on its device and process group;
+    ``sequence_parallel``: the critic's groups (the actor's when the sizes are equal)."""
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        total_training_steps: int,
+        device: torch.device,
+        sequence_parallel: SequenceParallelGroups | None,
+    ):
+        self.config = config
+        critic_cfg = config.worker.critic
+        self.sequence_parallel = sequence_parallel
+        self.dp_size = dist.get_world_size() // critic_cfg.sequence_parallel_size
+        actor_model = config.worker.actor.model
+        if critic_cfg.model.model_path:
+            self.model_path = resolve_model_path(
+                critic_cfg.model.model_path, "worker.critic.model.model_path"
+            )
+        else:
+            self.model_path = resolve_model_path(actor_model.model_path, "worker.actor.model.model_path")
+        module = build_fsdp_model(
+            self.model_path,
+            critic_cfg.model,
+            critic_cfg.fsdp,
+            "critic",
+            device,
+            trainable=True,
+            trust_remote_code=actor_model.trust_remote_code,
+            padding_free=critic_cfg.padding_free,
+            sequence_parallel=self.sequence_parallel is not None,
+        )
+        optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
+        self.critic = ValueCritic(
+            module,
+            critic_cfg,
+            optimizer,
+            scheduler,
+            max_response_length=config.data.max_response_length,
+            device=device,
+            **sequence_parallel_args(self.sequence_parallel),
+        )
+        self.offload = PhaseOffload(
+            module,
+            device,
+            params=critic_cfg.offload.offload_params,
+            optimizer=optimizer,
+            optimizer_state=critic_cfg.offload.offload_optimizer,
+        )
+        self.offload.offload()
+
+    def compute_values(self, data: DataProto) -> DataProto:
+        micro = self.config.worker.critic.micro_batch_size_per_device_for_experience
+        with self.offload.loaded():
+            values = self.critic.compute_values(data, micro)
+        return DataProto.from_dict(tensors={"values": values})
+
+    def update_critic(self, data: DataProto) -> DataProto:
+        critic_cfg = self.config.worker.critic
+        responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
+        with self.offload.loaded():
+            metrics = self.critic.update_critic(
+                data,
+                mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
+                micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
+                ppo_epochs=critic_cfg.ppo_epochs,
+            )
+        return DataProto(meta_info={"metrics": {f"critic/{key}": value for key, value in metrics.items()}})
+
+    def save_checkpoint(self, directory: str) -> None:
+        with self.offload.loaded():
+            save_train_state(
+                Path(directory) / "critic",
+                self.critic.module,
+                self.critic.optimizer,
+                self.critic.lr_scheduler,
+                hf_source_dir=self.model_path,
+            )
+
+    def load_checkpoint(self, directory: str) -> None:
+        with self.offload.loaded():
+            load_train_state(
+                Path(directory) / "critic",
+                self.critic.module,
+                self.critic.optimizer,
+                self.critic.lr_scheduler,
+            )
+
+
 class HybridWorker:
-    """Actor + reference + rollout in one process per device."""
+    """Actor + reference + rollout (+ the GAE critic) in one process per device."""
 
     def __init__(self, config: PPOConfig, total_training_steps: int):
         self.config = config
@@ -152,6 +246,7 @@ class HybridWorker:
         self.dp_size = self.world_size // actor_cfg.sequence_parallel_size
         sp_args = sequence_parallel_args(self.sequence_parallel)
         model_cfg = actor_cfg.model
+        self.model_path = resolve_model_path(model_cfg.model_path, "worker.actor.model.model_path")
         # the ref shares the actor's passes: packed or not, split over the same SP groups
         passes = {
             "trust_remote_code": model_cfg.trust_remote_code,
@@ -159,7 +254,7 @@ class HybridWorker:
             "sequence_parallel": self.sequence_parallel is not None,
         }
         module = build_fsdp_model(
-            model_cfg.model_path, model_cfg, actor_cfg.fsdp, "actor", self.device, trainable=True, **passes
+            self.model_path, model_cfg, actor_cfg.fsdp, "actor", self.device, trainable=True, **passes
         )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
@@ -176,7 +271,7 @@ class HybridWorker:
         if config.algorithm.use_reference:
             ref_cfg = config.worker.ref
             ref_module = build_fsdp_model(
-                model_cfg.model_path, model_cfg, ref_cfg.fsdp, "actor", self.device, trainable=False, **passes
+                self.model_path, model_cfg, ref_cfg.fsdp, "actor", self.device, trainable=False, **passes
             )
             # the reference scores with the actor's packing settings; it has no loss
             self.ref = PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
@@ -193,6 +288,8 @@ class HybridWorker:
         )
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
+        # last: a vLLM engine sizes its cache by the memory free when it starts
+        self.critic = self._build_critic(total_training_steps) if config.use_critic else None
 
     # ---- builders -----------------------------------------------------------------------------
 
@@ -202,14 +299,15 @@ class HybridWorker:
         rollout_cfg = self.config.worker.rollout
         model_cfg = self.config.worker.actor.model
         tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer_or_model_path, trust_remote_code=model_cfg.trust_remote_code
+            resolve_model_path(model_cfg.tokenizer_or_model_path, model_cfg.tokenizer_key),
+            trust_remote_code=model_cfg.trust_remote_code,
         )
         if rollout_cfg.name == "vllm":
             from mmrl.workers.rollout.vllm_spmd import VLLMRollout
 
             data = self.config.data
             return VLLMRollout(
-                model_cfg.model_path,
+                self.model_path,
                 tokenizer,
                 rollout_cfg,
                 context_length=data.max_prompt_length + data.max_response_length,
@@ -221,7 +319,7 @@ class HybridWorker:
         from mmrl.workers.rollout.hf import HFRollout
 
         model = load_model(
-            model_cfg.model_path,
+            self.model_path,
             torch_dtype=resolve_dtype(rollout_cfg.dtype, self.device),
             trust_remote_code=model_cfg.trust_remote_code,
             override_config=dict(model_cfg.override_config),
@@ -229,6 +327,20 @@ class HybridWorker:
         prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
         return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
+
+    def _build_critic(self, total_training_steps: int) -> CriticRole:
+        critic_cfg = self.config.worker.critic
+        actor_cfg = self.config.worker.actor
+        same_layout = (critic_cfg.ulysses_size, critic_cfg.ring_size) == (
+            actor_cfg.ulysses_size,
+            actor_cfg.ring_size,
+        )
+        groups = (
+            self.sequence_parallel
+            if same_layout
+            else build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
+        )
+        return CriticRole(self.config, total_training_steps, self.device, groups)
 
     def _sampling(self, mode: GenerationMode, global_step: int) -> SamplingParams:
         rollout_cfg = self.config.worker.rollout
@@ -303,6 +415,14 @@ class HybridWorker:
         tensors = {"old_log_probs": update.log_probs, "entropies": update.entropies}
         return DataProto.from_dict(tensors=tensors, meta_info=metrics)
 
+    @rows_per_data_parallel_share(role="critic")
+    def compute_values(self, data: DataProto) -> DataProto:
+        return self.critic.compute_values(data)
+
+    @rows_per_data_parallel_share(role="critic")
+    def update_critic(self, data: DataProto) -> DataProto:
+        return self.critic.update_critic(data)
+
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
@@ -320,14 +440,18 @@ class HybridWorker:
                 self.actor.module,
                 self.actor.optimizer,
                 self.actor.lr_scheduler,
-                hf_source_dir=self.config.worker.actor.model.model_path,
+                hf_source_dir=self.model_path,
             )
+        if self.critic is not None:
+            self.critic.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str) -> None:
         with self.actor_offload.loaded():  # the driver pushes the loaded weights into the rollout next
             load_train_state(
                 Path(directory) / "actor", self.actor.module, self.actor.optimizer, self.actor.lr_scheduler
             )
+        if self.critic is not None:
+            self.critic.load_checkpoint(directory)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -335,91 +459,4 @@ class HybridWorker:
         if hasattr(self.rollout, "shutdown"):
             self.rollout.shutdown()  # vLLM's teardown destroys the process group itself
         if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class CriticWorker:
-    """The value model of GAE, one process per device."""
-
-    def __init__(self, config: PPOConfig, total_training_steps: int):
-        self.config = config
-        self.device = setup_distributed()
-        self.world_size = dist.get_world_size()
-        critic_cfg = config.worker.critic
-        self.sequence_parallel = build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
-        self.dp_size = self.world_size // critic_cfg.sequence_parallel_size
-        actor_model = config.worker.actor.model
-        self.model_path = critic_cfg.model.model_path or actor_model.model_path
-        module = build_fsdp_model(
-            self.model_path,
-            critic_cfg.model,
-            critic_cfg.fsdp,
-            "critic",
-            self.device,
-            trainable=True,
-            trust_remote_code=actor_model.trust_remote_code,
-            padding_free=critic_cfg.padding_free,
-            sequence_parallel=self.sequence_parallel is not None,
-        )
-        optimizer, scheduler = build_optimization(module, critic_cfg, total_training_steps)
-        self.critic = ValueCritic(
-            module,
-            critic_cfg,
-            optimizer,
-            scheduler,
-            max_response_length=config.data.max_response_length,
-            device=self.device,
-            **sequence_parallel_args(self.sequence_parallel),
-        )
-        self.offload = PhaseOffload(
-            module,
-            self.device,
-            params=critic_cfg.offload.offload_params,
-            optimizer=optimizer,
-            optimizer_state=critic_cfg.offload.offload_optimizer,
-        )
-        self.offload.offload()
-
-    @rows_per_data_parallel_share
-    def compute_values(self, data: DataProto) -> DataProto:
-        micro = self.config.worker.critic.micro_batch_size_per_device_for_experience
-        with self.offload.loaded():
-            values = self.critic.compute_values(data, micro)
-        return DataProto.from_dict(tensors={"values": values})
-
-    @rows_per_data_parallel_share
-    def update_critic(self, data: DataProto) -> DataProto:
-        critic_cfg = self.config.worker.critic
-        responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
-        with self.offload.loaded():
-            metrics = self.critic.update_critic(
-                data,
-                mini_batch_size=per_rank(responses, self.dp_size, "critic responses per update"),
-                micro_batch_size=critic_cfg.micro_batch_size_per_device_for_update,
-                ppo_epochs=critic_cfg.ppo_epochs,
-            )
-        return DataProto(meta_info={"metrics": {f"critic/{key}": value for key, value in metrics.items()}})
-
-    def save_checkpoint(self, directory: str) -> None:
-        with self.offload.loaded():
-            save_train_state(
-                Path(directory) / "critic",
-                self.critic.module,
-                self.critic.optimizer,
-                self.critic.lr_scheduler,
-                hf_source_dir=self.model_path,
-            )
-
-    def load_checkpoint(self, directory: str) -> None:
-        with self.offload.loaded():
-            load_train_state(
-                Path(directory) / "critic",
-                self.critic.module,
-                self.critic.optimizer,
-                self.critic.lr_scheduler,
-            )
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
             dist.destroy_process_group()

@@ -54,10 +54,14 @@ class RewardScorer:
         reward_type: str | None = None,
         skip_special_tokens: bool = True,
         trust_remote_code: bool = False,
+        tokenizer_key: str = "worker.actor.model.tokenizer_path",
     ):
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+        from mmrl.models.loading import resolve_model_path
+
+        folder = resolve_model_path(tokenizer_path, tokenizer_key)  # a hub id: resolved in this process
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         self.function = load_reward_function(reward_function, reward_function_kwargs)
         if reward_type is not None:  # config overrides the file's REWARD_TYPE (old EasyR1 files lack it)
             self.function = dataclasses.replace(self.function, reward_type=reward_type)

@@ -28,8 +28,7 @@ def run_files(tmp_path):
     """Files a valid run points at: data, model folder, reward file, template."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"problem": "1+1?", "answer": "2"}\n')
-    model = tmp_path / "model"
-    model.mkdir()
+    model = write_model_config(tmp_path / "model", heads=28, kv_heads=4)  # Qwen2.5-VL-7B's decoder
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(inputs):\n    return [{'overall': 1.0} for _ in inputs]\n")
     template = tmp_path / "t.jinja"
@@ -40,6 +39,15 @@ def run_files(tmp_path):
         "reward": f"{reward}:compute_score",
         "template": str(template),
     }
+
+
+def write_model_config(folder, heads: int, kv_heads: int):
+    """A Qwen2.5-VL config.json (no weights) whose text decoder has ``heads`` / ``kv_heads`` heads."""
+    from transformers import AutoConfig
+
+    text = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": 128 * heads}
+    AutoConfig.for_model("qwen2_5_vl", text_config=text).save_pretrained(folder)
+    return folder
 
 
 def valid_args(files, *extra):
@@ -204,6 +212,101 @@ def test_sequence_parallel_sizes_load(run_files):
     assert cfg.worker.actor.sequence_parallel_size == 2
     cfg = load_config(valid_args(run_files, "worker.actor.ring_size=2"))
     assert cfg.worker.actor.sequence_parallel_size == 2 and cfg.worker.critic.sequence_parallel_size == 1
+
+
+SEVEN_B_SIZES = "Sizes that work: 1, 2, 4, 7, 14, 28"
+THREE_B_SIZES = "Sizes that work: 1, 2, 4, 8, 16"
+
+
+@pytest.mark.parametrize(
+    ("heads", "extra", "expected"),
+    [
+        # Qwen2.5-VL-7B: 28 query heads, 4 key/value heads
+        ((28, 4), ["trainer.n_gpus_per_node=8", "worker.actor.ulysses_size=4"], None),
+        ((28, 4), ["trainer.n_gpus_per_node=8", "worker.actor.ulysses_size=2"], None),
+        (
+            (28, 4),
+            ["trainer.n_gpus_per_node=8", "worker.actor.ulysses_size=8"],
+            "worker.actor.ulysses_size=8 does not divide the model's 28 attention heads (4 key/value heads)",
+        ),
+        (
+            (28, 4),
+            ["trainer.n_gpus_per_node=8", "worker.actor.ulysses_size=8"],
+            f"{SEVEN_B_SIZES} (of those, 1, 2, 4 also divide the 8 processes)",
+        ),
+        # Qwen2.5-VL-3B: 16 / 2; at 8 the 2 key/value heads are repeated, which Ulysses allows
+        ((16, 2), ["trainer.n_gpus_per_node=8", "worker.actor.ulysses_size=8"], None),
+        (
+            (16, 2),
+            ["trainer.n_gpus_per_node=6", "worker.actor.ulysses_size=3"],
+            "worker.actor.ulysses_size=3 does not divide the model's 16 attention heads (2 key/value heads)",
+        ),
+        (
+            (16, 2),
+            ["trainer.n_gpus_per_node=6", "worker.actor.ulysses_size=3"],
+            f"{THREE_B_SIZES} (of those, 1, 2 also divide the 6 processes)",
+        ),
+        # the critic's size is checked against the model it trains (the actor's folder by default)
+        (
+            (28, 4),
+            [
+                "algorithm.adv_estimator=gae",
+                "worker.critic.global_batch_size=4",
+                "trainer.n_gpus_per_node=8",
+                "worker.critic.ulysses_size=8",
+            ],
+            "worker.critic.ulysses_size=8 does not divide the model's 28 attention heads",
+        ),
+        (
+            (28, 4),
+            [
+                "algorithm.adv_estimator=gae",
+                "worker.critic.global_batch_size=4",
+                "trainer.n_gpus_per_node=8",
+                "worker.critic.ulysses_size=4",
+            ],
+            None,
+        ),
+    ],
+)
+def test_ulysses_size_must_divide_the_attention_heads(run_files, tmp_path, heads, extra, expected):
+    model = write_model_config(tmp_path / "sized", *heads)
+    args = valid_args(run_files, f"worker.actor.model.model_path={model}", "worker.rollout.n=8", *extra)
+    if expected is None:
+        load_config(args)
+        return
+    errors = errors_of(args)
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert "worker.actor.ring_size" in errors[0] or "worker.critic.ring_size" in errors[0]
+
+
+@pytest.fixture
+def offline_hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_hub_model_ids_are_read_from_the_cache_or_named_with_the_fix(run_files, tmp_path, offline_hub_cache):
+    from _models import build_hub_cache
+
+    build_hub_cache(write_model_config(tmp_path / "seven_b", 28, 4), offline_hub_cache, "org/seven-b")
+    args = valid_args(run_files, "worker.actor.model.model_path=org/seven-b", "trainer.n_gpus_per_node=8")
+    cfg = load_config([*args, "worker.rollout.n=8", "worker.actor.ulysses_size=4"])
+    assert cfg.worker.actor.model.model_path == "org/seven-b"  # the config keeps the id as given
+    errors = errors_of([*args, "worker.rollout.n=8", "worker.actor.ulysses_size=8"])
+    assert len(errors) == 1 and "does not divide the model's 28 attention heads" in errors[0]
+
+    errors = errors_of(valid_args(run_files, "worker.actor.model.model_path=org/not-downloaded"))
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        "worker.actor.model.model_path: 'org/not-downloaded' is neither a local folder"
+    )
+    assert "hf download org/not-downloaded" in errors[0]
 
 
 def test_required_keys():

@@ -707,12 +707,14 @@ def _critic_config(model_path: str, offload: bool, loss_avg_mode: str):
     )
 
 
-def _critic_worker_job(rank: int, world_size: int, model_path: str, data: DataProto, runs: list) -> list:
-    from mmrl.workers.fsdp_workers import CriticWorker
+def _critic_role_job(rank: int, world_size: int, model_path: str, data: DataProto, runs: list) -> list:
+    from mmrl.workers.fsdp_workers import CriticRole, setup_distributed
 
+    device = setup_distributed()
     results = []
     for offload, mode in runs:
-        worker = CriticWorker(_critic_config(model_path, offload, mode), total_training_steps=1)
+        config = _critic_config(model_path, offload, mode)
+        worker = CriticRole(config, total_training_steps=1, device=device, sequence_parallel=None)
         offloaded = [worker.offload.offloaded]
         values = worker.compute_values(data).batch["values"]
         offloaded.append(worker.offload.offloaded)
@@ -730,7 +732,7 @@ def _critic_worker_job(rank: int, world_size: int, model_path: str, data: DataPr
 
 
 @pytest.mark.distributed
-def test_critic_worker_offloads_between_phases_and_supports_every_loss_avg_mode(tiny_vl_path, vl_batch):
+def test_critic_role_offloads_between_phases_and_supports_every_loss_avg_mode(tiny_vl_path, vl_batch):
     """worker.critic.offload.* park the critic between its phases without changing a number; every
     worker.critic.loss_avg_mode trains, its vf_loss the mode's aggregate of the clipped value loss
     (hand-checked below from the values the worker computed before the step)."""
@@ -738,7 +740,7 @@ def test_critic_worker_offloads_between_phases_and_supports_every_loss_avg_mode(
 
     modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
     runs = [(False, "token_mean"), *((True, mode) for mode in modes)]
-    (results,) = run_on_ranks(_critic_worker_job, 1, str(tiny_vl_path), vl_batch, runs, timeout_s=300)
+    (results,) = run_on_ranks(_critic_role_job, 1, str(tiny_vl_path), vl_batch, runs, timeout_s=300)
     plain, offloaded = results[0], results[1]
     assert plain["offloaded"] == [False, False, False]
     assert offloaded["offloaded"] == [True, True, True]  # after start-up, after each phase
