@@ -38,9 +38,10 @@ def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
     ]
 
 
-def run_main(overrides: list[str], save_dir, timeout_s: float = 300) -> list[dict]:
-    """Run the trainer to completion (it must exit 0); returns its metrics.jsonl rows."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict | None = None) -> list[dict]:
+    """Run the trainer to completion (it must exit 0), with ``env`` added to this process's
+    environment; returns its metrics.jsonl rows."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
     run = subprocess.run(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO_ROOT,

@@ -144,7 +144,8 @@ def per_rank(count: int, world_size: int, what: str) -> int:
 
 class CriticRole:
     """The value model of GAE, built inside a :class:`HybridWorker` on its device and process group;
-    ``sequence_parallel``: the critic's groups (the actor's when the sizes are equal)."""
+    ``sequence_parallel``: the critic's groups (the actor's when the sizes are equal); ``model_path``:
+    the resolved folder it loads from and copies into checkpoints."""
 
     def __init__(
         self,
@@ -152,26 +153,21 @@ class CriticRole:
         total_training_steps: int,
         device: torch.device,
         sequence_parallel: SequenceParallelGroups | None,
+        model_path: str,
     ):
         self.config = config
         critic_cfg = config.worker.critic
         self.sequence_parallel = sequence_parallel
         self.dp_size = dist.get_world_size() // critic_cfg.sequence_parallel_size
-        actor_model = config.worker.actor.model
-        if critic_cfg.model.model_path:
-            self.model_path = resolve_model_path(
-                critic_cfg.model.model_path, "worker.critic.model.model_path"
-            )
-        else:
-            self.model_path = resolve_model_path(actor_model.model_path, "worker.actor.model.model_path")
+        self.model_path = model_path
         module = build_fsdp_model(
-            self.model_path,
+            model_path,
             critic_cfg.model,
             critic_cfg.fsdp,
             "critic",
             device,
             trainable=True,
-            trust_remote_code=actor_model.trust_remote_code,
+            trust_remote_code=config.worker.actor.model.trust_remote_code,
             padding_free=critic_cfg.padding_free,
             sequence_parallel=self.sequence_parallel is not None,
         )
@@ -329,18 +325,19 @@ class HybridWorker:
         return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
 
     def _build_critic(self, total_training_steps: int) -> CriticRole:
-        critic_cfg = self.config.worker.critic
-        actor_cfg = self.config.worker.actor
-        same_layout = (critic_cfg.ulysses_size, critic_cfg.ring_size) == (
-            actor_cfg.ulysses_size,
-            actor_cfg.ring_size,
+        critic_cfg, actor_cfg = self.config.worker.critic, self.config.worker.actor
+        layout = (critic_cfg.ulysses_size, critic_cfg.ring_size)
+        if layout == (actor_cfg.ulysses_size, actor_cfg.ring_size):
+            groups = self.sequence_parallel  # one set of groups serves both roles
+        else:
+            groups = build_sequence_parallel(*layout)  # collective: every rank builds the critic here
+        critic_path = critic_cfg.model.model_path  # null: the actor's folder
+        folder = (
+            resolve_model_path(critic_path, "worker.critic.model.model_path")
+            if critic_path
+            else self.model_path
         )
-        groups = (
-            self.sequence_parallel
-            if same_layout
-            else build_sequence_parallel(critic_cfg.ulysses_size, critic_cfg.ring_size)
-        )
-        return CriticRole(self.config, total_training_steps, self.device, groups)
+        return CriticRole(self.config, total_training_steps, self.device, groups, folder)
 
     def _sampling(self, mode: GenerationMode, global_step: int) -> SamplingParams:
         rollout_cfg = self.config.worker.rollout

@@ -292,3 +292,33 @@ def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_
         assert row["rollout/log_prob_gap_max"] < 1e-5, row["rollout/log_prob_gap_max"]
         assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
     assert steps[1]["actor/kl_loss"] > 0  # the policy moved away from the reference (SP ref pass)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_colocated_critic_keeps_its_own_sequence_parallel_size(tiny_vl_path, shapes_data_dir, tmp_path):
+    """The critic lives in the actor's processes but splits rows by its own layout: with the actor in
+    one ring of 2 (dp 1), a critic without sequence parallelism (dp 2: each rank half the rows) and one
+    in the actor's ring (its groups shared) compute the same values and the same first value loss."""
+    runs = {}
+    for critic_ring in (1, 2):
+        save_dir = tmp_path / f"critic_ring_{critic_ring}"
+        overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+            "algorithm.adv_estimator=gae",
+            "algorithm.disable_kl=true",
+            "worker.actor.global_batch_size=2",
+            "worker.actor.micro_batch_size_per_device_for_update=4",
+            "worker.actor.ring_size=2",
+            "worker.critic.global_batch_size=4",  # one critic step: the same rows whatever the split
+            "worker.critic.micro_batch_size_per_device_for_update=4",
+            f"worker.critic.ring_size={critic_ring}",
+            "worker.critic.model.enable_gradient_checkpointing=false",
+            "worker.rollout.name=hf",
+            "trainer.max_steps=1",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=-1",
+        ]
+        (runs[critic_ring],) = [row for row in run_main(overrides, save_dir) if "critic/vf_loss" in row]
+    assert runs[1]["critic/score/mean"] == runs[2]["critic/score/mean"]  # the same rollouts
+    for key in ("critic/values/mean", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm"):
+        assert runs[2][key] == pytest.approx(runs[1][key], rel=1e-4, abs=1e-6), key

@@ -89,6 +89,14 @@ class DataWorker(GlooWorker):
     def scale_rows_per_share(self, data: DataProto) -> DataProto:
         return self.scale_rows(data)
 
+    @rows_per_data_parallel_share(role="critic")
+    def scale_rows_per_critic_share(self, data: DataProto) -> DataProto:
+        return self.scale_rows(data)
+
+    @rows_per_data_parallel_share(role="reward_model")
+    def scale_rows_per_reward_model_share(self, data: DataProto) -> DataProto:
+        return self.scale_rows(data)
+
 
 class Sleeper:
     """Needs no torch, so its process starts in ~2 s (worker_group imports DataProto only where used)."""
@@ -121,7 +129,12 @@ def make_group(worker_cls: type, name_prefix: str, **kwargs) -> RayWorkerGroup:
 def group(ray_cluster):
     # started in two phases, as the trainer does: processes, env and imports first, workers later
     worker_group = make_group(
-        DataWorker, "train", env={"MMRL_TEST_FLAG": "1"}, start=False, sequence_parallel_size=2
+        DataWorker,
+        "train",
+        env={"MMRL_TEST_FLAG": "1"},
+        start=False,
+        sequence_parallel_size=2,
+        role_sequence_parallel_sizes={"critic": 1},
     )
     worker_group.start()  # the constructor's args: scale 10
     yield worker_group
@@ -180,6 +193,23 @@ def test_dispatch_layout_is_declared_on_the_worker_method(group: RayWorkerGroup)
     assert torch.equal(per_share.batch["y"], torch.arange(5.0) * 10)
     with pytest.raises(ValueError, match="declares its layout"):
         group.dispatch("scale_rows_per_share", data, dp_size=2)
+
+
+def test_a_mark_naming_a_role_splits_rows_by_that_roles_sequence_parallel_size(group: RayWorkerGroup) -> None:
+    """Roles colocated in one worker (the critic next to the actor) keep their own sequence-parallel
+    sizes: the group's is 2 (all rows to both ranks), the critic's 1 (rows split over the 2 ranks)."""
+    data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": list("abcde")})
+    per_critic_share = group.dispatch("scale_rows_per_critic_share", data)
+    assert per_critic_share.non_tensor_batch["rank"].tolist() == [0, 0, 0, 1, 1]
+    assert torch.equal(per_critic_share.batch["y"], torch.arange(5.0) * 10)
+    with pytest.raises(ValueError, match="role 'reward_model', which this group was not given"):
+        group.dispatch("scale_rows_per_reward_model_share", data)
+    pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+    try:
+        with pytest.raises(ValueError, match="critic=3 must divide the world size 2"):
+            RayWorkerGroup(DataWorker, pool, role_sequence_parallel_sizes={"critic": 3})
+    finally:
+        pool.remove()
 
 
 def _assert_processes_exit(pids: list[int], within_s: float) -> None:

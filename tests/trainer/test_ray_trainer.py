@@ -652,3 +652,120 @@ def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_
     assert "timing_s/old_log_prob" in warmup  # no actor update yet to supply them
     assert "actor/pg_loss" in trained and "timing_s/sync" in trained
     assert "timing_s/old_log_prob" not in trained  # on-policy: the update computes them
+
+
+def training_processes() -> int:
+    """Live Ray actors hosting a training rank, from Ray's actor table (the state API needs the dashboard,
+    which the trainer leaves off)."""
+    from ray._private.state import actors
+
+    return sum(
+        actor["ActorClassName"].endswith("_WorkerHost") and actor["State"] == "ALIVE"
+        for actor in actors().values()
+    )
+
+
+def gae_overrides(model_path, data_dir, save_dir) -> list[str]:
+    """small_run_overrides with GAE: a critic on the actor's model, no reference."""
+    from _trainer_run import small_run_overrides
+
+    return small_run_overrides(model_path, data_dir, save_dir) + [
+        "algorithm.adv_estimator=gae",
+        "algorithm.disable_kl=true",
+        "worker.critic.global_batch_size=4",
+        "worker.critic.model.enable_gradient_checkpointing=false",
+        "worker.rollout.name=hf",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+    ]
+
+
+@trainer_e2e
+def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_data_dir, tmp_path):
+    """The critic lives in the 2 training processes: Ray holds 2 bundles (not 4) and 2 worker actors;
+    and a 6-step GAE run on the dense fingerprint reward raises the reward clearly above its start.
+    The trainer runs in this process, on a real local Ray cluster, so Ray's own tables can be read."""
+    import ray
+
+    from mmrl.single_controller import init_ray
+    from mmrl.trainer.ray_trainer import RayPPOTrainer, local_cluster_cpus
+
+    steps = 6
+    config = load_config(
+        gae_overrides(tiny_vl_path, shapes_data_dir, tmp_path / "gae") + [f"trainer.max_steps={steps}"]
+    )
+    # a CPU per training process, the reward worker's, one spare: no second set of processes for a critic
+    assert local_cluster_cpus(config) == max(os.cpu_count() or 1, WORLD_SIZE + 1 + 1)
+    assert not ray.is_initialized(), "this test starts its own Ray cluster"
+    init_ray(num_cpus=local_cluster_cpus(config), object_store_memory_bytes=300_000_000)
+    trainer = None
+    try:
+        trainer = RayPPOTrainer(config)
+        placed = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [len(group["bundles"]) for group in placed] == [WORLD_SIZE]  # one node group of 2 bundles
+        assert trainer.actor.world_size == WORLD_SIZE
+        assert training_processes() == WORLD_SIZE
+        trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+            trainer.actor.shutdown()
+        ray.shutdown()
+    rows = metrics_lines(tmp_path / "gae")
+    scores = [row["critic/score/mean"] for row in rows]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert all("critic/vf_loss" in row and "actor/pg_loss" in row for row in rows)
+    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.2, scores
+    assert (tmp_path / "gae" / f"global_step_{steps}" / "critic" / "model" / ".metadata").is_file()
+
+
+@trainer_e2e
+def test_hub_id_model_path_saves_resumes_and_merges(tiny_vl_path, shapes_data_dir, tmp_path):
+    """worker.actor.model.model_path is a hub id, read offline from a local Hugging Face cache (the
+    layout snapshot_download leaves): a GAE run saves actor and critic at step 2, a second run resumes
+    them and trains step 3, and the merged step-3 actor holds exactly the trained weights."""
+    from _models import build_hub_cache
+    from _trainer_run import run_main
+    from transformers import AutoModelForImageTextToText
+
+    from mmrl.checkpoint.merger import load_full_state_dict
+
+    hub_cache = tmp_path / "hub"
+    snapshot = build_hub_cache(tiny_vl_path, hub_cache, "mmrl-tests/tiny-vl")
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    save_dir = tmp_path / "run"
+    overrides = gae_overrides("mmrl-tests/tiny-vl", shapes_data_dir, save_dir)
+    run_main(overrides, save_dir, env=env)
+    step_2 = save_dir / "global_step_2"
+    assert (step_2 / "actor" / "huggingface" / "config.json").read_text() == (
+        snapshot / "config.json"
+    ).read_text()
+    assert (step_2 / "critic" / "model" / ".metadata").is_file()
+
+    rows = run_main([*overrides, "trainer.max_steps=3"], save_dir, env=env)
+    assert [row["step"] for row in rows] == [1, 2, 3]  # resumed after step 2
+    actor_dir = save_dir / "global_step_3" / "actor"
+    merge = subprocess.run(
+        [
+            sys.executable,
+            "scripts/model_merger.py",
+            "--local_dir",
+            str(actor_dir),
+            "--target_dir",
+            str(tmp_path / "merged"),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert merge.returncode == 0, merge.stderr[-4000:]
+    merged = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).state_dict()
+    trained = load_full_state_dict(actor_dir / "model")
+    initial = AutoModelForImageTextToText.from_pretrained(snapshot, dtype=torch.float32).state_dict()
+    assert trained.keys() <= merged.keys()
+    assert all(torch.equal(merged[key], trained[key]) for key in trained)
+    assert any(not torch.equal(initial[key], trained[key]) for key in trained)

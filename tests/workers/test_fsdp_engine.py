@@ -714,7 +714,7 @@ def _critic_role_job(rank: int, world_size: int, model_path: str, data: DataProt
     results = []
     for offload, mode in runs:
         config = _critic_config(model_path, offload, mode)
-        worker = CriticRole(config, total_training_steps=1, device=device, sequence_parallel=None)
+        worker = CriticRole(config, 1, device, sequence_parallel=None, model_path=model_path)
         offloaded = [worker.offload.offloaded]
         values = worker.compute_values(data).batch["values"]
         offloaded.append(worker.offload.offloaded)
