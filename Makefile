@@ -55,6 +55,7 @@ bench: assets
 	$(PY) bench/packing.py --repeats 3
 	$(PY) bench/rollout_speed.py --repeats 2
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
+	RAY_AUTH_MODE=disabled $(PY) bench/colocated_critic.py
 	@$(PY) bench/report.py
 
 test: install

@@ -22,6 +22,7 @@ Runs started here are ended by their own pids (SIGTERM, then SIGKILL of what is 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -170,6 +171,7 @@ class RunResult:
     peak_rss_bytes: int
     other_load_cores: float  # CPU load of other jobs during the run (see TreeMemorySampler)
     by_process: dict[str, dict[str, float]] = field(default_factory=dict)  # CPU s, RSS at peak
+    process_counts: dict[str, int] = field(default_factory=dict)  # processes seen, per label
     records: list[dict[str, Any]] = field(default_factory=list)  # log lines, each with "_time_s"
     stopped_early: bool = False
     output_file: str = ""
@@ -222,9 +224,10 @@ def run_monitored(
     stop_when: Callable[[dict[str, Any]], bool] | None = None,
     env: dict[str, str] | None = None,
     interval_s: float = 0.25,
+    cwd: Path = REPO,
 ) -> RunResult:
     """Run ``command`` (stdout and stderr to ``output_file``) while sampling its tree's memory and
-    following ``log_file``. Ends it when a log record satisfies ``stop_when`` or after ``timeout_s``;
+    following ``log_file``, in ``cwd`` (another checkout runs its own mmrl). Ends it when a log record satisfies ``stop_when`` or after ``timeout_s``;
     raises ``RuntimeError`` (with the output's tail) when it fails on its own. The tree is ended
     however this returns or raises."""
     log_file.unlink(missing_ok=True)
@@ -235,7 +238,7 @@ def run_monitored(
     stopped = timed_out = False
     with open(output_file, "w") as output:
         process = subprocess.Popen(
-            list(command), stdout=output, stderr=subprocess.STDOUT, env=full_env, cwd=REPO
+            list(command), stdout=output, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
         )
         sampler = TreeMemorySampler(process.pid, interval_s)
         try:
@@ -263,6 +266,7 @@ def run_monitored(
         peak_rss_bytes=sampler.peak_bytes,
         other_load_cores=sampler.other_load_cores,
         by_process=sampler.by_process(),
+        process_counts=dict(collections.Counter(sampler.labels.values())),
         records=records,
         stopped_early=stopped,
         output_file=str(output_file),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import colocated_critic
 import cost_curves
 import packing
 import rollout_speed
@@ -38,6 +39,11 @@ def _sections() -> list[tuple[str, str, Callable[[dict], str]]]:
             lambda d: cost_curves.format_tables(d["rows"], d["args"]["n"]),
         ),
         ("packing.json", "padded vs packed actor passes", lambda d: packing._table(d["rows"])),
+        (
+            "colocated_critic.json",
+            "GAE with the critic in the actor's processes",
+            lambda d: colocated_critic.format_table(d["rows"]),
+        ),
         ("rollout_speed.json", "rollout: vLLM vs transformers", lambda d: rollout_speed._table(d["rows"])),
         (
             "sequence_parallel.json",

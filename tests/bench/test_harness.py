@@ -110,6 +110,38 @@ def test_mmrl_command_is_a_valid_config(tmp_path):
     assert config.worker.rollout.sampling_for_validation()["temperature"] == 0
 
 
+def test_colocated_critic_command_is_a_gae_run_on_two_ranks(tmp_path):
+    import colocated_critic
+
+    from mmrl.trainer.config_loader import load_config
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    command = colocated_critic.gae_command(str(model), str(data), tmp_path / "run", steps=3)
+    config = load_config(command[3:])
+    assert config.use_critic and config.trainer.world_size == 2 and config.trainer.max_steps == 3
+    assert colocated_critic.format_table([]).count("|") == 16  # header and rule lines of 7 columns
+
+
+def test_run_monitored_counts_processes_by_label_and_runs_in_cwd(tmp_path):
+    child = "import time; time.sleep(1.5)"
+    script = (
+        f"import os, subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}]); print(os.getcwd())"
+    )
+    result = harness.run_monitored(
+        [sys.executable, "-c", script],
+        tmp_path / "log.jsonl",
+        tmp_path / "out.txt",
+        timeout_s=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0
+    assert (tmp_path / "out.txt").read_text().strip() == str(tmp_path)
+    assert sum(result.process_counts.values()) == 2  # the script and its child, sampled while both ran
+
+
 def test_trl_command_counts_rollouts():
     job = harness.JobSettings(
         model="m", data_dir="d", prompts=16, n=8, response_length=4, force_length=False,
