@@ -362,6 +362,15 @@ def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
             f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
             f"worker.critic.global_batch_size={cfg.worker.critic.global_batch_size}"
         )
+    critic = cfg.worker.critic
+    critic_sp = critic.sequence_parallel_size  # the critic's layout may differ from the actor's
+    critic_dp = world // critic_sp if critic_sp > 0 and world % critic_sp == 0 else world
+    if cfg.use_critic and (critic.global_batch_size * rollout.n) % critic_dp:
+        errors.append(
+            f"worker.critic.global_batch_size × worker.rollout.n = {critic.global_batch_size * rollout.n} "
+            f"responses per critic update must divide evenly over the critic's {critic_dp} data-parallel "
+            f"shares ({world} processes / its sequence-parallel size {critic_sp})"
+        )
 
 
 def _check_sequence_parallel(errors: list[str], cfg: PPOConfig) -> None:

@@ -177,6 +177,15 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             ["worker.actor.ulysses_size=2", "worker.actor.micro_batch_size_per_device_for_update=3"],
             "20 responses per data-parallel share per update are not a multiple",
         ),
+        # 3 prompts x 5 responses per critic update over 2 ranks (the actor's 4 x 5 divide)
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "data.rollout_batch_size=12",
+                "worker.critic.global_batch_size=3",
+            ],
+            "15 responses per critic update must divide evenly over the critic's 2 data-parallel shares",
+        ),
         (
             ["algorithm.adv_estimator=gae", "worker.critic.ring_size=4"],
             "worker.critic.ulysses_size × worker.critic.ring_size = 4 must divide",
