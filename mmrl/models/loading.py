@@ -28,8 +28,8 @@ from mmrl.models.families import family_for, family_of
 
 ROLES = ("actor", "critic")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
-# what reading a model's config needs: config, tokenizer and processor JSON, remote code
-CONFIG_FILES = ("*.json", "*.py", "*.jinja", "*.txt", "*.model")
+# everything but the weights: config, tokenizer and processor files, chat template, remote code
+METADATA_FILES = ("*.json", "*.py", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 
 
 class ModelPathError(ValueError):
@@ -41,14 +41,14 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def resolve_model_path(path: str, key: str, *, config_only: bool = False) -> str:
+def resolve_model_path(path: str, key: str, *, without_weights: bool = False) -> str:
     """The local folder holding ``path``'s files: ``path`` itself when it is a folder; for a hub id
     (``owner/name``) its snapshot folder in the Hugging Face cache (``HF_HUB_CACHE``, else under
     ``HF_HOME``), downloaded there unless ``HF_HUB_OFFLINE`` is set. Resolved once per process.
 
-    ``config_only`` fetches only the config, tokenizer and processor files and remote code (the
-    config loader reads the model's shape before anything starts); a later full resolution fills the
-    same snapshot folder. ``key`` names the config key in the :class:`ModelPathError` raised otherwise.
+    ``without_weights`` fetches only the config, tokenizer and processor files and remote code (what
+    the config loader and the tokenizer loads read); a later full resolution fills the same snapshot
+    folder. ``key`` names the config key in the :class:`ModelPathError` raised otherwise.
     """
     if os.path.isdir(path):
         return os.path.abspath(path)
@@ -62,7 +62,7 @@ def resolve_model_path(path: str, key: str, *, config_only: bool = False) -> str
 
     try:
         return _hub_snapshot(
-            path, constants.HF_HUB_CACHE, hub_offline(), CONFIG_FILES if config_only else None
+            path, constants.HF_HUB_CACHE, hub_offline(), METADATA_FILES if without_weights else None
         )
     except (OSError, ValueError) as error:  # huggingface_hub's errors derive from these
         fix = (

@@ -277,7 +277,7 @@ def _check_model_path(errors: list[str], key: str, value: str | None, required: 
             errors.append(f"{key} is required (a Hugging Face model folder or hub id)")
         return None
     try:
-        return resolve_model_path(value, key, config_only=True)
+        return resolve_model_path(value, key, without_weights=True)
     except ModelPathError as error:
         errors.append(str(error))
         return None

@@ -53,7 +53,7 @@ def load_tokenizer_and_processor(
 
     from mmrl.models.loading import resolve_model_path
 
-    model_path = resolve_model_path(model_path, key)
+    model_path = resolve_model_path(model_path, key, without_weights=True)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     try:

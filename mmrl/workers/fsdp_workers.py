@@ -295,7 +295,9 @@ class HybridWorker:
         rollout_cfg = self.config.worker.rollout
         model_cfg = self.config.worker.actor.model
         tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(model_cfg.tokenizer_or_model_path, model_cfg.tokenizer_key),
+            resolve_model_path(
+                model_cfg.tokenizer_or_model_path, model_cfg.tokenizer_key, without_weights=True
+            ),
             trust_remote_code=model_cfg.trust_remote_code,
         )
         if rollout_cfg.name == "vllm":

@@ -60,7 +60,8 @@ class RewardScorer:
 
         from mmrl.models.loading import resolve_model_path
 
-        folder = resolve_model_path(tokenizer_path, tokenizer_key)  # a hub id: resolved in this process
+        # a hub id: resolved in this process (which may run on another node than the driver)
+        folder = resolve_model_path(tokenizer_path, tokenizer_key, without_weights=True)
         self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         self.function = load_reward_function(reward_function, reward_function_kwargs)
         if reward_type is not None:  # config overrides the file's REWARD_TYPE (old EasyR1 files lack it)

@@ -28,7 +28,7 @@ def offline_hub_cache(tmp_path, monkeypatch):
 def test_a_hub_id_resolves_to_its_snapshot_in_the_cache(tiny_vl_path, offline_hub_cache):
     snapshot = build_hub_cache(tiny_vl_path, offline_hub_cache, "tiny-org/tiny-vl")
     assert resolve_model_path("tiny-org/tiny-vl", KEY) == str(snapshot)
-    assert resolve_model_path("tiny-org/tiny-vl", KEY, config_only=True) == str(snapshot)
+    assert resolve_model_path("tiny-org/tiny-vl", KEY, without_weights=True) == str(snapshot)
     assert resolve_model_path(str(tiny_vl_path), KEY) == str(tiny_vl_path)  # a folder is itself
     from_id = load_model(resolve_model_path("tiny-org/tiny-vl", KEY))
     from_folder = load_model(str(tiny_vl_path))
