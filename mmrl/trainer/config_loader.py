@@ -269,7 +269,7 @@ def _check_dataset(errors: list[str], key: str, value: str) -> None:
 
 def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> str | None:
     """The folder holding ``value``'s config (a hub id is resolved through the Hugging Face cache,
-    fetching only its config files), or None after recording why there is none."""
+    without its weights), or None after recording why there is none."""
     from mmrl.models.loading import ModelPathError, resolve_model_path
 
     if not value:
@@ -362,10 +362,12 @@ def _check_batches(errors: list[str], cfg: PPOConfig) -> None:
             f"data.rollout_batch_size={data.rollout_batch_size} must be a multiple of "
             f"worker.critic.global_batch_size={cfg.worker.critic.global_batch_size}"
         )
+    if not cfg.use_critic:
+        return
     critic = cfg.worker.critic
     critic_sp = critic.sequence_parallel_size  # the critic's layout may differ from the actor's
     critic_dp = world // critic_sp if critic_sp > 0 and world % critic_sp == 0 else world
-    if cfg.use_critic and (critic.global_batch_size * rollout.n) % critic_dp:
+    if (critic.global_batch_size * rollout.n) % critic_dp:
         errors.append(
             f"worker.critic.global_batch_size × worker.rollout.n = {critic.global_batch_size * rollout.n} "
             f"responses per critic update must divide evenly over the critic's {critic_dp} data-parallel "
