@@ -374,17 +374,20 @@ class PromptDataset(torch.utils.data.Dataset):
         logger.warning("data.skip_bad_samples: skipping a bad sample (%d so far): %s", self.num_skipped, err)
 
     def _filter_at_load(self) -> None:
-        """Drops overlong prompts (counted in ``num_filtered``) and, with ``skip_bad_samples``, bad ones."""
+        """Drops overlong prompts (counted in ``num_filtered``) and, with ``skip_bad_samples``, bad ones.
+        The lengths come from :func:`mmrl.data.lengths.measure_prompt_lengths` (parallel, cached)."""
+        from mmrl.data.lengths import measure_prompt_lengths
+
+        measured = measure_prompt_lengths(
+            self, self.config.preprocess_num_workers, cache=self.config.prompt_length_cache
+        )
         kept, overlong = [], 0
-        for position in range(len(self.index)):
-            try:
-                length = self._prompt_length(position)
-            except DataError as err:
+        for position, row in enumerate(measured):
+            if row.error is not None:
                 if not self.config.skip_bad_samples:
-                    raise
-                self._skip(position, err)
-                continue
-            if length <= self.config.max_prompt_length:
+                    raise DataError(row.error)
+                self._skip(position, DataError(row.error))
+            elif row.length <= self.config.max_prompt_length:
                 kept.append(position)
             else:
                 overlong += 1
@@ -398,8 +401,19 @@ class PromptDataset(torch.utils.data.Dataset):
             )
         self.index = [self.index[position] for position in kept]
 
-    def _prompt_length(self, position: int) -> int:
+    def prompt_length(self, position: int) -> int:
+        """Tokens of the prompt at ``position``, media placeholders included; DataError for a bad row."""
         return int(self._encode(position)["encoded"]["input_ids"].shape[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a compiled Jinja template does not pickle (spawned length workers get the dataset): rebuilt
+        state = dict(self.__dict__)
+        state["template"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.template = self._load_template(self.config.format_prompt)
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         if self.where(position) not in self.skipped:
