@@ -121,3 +121,69 @@ def test_a_cache_of_other_rows_is_not_used(shapes_data_dir, tmp_path, vl, privat
     measured = measure_prompt_lengths(dataset, 1, cache=True)
     assert len(measured) == 32 and all(isinstance(m, Measured) and m.length > 3 for m in measured)
     assert len(json.loads(path.read_text())["lengths"]) == 32  # rewritten whole
+
+
+@pytest.mark.parametrize("family", ["tiny_vl_path", "tiny_qwen3_vl_path", "tiny_omni_path"])
+@pytest.mark.parametrize("pixel_range", [(MIN_PIXELS, MAX_PIXELS), (262144, 4194304)])
+def test_lengths_from_image_sizes_equal_the_encoded_ones(family, pixel_range, tmp_path, request):
+    """The header-only count (each image's placeholder tokens from its size) against the processor's
+    expansion: sizes that are upscaled, downscaled, kept, odd and very elongated; 0, 1 and 2 images."""
+    from PIL import Image
+
+    sizes = [(56, 56), (448, 448), (1000, 300), (97, 211), (2048, 1536), (30, 900)]
+    rows = [{"problem": "No image here, just text.", "answer": "x"}]
+    for index, (width, height) in enumerate(sizes):
+        Image.new("RGB", (width, height), (index * 40, 0, 0)).save(tmp_path / f"{index}.jpg")
+        rows.append({"problem": "<image>What colour?", "answer": "red", "images": [f"{index}.jpg"]})
+    rows.append({"problem": "<image>and<image>?", "answer": "x", "images": ["0.jpg", "2.jpg"]})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    vl = load_tokenizer_and_processor(str(request.getfixturevalue(family)))
+    min_pixels, max_pixels = pixel_range
+    dataset = make_dataset(
+        data,
+        vl,
+        filter_overlong_prompts=False,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        max_prompt_length=10**6,
+    )
+    assert dataset._count_images_by_size
+    for position in range(len(dataset)):
+        counted, images = dataset._length_from_image_sizes(position)
+        assert images == len(rows[position].get("images", []))
+        assert counted == int(dataset._encode(position)["encoded"]["input_ids"].shape[-1]), rows[position]
+
+
+def test_a_disagreeing_count_falls_back_to_encoding(shapes_data_dir, vl, monkeypatch):
+    dataset = make_dataset(shapes_data_dir / "train.jsonl", vl, filter_overlong_prompts=False)
+    encoded = int(dataset._encode(0)["encoded"]["input_ids"].shape[-1])
+    # a processor whose patch count is off by one merged block (as a processor with other rules would be)
+    image_processor = vl[1].image_processor
+    true_count = image_processor.get_number_of_image_patches
+    monkeypatch.setattr(
+        image_processor,
+        "get_number_of_image_patches",
+        lambda h, w, kwargs: true_count(h, w, kwargs) + image_processor.merge_size**2,
+    )
+    assert dataset.prompt_length(0) == encoded
+    assert not dataset._count_images_by_size  # switched off for the rest of the rows
+    assert dataset.prompt_length(1) == int(dataset._encode(1)["encoded"]["input_ids"].shape[-1])
+
+
+def test_a_truncated_image_passes_the_count_and_fails_at_load(tmp_path, vl):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (200, 0, 0)).save(tmp_path / "whole.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "whole.png").read_bytes()[:100])
+    data = tmp_path / "rows.jsonl"
+    rows = [
+        {"problem": "<image>Colour?", "answer": "red", "images": [name]} for name in ("whole.png", "cut.png")
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = make_dataset(data, vl, filter_overlong_prompts=False)
+    assert dataset.prompt_length(0) == dataset.prompt_length(
+        1
+    )  # row 0 checks the count; row 1's header is whole
+    with pytest.raises(DataError, match="row 1.*cut.png"):
+        dataset[1]
