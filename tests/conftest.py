@@ -31,6 +31,12 @@ def _limit_torch_threads():
     torch.set_num_threads(min(TEST_TORCH_THREADS, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_mmrl_cache(tmp_path_factory):
+    """Prompt-length caches (mmrl.data.lengths) of the tests go to a session folder, not the user's."""
+    os.environ["MMRL_CACHE_DIR"] = str(tmp_path_factory.mktemp("mmrl-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny-models")

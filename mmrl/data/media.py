@@ -116,6 +116,23 @@ def load_image(ref: Any, min_pixels: int, max_pixels: int, base_dir: str | None 
     return image
 
 
+def image_size(ref: Any, min_pixels: int, max_pixels: int, base_dir: str | None = None) -> tuple[int, int]:
+    """``(width, height)`` that :func:`load_image` would return, read from the file's header alone (no
+    pixels decoded): what a prompt's length needs. A truncated file passes here and fails at load."""
+    try:
+        image = _open_image(ref, base_dir)
+        width, height = image.size
+        if image is not ref:  # a PIL image of the caller's stays open
+            image.close()
+    except MediaError:
+        raise
+    except Exception as err:  # PIL raises many types for data that is no image
+        raise MediaError(f"cannot decode image {_describe(ref)}: {err}") from err
+    width, height = scaled_size(width, height, min_pixels, max_pixels)
+    _check_patch_size(width, height, ref, "image", "data.min_pixels")
+    return width, height
+
+
 # ---- audio and video (PyAV) ---------------------------------------------------------------------
 
 

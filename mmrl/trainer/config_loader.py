@@ -460,6 +460,10 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"data.video_min_pixels={data.video_min_pixels} exceeds data.video_max_pixels={data.video_max_pixels}"
         )
+    if data.preprocess_num_workers is not None and data.preprocess_num_workers < 1:
+        errors.append(
+            f"data.preprocess_num_workers={data.preprocess_num_workers} must be >= 1 (or null for the driver's CPUs)"
+        )
 
 
 def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
