@@ -5,6 +5,11 @@ rollout engine in one process; ``CriticWorker`` holds the value model. Both are 
 single controller instantiates them inside Ray actors after setting the torch.distributed
 environment. They are builders: they hand each component its config section.
 
+Batches carry each prompt's media in compact form (``prompt_media``: a Ray ref to its encoded files);
+each phase first attaches the processed media (``multi_modal_inputs``, and for the rollout
+``multi_modal_data``) with :func:`~mmrl.data.processing.attach_media`, which keeps them for the
+rank's next phase, so a prompt's media are decoded and processed once per rank and step.
+
 Each phase is a method whose mode is an explicit argument (the driver's
 :class:`~mmrl.trainer.step_plan.StepPlan` decides it), and whose batch layout over the ranks is
 declared once on the method (:mod:`mmrl.dispatch`). The columns each phase adds are listed in
@@ -21,6 +26,13 @@ import torch
 import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
+from mmrl.data.processing import (
+    MediaCache,
+    MediaProcessor,
+    attach_media,
+    load_tokenizer_and_processor,
+    without_model_media,
+)
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.loading import freeze_vision_tower, load_model
 from mmrl.models.prepare import prepare_for_training
@@ -132,6 +144,16 @@ def sequence_parallel_args(groups: SequenceParallelGroups | None) -> dict:
     return {} if groups is None else {"dp_group": groups.dp_group, "sequence_parallel": groups}
 
 
+def build_media_processor(config: PPOConfig) -> MediaProcessor:
+    """The dataset's media processing (same processor, same ``data`` settings), for this worker's
+    ``multi_modal_inputs``: the batches carry only the prompts' compact media."""
+    model_cfg = config.worker.actor.model
+    tokenizer, processor = load_tokenizer_and_processor(
+        model_cfg.tokenizer_or_model_path, model_cfg.trust_remote_code
+    )
+    return MediaProcessor(tokenizer, processor, config.data)
+
+
 def per_rank(count: int, world_size: int, what: str) -> int:
     if count % world_size:
         raise ValueError(f"{what}={count} does not divide over {world_size} ranks")
@@ -191,6 +213,7 @@ class HybridWorker:
             optimizer=optimizer,
             optimizer_state=actor_offload.offload_optimizer,
         )
+        self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
 
@@ -256,13 +279,15 @@ class HybridWorker:
             # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
             # step's sync): its weights are gone and must be pushed again before it can generate
             self.sync_rollout_weights()
+        prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         output = self.rollout.generate(prompts, self._sampling(mode, global_step))
-        if mode is not GenerationMode.TRAIN:
-            return output
-        return add_position_ids(self.actor.module, output)
+        if mode is GenerationMode.TRAIN:
+            output = add_position_ids(self.actor.module, output)
+        return without_model_media(output)  # the driver gets the compact refs back, not the tensors
 
     @rows_per_data_parallel_share
     def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         with self.actor_offload.loaded():
             log_probs, entropies = self.actor.compute_log_probs(
                 data,
@@ -274,6 +299,7 @@ class HybridWorker:
 
     @rows_per_data_parallel_share
     def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
         with self.ref_offload.loaded():
@@ -285,6 +311,7 @@ class HybridWorker:
         """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
         returns the ones its own forward computed (with their entropies) for the step's metrics. The
         rollout still holds the old weights until :meth:`sync_rollout_weights`."""
+        data = attach_media(data, self.media, self.media_cache)
         actor_cfg = self.config.worker.actor
         with self.actor_offload.loaded():
             update = self.actor.update_policy(
@@ -379,9 +406,11 @@ class CriticWorker:
             optimizer_state=critic_cfg.offload.offload_optimizer,
         )
         self.offload.offload()
+        self.media, self.media_cache = build_media_processor(config), MediaCache()
 
     @rows_per_data_parallel_share
     def compute_values(self, data: DataProto) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.critic.micro_batch_size_per_device_for_experience
         with self.offload.loaded():
             values = self.critic.compute_values(data, micro)
@@ -389,6 +418,7 @@ class CriticWorker:
 
     @rows_per_data_parallel_share
     def update_critic(self, data: DataProto) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         critic_cfg = self.config.worker.critic
         responses = critic_cfg.global_batch_size * self.config.worker.rollout.n
         with self.offload.loaded():
