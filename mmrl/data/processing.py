@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,6 @@ __all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "DataError", 
            "PromptMedia", "attach_media", "compact_media_ref", "load_tokenizer_and_processor",
            "without_model_media"]  # fmt: skip
 
-MEDIA_KINDS = ("image", "video", "audio")
 # processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids")
 PROMPT_MEDIA = "prompt_media"  # the compact column: a PromptMedia, a Ray ref to one, or None
@@ -81,7 +80,7 @@ class PromptMedia:
     videos: tuple[Any, ...] = ()
     audios: tuple[Any, ...] = ()
     order: tuple[str, ...] = ()  # the media kinds in the order of the prompt's markers
-    where: str = field(default="", compare=False)  # "file row r", for error messages
+    where: str = ""  # "file row r", for error messages
 
     @property
     def encoded_bytes(self) -> int:
@@ -279,6 +278,7 @@ class MediaProcessor:
 
 
 def _is_object_ref(value: Any) -> bool:
+    # by name: the data layer imports Ray only when a batch holds refs
     return type(value).__name__ == "ObjectRef" and hasattr(value, "hex")
 
 
