@@ -70,6 +70,10 @@ def test_jsonl_item_has_model_and_rollout_inputs(shapes_data_dir, vl):
     others = [value for key, value in item.items() if key not in TOKEN_COLUMNS]
     assert not any(isinstance(value, (torch.Tensor, Image.Image, dict)) for value in others)
     assert "multi_modal_inputs" not in item and "multi_modal_data" not in item
+    collated = collate_prompts([item, dataset[1]], tokenizer.pad_token_id)  # what the driver dispatches
+    assert set(collated.batch.keys()) == set(TOKEN_COLUMNS)
+    for column in collated.non_tensor_batch.values():
+        assert not any(isinstance(value, (torch.Tensor, Image.Image, dict)) for value in column)
     assert item["ground_truth"] in {"red", "green", "blue", "yellow"}
     assert item["data_source"] == "shapes_color"
     text = tokenizer.decode(item["input_ids"])
