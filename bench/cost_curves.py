@@ -124,8 +124,8 @@ class WorkerStep:
         threads: int | None = None,
     ):
         from mmrl.data.dataset import PromptDataset
+        from mmrl.data.processing import load_tokenizer_and_processor
         from mmrl.trainer.config_loader import load_config
-        from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardScorer
 

@@ -66,14 +66,15 @@ def _prompts(model_path: str, data_file: str, num_prompts: int):
     from mmrl.data.collate import collate_prompts
     from mmrl.data.config import DataConfig
     from mmrl.data.dataset import PromptDataset
+    from mmrl.data.processing import attach_media, load_tokenizer_and_processor
     from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-    from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
     tokenizer, processor = load_tokenizer_and_processor(model_path)
     dataset = PromptDataset(
         data_file, tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     )
-    return collate_prompts([dataset[row] for row in range(num_prompts)], tokenizer.pad_token_id)
+    prompts = collate_prompts([dataset[row] for row in range(num_prompts)], tokenizer.pad_token_id)
+    return attach_media(prompts, dataset.media, rollout_media=True)  # as the worker does before generating
 
 
 def _timed_tokens_per_s(rollout, prompts, sampling) -> float:

@@ -55,9 +55,13 @@ _SPECS = (
            "Qwen-VL processors: 0 text, 1 image, 2 video placeholder (optional)"),
     Column("raw_prompt_ids", "data", ("generate",), None, "[B]",
            "the prompt's ids without padding (what the vLLM engine gets)"),
-    Column("multi_modal_data", "data", ("generate",), None, "[B]",
+    Column("prompt_media", "data", ("generate", "log_probs", "update"), None, "[B]",
+           "the prompt's media in compact form (mmrl.data.processing.PromptMedia: encoded file bytes), "
+           "on the driver a Ray ref to it, put once per step; None without media"),
+    # ---- made on the workers from prompt_media (mmrl.data.processing.attach_media); never returned
+    Column("multi_modal_data", "attach_media", ("generate",), None, "[B]",
            "decoded media of the prompt (PIL images, frames, waveforms) for the rollout engine"),
-    Column("multi_modal_inputs", "data", ("generate", "log_probs", "update"), None, "[B]",
+    Column("multi_modal_inputs", "attach_media", ("generate", "log_probs", "update"), None, "[B]",
            "the processor's media tensors of the prompt (pixel_values, grids, audio features)"),
     Column("ground_truth", "data", ("reward",), None, "[B]", "the answer handed to the reward function"),
     Column("uid", "data", ("advantages", "remax_baseline"), None, "[B]",

@@ -1,25 +1,16 @@
 """Prompt datasets for RL: rows from local files, rendered into model-ready prompts.
 
 A row holds a prompt (with ``<image>``/``<video>``/``<audio>`` markers placing its media), a ground
-truth and any other columns. One item is the tokenized prompt and its media, encoded by the model's
-own processor, plus the unexpanded prompt ids and decoded media that a rollout engine takes, plus the
-row's other columns for the reward function. Every error names the file and row.
+truth and any other columns. One item is the tokenized prompt (the model's processor expands the media
+placeholders, so the driver knows every prompt's length), the unexpanded prompt ids a rollout engine
+takes, the prompt's media in compact form (``prompt_media``: a
+:class:`~mmrl.data.processing.PromptMedia` holding the original file bytes, None without media) and
+the row's other columns for the reward function. Every error names the file and row.
 
-Media are decoded once per item (the n responses of a prompt share the item's objects) and reach the
-model's Hugging Face processor as transformers v5 expects them:
-
-- images: PIL images (``images=``);
-- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``),
-  with ``video_metadata`` (Qwen2.5-VL derives ``second_per_grid_ts`` from its sampled fps) and ``fps``
-  (Qwen2.5-Omni reads one fps per call; each video's own ``video_second_per_grid`` is set afterwards),
-  and ``size`` = the ``video_min_pixels``/``video_max_pixels`` range, which Qwen2.5-Omni's processor
-  would otherwise replace with its own default;
-- audio: mono float32 waveforms at the feature extractor's rate (``audio=``), in the order of their
-  markers; with ``use_audio_in_video`` (Qwen2.5-Omni) each video's sound track joins the list at the
-  video's place, as the processor interleaves them.
-
-``multi_modal_data`` holds what a rollout engine takes: ``{"images": [PIL], "videos": [(frames,
-metadata dict)], "audios": [(waveform, sampling_rate)]}`` (only the kinds present; vLLM's item forms).
+The item carries no media tensors and no decoded media: the workers make ``multi_modal_inputs`` and
+``multi_modal_data`` from ``prompt_media`` with the same :class:`~mmrl.data.processing.MediaProcessor`
+the dataset tokenizes with (:func:`~mmrl.data.processing.attach_media`; its module docstring says how
+media reach the processor), so media cross process boundaries as their encoded bytes.
 
 Bad samples (unreadable media, marker/media count mismatch, media the model cannot take) raise
 :class:`DataError` naming the file and row; with ``skip_bad_samples`` they are logged, counted in
@@ -45,18 +36,14 @@ import torch
 from jinja2 import StrictUndefined, Template, TemplateError
 
 from mmrl.data.config import DataConfig, split_dataset_spec
-from mmrl.data.media import DecodedVideo, MediaError, image_size, load_audio, load_image, load_video
+from mmrl.data.media import MediaError, image_size
+from mmrl.data.processing import TOKEN_COLUMNS, DataError, MediaProcessor, PromptMedia, compact_media_ref
 
 logger = logging.getLogger(__name__)
 
 MEDIA_MARKERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 _MARKER_PATTERN = re.compile("(" + "|".join(re.escape(m) for m in MEDIA_MARKERS.values()) + ")")
-# processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
-TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids")
-
-
-class DataError(ValueError):
-    """A dataset row that cannot be used; the message names the file and row."""
+__all__ = ["TOKEN_COLUMNS", "DataError", "PromptDataset", "Rows", "load_rows", "split_by_markers"]
 
 
 @dataclass(frozen=True)
@@ -140,13 +127,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.processor = processor
         self.config = config
         self.media_keys = {"image": config.image_key, "video": config.video_key, "audio": config.audio_key}
-        self.video_processor = getattr(processor, "video_processor", None)
-        self.feature_extractor = getattr(processor, "feature_extractor", None)  # Qwen-Omni's audio features
-        self.audio_seconds = self._audio_seconds(config.max_audio_seconds)
-        if config.use_audio_in_video and self.feature_extractor is None:
-            raise DataError(
-                "data.use_audio_in_video=true, but the model's processor takes no audio (Qwen2.5-Omni's does)"
-            )
+        self.media = MediaProcessor(tokenizer, processor, config)  # the workers run the same
         self.skipped: dict[str, str] = {}  # "file row r" -> why it was skipped
         self.template = self._load_template(config.format_prompt)
         self.files = [
@@ -161,14 +142,6 @@ class PromptDataset(torch.utils.data.Dataset):
         self._image_counting_checked = False  # see prompt_length
         if config.filter_overlong_prompts:
             self._filter_at_load()
-
-    def _audio_seconds(self, max_audio_seconds: float) -> float:
-        """``max_audio_seconds``, and no more than the feature extractor's window, beyond which it
-        would cut the clip itself without a word (Qwen2.5-Omni pads every clip to that window)."""
-        window_samples = getattr(self.feature_extractor, "n_samples", None)
-        if window_samples is None:
-            return max_audio_seconds
-        return min(max_audio_seconds, window_samples / self.feature_extractor.sampling_rate)
 
     @property
     def num_skipped(self) -> int:
@@ -244,113 +217,28 @@ class PromptDataset(torch.utils.data.Dataset):
         return messages
 
     def _check_model_takes(self, refs: dict[str, list[Any]], where: str) -> None:
-        takes = {
-            "image": self.processor is not None,
-            "video": self.video_processor is not None,
-            "audio": self.feature_extractor is not None,
-        }
         for kind, items in refs.items():
-            if items and not takes[kind]:
+            if items and not self.media.takes(kind):
                 raise DataError(
                     f"{where}: the sample has {len(items)} {kind}(s) in column '{self.media_keys[kind]}', but the "
                     f"model's processor takes no {kind}s"
                 )
 
-    def _decode_media(
-        self, refs: dict[str, list[Any]], base_dir: str | None, where: str
-    ) -> tuple[list[Any], list[DecodedVideo], list[Any]]:
-        """``(images, videos, audios)`` of one row, decoded and scaled; errors name the row."""
-        sampling_rate = getattr(self.feature_extractor, "sampling_rate", None)
+    def _compact_media(
+        self, prompt: str, text: str, refs: dict[str, list[Any]], base_dir: str | None, where: str
+    ) -> PromptMedia:
+        """The row's media in compact form (file bytes) with the prompt they are processed with."""
         try:
-            images = [
-                load_image(ref, self.config.min_pixels, self.config.max_pixels, base_dir)
-                for ref in refs["image"]
-            ]
-            videos = [
-                load_video(
-                    ref,
-                    self.config.video_min_pixels,
-                    self.config.video_max_pixels,
-                    fps=self.config.video_fps,
-                    num_frames=self.config.num_video_frames,
-                    max_frames=self.config.max_video_frames,
-                    frame_multiple=getattr(self.video_processor, "temporal_patch_size", 1),
-                    base_dir=base_dir,
-                    audio_sampling_rate=sampling_rate if self.config.use_audio_in_video else None,
-                    max_audio_seconds=self.audio_seconds,
-                )
-                for ref in refs["video"]
-            ]
-            audios = [load_audio(ref, sampling_rate, self.audio_seconds, base_dir) for ref in refs["audio"]]
+            compact = {
+                kind: tuple(compact_media_ref(ref, base_dir, kind) for ref in items)
+                for kind, items in refs.items()
+            }
         except MediaError as err:
             raise DataError(f"{where}: {err}") from None
-        return images, videos, audios
-
-    def _audio_inputs(
-        self, parts: list[dict[str, str]], videos: list[DecodedVideo], audios: list[Any]
-    ) -> list[Any]:
-        """The processor's audio list: clips, and with ``use_audio_in_video`` the videos' sound tracks,
-        in the order of their markers, which is the order Qwen2.5-Omni's processor consumes them in."""
-        next_video, next_audio = iter(videos), iter(audios)
-        ordered = []
-        for part in parts:
-            if part["type"] == "audio":
-                ordered.append(next(next_audio))
-            elif part["type"] == "video":
-                video = next(next_video)
-                if self.config.use_audio_in_video:
-                    ordered.append(video.audio)
-        return ordered
-
-    def _processor_media_kwargs(
-        self, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
-    ) -> dict[str, Any]:
-        """Media keyword arguments of the processor call (see the module docstring)."""
-        kwargs: dict[str, Any] = {}
-        if images:
-            kwargs["images"] = images
-        if videos:
-            if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
-                raise DataError(
-                    f"{where}: with data.use_audio_in_video the videos of one sample must be sampled at one fps "
-                    f"(found {sorted({video.sampled_fps for video in videos})}): Qwen2.5-Omni's processor takes "
-                    "one fps per call; use one video per sample, or videos of equal frame rate and length"
-                )
-            kwargs["videos"] = [video.frames for video in videos]
-            videos_kwargs = {
-                "do_sample_frames": False,
-                "video_metadata": [video.metadata() for video in videos],
-                "fps": videos[0].sampled_fps,
-                "size": {
-                    "shortest_edge": self.config.video_min_pixels,
-                    "longest_edge": self.config.video_max_pixels,
-                },
-            }
-            if self.feature_extractor is not None:
-                videos_kwargs["use_audio_in_video"] = self.config.use_audio_in_video
-            kwargs["videos_kwargs"] = videos_kwargs
-        if audio_inputs:
-            kwargs["audio"] = audio_inputs
-            kwargs["audio_kwargs"] = {"sampling_rate": self.feature_extractor.sampling_rate}
-        return kwargs
-
-    def _run_processor(
-        self, prompt: str, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
-    ) -> dict[str, Any]:
-        if self.processor is None:
-            return dict(self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt"))
-        kwargs = self._processor_media_kwargs(images, videos, audio_inputs, where)
-        try:
-            encoded = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
-        except (ValueError, RuntimeError) as err:
-            raise DataError(f"{where}: the model's processor rejected the sample: {err}") from err
-        if videos and "video_second_per_grid" in encoded:
-            # Qwen2.5-Omni derives seconds per temporal patch from one fps per call: use each video's own
-            patch = self.video_processor.temporal_patch_size
-            encoded["video_second_per_grid"] = torch.tensor([patch / video.sampled_fps for video in videos])
-        if videos and self.config.use_audio_in_video:
-            encoded["use_audio_in_video"] = True  # read by the thinker's get_rope_index (mmrl.models.inputs)
-        return encoded
+        order = tuple(part["type"] for part in split_by_markers(text) if part["type"] != "text")
+        return PromptMedia(
+            prompt, compact["image"], compact["video"], compact["audio"], order=order, where=where
+        )
 
     def _encode(self, position: int) -> dict[str, Any]:
         row, base_dir = self._row(position)
@@ -359,18 +247,10 @@ class PromptDataset(torch.utils.data.Dataset):
         refs = {kind: self._media_list(row, kind, where) for kind in MEDIA_MARKERS}
         messages = self._messages(text, {kind: len(items) for kind, items in refs.items()}, where)
         self._check_model_takes(refs, where)
-        images, videos, audios = self._decode_media(refs, base_dir, where)
-        audio_inputs = self._audio_inputs(split_by_markers(text), videos, audios)
         chat = self.processor if self.processor is not None else self.tokenizer
         prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        media: dict[str, list[Any]] = {}
-        if images:
-            media["images"] = images
-        if videos:
-            media["videos"] = [(video.frames, video.metadata()) for video in videos]
-        if audio_inputs:
-            media["audios"] = [(waveform, self.feature_extractor.sampling_rate) for waveform in audio_inputs]
-        encoded = self._run_processor(prompt, images, videos, audio_inputs, where)
+        media = self._compact_media(prompt, text, refs, base_dir, where)
+        encoded, _ = self.media.encode(media)
         return {"row": row, "prompt": prompt, "media": media, "encoded": encoded}
 
     # ---- load-time filtering and bad samples --------------------------------------------------
@@ -505,14 +385,15 @@ class PromptDataset(torch.utils.data.Dataset):
                 f"{self.config.max_prompt_length} (raise it, or set data.filter_overlong_prompts=true)"
             )
         tokens = {key: encoded[key][0] for key in TOKEN_COLUMNS if key in encoded}  # [L] each
-        media_inputs = {key: value for key, value in encoded.items() if key not in TOKEN_COLUMNS}
+        media = item["media"]
+        has_media = media.images or media.videos or media.audios
+        has_media = has_media or any(key not in TOKEN_COLUMNS for key in encoded)
         media_keys = set(self.media_keys.values())
         columns = {k: v for k, v in row.items() if k not in media_keys and k != self.config.answer_key}
         return {
             **tokens,
             "raw_prompt_ids": self.tokenizer.encode(item["prompt"], add_special_tokens=False),
-            "multi_modal_data": item["media"],
-            "multi_modal_inputs": media_inputs,
+            "prompt_media": media if has_media else None,  # processed where the model runs
             "ground_truth": row.get(self.config.answer_key),
             "uid": uuid.uuid4().hex,  # groups the n responses of this prompt; its value affects nothing
             "sample_index": position,

@@ -41,7 +41,9 @@ def _describe(ref: Any) -> str:
     if isinstance(ref, dict):
         if "array" in ref:
             return f"<array of {np.asarray(ref['array']).shape} at {ref.get('sampling_rate')} Hz>"
-        return f"<dict path={ref.get('path')!r}, {len(ref.get('bytes') or b'')} bytes>"
+        if ref.get("path"):  # the bytes were read from that file (the compact form names it)
+            return repr(ref["path"])
+        return f"<{len(ref.get('bytes') or b'')} bytes>"
     return repr(ref)[:200]
 
 

@@ -493,6 +493,29 @@ def generate_shapes_dataset(
     return out_dir
 
 
+def write_photo_dataset(
+    out_dir: str | Path, n: int, size: int = 448, seed: int = 0, quality: int = 90
+) -> Path:
+    """``train.jsonl`` and ``val.jsonl`` (the same ``n`` rows) of the ``color`` task drawn at ``size``
+    pixels over per-pixel noise and saved as JPEG (``images/*.jpg``): files of a photo's size
+    (~100 kB at 448 px), for measuring what media weigh in transit. Rewritten on every call."""
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    spec = get_task("color")
+    lines = []
+    for index, answer in enumerate(balanced_answers(spec.answers, n, rng)):
+        image = np.asarray(draw_color_image(answer, rng, size), dtype=np.int16)
+        noisy = np.clip(image + rng.integers(-40, 41, size=image.shape), 0, 255).astype(np.uint8)
+        name = f"images/photo_{index:05d}.jpg"
+        Image.fromarray(noisy).save(out_dir / name, format="JPEG", quality=quality)
+        row = {"problem": spec.question, "answer": answer, "images": [name], "data_source": "photo_color"}
+        lines.append(json.dumps(row) + "\n")
+    for split in SPLITS:
+        (out_dir / f"{split}.jsonl").write_text("".join(lines))
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a synthetic dataset (see module docstring).")
     parser.add_argument("--task", choices=sorted(TASKS), default="color")

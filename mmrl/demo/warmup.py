@@ -26,10 +26,10 @@ import torch
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import as_source_class, load_model
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import response_mask_until_eos
 
 MARKER = "mmrl_warmup.json"
@@ -108,6 +108,7 @@ def warm_up(
     for step in range(steps):
         items = [dataset[int(i)] for i in rng.choice(len(dataset), batch_size, replace=False)]
         prompts = collate_prompts(items, tokenizer.pad_token_id).repeat(len(answer_set), interleave=True)
+        prompts = attach_media(prompts, dataset.media)  # multi_modal_inputs, as a worker makes them
         responses = answer_batch(answer_set * batch_size, tokenizer, width)  # every answer for every prompt
         mask = response_mask_until_eos(responses, [tokenizer.eos_token_id])
         batch = prompts.batch

@@ -10,6 +10,7 @@ from mmrl.single_controller.resource_pool import (
     init_ray,
     nodes_that_fit,
 )
+from mmrl.single_controller.transfer import TransferCounter, put_media
 from mmrl.single_controller.worker_group import (
     RayWorkerGroup,
     WorkerGroupError,
@@ -22,9 +23,11 @@ __all__ = [
     "RayWorkerGroup",
     "ResourcePool",
     "ResourcePoolError",
+    "TransferCounter",
     "WorkerGroupError",
     "distributed_env",
     "init_ray",
     "merge_dp_outputs",
     "nodes_that_fit",
+    "put_media",
 ]

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmrl.dispatch import ROWS_PER_DATA_PARALLEL_SHARE, ROWS_PER_RANK, layout_of, sequence_parallel_role_of
 from mmrl.single_controller.resource_pool import ResourcePool
+from mmrl.single_controller.transfer import SENT, TransferCounter
 
 if TYPE_CHECKING:
     # Every worker process imports this module for `_WorkerHost`; importing torch (via DataProto) only where
@@ -194,6 +195,8 @@ class RayWorkerGroup:
     Keyword arguments are forwarded to the worker's method, except those named in a method's signature here
     (`dp_size`, `dp_rank_of` for `dispatch`). If a rank fails while the group starts, the constructor raises
     `WorkerGroupError` after killing the actors; the pool stays reserved until `resource_pool.remove()`.
+    `transfers` counts the bytes of every batch chunk and argument the group puts in Ray's object store
+    and of every result it gets back (`mmrl.single_controller.transfer`).
     """
 
     def __init__(
@@ -210,6 +213,7 @@ class RayWorkerGroup:
         start: bool = True,
         sequence_parallel_size: int = 1,
         role_sequence_parallel_sizes: Mapping[str, int] | None = None,
+        transfers: TransferCounter | None = None,
     ) -> None:
         role_sizes = dict(role_sequence_parallel_sizes or {})
         for what, size in {"sequence_parallel_size": sequence_parallel_size, **role_sizes}.items():
@@ -225,6 +229,7 @@ class RayWorkerGroup:
         self.resource_pool = resource_pool
         self.name_prefix = name_prefix
         self.timeout_s = timeout_s
+        self.transfers = transfers if transfers is not None else TransferCounter()
         self._failure: str | None = None
         self._async_labels: dict[ray.ObjectRef, tuple[int, str]] = {}
         self._hosts = self._create_hosts(env or {})
@@ -302,8 +307,7 @@ class RayWorkerGroup:
         Arguments are put in the object store once and shared by all ranks.
         """
         self._check_callable(method)
-        shared_args = [_share(value) for value in args]
-        shared_kwargs = {key: _share(value) for key, value in kwargs.items()}
+        shared_args, shared_kwargs = self._share_arguments(args, kwargs)
         refs = [host.execute.remote(method, *shared_args, **shared_kwargs) for host in self._hosts]
         self._async_labels.update({ref: (rank, method) for rank, ref in enumerate(refs)})
         return refs
@@ -314,7 +318,9 @@ class RayWorkerGroup:
         labels = [self._async_labels.pop(ref, (-1, "?")) for ref in refs]
         method = labels[0][1] if labels else "?"
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        return self._collect(list(refs), method, ranks=[rank for rank, _ in labels], timeout_s=timeout_s)
+        results = self._collect(list(refs), method, ranks=[rank for rank, _ in labels], timeout_s=timeout_s)
+        self.transfers.received(refs)
+        return results
 
     def dispatch(
         self,
@@ -340,15 +346,25 @@ class RayWorkerGroup:
         dp_rank_of = self._dp_rank_of(dp_size, dp_rank_of)
         num_chunks = max(dp_rank_of) + 1
         padded, pad_size = data.pad_to_divisor(num_chunks)
-        chunk_refs = [ray.put(chunk) for chunk in padded.chunk(num_chunks)]
-        shared_args = [_share(value) for value in args]
-        shared_kwargs = {key: _share(value) for key, value in kwargs.items()}
+        chunks = padded.chunk(num_chunks)
+        chunk_refs = [self.transfers.put(chunk, SENT) for chunk in chunks]
+        shared_args, shared_kwargs = self._share_arguments(args, kwargs)
         refs = [
             host.execute.remote(method, chunk_refs[dp_rank_of[rank]], *shared_args, **shared_kwargs)
             for rank, host in enumerate(self._hosts)
         ]
         outputs = self._collect(refs, method, timeout_s=self.timeout_s)
+        self.transfers.received(refs)
+        self.transfers.add_tensor_bytes([*chunks, *outputs])
         return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, method)
+
+    def _share_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Each argument put in the object store once (N ranks read one copy), counted as sent."""
+
+        def share(value: Any) -> Any:
+            return value if isinstance(value, ray.ObjectRef) else self.transfers.put(value, SENT)
+
+        return [share(value) for value in args], {key: share(value) for key, value in kwargs.items()}
 
     def _declared_dp_size(
         self, method: str, dp_size: int | None, dp_rank_of: Sequence[int] | None
@@ -489,8 +505,3 @@ class RayWorkerGroup:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _share(value: Any) -> Any:
-    """Put an argument in the object store once, so N ranks read one copy instead of N serialized ones."""
-    return value if isinstance(value, ray.ObjectRef) else ray.put(value)

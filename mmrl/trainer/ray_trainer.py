@@ -29,6 +29,7 @@ from mmrl.columns import check_batch
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.loader import PromptLoader
+from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
@@ -42,27 +43,6 @@ from mmrl.workers.rollout import GenerationMode
 logger = logging.getLogger(__name__)
 
 VAL_METRIC = "val/reward/overall"  # the checkpoint tracker's "best" follows this
-
-
-def load_tokenizer_and_processor(
-    model_path: str, trust_remote_code: bool = False, key: str = "worker.actor.model.tokenizer_path"
-) -> tuple[Any, Any | None]:
-    """The tokenizer of ``model_path`` (a folder or hub id, named by config ``key``), and its multimodal
-    processor (None for text-only models)."""
-    from transformers import AutoProcessor, AutoTokenizer
-
-    from mmrl.models.loading import resolve_model_path
-
-    model_path = resolve_model_path(model_path, key, without_weights=True)
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    try:
-        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        processor = None
-    if processor is not None and not hasattr(processor, "image_processor"):
-        processor = None  # a text model's "processor" is its tokenizer
-    return tokenizer, processor
 
 
 def conform_to_columns(batch: DataProto, phase: str) -> None:
@@ -91,7 +71,7 @@ class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
 
     def __init__(self, config: PPOConfig):
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool
+        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
@@ -101,10 +81,12 @@ class RayPPOTrainer:
         # Processes first: the reward workers and the training ranks start (and import torch and
         # transformers) while this process loads the tokenizer and reads the datasets.
         reward = config.worker.reward
+        self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
         self.rewards = RewardWorkers(
             reward.num_workers,
             reward.num_cpus,
             reward.timeout_s,
+            transfers=self.transfers,
             tokenizer_path=model.tokenizer_or_model_path,
             tokenizer_key=model.tokenizer_key,
             reward_function=reward.reward_function,
@@ -128,6 +110,7 @@ class RayPPOTrainer:
             role_sequence_parallel_sizes=(
                 {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
             ),
+            transfers=self.transfers,
         )
 
         self.tokenizer, processor = load_tokenizer_and_processor(
@@ -166,6 +149,14 @@ class RayPPOTrainer:
     def _collate(self, items: list[dict[str, Any]]) -> DataProto:
         return collate_prompts(items, self.tokenizer.pad_token_id)
 
+    def _share_media(self, batch: DataProto) -> DataProto:
+        """Each prompt's compact media put in Ray's object store once; the batch carries the refs, so no
+        dispatch ships media, and the workers process them where the model runs. (Here and not in
+        ``_collate``, which may run in dataloader processes outside Ray.)"""
+        from mmrl.single_controller import put_media
+
+        return put_media(batch, self.transfers)
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
@@ -194,7 +185,9 @@ class RayPPOTrainer:
         """One PPO step on a batch of prompts; returns its metrics."""
         plan = StepPlan.for_step(self.config, self.global_step)
         timings: dict[str, float] = {}
+        transferred = self.transfers.snapshot()
         with timer("step", timings):
+            batch = self._share_media(batch)
             with timer("gen", timings):
                 batch = self.actor.dispatch(
                     "generate", batch, mode=GenerationMode.TRAIN, global_step=self.global_step
@@ -239,6 +232,7 @@ class RayPPOTrainer:
                 core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
             ),
             **self._rollout_gap(batch),
+            **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
         }
 
     # ---- phases ---------------------------------------------------------------------------------
@@ -326,8 +320,9 @@ class RayPPOTrainer:
         """Generate for every validation prompt (validation sampling) and score; means per data source."""
         scores, sources, samples = [], [], []
         for batch in self._validation_batches():
+            prompts = self._share_media(batch)
             output = self.actor.dispatch(
-                "generate", batch, mode=GenerationMode.VALIDATE, global_step=self.global_step
+                "generate", prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
             )
             scored = self.rewards.collect(self.rewards.launch(output))
             scores.extend(scored.non_tensor_batch["reward_scores"])

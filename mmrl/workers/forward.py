@@ -2,7 +2,8 @@
 head outputs at the valid response tokens.
 
 Batch keys (:mod:`mmrl.columns`): ``input_ids``/``attention_mask`` [B, P + R], ``responses`` [B, R],
-optional ``mm_token_type_ids`` and ``position_ids``, and the object column ``multi_modal_inputs``.
+optional ``mm_token_type_ids`` and ``position_ids``, and the object column ``multi_modal_inputs`` (made on
+the worker from the batch's compact ``prompt_media``, :func:`mmrl.data.processing.attach_media`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ setting the torch.distributed environment. It is a builder: it hands each compon
 section, and model paths (hub ids included) are resolved to folders here, once
 (:func:`~mmrl.models.loading.resolve_model_path`).
 
+Batches carry each prompt's media in compact form (``prompt_media``: a Ray ref to its encoded files);
+each phase first attaches the processed media (``multi_modal_inputs``, and for the rollout
+``multi_modal_data``) with :func:`~mmrl.data.processing.attach_media`, which keeps them for the
+rank's next phase, so a prompt's media are decoded and processed once per rank and step.
+
 Each phase is a method whose mode is an explicit argument (the driver's
 :class:`~mmrl.trainer.step_plan.StepPlan` decides it), and whose batch layout over the ranks is
 declared once on the method (:mod:`mmrl.dispatch`). The columns each phase adds are listed in
@@ -25,6 +30,13 @@ import torch
 import torch.distributed as dist
 
 from mmrl.checkpoint.state import load_train_state, save_train_state
+from mmrl.data.processing import (
+    MediaCache,
+    MediaProcessor,
+    attach_media,
+    load_tokenizer_and_processor,
+    without_model_media,
+)
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path
 from mmrl.models.prepare import prepare_for_training
@@ -134,6 +146,16 @@ def build_sequence_parallel(ulysses_size: int, ring_size: int) -> SequenceParall
 def sequence_parallel_args(groups: SequenceParallelGroups | None) -> dict:
     """``dp_group``/``sequence_parallel`` keyword arguments of PolicyActor and ValueCritic."""
     return {} if groups is None else {"dp_group": groups.dp_group, "sequence_parallel": groups}
+
+
+def build_media_processor(config: PPOConfig) -> MediaProcessor:
+    """The dataset's media processing (same processor, same ``data`` settings), for this worker's
+    ``multi_modal_inputs``: the batches carry only the prompts' compact media."""
+    model_cfg = config.worker.actor.model
+    tokenizer, processor = load_tokenizer_and_processor(
+        model_cfg.tokenizer_or_model_path, model_cfg.trust_remote_code
+    )
+    return MediaProcessor(tokenizer, processor, config.data)
 
 
 def per_rank(count: int, world_size: int, what: str) -> int:
@@ -282,6 +304,7 @@ class HybridWorker:
             optimizer=optimizer,
             optimizer_state=actor_offload.offload_optimizer,
         )
+        self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # last: a vLLM engine sizes its cache by the memory free when it starts
@@ -367,13 +390,15 @@ class HybridWorker:
             # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
             # step's sync): its weights are gone and must be pushed again before it can generate
             self.sync_rollout_weights()
+        prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         output = self.rollout.generate(prompts, self._sampling(mode, global_step))
-        if mode is not GenerationMode.TRAIN:
-            return output
-        return add_position_ids(self.actor.module, output)
+        if mode is GenerationMode.TRAIN:
+            output = add_position_ids(self.actor.module, output)
+        return without_model_media(output)  # the driver gets the compact refs back, not the tensors
 
     @rows_per_data_parallel_share
     def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         with self.actor_offload.loaded():
             log_probs, entropies = self.actor.compute_log_probs(
                 data,
@@ -385,6 +410,7 @@ class HybridWorker:
 
     @rows_per_data_parallel_share
     def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
         with self.ref_offload.loaded():
@@ -396,6 +422,7 @@ class HybridWorker:
         """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
         returns the ones its own forward computed (with their entropies) for the step's metrics. The
         rollout still holds the old weights until :meth:`sync_rollout_weights`."""
+        data = attach_media(data, self.media, self.media_cache)
         actor_cfg = self.config.worker.actor
         with self.actor_offload.loaded():
             update = self.actor.update_policy(
@@ -416,11 +443,11 @@ class HybridWorker:
 
     @rows_per_data_parallel_share(role="critic")
     def compute_values(self, data: DataProto) -> DataProto:
-        return self.critic.compute_values(data)
+        return self.critic.compute_values(attach_media(data, self.media, self.media_cache))
 
     @rows_per_data_parallel_share(role="critic")
     def update_critic(self, data: DataProto) -> DataProto:
-        return self.critic.update_critic(data)
+        return self.critic.update_critic(attach_media(data, self.media, self.media_cache))
 
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names

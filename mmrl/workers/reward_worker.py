@@ -18,8 +18,8 @@ import torch
 from mmrl.protocol import DataProto
 from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_reward_function
 
-# object columns that are model inputs, not sample data: never handed to reward functions
-MODEL_INPUT_COLUMNS = ("multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
+# object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
+MODEL_INPUT_COLUMNS = ("prompt_media", "multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
 _CHAINED_LINE = "\n\nThe above exception was the direct cause of the following exception:"
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the process names in remote tracebacks
 
@@ -93,20 +93,27 @@ class PendingRewards:
 
 
 class RewardWorkers:
-    """``num_workers`` Ray actors running :class:`RewardScorer`; the batch is split among them."""
+    """``num_workers`` Ray actors running :class:`RewardScorer`; the batch is split among them.
+    ``transfers`` (a ``mmrl.single_controller.transfer.TransferCounter``) counts the shards and scores
+    moved through Ray."""
 
-    def __init__(self, num_workers: int, num_cpus: float, timeout_s: float, **scorer_kwargs: Any):
+    def __init__(
+        self, num_workers: int, num_cpus: float, timeout_s: float, transfers: Any = None, **scorer_kwargs: Any
+    ):
         import ray
 
         remote_cls = ray.remote(num_cpus=num_cpus)(RewardScorer)
         self.actors = [remote_cls.remote(**scorer_kwargs) for _ in range(num_workers)]
         self.timeout_s = timeout_s
+        self.transfers = transfers
 
     def launch(self, batch: DataProto) -> PendingRewards:
         scoring_columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS]
         light = batch.select(batch_keys=["responses", "response_mask"], non_tensor_keys=scoring_columns)
         padded, pad_size = light.pad_to_divisor(len(self.actors))
         shards = padded.chunk(len(self.actors))
+        if self.transfers is not None:
+            shards = [self.transfers.put(shard) for shard in shards]  # an argument ref reaches it resolved
         return PendingRewards(
             [actor.score.remote(shard) for actor, shard in zip(self.actors, shards)], pad_size
         )
@@ -126,6 +133,8 @@ class RewardWorkers:
             if isinstance(err.cause, RewardFunctionError):  # the scorer's own exception, unpickled
                 raise RewardFunctionError(reward_error_message(err.cause, str(err))) from None
             raise
+        if self.transfers is not None:
+            self.transfers.received(pending.refs)
         return DataProto.concat(shards).unpad(pending.pad_size)
 
     def shutdown(self) -> None:

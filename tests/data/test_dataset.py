@@ -14,8 +14,8 @@ from mmrl.data.collate import collate_prompts, left_pad
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset, split_by_markers
 from mmrl.data.media import MediaError, load_image, resize_to_pixel_range
+from mmrl.data.processing import TOKEN_COLUMNS, PromptMedia, attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def model_media(dataset: PromptDataset, item: dict) -> tuple[dict, dict]:
+    """``(multi_modal_inputs, multi_modal_data)`` of one item, made as a worker makes them."""
+    batch = attach_media(collate_prompts([item], 0), dataset.media, rollout_media=True)
+    return batch.non_tensor_batch["multi_modal_inputs"][0], batch.non_tensor_batch["multi_modal_data"][0]
+
+
 def png_bytes(size=(56, 56), color=(255, 0, 0)) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, color).save(buffer, format="PNG")
@@ -45,14 +51,29 @@ def test_jsonl_item_has_model_and_rollout_inputs(shapes_data_dir, vl):
     dataset = make_dataset(shapes_data_dir / "train.jsonl", vl)
     assert len(dataset) == 32
     item = dataset[0]
-    grid = item["multi_modal_inputs"]["image_grid_thw"]
+    inputs, rollout_media = model_media(dataset, item)
+    grid = inputs["image_grid_thw"]
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     # one placeholder per merged 2×2 patch block
     assert int((item["input_ids"] == image_pad).sum()) == int(grid.prod()) // 4
     assert item["mm_token_type_ids"].tolist() == (item["input_ids"] == image_pad).long().tolist()
     # the rollout engine gets the unexpanded prompt: a single placeholder per image
     assert item["raw_prompt_ids"].count(image_pad) == 1
-    assert len(item["multi_modal_data"]["images"]) == 1
+    assert len(rollout_media["images"]) == 1
+    # the item carries the image file's own bytes, no tensors and no decoded pixels
+    path = (
+        shapes_data_dir
+        / json.loads((shapes_data_dir / "train.jsonl").read_text().splitlines()[0])["images"][0]
+    )
+    ((image,),) = [item["prompt_media"].images]
+    assert isinstance(item["prompt_media"], PromptMedia) and image["bytes"] == path.read_bytes()
+    others = [value for key, value in item.items() if key not in TOKEN_COLUMNS]
+    assert not any(isinstance(value, (torch.Tensor, Image.Image, dict)) for value in others)
+    assert "multi_modal_inputs" not in item and "multi_modal_data" not in item
+    collated = collate_prompts([item, dataset[1]], tokenizer.pad_token_id)  # what the driver dispatches
+    assert set(collated.batch.keys()) == set(TOKEN_COLUMNS)
+    for column in collated.non_tensor_batch.values():
+        assert not any(isinstance(value, (torch.Tensor, Image.Image, dict)) for value in column)
     assert item["ground_truth"] in {"red", "green", "blue", "yellow"}
     assert item["data_source"] == "shapes_color"
     text = tokenizer.decode(item["input_ids"])
@@ -66,11 +87,16 @@ def test_parquet_with_embedded_images_matches_jsonl(tmp_path, vl):
 
     jsonl_dir = generate_shapes_dataset("color", tmp_path / "j", n_train=4, n_val=1, seed=3, fmt="jsonl")
     parquet_dir = generate_shapes_dataset("color", tmp_path / "p", n_train=4, n_val=1, seed=3, fmt="parquet")
-    from_jsonl = make_dataset(jsonl_dir / "train.jsonl", vl)[2]
-    from_parquet = make_dataset(parquet_dir / "train.parquet", vl)[2]
+    jsonl, parquet = (
+        make_dataset(jsonl_dir / "train.jsonl", vl),
+        make_dataset(parquet_dir / "train.parquet", vl),
+    )
+    from_jsonl, from_parquet = jsonl[2], parquet[2]
     assert torch.equal(from_jsonl["input_ids"], from_parquet["input_ids"])
+    assert from_jsonl["prompt_media"].images[0]["bytes"] == from_parquet["prompt_media"].images[0]["bytes"]
     assert torch.equal(
-        from_jsonl["multi_modal_inputs"]["pixel_values"], from_parquet["multi_modal_inputs"]["pixel_values"]
+        model_media(jsonl, from_jsonl)[0]["pixel_values"],
+        model_media(parquet, from_parquet)[0]["pixel_values"],
     )
 
 
@@ -92,11 +118,12 @@ def test_format_prompt_gets_content_and_columns(tmp_path, vl):
     template = tmp_path / "t.jinja"
     template.write_text("[{{ data_source }}] {{ content | trim }} Think first.")
     data = write_jsonl(tmp_path / "d.jsonl", [{"problem": " 2+2? ", "answer": "4", "data_source": "arith"}])
-    item = make_dataset(data, vl, format_prompt=str(template), system_prompt="Be brief.")[0]
+    dataset = make_dataset(data, vl, format_prompt=str(template), system_prompt="Be brief.")
+    item = dataset[0]
     text = vl[0].decode(item["input_ids"])
     assert "<|im_start|>system\nBe brief.<|im_end|>" in text
     assert "<|im_start|>user\n[arith] 2+2? Think first.<|im_end|>" in text
-    assert item["multi_modal_data"] == {} and item["multi_modal_inputs"] == {}
+    assert item["prompt_media"] is None and model_media(dataset, item) == ({}, {})
 
 
 def test_images_from_bytes_dict_path_and_pil_resized_into_range(tmp_path):

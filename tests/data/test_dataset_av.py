@@ -16,11 +16,11 @@ from PIL import Image
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import build_forward_inputs, compute_position_ids, concat_multi_modal_inputs
 from mmrl.models.loading import load_model
 from mmrl.trainer.config_loader import ConfigError, load_config
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 MEDIA_RANGE = {
     "min_pixels": MIN_PIXELS,
@@ -48,6 +48,13 @@ def make_dataset(path: Path, rows: list[dict], model, **kwargs) -> PromptDataset
     )
 
 
+def with_model_media(dataset: PromptDataset, position: int = 0) -> dict:
+    """Item ``position`` with the ``multi_modal_inputs``/``multi_modal_data`` a worker makes for it."""
+    item = dataset[position]
+    batch = attach_media(collate_prompts([item], 0), dataset.media, rollout_media=True)
+    return {**item, **{key: values[0] for key, values in batch.non_tensor_batch.items()}}
+
+
 def count(item, tokenizer, token: str) -> int:
     return int((item["input_ids"] == tokenizer.convert_tokens_to_ids(token)).sum())
 
@@ -62,7 +69,8 @@ def test_video_item_for_qwen2_5_vl(tmp_path, vl, tiny_vl_path):
     write_video(tmp_path / "clip.mp4", grey_frames(8), fps=2)  # 4 s
     rows = [{"problem": "<video>Which way?", "answer": "left", "videos": ["clip.mp4"]}]
     # 4 of the 8 frames: sampled at 4 / 8 × 2 = 1 fps, so a temporal patch of 2 frames spans 2 s
-    item = make_dataset(tmp_path / "d.jsonl", rows, vl, num_video_frames=4)[0]
+    dataset = make_dataset(tmp_path / "d.jsonl", rows, vl, num_video_frames=4)
+    item = with_model_media(dataset)
     inputs = item["multi_modal_inputs"]
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]]  # 4 frames / 2, 56 px / 14
     assert inputs["pixel_values_videos"].shape == (2 * 4 * 4, 3 * 2 * 14 * 14)
@@ -88,8 +96,8 @@ def test_video_item_for_qwen2_5_vl(tmp_path, vl, tiny_vl_path):
     assert video[2].tolist() == [start, start + 1] * 4
 
     # the n samples of a prompt share its decoded frames
-    repeated = collate_prompts([item], tokenizer.pad_token_id).repeat(3)
-    shared = repeated.non_tensor_batch["multi_modal_data"]
+    repeated = collate_prompts([dataset[0]], tokenizer.pad_token_id).repeat(3)
+    shared = attach_media(repeated, dataset.media, rollout_media=True).non_tensor_batch["multi_modal_data"]
     assert shared[0]["videos"][0][0] is shared[2]["videos"][0][0]
 
 
@@ -104,7 +112,7 @@ def test_image_and_two_videos_follow_their_markers(tmp_path, vl):
         "videos": ["long.mp4", "short.mp4"],
         "images": ["red.png"],
     }
-    item = make_dataset(tmp_path / "d.jsonl", [row], vl)[0]
+    item = with_model_media(make_dataset(tmp_path / "d.jsonl", [row], vl))
     inputs = item["multi_modal_inputs"]
     assert inputs["video_grid_thw"].tolist() == [[4, 4, 4], [2, 4, 4]]
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -125,15 +133,15 @@ def test_audio_item_for_qwen2_5_omni(tmp_path, omni):
     write_wav(tmp_path / "beeps.wav", [tone(1.5)], 16000)
     rows = [{"problem": "<audio>How many beeps?", "answer": "2", "audios": ["beeps.wav"]}]
     dataset = make_dataset(tmp_path / "d.jsonl", rows, omni)
-    assert dataset.audio_seconds == 10.0  # data.max_audio_seconds=30 is cut to the extractor's 10 s window
-    item = dataset[0]
+    assert dataset.media.audio_seconds == 10.0  # max_audio_seconds=30 is cut to the extractor's 10 s window
+    item = with_model_media(dataset)
     inputs = item["multi_modal_inputs"]
     assert inputs["input_features"].shape == (1, 32, 1000)  # mel bins × the 10 s window at 100 frames/s
     assert int(inputs["feature_attention_mask"].sum()) == 150  # 1.5 s
     assert count(item, tokenizer, "<|AUDIO|>") == audio_tokens(150) == 37
     ((waveform, sampling_rate),) = item["multi_modal_data"]["audios"]
     assert waveform.shape == (24000,) and waveform.dtype == np.float32 and sampling_rate == 16000
-    cut = make_dataset(tmp_path / "d.jsonl", rows, omni, max_audio_seconds=1.0)[0]
+    cut = with_model_media(make_dataset(tmp_path / "d.jsonl", rows, omni, max_audio_seconds=1.0))
     assert int(cut["multi_modal_inputs"]["feature_attention_mask"].sum()) == 100
     assert count(cut, tokenizer, "<|AUDIO|>") == audio_tokens(100) == 25
 
@@ -142,7 +150,9 @@ def test_video_with_its_sound_for_omni(tmp_path, omni, tiny_omni_path):
     tokenizer, _ = omni
     write_video(tmp_path / "talk.mov", grey_frames(8), fps=4, audio=tone(2.0))  # 2 s of both
     rows = [{"problem": "<video>What happens?", "answer": "x", "videos": ["talk.mov"]}]
-    item = make_dataset(tmp_path / "d.jsonl", rows, omni, video_fps=4.0, use_audio_in_video=True)[0]
+    item = with_model_media(
+        make_dataset(tmp_path / "d.jsonl", rows, omni, video_fps=4.0, use_audio_in_video=True)
+    )
     inputs = item["multi_modal_inputs"]
     # frames kept at 56×56: without size= the Omni processor would scale them to its own 100k-pixel floor
     assert inputs["video_grid_thw"].tolist() == [[4, 4, 4]]
@@ -168,6 +178,74 @@ def test_video_with_its_sound_for_omni(tmp_path, omni, tiny_omni_path):
     with torch.no_grad():  # features and placeholders agree, or the thinker raises
         logits = model(**inputs).logits
     assert logits.shape[:2] == (1, len(ids))
+
+
+def _media_row(tmp_path: Path, kind: str) -> dict:
+    Image.new("RGB", (84, 56), (255, 0, 0)).save(tmp_path / "red.png")
+    write_video(tmp_path / "clip.mp4", grey_frames(8), fps=2)
+    write_wav(tmp_path / "beeps.wav", [tone(1.5)], 16000)
+    write_video(tmp_path / "talk.mov", grey_frames(8), fps=4, audio=tone(2.0))
+    return {
+        "image": {"problem": "<image>x", "images": ["red.png"]},
+        "image_and_video": {"problem": "<video>a<image>b", "videos": ["clip.mp4"], "images": ["red.png"]},
+        "audio": {"problem": "<audio>x", "audios": ["beeps.wav"]},
+        "video_with_sound": {"problem": "<audio>a<video>b", "videos": ["talk.mov"], "audios": ["beeps.wav"]},
+    }[kind]
+
+
+def _old_driver_inputs(dataset: PromptDataset, row: dict, base_dir: Path) -> dict:
+    """What the dataset item carried before media moved to the workers: the processor's outputs for
+    media decoded from the row's own paths on the driver, without the token columns."""
+    from mmrl.data.media import load_audio, load_image, load_video
+
+    media, config = dataset.media, dataset.config
+    rate = media.feature_extractor.sampling_rate if media.feature_extractor is not None else None
+    images = [
+        load_image(p, config.min_pixels, config.max_pixels, str(base_dir)) for p in row.get("images", [])
+    ]
+    videos = [
+        load_video(
+            p, config.video_min_pixels, config.video_max_pixels, fps=config.video_fps,
+            frame_multiple=2, base_dir=str(base_dir),
+            audio_sampling_rate=rate if config.use_audio_in_video else None, max_audio_seconds=media.audio_seconds,
+        )
+        for p in row.get("videos", [])
+    ]  # fmt: skip
+    audios = [load_audio(p, rate, media.audio_seconds, str(base_dir)) for p in row.get("audios", [])]
+    prompt = dataset[0]["prompt_media"].prompt
+    order = [part for part in ("audio", "video") if f"<{part}>" in row["problem"]]
+    order.sort(key=lambda kind: row["problem"].index(f"<{kind}>"))
+    audio_inputs = media._audio_inputs(order, videos, audios)
+    encoded = media._run_processor(prompt, images, videos, audio_inputs, "row 0")
+    return {
+        key: value
+        for key, value in encoded.items()
+        if key not in ("input_ids", "attention_mask", "mm_token_type_ids")
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "model_name", "options"),
+    [
+        ("image", "vl", {}),
+        ("image_and_video", "vl", {}),
+        ("audio", "omni", {}),
+        ("video_with_sound", "omni", {"video_fps": 4.0, "use_audio_in_video": True}),
+    ],
+)
+def test_worker_media_equal_the_old_driver_side_inputs(tmp_path, request, kind, model_name, options):
+    """The inputs a worker makes from the compact file bytes are exactly those the driver made from the
+    paths before (same decoding, same processor call)."""
+    row = {**_media_row(tmp_path, kind), "answer": "a"}
+    dataset = make_dataset(tmp_path / "d.jsonl", [row], request.getfixturevalue(model_name), **options)
+    made = with_model_media(dataset)["multi_modal_inputs"]
+    expected = _old_driver_inputs(dataset, row, tmp_path)
+    assert made.keys() == expected.keys() and made
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert made[key].dtype == value.dtype and torch.equal(made[key], value), key
+        else:
+            assert made[key] == value, key
 
 
 def _bad_row(tmp_path: Path, case: str) -> dict:

@@ -8,11 +8,11 @@ import torch
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.demo.warmup import warm_up
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import load_model
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
 
 def first_token_probs(model_dir, data_file) -> tuple[torch.Tensor, list[int]]:
@@ -22,6 +22,7 @@ def first_token_probs(model_dir, data_file) -> tuple[torch.Tensor, list[int]]:
         str(data_file), tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     )
     batch = collate_prompts([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    batch = attach_media(batch, dataset.media)
     # one dummy response token: the head output at the last prompt position predicts the first token
     tensors = batch.batch
     dummy = tensors["input_ids"][:, :1]

@@ -343,3 +343,88 @@ def test_merge_dp_outputs_with_two_rows_per_input() -> None:
         merge_dp_outputs(
             [shard([0, 1]), shard([2, 0])[:3]], [0, 1], chunk_len=2, pad_size=1, method="generate"
         )
+
+
+# ---- media: put once, processed where the model runs ---------------------------------------------
+
+
+class MediaWorker(GlooWorker):
+    """Attaches the processed media of its rows as a training worker does, keeping them between calls."""
+
+    def __init__(self, scale: float, model_path: str, data_config) -> None:
+        from mmrl.data.processing import MediaCache, MediaProcessor, load_tokenizer_and_processor
+
+        super().__init__(scale)
+        self.media = MediaProcessor(*load_tokenizer_and_processor(model_path), data_config)
+        self.cache = MediaCache()
+
+    @rows_per_data_parallel_share
+    def pixel_sums(self, data: DataProto) -> DataProto:
+        from mmrl.data.processing import attach_media
+
+        data = attach_media(data, self.media, self.cache)
+        inputs = data.non_tensor_batch["multi_modal_inputs"]
+        sums = torch.stack([row["pixel_values"].double().sum() for row in inputs])
+        counts = {"processed": self.cache.processed, "reused": self.cache.reused}
+        return DataProto.from_dict(tensors={"pixel_sum": sums}, meta_info={"metrics": counts})
+
+
+def test_media_go_through_the_object_store_once_and_are_processed_once_per_rank(
+    ray_cluster, tmp_path, tiny_vl_path
+) -> None:
+    from mmrl.data.collate import collate_prompts
+    from mmrl.data.config import DataConfig
+    from mmrl.data.dataset import PromptDataset
+    from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+    from mmrl.demo.synthetic import write_photo_dataset
+    from mmrl.single_controller import TransferCounter, put_media
+    from mmrl.single_controller.transfer import ENCODED_MEDIA, MEDIA, RECEIVED, SENT, TENSORS
+
+    data_config = DataConfig(min_pixels=3136, max_pixels=50176, max_prompt_length=256)
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    dataset = PromptDataset(
+        str(write_photo_dataset(tmp_path, 4) / "train.jsonl"), tokenizer, processor, data_config
+    )
+    prompts = collate_prompts([dataset[i] for i in range(4)], tokenizer.pad_token_id).repeat(
+        2
+    )  # [a a b b ...]
+    expected = attach_media(prompts, dataset.media).non_tensor_batch["multi_modal_inputs"]
+    expected_sums = [float(row["pixel_values"].double().sum()) for row in expected]
+
+    transfers = TransferCounter()
+    shared = put_media(prompts, transfers)
+    files = sum(media.encoded_bytes for media in dataset_media(prompts))
+    assert transfers.bytes[ENCODED_MEDIA] == files > 300_000  # 4 JPEGs, each put once for its 2 rows
+    assert files <= transfers.bytes[MEDIA] <= files + 4 * 1024  # the file bytes and a prompt each
+    refs = shared.non_tensor_batch["prompt_media"]
+    assert refs[0] is refs[1] and refs[0] is not refs[2]
+
+    pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+    group = RayWorkerGroup(
+        MediaWorker,
+        pool,
+        args=(1.0, str(tiny_vl_path), data_config),
+        name_prefix="media",
+        transfers=transfers,
+    )
+    try:
+        first = group.dispatch("pixel_sums", shared)
+        assert first.batch["pixel_sum"].tolist() == expected_sums  # as made in this process
+        assert first.meta_info["metrics"] == {"processed": [2, 2], "reused": [0, 0]}  # 2 prompts per rank
+        again = group.dispatch("pixel_sums", shared)  # the next phase of the step: nothing processed again
+        assert again.meta_info["metrics"] == {"processed": [2, 2], "reused": [2, 2]}
+        # rows moved to the other rank (as balance_batch may move them) are fetched and processed there
+        moved = group.dispatch("pixel_sums", shared.reorder([0, 1, 4, 5, 2, 3, 6, 7]))
+        assert moved.batch["pixel_sum"].tolist() == [expected_sums[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]
+        assert moved.meta_info["metrics"] == {"processed": [3, 3], "reused": [3, 3]}
+    finally:
+        group.shutdown()
+    # three dispatches of 8 rows moved token columns, refs and scores: no media (a 224-pixel image's
+    # pixel_values alone are 1.2 MB), under 1 kB per row and dispatch beside the tensors
+    objects = transfers.bytes[SENT] + transfers.bytes[RECEIVED] - transfers.bytes[TENSORS]
+    assert 0 < objects < 3 * 8 * 1024
+
+
+def dataset_media(prompts: DataProto) -> list:
+    """The distinct PromptMedia of a batch."""
+    return list({id(media): media for media in prompts.non_tensor_batch["prompt_media"]}.values())

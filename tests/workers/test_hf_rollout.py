@@ -10,12 +10,12 @@ from _models import training_model
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.families import family_for
 from mmrl.models.inputs import concat_multi_modal_inputs
 from mmrl.models.loading import load_model
 from mmrl.protocol import DataProto
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, response_mask_until_eos
 from mmrl.workers.rollout.hf import HFRollout, filter_logits
 from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears, prepacking_available
@@ -36,7 +36,9 @@ def prompts(vl_parts, shapes_data_dir) -> DataProto:
         processor,
         DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
     )
-    return collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+    return attach_media(
+        collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id), dataset.media
+    )
 
 
 def make_rollout(vl_parts, **kwargs) -> HFRollout:
@@ -151,7 +153,9 @@ def test_rollout_log_probs_match_the_trainer_per_family(
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
     )
     dataset = PromptDataset(media_data_files[media], tokenizer, processor, pixels)
-    prompts = collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+    prompts = attach_media(
+        collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id), dataset.media
+    )
     model = training_model(path)
     with torch.no_grad():  # a random tiny model answers everything alike: spread its predictions
         generator = torch.Generator().manual_seed(0)

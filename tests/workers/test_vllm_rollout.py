@@ -33,11 +33,11 @@ from _trainer_run import run_main, small_run_overrides
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import RolloutConfig
-from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 from mmrl.workers.rollout import SamplingParams
 from mmrl.workers.rollout.vllm_spmd import CPU_SHM_PATTERN, unlink_cpu_shared_memory
 
@@ -90,7 +90,8 @@ def _prompts(model_path: str, files: list[str], rows_per_file: int, **dataset_kw
             DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **dataset_kwargs),
         )
         items += [dataset[row] for row in range(rows_per_file)]
-    return collate_prompts(items, tokenizer.pad_token_id)
+    # the media columns a worker attaches (every file's dataset processes media alike)
+    return attach_media(collate_prompts(items, tokenizer.pad_token_id), dataset.media, rollout_media=True)
 
 
 # ---------------------------------------------------------------- what the ranks compute

@@ -1,0 +1,366 @@
+"""A prompt's media, from the compact form that travels to the model's inputs where the model runs.
+
+The driver needs only a prompt's token ids (its length and the placeholders the processor expands);
+the media tensors (``pixel_values`` are ~8x the decoded image and tens of times its JPEG) are needed
+only where the model runs. So a dataset item carries its media in compact form, a
+:class:`PromptMedia`: the original file bytes of each image, video and audio clip (or the decoded value
+the data itself held: a PIL image, an ``{"array", "sampling_rate"}`` dict), the chat-templated prompt,
+and the order of the markers. The trainer puts each one in Ray's object store once per step; the batch
+carries the small references (column ``prompt_media``, :mod:`mmrl.columns`).
+
+:class:`MediaProcessor` is the one processing path: the dataset runs it on the driver (for the token
+ids) and :func:`attach_media` runs it on the workers (for ``multi_modal_inputs``, the processor's
+media tensors, and ``multi_modal_data``, the decoded media a rollout engine takes), so both see the
+same processor outputs. Media reach the Hugging Face processor as transformers v5 expects them:
+
+- images: PIL images (``images=``);
+- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``),
+  with ``video_metadata`` (Qwen2.5-VL derives ``second_per_grid_ts`` from its sampled fps) and ``fps``
+  (Qwen2.5-Omni reads one fps per call; each video's own ``video_second_per_grid`` is set afterwards),
+  and ``size`` = the ``video_min_pixels``/``video_max_pixels`` range, which Qwen2.5-Omni's processor
+  would otherwise replace with its own default;
+- audio: mono float32 waveforms at the feature extractor's rate (``audio=``), in the order of their
+  markers; with ``use_audio_in_video`` (Qwen2.5-Omni) each video's sound track joins the list at the
+  video's place, as the processor interleaves them.
+
+``multi_modal_data`` holds what a rollout engine takes: ``{"images": [PIL], "videos": [(frames,
+metadata dict)], "audios": [(waveform, sampling_rate)]}`` (only the kinds present; vLLM's item forms).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.data.config import DataConfig
+from mmrl.data.media import DecodedVideo, MediaError, load_audio, load_image, load_video
+from mmrl.protocol import DataProto
+
+__all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "DataError", "MediaCache", "MediaProcessor",
+           "PromptMedia", "attach_media", "compact_media_ref", "load_tokenizer_and_processor",
+           "without_model_media"]  # fmt: skip
+
+# processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
+TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids")
+PROMPT_MEDIA = "prompt_media"  # the compact column: a PromptMedia, a Ray ref to one, or None
+# what attach_media adds on a worker; never sent back to the driver (without_model_media)
+MODEL_MEDIA_COLUMNS = ("multi_modal_inputs", "multi_modal_data")
+
+
+class DataError(ValueError):
+    """A dataset row that cannot be used; the message names the file and row."""
+
+
+def load_tokenizer_and_processor(
+    model_path: str, trust_remote_code: bool = False, key: str = "worker.actor.model.tokenizer_path"
+) -> tuple[Any, Any | None]:
+    """The tokenizer of ``model_path`` (a folder or hub id, named by config ``key``), and its multimodal
+    processor (None for text-only models)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from mmrl.models.loading import resolve_model_path
+
+    model_path = resolve_model_path(model_path, key, without_weights=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        processor = None
+    if processor is not None and not hasattr(processor, "image_processor"):
+        processor = None  # a text model's "processor" is its tokenizer
+    return tokenizer, processor
+
+
+@dataclass(frozen=True, eq=False)
+class PromptMedia:
+    """One prompt's media in compact form: everything a worker needs to reproduce its processor outputs."""
+
+    prompt: str  # the chat-templated prompt text the processor is called with
+    # each a compact_media_ref: {"bytes", "path"} or bytes (or a decoded value the data itself held)
+    images: tuple[Any, ...] = ()
+    videos: tuple[Any, ...] = ()
+    audios: tuple[Any, ...] = ()
+    order: tuple[str, ...] = ()  # the media kinds in the order of the prompt's markers
+    where: str = ""  # "file row r", for error messages
+
+    @property
+    def encoded_bytes(self) -> int:
+        """Bytes of the encoded files (decoded values the data held count as their array bytes)."""
+        return sum(_value_bytes(value) for value in (*self.images, *self.videos, *self.audios))
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, dict) and "bytes" in value:
+        return len(value["bytes"])
+    if isinstance(value, dict) and "array" in value:
+        return int(np.asarray(value["array"]).nbytes)
+    if hasattr(value, "tobytes"):  # a PIL image
+        return len(value.tobytes())
+    return 0
+
+
+def compact_media_ref(ref: Any, base_dir: str | None, kind: str) -> Any:
+    """The compact form of one media reference: ``{"bytes", "path"}`` with the file's own bytes (the
+    path only names it in messages); bytes stay bytes; a value already decoded (PIL image, audio array
+    dict) is kept as it is. :mod:`mmrl.data.media` decodes each of these forms."""
+    if isinstance(ref, dict) and "array" not in ref:
+        if ref.get("bytes"):
+            data = ref["bytes"]  # left as given: a wrong type fails in decoding, naming the row
+            return {"bytes": bytes(data) if isinstance(data, bytearray) else data, "path": ref.get("path")}
+        if ref.get("path"):
+            return compact_media_ref(ref["path"], base_dir, kind)
+        raise MediaError(f"{kind} dict has neither 'bytes' nor 'path'")
+    if isinstance(ref, str):
+        path = ref if os.path.isabs(ref) or base_dir is None else os.path.join(base_dir, ref)
+        if not os.path.isfile(path):
+            raise MediaError(f"{kind} file '{path}' does not exist")
+        with open(path, "rb") as handle:
+            return {"bytes": handle.read(), "path": path}
+    if isinstance(ref, bytearray):
+        return bytes(ref)
+    return ref
+
+
+class MediaProcessor:
+    """Decodes a prompt's media and runs the model's processor on them, with the ``data`` section's
+    settings (pixel ranges, video sampling, audio length); the same on the driver and on the workers.
+
+    ``processor`` is the model's Hugging Face processor (None for text-only models, then the tokenizer
+    encodes the prompt)."""
+
+    def __init__(self, tokenizer: Any, processor: Any | None, config: DataConfig):
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.config = config
+        self.video_processor = getattr(processor, "video_processor", None)
+        self.feature_extractor = getattr(processor, "feature_extractor", None)  # Qwen-Omni's audio features
+        self.audio_seconds = self._audio_seconds(config.max_audio_seconds)
+        if config.use_audio_in_video and self.feature_extractor is None:
+            raise DataError(
+                "data.use_audio_in_video=true, but the model's processor takes no audio (Qwen2.5-Omni's does)"
+            )
+
+    def _audio_seconds(self, max_audio_seconds: float) -> float:
+        """``max_audio_seconds``, and no more than the feature extractor's window, beyond which it
+        would cut the clip itself without a word (Qwen2.5-Omni pads every clip to that window)."""
+        window_samples = getattr(self.feature_extractor, "n_samples", None)
+        if window_samples is None:
+            return max_audio_seconds
+        return min(max_audio_seconds, window_samples / self.feature_extractor.sampling_rate)
+
+    def takes(self, kind: str) -> bool:
+        """Whether the model's processor takes media of ``kind``."""
+        return {
+            "image": self.processor is not None,
+            "video": self.video_processor is not None,
+            "audio": self.feature_extractor is not None,
+        }[kind]
+
+    # ---- compact media -> decoded media -> processor outputs ----------------------------------
+
+    def _decode(self, media: PromptMedia) -> tuple[list[Any], list[DecodedVideo], list[Any]]:
+        """``(images, videos, audios)`` of one prompt, decoded and scaled; errors name the row."""
+        config = self.config
+        sampling_rate = getattr(self.feature_extractor, "sampling_rate", None)
+        try:
+            images = [load_image(ref, config.min_pixels, config.max_pixels) for ref in media.images]
+            videos = [
+                load_video(
+                    ref,
+                    config.video_min_pixels,
+                    config.video_max_pixels,
+                    fps=config.video_fps,
+                    num_frames=config.num_video_frames,
+                    max_frames=config.max_video_frames,
+                    frame_multiple=getattr(self.video_processor, "temporal_patch_size", 1),
+                    audio_sampling_rate=sampling_rate if config.use_audio_in_video else None,
+                    max_audio_seconds=self.audio_seconds,
+                )
+                for ref in media.videos
+            ]
+            audios = [load_audio(ref, sampling_rate, self.audio_seconds) for ref in media.audios]
+        except MediaError as err:
+            raise DataError(f"{media.where}: {err}") from None
+        return images, videos, audios
+
+    def _audio_inputs(self, order: Sequence[str], videos: list[DecodedVideo], audios: list[Any]) -> list[Any]:
+        """The processor's audio list: clips, and with ``use_audio_in_video`` the videos' sound tracks,
+        in the order of their markers, which is the order Qwen2.5-Omni's processor consumes them in."""
+        next_video, next_audio = iter(videos), iter(audios)
+        ordered = []
+        for kind in order:
+            if kind == "audio":
+                ordered.append(next(next_audio))
+            elif kind == "video":
+                video = next(next_video)
+                if self.config.use_audio_in_video:
+                    ordered.append(video.audio)
+        return ordered
+
+    def _processor_media_kwargs(
+        self, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
+    ) -> dict[str, Any]:
+        """Media keyword arguments of the processor call (see the module docstring)."""
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
+                raise DataError(
+                    f"{where}: with data.use_audio_in_video the videos of one sample must be sampled at one fps "
+                    f"(found {sorted({video.sampled_fps for video in videos})}): Qwen2.5-Omni's processor takes "
+                    "one fps per call; use one video per sample, or videos of equal frame rate and length"
+                )
+            kwargs["videos"] = [video.frames for video in videos]
+            videos_kwargs = {
+                "do_sample_frames": False,
+                "video_metadata": [video.metadata() for video in videos],
+                "fps": videos[0].sampled_fps,
+                "size": {
+                    "shortest_edge": self.config.video_min_pixels,
+                    "longest_edge": self.config.video_max_pixels,
+                },
+            }
+            if self.feature_extractor is not None:
+                videos_kwargs["use_audio_in_video"] = self.config.use_audio_in_video
+            kwargs["videos_kwargs"] = videos_kwargs
+        if audio_inputs:
+            kwargs["audio"] = audio_inputs
+            kwargs["audio_kwargs"] = {"sampling_rate": self.feature_extractor.sampling_rate}
+        return kwargs
+
+    def _run_processor(
+        self, prompt: str, images: list[Any], videos: list[DecodedVideo], audio_inputs: list[Any], where: str
+    ) -> dict[str, Any]:
+        if self.processor is None:
+            return dict(self.tokenizer([prompt], add_special_tokens=False, return_tensors="pt"))
+        kwargs = self._processor_media_kwargs(images, videos, audio_inputs, where)
+        try:
+            encoded = dict(self.processor(text=[prompt], return_tensors="pt", **kwargs))
+        except (ValueError, RuntimeError) as err:
+            raise DataError(f"{where}: the model's processor rejected the sample: {err}") from err
+        if videos and "video_second_per_grid" in encoded:
+            # Qwen2.5-Omni derives seconds per temporal patch from one fps per call: use each video's own
+            patch = self.video_processor.temporal_patch_size
+            encoded["video_second_per_grid"] = torch.tensor([patch / video.sampled_fps for video in videos])
+        if videos and self.config.use_audio_in_video:
+            encoded["use_audio_in_video"] = True  # read by the thinker's get_rope_index (mmrl.models.inputs)
+        return encoded
+
+    def encode(self, media: PromptMedia) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        """The processor's outputs for the prompt and its media (token columns ``[1, L]`` included),
+        and the decoded media a rollout engine takes (``multi_modal_data``)."""
+        images, videos, audios = self._decode(media)
+        audio_inputs = self._audio_inputs(media.order, videos, audios)
+        rollout_media: dict[str, list[Any]] = {}
+        if images:
+            rollout_media["images"] = images
+        if videos:
+            rollout_media["videos"] = [(video.frames, video.metadata()) for video in videos]
+        if audio_inputs:
+            rollout_media["audios"] = [
+                (waveform, self.feature_extractor.sampling_rate) for waveform in audio_inputs
+            ]
+        encoded = self._run_processor(media.prompt, images, videos, audio_inputs, media.where)
+        return encoded, rollout_media
+
+    def model_media(self, media: PromptMedia | None) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        """``(multi_modal_inputs, multi_modal_data)`` of one prompt: the processor's media tensors and
+        the decoded media; ``({}, {})`` for a prompt without media."""
+        if media is None:
+            return {}, {}
+        encoded, rollout_media = self.encode(media)
+        return {key: value for key, value in encoded.items() if key not in TOKEN_COLUMNS}, rollout_media
+
+
+# ---- on the workers -----------------------------------------------------------------------------
+
+
+def _is_object_ref(value: Any) -> bool:
+    # by name: the data layer imports Ray only when a batch holds refs
+    return type(value).__name__ == "ObjectRef" and hasattr(value, "hex")
+
+
+class MediaCache:
+    """The processed media of the batch a worker last handled, kept for its next phase.
+
+    After ``balance_batch`` a rank scores and trains the same rows in every phase of a step (log-probs,
+    reference, values, update), so it keeps exactly the media of its last batch: an entry not in the
+    new batch is dropped before the new ones are made. Memory is thus bounded by one batch share, as
+    when the batch itself carried the tensors, and nothing needs to be told when a step begins.
+    Entries are keyed by the Ray ref of the compact media (unique per object put), or by the identity
+    of an in-process :class:`PromptMedia`, which the entry keeps alive."""
+
+    def __init__(self) -> None:
+        # key -> (the compact value, (multi_modal_inputs, multi_modal_data))
+        self.entries: dict[Any, tuple[Any, tuple[dict[str, Any], dict[str, list[Any]]]]] = {}
+        self.processed = 0  # prompts decoded and processed (misses)
+        self.reused = 0  # prompts found in the cache (hits)
+        self.fetched_bytes = 0  # encoded media bytes read from the object store
+
+    def retain(self, keys: set[Any]) -> None:
+        self.entries = {key: entry for key, entry in self.entries.items() if key in keys}
+
+
+def _media_key(value: Any) -> Any:
+    return value.hex() if _is_object_ref(value) else id(value)
+
+
+def attach_media(
+    batch: DataProto,
+    processor: MediaProcessor,
+    cache: MediaCache | None = None,
+    rollout_media: bool = False,
+) -> DataProto:
+    """``batch`` with ``multi_modal_inputs`` (and with ``rollout_media`` also ``multi_modal_data``)
+    made from its compact ``prompt_media`` column; unchanged when it has none.
+
+    Values may be :class:`PromptMedia` (in-process use: the demo warm-up, tests) or Ray refs to them
+    (what the trainer dispatches), resolved here in one ``ray.get``. Rows sharing a value (the n
+    responses of a prompt) share one processed result, the same objects; ``cache`` keeps the results
+    for the worker's next phase (see :class:`MediaCache`)."""
+    if PROMPT_MEDIA not in batch.non_tensor_batch:
+        return batch
+    values = list(batch.non_tensor_batch[PROMPT_MEDIA])
+    keys = [_media_key(value) for value in values]
+    distinct = dict(zip(keys, values))
+    if cache is not None:
+        cache.retain(set(distinct))
+    entries = cache.entries if cache is not None else {}
+    refs = [key for key in distinct if isinstance(key, str) and key not in entries]
+    resolved = {}
+    if refs:
+        import ray
+
+        resolved = dict(zip(refs, ray.get([distinct[key] for key in refs])))
+    results = {}
+    for key, value in distinct.items():
+        if key in entries:
+            results[key] = entries[key][1]
+            cache.reused += 1
+            continue
+        media = resolved.get(key, value)
+        results[key] = processor.model_media(media)
+        if cache is not None:
+            entries[key] = (value, results[key])
+            cache.processed += 1
+            cache.fetched_bytes += media.encoded_bytes if key in resolved and media is not None else 0
+    rows = [results[key] for key in keys]
+    columns: dict[str, list[Any]] = {"multi_modal_inputs": [inputs for inputs, _ in rows]}
+    if rollout_media:
+        columns["multi_modal_data"] = [data for _, data in rows]
+    added = DataProto.from_dict(non_tensors=columns).non_tensor_batch  # 1-D object arrays
+    return DataProto(batch.batch, {**batch.non_tensor_batch, **added}, batch.meta_info)
+
+
+def without_model_media(batch: DataProto) -> DataProto:
+    """``batch`` without the columns :func:`attach_media` made (what a worker returns to the driver)."""
+    keep = [key for key in batch.non_tensor_batch if key not in MODEL_MEDIA_COLUMNS]
+    return DataProto(batch.batch, {key: batch.non_tensor_batch[key] for key in keep}, batch.meta_info)
