@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
+from mmrl.models.token_scoring import token_scoring_head
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, AlgorithmConfig
@@ -92,6 +93,13 @@ class PolicyActor:
         self.kl_penalty, self.kl_coef = algorithm.kl_penalty, algorithm.kl_coef
         if self.use_kl_loss:
             get_kl_estimator(self.kl_penalty)  # fail at construction, not in the middle of the first update
+        if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
+            raise ValueError(
+                f"log_prob_chunk_tokens={config.log_prob_chunk_tokens} scores tokens in the model's head, "
+                f"but {type(module).__name__} has the plain one: build it with "
+                "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True), or set "
+                "worker.actor.log_prob_chunk_tokens=0"
+            )
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler

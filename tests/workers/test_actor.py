@@ -58,3 +58,11 @@ def test_chunked_log_probs_and_update_equal_unchunked(kind, padding_free, traini
     moved = [name for name, tensor in whole["state"].items() if not torch.equal(tensor, initial[name])]
     assert "lm_head.weight" in moved or kind == "qwen2_5_vl"  # Omni's untied head is trained too
     assert any(name.startswith("model.embed_tokens") or "embed_tokens" in name for name in moved)
+
+
+def test_chunked_scoring_needs_a_model_prepared_for_it(tiny_vl_path):
+    from mmrl.models.loading import load_model
+
+    with pytest.raises(ValueError, match="score_tokens=True"):
+        policy_actor(load_model(str(tiny_vl_path)), log_prob_chunk_tokens=CHUNK_TOKENS)
+    policy_actor(load_model(str(tiny_vl_path)), log_prob_chunk_tokens=0)  # the whole logits: any head
