@@ -29,7 +29,9 @@ machine is shared, so read it as a rough figure). Prints the table and writes
 ``bench/results/scale_memory.json``.
 
 The update stops at 2,048 tokens by default: on a 2-core CPU one 4,096-token update of this model
-takes minutes (pass ``--update_lengths`` to add it).
+takes minutes (pass ``--update_lengths`` to add it). The whole default run took 21 min on the shared
+2-core machine while other jobs kept its load at 8-12 (the two 2,048-token updates about a third of
+it); ``--update_lengths 512 1024`` is the quick variant.
 """
 
 from __future__ import annotations

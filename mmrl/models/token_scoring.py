@@ -71,7 +71,8 @@ class _ChunkedTokenScores(torch.autograd.Function):
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
             log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
-            # H = lse - sum_v p_v z_v; p is formed in place of a copy of nothing: z is kept for the sum
+            # H = lse - sum_v p_v z_v, as core_algos.entropy_from_logits: no log of a probability is
+            # taken, so p = 0 (underflow) cannot give 0 * -inf
             probs = (logits - lse[:, None]).exp_()
             entropies[rows] = lse - probs.mul_(logits).sum(-1)
             lses[rows] = lse
@@ -91,8 +92,8 @@ class _ChunkedTokenScores(torch.autograd.Function):
             return None, None, None, None, None, None, None
         temperature = ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # fp32 accumulation over chunks: [V, D] does not grow with the tokens, and a bf16 running sum
-        # would round every chunk's contribution
+        # an fp32 running sum over the chunks ([V, D]: it does not grow with the tokens); a bf16 one
+        # would be rounded again after every chunk
         fp32 = {"dtype": torch.float32, "device": weight.device}
         grad_weight = torch.zeros(weight.shape, **fp32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, **fp32) if bias is not None and ctx.needs_input_grad[2] else None
