@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     rows = measure_rows(args.lengths, args.update_lengths, args.chunk_tokens, args.threads)
     payload = {"args": vars(args), "rows": rows, "wall_s": time.perf_counter() - start}
-    path = write_json("scale_memory", payload)
+    path = write_json("scale_memory.json", payload)
     print(f"\nmemory at the real vocabulary ({SIZE} Qwen2.5-VL, fp32, CPU; chunk {args.chunk_tokens})")
     print(format_table(rows))
     print(f"-> {path} ({payload['wall_s']:.0f} s)")
