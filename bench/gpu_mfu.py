@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         )  # random fp32 master weights, built on the device
     build_s = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
-    prepare_for_training(model, packing=True)
+    prepare_for_training(model, packing=True, score_tokens=True)  # as the trainer prepares the actor
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     mesh = dist.device_mesh.init_device_mesh(device.type, (1,))

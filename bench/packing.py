@@ -206,7 +206,7 @@ def main() -> None:
         valid_per_row = batch.batch["attention_mask"].sum(-1)
         count_micro_batches = math.ceil(args.rows / args.micro_batch_size)
         budget = max(int(valid_per_row.max()), math.ceil(int(valid_per_row.sum()) / count_micro_batches))
-        model = prepare_for_training(load_model(str(path)), packing=True)  # padded and packed modes
+        model = prepare_for_training(load_model(str(path)), packing=True, score_tokens=True)  # padded, packed
         batch = add_old_log_probs(model, batch)
         modes = (("padded", False, None), ("packed", True, None), ("packed+budget", True, budget))
         results = bench_modes(model, batch, modes, args.micro_batch_size, args.repeats)

@@ -77,7 +77,9 @@ def _rank_job(
 
     ulysses_size, ring_size = layout
     groups = init_sequence_parallel(ulysses_size, ring_size) if world_size > 1 else None
-    model = prepare_for_training(load_model(model_path), packing=True, sequence_parallel=groups is not None)
+    model = prepare_for_training(
+        load_model(model_path), packing=True, sequence_parallel=groups is not None, score_tokens=True
+    )
     vocab_size = model.config.vocab_size
     module = apply_fsdp2(model, init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)

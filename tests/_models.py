@@ -10,7 +10,9 @@ def training_model(path, role: str = "actor", sequence_parallel: bool = False, *
     """The model in ``path`` loaded as ``role`` and prepared for padded and packed passes (and, with
     ``sequence_parallel``, rows split over ranks), as ``build_fsdp_model`` prepares the trainer's."""
     model = load_model(str(path), role=role, **load_kwargs)
-    return prepare_for_training(model, packing=True, sequence_parallel=sequence_parallel)
+    return prepare_for_training(
+        model, packing=True, sequence_parallel=sequence_parallel, score_tokens=role == "actor"
+    )
 
 
 def build_hub_cache(model_dir, cache_dir, repo_id: str, revision: str = "0" * 40):

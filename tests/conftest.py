@@ -80,6 +80,16 @@ def tiny_qwen3_vl_path(tiny_models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_width_vl_path(tiny_models_dir) -> Path:
+    """A Qwen2.5-VL with the 3B model's widths and real vocabulary (151,936, tied), 2 decoder layers and
+    2 vision blocks, random weights (seed 0; 0.54B parameters, 2.2 GB of fp32 safetensors)."""
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen2_5_vl"
+    return build_tiny_model(kind, tiny_model_path(kind, "3b-width", tiny_models_dir), "3b-width", seed=0)
+
+
+@pytest.fixture(scope="session")
 def shapes_data_dir(tmp_path_factory) -> Path:
     """The ``color`` task as jsonl: 32 train / 8 val rows (seed 0), images under ``images/``."""
     from mmrl.demo.synthetic import generate_shapes_dataset

@@ -18,10 +18,16 @@ calls reload:
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
 (tiny) or 64 (small) wide: vLLM's CPU backend needs ``head_dim >= 32``. Weights are float32.
+``3b-width`` (Qwen2.5-VL only, 0.55B): Qwen2.5-VL-3B's widths, rotary settings and real vocabulary
+(151,936 rows, tied) with 2 decoder layers and 2 vision blocks, for measuring what scales with the
+vocabulary and the widths (memory of log-prob passes, weight sync) without the 3B's depth.
 
 The tokenizer is a byte-level BPE trained on ``TINY_CORPUS`` with Qwen's pre-tokenizer, Qwen's special
 tokens (the Omni names for Omni), ``<think>``/``</think>``/``<answer>``/``</answer>`` as whole tokens
-and a Qwen-style chat template. Every answer word of ``mmrl.demo.synthetic`` is one token.
+and a Qwen-style chat template. Every answer word of ``mmrl.demo.synthetic`` is one token. At
+``3b-width`` its merges are extended by synthetic ones (concatenations of trained tokens) to Qwen2.5's
+151,665 entries, then ``<|reserved_N|>`` tokens fill it to the model's 151,936 rows, so that every id a
+random model samples decodes.
 
 A folder is complete when ``BUILD_MARKER`` exists (written last); building again with the same
 arguments returns at once.
@@ -116,6 +122,14 @@ class ModelSize:
     audio_ffn_size: int
     num_mel_bins: int
     vocab_size: int  # BPE target including special tokens; TINY_CORPUS yields ~460 tokens
+    # None: the tokenizer is what TINY_CORPUS yields; else synthetic merges extend it to this many
+    # entries and reserved tokens fill it to vocab_size (the model's rows)
+    tokenizer_size: int | None = None
+    max_position_embeddings: int = 4096
+    kinds: tuple[str, ...] = KINDS  # the kinds built at this size
+    min_pixels: int = MIN_PIXELS  # the processor's image / video frame resize bounds
+    max_pixels: int = MAX_PIXELS
+    tie_word_embeddings: bool = True  # Qwen2.5-VL / Qwen2 / Qwen3-VL (Omni is always untied)
 
     @property
     def head_dim(self) -> int:
@@ -142,6 +156,14 @@ SIZES: dict[str, ModelSize] = {
         vision_hidden_size=256, vision_depth=4, vision_heads=4, vision_intermediate_size=1024,
         audio_hidden_size=256, audio_layers=2, audio_heads=4, audio_ffn_size=1024, num_mel_bins=80,
         vocab_size=1024,
+    ),
+    # Qwen2.5-VL-3B-Instruct's config.json widths; depth cut to 2 decoder layers and 2 vision blocks.
+    "3b-width": ModelSize(
+        hidden_size=2048, num_layers=2, num_heads=16, num_kv_heads=2, intermediate_size=11008,
+        vision_hidden_size=1280, vision_depth=2, vision_heads=16, vision_intermediate_size=3420,
+        audio_hidden_size=64, audio_layers=1, audio_heads=2, audio_ffn_size=128, num_mel_bins=128,
+        vocab_size=151_936, tokenizer_size=151_665, max_position_embeddings=128_000,
+        kinds=("qwen2_5_vl",), min_pixels=56 * 56, max_pixels=28 * 28 * 16384,  # the 3B processor's
     ),
 }  # fmt: skip
 
@@ -249,8 +271,28 @@ def _train_bpe(corpus: list[str], num_merged_tokens: int) -> tuple[dict[str, int
     return model_json["vocab"], merges
 
 
+def _extend_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], size: int) -> None:
+    """Add merges ``(a, b) -> a + b`` of trained tokens, in id order, until ``vocab`` has ``size``
+    entries (in place). Later merges rank below the trained ones, and every new token is a sequence of
+    bytes, so encoding stays byte-level BPE (text round-trips) and every new id decodes."""
+    trained = sorted(vocab, key=vocab.__getitem__)
+    for first in trained:
+        for second in trained:
+            if len(vocab) >= size:
+                return
+            token = first + second
+            if token not in vocab:
+                vocab[token] = len(vocab)
+                merges.append((first, second))
+    raise ValueError(f"cannot extend a {len(trained)}-token BPE to {size} entries by pairs")
+
+
 def train_tokenizer(
-    corpus: list[str], vocab_size: int, kind: str = "qwen2_5_vl", system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    corpus: list[str],
+    vocab_size: int,
+    kind: str = "qwen2_5_vl",
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    tokenizer_size: int | None = None,
 ) -> PreTrainedTokenizerFast:
     """A Qwen2 tokenizer (``PreTrainedTokenizerFast``) over a BPE trained on ``corpus``.
 
@@ -258,13 +300,19 @@ def train_tokenizer(
     ``<think>`` .. ``</answer>`` (normal added tokens), then the special tokens: ``<|endoftext|>``
     (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and the kind's named multimodal tokens, which are also
     tokenizer attributes (``tokenizer.image_token`` ...) as the Qwen processors expect.
+    With ``tokenizer_size`` the byte-level vocabulary is extended by synthetic merges
+    (:func:`_extend_bpe`) so that the tokenizer has that many entries, followed by ``<|reserved_N|>``
+    tokens (normal added tokens) up to ``vocab_size``.
     """
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     named_tokens = NAMED_TOKENS[kind]
     special_tokens = [*CHAT_TOKENS, *named_tokens.values()]
-    vocab, merges = _train_bpe(corpus, vocab_size - len(REASONING_TOKENS) - len(special_tokens))
+    added = len(REASONING_TOKENS) + len(special_tokens)
+    vocab, merges = _train_bpe(corpus, vocab_size - added)
+    if tokenizer_size is not None:
+        _extend_bpe(vocab, merges, tokenizer_size - added)
     for token in [*REASONING_TOKENS, *special_tokens]:
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(
@@ -277,9 +325,12 @@ def train_tokenizer(
         extra_special_tokens=list(special_tokens),
         model_specific_special_tokens=dict(named_tokens),
         chat_template=chat_template(named_tokens, system_prompt),
-        model_max_length=4096,
+        model_max_length=4096 if tokenizer_size is None else 131_072,  # Qwen2.5-VL's at real size
     )
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in REASONING_TOKENS])
+    if tokenizer_size is not None:
+        reserved = [f"<|reserved_{index}|>" for index in range(vocab_size - len(tokenizer))]
+        tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in reserved])
     return tokenizer
 
 
@@ -317,7 +368,7 @@ def _text_config(size: ModelSize, vocab_size: int, ids: dict[str, int], mrope: b
         "num_hidden_layers": size.num_layers,
         "num_attention_heads": size.num_heads,
         "num_key_value_heads": size.num_kv_heads,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": size.max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "rope_parameters": rope_parameters,
         "bos_token_id": ids["pad"],
@@ -384,7 +435,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
     if kind == "qwen3_vl":
         return _qwen3_vl_config(size, vocab_size, ids)
     if kind == "qwen2_5_vl":
-        text_config = {**_text_config(size, vocab_size, ids, mrope=True), "tie_word_embeddings": True}
+        tied = {"tie_word_embeddings": size.tie_word_embeddings}
+        text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
         return Qwen2_5_VLConfig(
             text_config=text_config,
             vision_config={**_vision_config(size), "tokens_per_second": 2},
@@ -392,7 +444,7 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
             video_token_id=ids["video_token"],
             vision_start_token_id=ids["vision_start_token"],
             vision_end_token_id=ids["vision_end_token"],
-            tie_word_embeddings=True,
+            **tied,
         )
     if kind == "qwen2_5_omni":
         # Untied like Qwen2.5-Omni-7B: vLLM's thinker reads tying from the text config, transformers
@@ -505,12 +557,15 @@ def model_class(kind: str) -> type[PreTrainedModel]:
 
 
 def build_processor(
-    kind: str, tokenizer: PreTrainedTokenizerFast, num_mel_bins: int = 128
+    kind: str,
+    tokenizer: PreTrainedTokenizerFast,
+    num_mel_bins: int = 128,
+    pixels: tuple[int, int] = (MIN_PIXELS, MAX_PIXELS),
 ) -> ProcessorMixin | None:
     """The multimodal processor of ``kind`` around ``tokenizer`` (None for the text-only ``qwen2``).
 
-    Images and videos are resized into ``[MIN_PIXELS, MAX_PIXELS]``; a 56x56 image gives a 4x4 patch
-    grid, i.e. 4 placeholder tokens after the 2x2 merge. Omni audio: 16 kHz log-mel features with
+    Images and videos are resized into ``pixels`` (min, max; default ``[MIN_PIXELS, MAX_PIXELS]``); a
+    56x56 image gives a 4x4 patch grid, i.e. 4 placeholder tokens after the 2x2 merge. Omni audio: 16 kHz log-mel features with
     ``num_mel_bins`` bins (the audio tower's), padded to ``AUDIO_CHUNK_LENGTH_S``.
     """
     if kind == "qwen2":
@@ -525,7 +580,7 @@ def build_processor(
         WhisperFeatureExtractor,
     )
 
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    size = {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
     vision = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
     image_processor = Qwen2VLImageProcessor(size=size, **vision)
     video_processor = Qwen2VLVideoProcessor(
@@ -560,9 +615,10 @@ def _size(size: str) -> ModelSize:
     return SIZES[size]
 
 
-def _checked_tokenizer(kind: str, vocab_size: int) -> PreTrainedTokenizerFast:
-    """The tokenizer of ``kind`` trained on ``TINY_CORPUS`` (~10 ms, deterministic), answers checked."""
-    tokenizer = train_tokenizer(TINY_CORPUS, vocab_size, kind)
+def _checked_tokenizer(kind: str, spec: ModelSize) -> PreTrainedTokenizerFast:
+    """The tokenizer of ``kind`` trained on ``TINY_CORPUS`` (~10 ms, deterministic; ~2 s extended to
+    a real vocabulary), answers checked."""
+    tokenizer = train_tokenizer(TINY_CORPUS, spec.vocab_size, kind, tokenizer_size=spec.tokenizer_size)
     check_single_token_answers(tokenizer, _answer_words())
     return tokenizer
 
@@ -570,7 +626,7 @@ def _checked_tokenizer(kind: str, vocab_size: int) -> PreTrainedTokenizerFast:
 def count_parameters(kind: str, size: str = "tiny") -> int:
     """Parameters of ``kind`` at ``size`` (shared tensors once), counted on the meta device."""
     spec = _size(size)
-    config = build_config(kind, spec, _checked_tokenizer(kind, spec.vocab_size))
+    config = build_config(kind, spec, _checked_tokenizer(kind, spec))
     with torch.device("meta"):
         model = model_class(kind)(config)
     return sum(parameter.numel() for parameter in model.parameters())
@@ -618,7 +674,9 @@ def build_tiny_model(
             "pass force=True (--force) to replace it or choose another folder"
         )
 
-    tokenizer = _checked_tokenizer(kind, spec.vocab_size)
+    if kind not in spec.kinds:
+        raise ValueError(f"size {size!r} is built for {spec.kinds} only, not {kind!r}")
+    tokenizer = _checked_tokenizer(kind, spec)
     config = build_config(kind, spec, tokenizer)
     with torch.random.fork_rng(devices=[]):  # seeds the init without touching the caller's RNG
         torch.manual_seed(seed)
@@ -629,7 +687,7 @@ def build_tiny_model(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     model.save_pretrained(tmp_dir)
-    processor = build_processor(kind, tokenizer, spec.num_mel_bins)
+    processor = build_processor(kind, tokenizer, spec.num_mel_bins, (spec.min_pixels, spec.max_pixels))
     (processor or tokenizer).save_pretrained(tmp_dir)
     if kind == "qwen2_5_omni":
         # Qwen2_5OmniForConditionalGeneration.from_pretrained requires the speaker table of the talker.

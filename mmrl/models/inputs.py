@@ -19,8 +19,10 @@ Packed and sequence-parallel passes need a model prepared for them where it was 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from torch import nn
 from mmrl.models.attention import PackedSequences, SharedPrefixSequences
 from mmrl.models.families import family_of
 from mmrl.models.prepare import check_prepared
+from mmrl.models.token_scoring import scoring_tokens
 from mmrl.parallel.sequence import (
     SequenceParallelGroups,
     ShardedSequences,
@@ -392,6 +395,48 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
+@dataclass(frozen=True)
+class ResponseScoring:
+    """Score the response tokens inside the model's head (:mod:`mmrl.models.token_scoring`): the
+    outputs become ``[..., 2]`` = (``log_softmax(logits / temperature)`` of the response token,
+    entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
+    (an entropy bonus) rather than logged only."""
+
+    temperature: float
+    chunk_tokens: int
+    entropy_grad: bool = False
+
+
+def _scoring_scope(
+    model: nn.Module, scoring: ResponseScoring | None, targets: torch.Tensor, rows: torch.Tensor | None = None
+) -> contextlib.AbstractContextManager:
+    """The block in which ``model``'s head scores ``targets`` (one per row it gets, or per row of
+    ``rows`` of its input), or nothing."""
+    if scoring is None:
+        return contextlib.nullcontext()
+    return scoring_tokens(
+        model, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad, rows
+    )
+
+
+def _head_rows(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    scoring: ResponseScoring | None,
+) -> torch.Tensor:
+    """The head's outputs at packed positions ``rows`` [K] (predicting ``tokens`` [K]): [K, D]."""
+    if _accepts_logits_to_keep(model):
+        with _scoring_scope(model, scoring, tokens):
+            return model(**inputs, use_cache=False, logits_to_keep=rows).logits[0]
+    if scoring is None:
+        return model(**inputs, use_cache=False).logits[0, rows]
+    # every position reaches the head, which scores only ``rows`` (shared prompts repeat one of them)
+    with _scoring_scope(model, scoring, tokens, rows):
+        return model(**inputs, use_cache=False).logits
+
+
 def response_head_outputs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -401,12 +446,14 @@ def response_head_outputs(
     mm_token_type_ids: torch.Tensor | None = None,
     padding_free: bool = False,
     position_ids: torch.Tensor | None = None,
+    scoring: ResponseScoring | None = None,
 ) -> torch.Tensor:
     """The head's outputs at the positions that predict the response tokens: ``[B, R, D]``.
 
     ``input_ids`` [B, P + R] ends with the R response tokens; the output at position ``t`` predicts
     token ``t + 1``, so positions ``P - 1 .. P + R - 2`` are kept. ``D`` is the vocabulary for a policy
-    (logits, before temperature) and 1 for a critic (values of the states before each response token).
+    (logits, before temperature), 2 with ``scoring`` (log-prob, entropy of each response token) and 1
+    for a critic (values of the states before each response token).
     At padded response slots: whatever the model computes there, or 0 with ``padding_free``.
     """
     if padding_free:
@@ -419,6 +466,7 @@ def response_head_outputs(
             mm_token_type_ids,
             padding_free=True,
             position_ids=position_ids,
+            scoring=scoring,
         )
         return scatter_response_tokens(outputs, response_valid)
     inputs = build_forward_inputs(
@@ -426,7 +474,11 @@ def response_head_outputs(
     )
     # Only the last R + 1 positions reach lm_head: a [B, P + R, vocab] tensor is the largest of the pass.
     keep = {"logits_to_keep": response_length + 1} if _accepts_logits_to_keep(model) else {}
-    logits = model(**inputs, use_cache=False, **keep).logits
+    # position t predicts token t + 1; the last position predicts nothing (target 0, never read)
+    next_tokens = nn.functional.pad(input_ids[:, 1:], (0, 1))  # [B, L]
+    targets = next_tokens[:, -response_length - 1 :] if keep else next_tokens
+    with _scoring_scope(model, scoring, targets):
+        logits = model(**inputs, use_cache=False, **keep).logits
     return logits[:, -response_length - 1 : -1]  # [B, R, D]
 
 
@@ -441,6 +493,7 @@ def response_token_outputs(
     sequence_parallel: SequenceParallelGroups | None = None,
     position_ids: torch.Tensor | None = None,
     share_prompts: bool = False,
+    scoring: ResponseScoring | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's outputs predicting the K valid response tokens only: ``(outputs [K, D],
     response_valid [B, R])``, in row-major order of ``response_valid`` (``attention_mask`` on the
@@ -455,6 +508,8 @@ def response_token_outputs(
     ``sequence_parallel`` (packed only): this rank runs the decoder on its share of the packed row
     (:mod:`mmrl.parallel.sequence`) and the K outputs are gathered from the SP group, the same on
     every SP rank.
+    ``scoring``: the head scores the response tokens in chunks, ``D`` = 2 (log-prob, entropy), and
+    no ``[K, vocab]`` logits exist (:class:`ResponseScoring`).
     """
     if not padding_free:
         response_valid = attention_mask[:, -response_length:].bool()
@@ -466,6 +521,7 @@ def response_token_outputs(
             multi_modal_inputs,
             mm_token_type_ids,
             position_ids=position_ids,
+            scoring=scoring,
         )
         return outputs[response_valid], response_valid
     sharded = sequence_parallel is not None and sequence_parallel.size > 1
@@ -484,27 +540,31 @@ def response_token_outputs(
             model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
         )
         indices, response_valid = packed_response_indices(attention_mask, response_length)
+    tokens = input_ids[:, -response_length:][response_valid]  # [K]: the token each index predicts
     if sharded:
-        return _sequence_parallel_outputs(model, inputs, indices, sequence_parallel), response_valid
-    if _accepts_logits_to_keep(model):
-        return model(**inputs, use_cache=False, logits_to_keep=indices).logits[0], response_valid  # [K, D]
-    return model(**inputs, use_cache=False).logits[0, indices], response_valid  # [K, D]
+        outputs = _sequence_parallel_outputs(model, inputs, indices, tokens, sequence_parallel, scoring)
+        return outputs, response_valid
+    return _head_rows(model, inputs, indices, tokens, scoring), response_valid  # [K, D]
 
 
 def _sequence_parallel_outputs(
-    model: nn.Module, inputs: dict[str, Any], indices: torch.Tensor, groups: SequenceParallelGroups
+    model: nn.Module,
+    inputs: dict[str, Any],
+    indices: torch.Tensor,
+    tokens: torch.Tensor,
+    groups: SequenceParallelGroups,
+    scoring: ResponseScoring | None,
 ) -> torch.Tensor:
-    """Head outputs [K, D] at packed ``indices``, each computed by the SP rank holding its position."""
+    """Head outputs [K, D] at packed ``indices`` (predicting ``tokens`` [K]), each computed by the SP
+    rank holding its position."""
     check_prepared(model, sequence_parallel=True, where="response_token_outputs(sequence_parallel=...)")
     packed = inputs["packed_sequences"]
     layout = ShardLayout(packed.lengths, groups.ring_size, groups.ulysses_size)
     inputs["packed_sequences"] = ShardedSequences(packed, layout, groups)
     owners, local_index = token_owners(layout, indices)  # [K] each
-    mine = local_index[owners == groups.rank].to(indices.device)  # ascending in K order
-    if _accepts_logits_to_keep(model):
-        local = model(**inputs, use_cache=False, logits_to_keep=mine).logits[0]
-    else:
-        local = model(**inputs, use_cache=False).logits[0, mine]
+    is_mine = owners == groups.rank
+    mine = local_index[is_mine].to(indices.device)  # ascending in K order
+    local = _head_rows(model, inputs, mine, tokens[is_mine.to(tokens.device)], scoring)
     return gather_token_outputs(local, owners, groups.rank, groups.sp_group)
 
 

@@ -1,8 +1,10 @@
 """Preparing a model for the forward passes mmrl runs, once, where the model is built.
 
 :func:`prepare_for_training` applies its family's fix (:class:`~mmrl.models.families.ModelFamily`
-``fix_model``), switches the text decoder to packed attention (``packing``) and installs the
-sequence-parallel input sharding (``sequence_parallel``). The forward helpers of
+``fix_model``), switches the text decoder to packed attention (``packing``), installs the
+sequence-parallel input sharding (``sequence_parallel``) and, for a policy (``score_tokens``), the
+output head that computes log-probs and entropies in token chunks
+(:mod:`mmrl.models.token_scoring`). The forward helpers of
 :mod:`mmrl.models.inputs` never change a model: handed an unprepared one for a packed or
 sequence-parallel pass they raise, so the module a builder returns is the module that runs.
 """
@@ -13,6 +15,7 @@ from torch import nn
 
 from mmrl.models.attention import enable_packed_attention, packed_attention_enabled
 from mmrl.models.families import family_of
+from mmrl.models.token_scoring import install_token_scoring_head
 from mmrl.parallel.sequence import enable_sequence_parallel, sequence_parallel_enabled
 
 PREPARE_HINT = (
@@ -21,10 +24,13 @@ PREPARE_HINT = (
 )
 
 
-def prepare_for_training(model: nn.Module, packing: bool, sequence_parallel: bool = False) -> nn.Module:
-    """Make ``model`` (before FSDP wrapping, or after) ready for padded passes and, with ``packing``,
+def prepare_for_training(
+    model: nn.Module, packing: bool, sequence_parallel: bool = False, score_tokens: bool = False
+) -> nn.Module:
+    """Make ``model`` (before FSDP wrapping) ready for padded passes and, with ``packing``,
     packed ones (padding-free, shared prompts); with ``sequence_parallel`` also for passes whose rows
-    are split over ranks (which are packed). Idempotent; returns ``model`` itself."""
+    are split over ranks (which are packed); with ``score_tokens`` (a policy, not a critic's value
+    head) for log-prob passes that score tokens inside the head. Idempotent; returns ``model`` itself."""
     if sequence_parallel and not packing:
         raise ValueError("prepare_for_training: sequence parallelism runs on packed rows; pass packing=True")
     family = family_of(model)
@@ -34,6 +40,8 @@ def prepare_for_training(model: nn.Module, packing: bool, sequence_parallel: boo
         enable_packed_attention(model)
     if sequence_parallel:
         enable_sequence_parallel(model, family.shard_decoder_inputs)
+    if score_tokens:
+        install_token_scoring_head(model)
     return model
 
 

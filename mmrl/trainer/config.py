@@ -92,7 +92,9 @@ class FSDPConfig:
         True  # free gathered parameters after forward (ZeRO-3); false = keep them for backward (ZeRO-2)
     )
     enable_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters live on CPU
-    torch_dtype: str = "auto"  # dtype of the stored weights: auto (fp32) | fp32 | bf16
+    # dtype of the stored weights: auto (fp32 for a trained model; a frozen reference: bf16 on GPU,
+    # fp32 on CPU) | fp32 | bf16
+    torch_dtype: str = "auto"
     mp_param_dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     mp_reduce_dtype: str = "fp32"  # gradient reduction dtype
     mp_buffer_dtype: str = "fp32"  # buffer dtype
@@ -130,6 +132,9 @@ class ActorConfig:
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
+    # response tokens per chunk of the log-prob/entropy head (actor, ref): [chunk, vocab] logits at a
+    # time, in forward and backward; 0 = the whole [tokens, vocab] logits at once
+    log_prob_chunk_tokens: int = 1024
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     model: ActorModelConfig = field(default_factory=ActorModelConfig)

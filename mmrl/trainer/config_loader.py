@@ -435,6 +435,11 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
     for key in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(actor, key) <= 0:
             errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0")
+    if actor.log_prob_chunk_tokens < 0:
+        errors.append(
+            f"worker.actor.log_prob_chunk_tokens={actor.log_prob_chunk_tokens} must be >= 0 (tokens per "
+            "chunk of the log-prob head; 0 = unchunked)"
+        )
     if actor.clip_ratio_dual <= 1:
         errors.append(
             f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1 (dual-clip constant c)"

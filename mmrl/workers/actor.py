@@ -10,7 +10,9 @@ line where the loss is called. ``padding_free`` runs every forward on packed row
 ``share_prompts`` each distinct prompt of a micro-batch once, followed by its responses;
 micro-batches hold ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch`` as many rows as
 fit in that many packed tokens. Log-probs and entropies are computed on the valid response tokens
-only ([K, vocab] logits, never [b, R, vocab]) and laid out as [b, R] with zeros on padding.
+only and laid out as [b, R] with zeros on padding: inside the model's head, ``log_prob_chunk_tokens``
+tokens at a time (:mod:`mmrl.models.token_scoring`: [chunk, vocab] logits, in forward and backward),
+or with ``log_prob_chunk_tokens`` 0 from the whole [K, vocab] logits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmrl.models.inputs import scatter_response_tokens
+from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
+from mmrl.models.token_scoring import token_scoring_head
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import ActorConfig, AlgorithmConfig
@@ -90,6 +93,13 @@ class PolicyActor:
         self.kl_penalty, self.kl_coef = algorithm.kl_penalty, algorithm.kl_coef
         if self.use_kl_loss:
             get_kl_estimator(self.kl_penalty)  # fail at construction, not in the middle of the first update
+        if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
+            raise ValueError(
+                f"log_prob_chunk_tokens={config.log_prob_chunk_tokens} scores tokens in the model's head, "
+                f"but {type(module).__name__} has the plain one: build it with "
+                "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True), or set "
+                "worker.actor.log_prob_chunk_tokens=0"
+            )
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -98,18 +108,33 @@ class PolicyActor:
         self.dp_group = dp_group
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
 
-    def _response_logits(
-        self, micro_batch: DataProto, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits / temperature`` at the valid response tokens [K, V], and ``response_valid`` [b, R]."""
-        logits, response_valid = micro_batch_token_outputs(
+    def _response_scores(
+        self, micro_batch: DataProto, temperature: float, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``log softmax(logits / temperature)`` of the valid response tokens [K] (float32), their
+        entropies [K] when ``with_entropy`` (differentiable with ``entropy_grad``, else detached) and
+        ``response_valid`` [b, R]."""
+        chunk_tokens = self.config.log_prob_chunk_tokens
+        scoring = ResponseScoring(temperature, chunk_tokens, entropy_grad) if chunk_tokens > 0 else None
+        outputs, response_valid = micro_batch_token_outputs(
             self.module,
             micro_batch,
             self.config.padding_free,
             self.sequence_parallel,
             self.config.share_prompts,
+            scoring,
         )
-        return logits / temperature, response_valid
+        if scoring is not None:  # [K, 2]: the head scored the tokens chunk by chunk
+            entropies = outputs[:, 1] if entropy_grad else outputs[:, 1].detach()
+            return outputs[:, 0], entropies if with_entropy else None, response_valid
+        logits = outputs / temperature  # [K, V]
+        log_probs = log_probs_from_logits(logits, micro_batch.batch["responses"][response_valid]).float()
+        if not with_entropy:
+            return log_probs, None, response_valid
+        if entropy_grad:
+            return log_probs, entropy_from_logits(logits.float()), response_valid
+        with torch.no_grad():  # logged only: no graph through the softmax
+            return log_probs, entropy_from_logits(logits.detach().float()), response_valid
 
     @torch.no_grad()
     def compute_log_probs(
@@ -122,12 +147,11 @@ class PolicyActor:
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
-            logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
-            tokens = micro_batch.batch["responses"][response_valid]  # [K]
-            token_log_probs = log_probs_from_logits(logits, tokens).float()
+            token_log_probs, entropy, response_valid = self._response_scores(
+                micro_batch, temperature, with_entropy
+            )  # [K] each
             log_probs.append(scatter_response_tokens(token_log_probs, response_valid).cpu())
             if with_entropy:
-                entropy = entropy_from_logits(logits.float())
                 entropies.append(scatter_response_tokens(entropy, response_valid).cpu())
         restore = torch.from_numpy(restore)
         return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
@@ -203,9 +227,12 @@ class PolicyActor:
             global_num_seqs=num_seqs,
             max_response_length=self.max_response_length,
         )
-        logits, response_valid = self._response_logits(micro_batch, temperature)  # [K, V]
-        token_log_probs = log_probs_from_logits(logits, batch["responses"][response_valid])  # [K]
+        entropy_bonus = config.entropy_coeff != 0.0
+        token_log_probs, token_entropies, response_valid = self._response_scores(
+            micro_batch, temperature, with_entropy=True, entropy_grad=entropy_bonus
+        )  # [K] each
         log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
+        entropy = scatter_response_tokens(token_entropies, response_valid)  # [b, R]
         old_log_probs = log_probs.detach() if on_policy_outputs is not None else batch["old_log_probs"]
         pg_loss_mat, diagnostics = self.policy_loss_fn(
             old_log_probs,
@@ -218,14 +245,8 @@ class PolicyActor:
         )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss
-        if config.entropy_coeff != 0.0:
-            entropy = scatter_response_tokens(entropy_from_logits(logits.float()), response_valid)
+        if entropy_bonus:
             loss = loss - config.entropy_coeff * aggregate(entropy)
-        else:  # logged only: no graph through the softmax
-            with torch.no_grad():
-                entropy = scatter_response_tokens(
-                    entropy_from_logits(logits.detach().float()), response_valid
-                )
 
         if on_policy_outputs is not None:
             on_policy_outputs.append(

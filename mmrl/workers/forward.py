@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmrl.models.inputs import response_token_outputs, sequence_position_ids
+from mmrl.models.inputs import ResponseScoring, response_token_outputs, sequence_position_ids
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.workers.fsdp_engine import micro_batch_rows, train_on_batch
@@ -62,9 +62,11 @@ def micro_batch_token_outputs(
     padding_free: bool,
     sequence_parallel: SequenceParallelGroups | None = None,
     share_prompts: bool = False,
+    scoring: ResponseScoring | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's head outputs predicting the K valid response tokens, [K, D], and where those tokens
-    are, ``response_valid`` [b, R] (see ``mmrl.models.inputs.response_token_outputs``)."""
+    """The model's head outputs predicting the K valid response tokens, [K, D] ([K, 2] log-prob and
+    entropy with ``scoring``), and where those tokens are, ``response_valid`` [b, R] (see
+    ``mmrl.models.inputs.response_token_outputs``)."""
     batch = micro_batch.batch
     return response_token_outputs(
         module,
@@ -73,6 +75,7 @@ def micro_batch_token_outputs(
         sequence_parallel=sequence_parallel,
         position_ids=batch["position_ids"] if "position_ids" in batch.keys() else None,
         share_prompts=share_prompts,
+        scoring=scoring,
     )
 
 

@@ -53,6 +53,16 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
+def storage_dtype(name: str, device: torch.device | str, trainable: bool) -> torch.dtype:
+    """Dtype of a model's stored (sharded) weights. ``"auto"``: fp32 master weights for a trained
+    model; for a frozen one (the reference) bf16 on CUDA, since nothing accumulates into its weights
+    and its pass computes in bf16 anyway (half the memory, as EasyR1), fp32 on CPU. Named dtypes as
+    :func:`resolve_dtype`."""
+    if name == "auto" and trainable:
+        return torch.float32
+    return resolve_dtype(name, device)
+
+
 def apply_fsdp2(
     model: nn.Module,
     mesh: DeviceMesh | None,

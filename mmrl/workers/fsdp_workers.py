@@ -53,6 +53,7 @@ from mmrl.workers.fsdp_engine import (
     build_optimizer,
     enable_gradient_checkpointing,
     resolve_dtype,
+    storage_dtype,
 )
 from mmrl.workers.rollout import GenerationMode, SamplingParams
 from mmrl.workers.weight_sync import iter_full_state_dict
@@ -91,15 +92,16 @@ def build_fsdp_model(
 ) -> torch.nn.Module:
     """Load the Hugging Face model at ``model_path``, prepare it for the passes it runs (packed with
     ``padding_free``, rows split over ranks with ``sequence_parallel``) and shard it with FSDP2."""
-    storage = fsdp.torch_dtype if fsdp.torch_dtype != "auto" else "fp32"  # fp32 master weights
     module = load_model(
         model_path,
         role=role,
-        torch_dtype=resolve_dtype(storage, device),
+        torch_dtype=storage_dtype(fsdp.torch_dtype, device, trainable),
         trust_remote_code=trust_remote_code,
         override_config=dict(model_config.override_config),
     )
-    prepare_for_training(module, packing=padding_free, sequence_parallel=sequence_parallel)
+    prepare_for_training(
+        module, packing=padding_free, sequence_parallel=sequence_parallel, score_tokens=role == "actor"
+    )
     if not trainable:
         module.requires_grad_(False)
     elif model_config.freeze_vision_tower:

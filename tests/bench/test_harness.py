@@ -195,3 +195,23 @@ def test_cut_responses_masks_after_each_length():
     assert cut.batch["responses"].tolist() == [[5, 0, 0], [8, 9, 10]]
     assert cut.batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert cut.batch["input_ids"].tolist() == [[1, 5, 0, 0], [2, 8, 9, 10]]
+
+
+def test_scale_memory_batch_is_one_prompt_and_one_full_response(tiny_vl_path):
+    import scale_memory
+
+    batch = scale_memory._batch(tiny_vl_path, 5)
+    tensors = batch.batch
+    prompt_length = tensors["prompts"].shape[1]
+    assert tensors["input_ids"].shape == (1, prompt_length + 5)
+    assert tensors["attention_mask"].all() and tensors["response_mask"].sum() == 5
+    assert tensors["input_ids"][:, -5:].equal(tensors["responses"])
+
+
+def test_scale_memory_table_rows():
+    import scale_memory
+
+    side = {"peak_mb": 3505.2, "added_mb": 1192.4, "tokens_s": 43.1}
+    rows = [{"phase": "log_prob", "length": 512, "before": side, "after": {**side, "added_mb": 695.0}}]
+    table = scale_memory.format_table(rows)
+    assert "| log_prob | 512 | 3505 | 3505 | 1192 | 695 | 43 | 43 |" in table

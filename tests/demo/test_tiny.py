@@ -227,6 +227,8 @@ PARAMETER_RANGES = {
     ("qwen2_5_vl", "small"): (12_000_000, 18_000_000),
     ("qwen2_5_omni", "small"): (12_000_000, 18_000_000),
     ("qwen2", "small"): (5_000_000, 10_000_000),
+    # 311M tied embedding + 2 x 77M decoder layers + 2 x 20M vision blocks + 37M merger
+    ("qwen2_5_vl", "3b-width"): (530_000_000, 560_000_000),
 }
 
 
@@ -243,8 +245,9 @@ def test_built_folder_records_its_parameter_count(tiny_vl_path):
     assert marker["num_parameters"] == tiny.count_parameters("qwen2_5_vl", "tiny")
 
 
-@pytest.mark.parametrize("size", sorted(tiny.SIZES))
-@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize(
+    ("kind", "size"), [(kind, size) for size in sorted(tiny.SIZES) for kind in tiny.SIZES[size].kinds]
+)
 def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
     spec = tiny.SIZES[size]
     config = tiny.build_config(kind, spec, tiny.train_tokenizer(tiny.TINY_CORPUS, spec.vocab_size, kind))
@@ -262,7 +265,9 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
         assert config.audio_config.d_model // config.audio_config.encoder_attention_heads >= 32
 
 
-@pytest.mark.parametrize("path_fixture", ["tiny_vl_path", "tiny_omni_path", "tiny_text_path"])
+@pytest.mark.parametrize(
+    "path_fixture", ["tiny_vl_path", "tiny_omni_path", "tiny_text_path", "real_width_vl_path"]
+)
 def test_reloaded_tokenizer_keeps_answers_single_tokens(path_fixture, request):
     from transformers import AutoTokenizer
 
@@ -340,3 +345,83 @@ def test_tiny_model_path_names():
     assert str(tiny.tiny_model_path("qwen2_5_omni", "small", "/x")) == "/x/small-qwen2.5-omni"
     with pytest.raises(ValueError, match="qwen3"):
         tiny.tiny_model_path("qwen3")
+
+
+# ---------------------------------------------------------------------------------------- real width
+
+REAL_WIDTH_TEXT = {
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 128_000,
+}
+REAL_WIDTH_VISION = {
+    "hidden_size": 1280,
+    "num_heads": 16,
+    "intermediate_size": 3420,
+    "out_hidden_size": 2048,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "depth": 2,
+    "fullatt_block_indexes": [1],  # the last block attends over the whole image, as the 3B's every 8th
+}
+
+
+def test_real_width_model_has_the_3b_widths_and_vocabulary(real_width_vl_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(real_width_vl_path)
+    text, vision = config.get_text_config(), config.vision_config
+    assert {key: getattr(text, key) for key in REAL_WIDTH_TEXT} == REAL_WIDTH_TEXT
+    assert {key: getattr(vision, key) for key in REAL_WIDTH_VISION} == REAL_WIDTH_VISION
+    # head_dim 2048 / 16 = 128: 64 rotary pairs in Qwen's (temporal, height, width) = 16 : 24 : 24
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24]
+    assert text.rope_parameters["rope_theta"] == 1_000_000.0
+    with safe_open(str(real_width_vl_path / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+        assert weights.get_slice("model.embed_tokens.weight").get_shape() == [151_936, 2048]
+    assert "lm_head.weight" not in names  # tied: the embedding matrix is the head
+
+
+def test_real_width_tokenizer_fills_the_vocabulary_and_round_trips(real_width_vl_path):
+    from transformers import AutoProcessor
+
+    tokenizer = AutoProcessor.from_pretrained(real_width_vl_path).tokenizer
+    assert len(tokenizer) == 151_936
+    # Qwen2.5's 151,665 entries, then the reserved ones up to the model's rows
+    assert tokenizer.convert_tokens_to_ids("<|reserved_0|>") == 151_665
+    text = "The red circle, 3.14 = x + y!\n\n  <think>ünïcödé 漢字</think> <answer>4</answer> <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merges apply: not one token per byte
+    # every id a random model can sample decodes to text
+    tokens = tokenizer.convert_ids_to_tokens(list(range(151_936)))
+    assert all(isinstance(token, str) for token in tokens)
+    sampled = torch.randint(0, 151_936, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert isinstance(tokenizer.decode(sampled), str)
+
+
+def test_real_width_processor_expands_a_448_image_into_256_placeholders(real_width_vl_path):
+    """448 = 32 patches of 14 per side (a multiple of 28 within the 3B's pixel bounds, so not resized):
+    a (1, 32, 32) grid of 1024 patches, merged 2x2 into 256 ``<|image_pad|>`` tokens."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(real_width_vl_path)
+    prompt = processor.apply_chat_template(_image_messages(), add_generation_prompt=True, tokenize=False)
+    assert (
+        prompt.startswith("<|im_start|>system\n") and "<|vision_start|><|image_pad|><|vision_end|>" in prompt
+    )
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8))
+    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 32, 32]]
+    assert inputs["pixel_values"].shape == (1024, 3 * 2 * 14 * 14)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((inputs["input_ids"] == image_token).sum()) == 256

@@ -137,7 +137,15 @@ class GradientRecorder(torch.optim.Optimizer):
         self.grads.append(grads)
 
 
-def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size: int, ring_size: int) -> dict:
+def _actor_job(
+    rank: int,
+    world_size: int,
+    model_path: str,
+    batch,
+    ulysses_size: int,
+    ring_size: int,
+    chunk_tokens: int = 3,
+) -> dict:
     from _models import training_model
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -164,6 +172,7 @@ def _actor_job(rank: int, world_size: int, model_path: str, batch, ulysses_size:
         padding_free=True,
         share_prompts=False,  # SP packs whole rows; so does the one-rank reference, token for token
         **ACTOR_SETTINGS,
+        log_prob_chunk_tokens=chunk_tokens,
     )
     log_probs, entropies = actor.compute_log_probs(batch, 4, TEMPERATURE, with_entropy=True)
     metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE).metrics  # 3 micro-batches, one step
@@ -191,7 +200,8 @@ def sp_batch(tiny_vl_path):
 
 @pytest.fixture(scope="module")
 def single_rank(tiny_vl_path, sp_batch) -> dict:
-    return run_on_ranks(_actor_job, 1, str(tiny_vl_path), sp_batch, 1, 1, timeout_s=180)[0]
+    """The reference: one rank, log-probs from the whole logits (the SP runs score 3 tokens at a time)."""
+    return run_on_ranks(_actor_job, 1, str(tiny_vl_path), sp_batch, 1, 1, 0, timeout_s=180)[0]
 
 
 def _assert_same_step(run: dict, reference: dict) -> None:
@@ -234,7 +244,7 @@ def qwen3_sp_batch(tiny_qwen3_vl_path):
 
 @pytest.fixture(scope="module")
 def qwen3_single_rank(tiny_qwen3_vl_path, qwen3_sp_batch) -> dict:
-    return run_on_ranks(_actor_job, 1, str(tiny_qwen3_vl_path), qwen3_sp_batch, 1, 1, timeout_s=180)[0]
+    return run_on_ranks(_actor_job, 1, str(tiny_qwen3_vl_path), qwen3_sp_batch, 1, 1, 0, timeout_s=180)[0]
 
 
 @pytest.mark.distributed

@@ -167,6 +167,7 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["data.preprocess_num_workers=0"], "data.preprocess_num_workers=0 must be >= 1"),
         (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "use_kl_loss=false"),
         (["worker.actor.clip_ratio_dual=1.0"], "must be > 1"),
+        (["worker.actor.log_prob_chunk_tokens=-1"], "worker.actor.log_prob_chunk_tokens=-1 must be >= 0"),
         (["worker.actor.ring_size=3"], "ulysses_size × worker.actor.ring_size = 3 must divide"),
         (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0 must be >= 1"),
         (

@@ -42,6 +42,7 @@ from mmrl.workers.fsdp_engine import (
     offload_fsdp_params,
     offload_optimizer,
     resolve_dtype,
+    storage_dtype,
 )
 from mmrl.workers.weight_sync import checkpoint_key_mapping, iter_full_state_dict, load_into
 
@@ -50,7 +51,9 @@ RESPONSE_LENGTHS = (5, 3, 6, 2)  # valid tokens per row; the response width is 6
 IMAGE_SIZES = ((56, 56), (84, 56), None, None)  # (width, height) per row; None = text-only row
 # Loss settings of the split-invariance checks: every term of the policy loss is active.
 # max_grad_norm 0.5 is below the step's gradient norm, so clipping is part of what must agree
-ACTOR_SETTINGS = {**SHARED_ACTOR_SETTINGS, "max_response_length": 6}
+# The ranks score tokens in the head, 3 at a time; the one-rank references from the whole logits.
+ACTOR_SETTINGS = {**SHARED_ACTOR_SETTINGS, "max_response_length": 6, "log_prob_chunk_tokens": 3}
+UNCHUNKED = {"log_prob_chunk_tokens": 0}
 SGD_LR = 1.0  # plain SGD: the weight change is the gradient itself (Adam's first step is ~sign(grad))
 CRITIC_CLIP = 0.2
 
@@ -239,9 +242,10 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 
 
 def _reference_update(model_path, batch, micro_batch_size, **overrides):
+    """One unchunked update on one process (the 2-rank jobs chunk their log-prob heads)."""
     model = training_model(str(model_path))
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    actor = policy_actor(model, optimizer, **{**ACTOR_SETTINGS, **overrides})
+    actor = policy_actor(model, optimizer, **{**ACTOR_SETTINGS, **UNCHUNKED, **overrides})
     metrics = actor.update_policy(batch, len(batch), micro_batch_size, 1, TEMPERATURE).metrics
     return _unique_state(model), metrics
 
@@ -429,6 +433,16 @@ def test_resolve_dtype():
         resolve_dtype("fp8", "cpu")
 
 
+def test_storage_dtype_keeps_fp32_masters_and_stores_the_frozen_reference_in_bf16_on_gpu():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert storage_dtype("auto", cuda, trainable=False) == torch.bfloat16  # the reference, as EasyR1
+    assert storage_dtype("auto", cpu, trainable=False) == torch.float32
+    assert storage_dtype("auto", cuda, trainable=True) == torch.float32  # the actor's master weights
+    assert storage_dtype("auto", cpu, trainable=True) == torch.float32
+    assert storage_dtype("fp32", cuda, trainable=False) == torch.float32  # what the user set wins
+    assert storage_dtype("bf16", cpu, trainable=True) == torch.bfloat16
+
+
 def test_lr_schedule_warmup_constant_and_cosine():
     # Warm-up of 4 steps: 1/4, 2/4, 3/4, 4/4 of the peak, then the schedule proper.
     assert [lr_factor(s, 10, 4, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
@@ -548,7 +562,7 @@ def test_nonfinite_gradient_skips_the_step(tiny_vl_path, vl_processor):
 @pytest.mark.distributed
 def test_two_rank_log_probs_and_grads_equal_one_rank(tiny_vl_path, vl_batch, two_rank_results):
     model = training_model(str(tiny_vl_path))
-    actor = policy_actor(model, **ACTOR_SETTINGS)
+    actor = policy_actor(model, **{**ACTOR_SETTINGS, **UNCHUNKED})
     log_probs, entropy = actor.compute_log_probs(vl_batch, 4, TEMPERATURE, with_entropy=True)
     mask = vl_batch.batch["response_mask"].bool()
     sharded_log_probs = torch.cat([result["log_probs"] for result in two_rank_results])

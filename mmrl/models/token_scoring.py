@@ -1,0 +1,224 @@
+"""Per-token log-probs and entropies straight from the hidden states, in token chunks.
+
+A policy's log-prob pass needs ``log_softmax(h W^T / T)[y]`` (and the entropy of the same
+distribution) at K response tokens. Through full logits that is a ``[K, vocab]`` tensor plus its fp32
+log-softmax, and the same again in backward: at Qwen's 151,936-token vocabulary 0.6 MB per token and
+buffer, ~10 GB for 8 responses of 2,048 tokens. Here the K rows go through the head ``chunk_tokens``
+at a time and only ``[K]`` results are kept; backward recomputes each chunk's logits
+(:class:`_ChunkedTokenScores`), so no ``[K, vocab]`` tensor exists in either direction, only
+``[chunk, vocab]`` ones.
+
+The computation stays inside the model's forward: :func:`install_token_scoring_head` (called by
+:func:`mmrl.models.prepare.prepare_for_training`, once, where the model is built) puts a
+:class:`TokenScoringHead` in place of ``lm_head``, holding the same weight Parameter (tied embeddings
+stay tied, state-dict names unchanged). FSDP2 gathers that weight for the root module's forward and
+reduce-scatters its gradient after the root's backward, exactly as for a plain head. Inside
+``with scoring_tokens(model, targets, temperature, ...)`` the head returns ``[..., 2]`` =
+``(log-prob, entropy)`` of ``targets`` (one target id per hidden row it is given) instead of logits;
+outside it is the plain linear head (generation, warm-up, rollout weight sync are untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class TokenScoring:
+    """What the head computes while :func:`scoring_tokens` is active.
+
+    ``targets`` [N]: the token id scored at each of the N hidden rows the head receives (row-major over
+    its leading dims), or, with ``rows`` [N], at those rows of its flattened input (for a model without
+    ``logits_to_keep``, whose head gets every position; a row may be picked twice); ``chunk_tokens``
+    rows per chunk (> 0); ``entropy_grad``: whether gradients flow through the entropy (an entropy
+    bonus), or it is computed for logging only.
+    """
+
+    targets: torch.Tensor
+    temperature: float
+    chunk_tokens: int
+    entropy_grad: bool = False
+    rows: torch.Tensor | None = None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+    """``(hidden W^T + b) / temperature`` in fp32: ``[C, D] -> [C, V]`` (the matmul in the weight's
+    dtype, as the plain head computes it)."""
+    return F.linear(hidden, weight, bias).float().div_(temperature)
+
+
+class _ChunkedTokenScores(torch.autograd.Function):
+    """``(log p(y), H)`` per row of ``hidden`` [N, D], computed ``chunk`` rows at a time.
+
+    With ``z = (h W^T + b) / T``, ``log p = z - lse(z)``, ``p = exp(log p)``, ``H = -sum p log p``:
+    ``d log p(y) / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``. Backward recomputes one
+    chunk's ``z`` from the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one
+    chunk's few ``[C, V]`` buffers in either direction.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad):
+        log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [C]
+            log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
+            # H = lse - sum_v p_v z_v, as core_algos.entropy_from_logits: no log of a probability is
+            # taken, so p = 0 (underflow) cannot give 0 * -inf
+            probs = (logits - lse[:, None]).exp_()
+            entropies[rows] = lse - probs.mul_(logits).sum(-1)
+            lses[rows] = lse
+        ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropies)
+        ctx.set_materialize_grads(False)
+        return log_probs, entropies
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropies):
+        hidden, weight, bias, targets, lses, entropies = ctx.saved_tensors
+        if not ctx.entropy_grad:
+            grad_entropies = None
+        if grad_log_probs is None and grad_entropies is None:
+            return None, None, None, None, None, None, None
+        temperature = ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # an fp32 running sum over the chunks ([V, D]: it does not grow with the tokens); a bf16 one
+        # would be rounded again after every chunk
+        fp32 = {"dtype": torch.float32, "device": weight.device}
+        grad_weight = torch.zeros(weight.shape, **fp32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, **fp32) if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            log_p = _chunk_logits(hidden[rows], weight, bias, temperature).sub_(lses[rows, None])  # [C, V]
+            probs = log_p.exp()
+            # grad_z = p * (-g_lp - g_H (log p + H)) + g_lp * onehot(y), built in log_p's buffer
+            if grad_entropies is not None:
+                grad_z = log_p.add_(entropies[rows, None]).mul_(-grad_entropies[rows, None])
+            else:
+                grad_z = log_p.zero_()
+            if grad_log_probs is not None:
+                grad_z.sub_(grad_log_probs[rows, None])
+            grad_z.mul_(probs)
+            del probs
+            if grad_log_probs is not None:
+                grad_z.scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
+            grad_z.div_(temperature)  # dz / dlogits = 1 / T
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_z.to(weight.dtype) @ weight
+            if grad_weight is not None and hidden.dtype == torch.float32:
+                grad_weight.addmm_(grad_z.T, hidden[rows])  # in place: no second [V, D]
+            elif grad_weight is not None:
+                grad_weight += grad_z.to(hidden.dtype).T @ hidden[rows]
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(0)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_token_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scoring: TokenScoring,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_softmax(z)[targets], entropy(softmax(z)))`` with ``z = (hidden W^T + b) / T``, fp32,
+    both ``hidden.shape[:-1]`` (``[N]`` with ``scoring.rows``); differentiable in ``hidden``, ``weight``
+    and ``bias`` (the entropy only with ``scoring.entropy_grad``). ``scoring.targets`` holds one id per
+    row of ``hidden`` or of ``scoring.rows``."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, D]
+    shape = hidden.shape[:-1]
+    if scoring.rows is not None:
+        flat = flat[scoring.rows.to(hidden.device)]
+        shape = flat.shape[:-1]
+    targets = scoring.targets.reshape(-1).long().to(hidden.device)
+    if targets.shape[0] != flat.shape[0]:
+        raise ValueError(
+            f"token scoring: {targets.shape[0]} target ids for {flat.shape[0]} hidden rows; pass one "
+            "target per row the head receives"
+        )
+    if scoring.chunk_tokens <= 0:
+        raise ValueError(f"token scoring: chunk_tokens={scoring.chunk_tokens} must be > 0")
+    log_probs, entropies = _ChunkedTokenScores.apply(
+        flat, weight, bias, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad
+    )
+    return log_probs.reshape(shape), entropies.reshape(shape)
+
+
+class TokenScoringHead(nn.Linear):
+    """The model's output head: the plain ``nn.Linear`` unless :func:`scoring_tokens` has set
+    :attr:`scoring`, then ``[..., 2]`` = (log-prob of each row's target, entropy), fp32 (``[N, 2]``
+    with ``scoring.rows``)."""
+
+    scoring: TokenScoring | None = None
+
+    @classmethod
+    def replacing(cls, head: nn.Linear) -> TokenScoringHead:
+        """A head holding ``head``'s own weight and bias Parameters (no copy: ties and shards stay)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = head.in_features, head.out_features
+        new.weight = head.weight
+        new.bias = head.bias
+        return new
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.scoring is None:
+            return super().forward(hidden)
+        log_probs, entropies = chunked_token_scores(hidden, self.weight, self.bias, self.scoring)
+        return torch.stack([log_probs, entropies], dim=-1)
+
+
+def token_scoring_head(model: nn.Module) -> TokenScoringHead | None:
+    """``model``'s scoring head, or None when it has the plain one (a critic's value head too)."""
+    head = model.get_output_embeddings()
+    return head if isinstance(head, TokenScoringHead) else None
+
+
+def install_token_scoring_head(model: nn.Module) -> nn.Module:
+    """Put a :class:`TokenScoringHead` in place of ``model``'s linear output head (idempotent)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, TokenScoringHead):
+        return model
+    if type(head) is not nn.Linear:
+        raise TypeError(
+            f"token scoring needs a plain nn.Linear output head; {type(model).__name__} has "
+            f"{type(head).__name__}"
+        )
+    model.set_output_embeddings(TokenScoringHead.replacing(head))
+    return model
+
+
+@contextlib.contextmanager
+def scoring_tokens(
+    model: nn.Module,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    entropy_grad: bool = False,
+    rows: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """Within the block, ``model``'s head returns ``[..., 2]`` (log-prob of ``targets``, entropy) for
+    the rows it gets, or ``[N, 2]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
+    been prepared with :func:`install_token_scoring_head`."""
+    head = token_scoring_head(model)
+    if head is None:
+        raise RuntimeError(
+            f"{type(model).__name__} has no token scoring head: call "
+            "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True) where the model is built"
+        )
+    head.scoring = TokenScoring(targets, temperature, chunk_tokens, entropy_grad, rows)
+    try:
+        yield
+    finally:
+        head.scoring = None
