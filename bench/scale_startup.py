@@ -79,7 +79,7 @@ def time_to_first_batch(
     from mmrl.data.config import DataConfig
     from mmrl.data.dataset import PromptDataset
     from mmrl.data.loader import PromptLoader
-    from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
+    from mmrl.data.processing import load_tokenizer_and_processor
 
     dataset_class = encode_every_prompt(PromptDataset) if encode_all else PromptDataset
 
@@ -127,14 +127,17 @@ def run(rows: int = 10_000, image_size: int = 448, batch: int = 64, processes: i
     return table
 
 
-def print_table(table: list[dict], rows: int) -> None:
-    print(f"\nTime to the first batch, {rows} image rows (load = overlong filter over every row)")
-    print("| mode | processes | load s | first batch s | total s |")
-    print("|---|---:|---:|---:|---:|")
+def format_table(table: list[dict], rows: int) -> str:
+    lines = [
+        f"{rows} image rows (load = the overlong-prompt filter over every row)",
+        "| mode | processes | load s | first batch s | total s |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in table:
-        print(
+        lines.append(
             f"| {r['mode']} | {r['processes']} | {r['load_s']:.1f} | {r['first_batch_s']:.2f} | {r['total_s']:.1f} |"
         )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     table = run(args.rows, args.image_size, args.batch, args.processes)
-    print_table(table, args.rows)
+    print("\nTime to the first batch\n" + format_table(table, args.rows))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "scale_startup.json").write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
     return table

@@ -233,6 +233,7 @@ class RayPPOTrainer:
             ),
             **self._rollout_gap(batch),
             **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
+            **self._memory_peaks(),  # after the byte count: the call's own bytes are not the step's
         }
 
     # ---- phases ---------------------------------------------------------------------------------
@@ -398,6 +399,12 @@ class RayPPOTrainer:
     @staticmethod
     def _worker_metrics(output: DataProto) -> dict[str, float]:
         return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
+
+    def _memory_peaks(self) -> dict[str, float]:
+        """Peak memory per phase since the last step, the largest over the ranks (GiB: the device's
+        allocator on GPUs, the process's resident set on CPUs; mmrl.workers.memory)."""
+        per_rank = self.actor.call("take_memory_peaks")
+        return {key: max(peaks.get(key, 0.0) for peaks in per_rank) for key in set().union(*per_rank)}
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:

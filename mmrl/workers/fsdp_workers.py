@@ -55,6 +55,7 @@ from mmrl.workers.fsdp_engine import (
     resolve_dtype,
     storage_dtype,
 )
+from mmrl.workers.memory import PhasePeaks, measured
 from mmrl.workers.rollout import GenerationMode, SamplingParams
 from mmrl.workers.weight_sync import iter_full_state_dict
 
@@ -258,6 +259,7 @@ class HybridWorker:
     def __init__(self, config: PPOConfig, total_training_steps: int):
         self.config = config
         self.device = setup_distributed()
+        self.peaks = PhasePeaks(self.device)  # set first: the constructor's weight push is measured
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.trainer.seed)
         actor_cfg = config.worker.actor
@@ -388,6 +390,10 @@ class HybridWorker:
     def generate(self, prompts: DataProto, *, mode: GenerationMode, global_step: int) -> DataProto:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
         ``position_ids`` (validation and greedy baselines are only scored)."""
+        with self.peaks.phase("gen" if mode is GenerationMode.TRAIN else f"gen_{mode.value}"):
+            return self._generate(prompts, mode, global_step)
+
+    def _generate(self, prompts: DataProto, mode: GenerationMode, global_step: int) -> DataProto:
         if getattr(self.rollout, "weights_discarded", False):
             # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
             # step's sync): its weights are gone and must be pushed again before it can generate
@@ -399,6 +405,7 @@ class HybridWorker:
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors
 
     @rows_per_data_parallel_share
+    @measured("old_log_prob")
     def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
         data = attach_media(data, self.media, self.media_cache)
         with self.actor_offload.loaded():
@@ -411,6 +418,7 @@ class HybridWorker:
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropies": entropies})
 
     @rows_per_data_parallel_share
+    @measured("ref_log_prob")
     def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
         data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
@@ -420,6 +428,7 @@ class HybridWorker:
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
 
     @rows_per_data_parallel_share
+    @measured("update_actor")
     def update_actor(self, data: DataProto, *, temperature: float, on_policy: bool) -> DataProto:
         """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
         returns the ones its own forward computed (with their entropies) for the step's metrics. The
@@ -444,13 +453,16 @@ class HybridWorker:
         return DataProto.from_dict(tensors=tensors, meta_info=metrics)
 
     @rows_per_data_parallel_share(role="critic")
+    @measured("values")
     def compute_values(self, data: DataProto) -> DataProto:
         return self.critic.compute_values(attach_media(data, self.media, self.media_cache))
 
     @rows_per_data_parallel_share(role="critic")
+    @measured("update_critic")
     def update_critic(self, data: DataProto) -> DataProto:
         return self.critic.update_critic(attach_media(data, self.media, self.media_cache))
 
+    @measured("sync")
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
@@ -458,6 +470,10 @@ class HybridWorker:
             self.rollout.update_weights(
                 iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
             )
+
+    def take_memory_peaks(self) -> dict[str, float]:
+        """This rank's peak memory per phase since the last call (``memory/<phase>_peak_gib``)."""
+        return self.peaks.take()
 
     # ---- checkpoints --------------------------------------------------------------------------
 

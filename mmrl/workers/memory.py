@@ -9,7 +9,8 @@ mark cannot be reset the peak since start is reported, which can only overstate 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,3 +64,17 @@ class PhasePeaks:
         taken = {f"memory/{name}_peak_gib": value for name, value in self.peaks.items()}
         self.peaks = {}
         return taken
+
+
+def measured(phase: str) -> Callable[[Callable], Callable]:
+    """Run a worker method inside ``self.peaks.phase(phase)`` (the worker holds a :class:`PhasePeaks`)."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            with self.peaks.phase(phase):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap

@@ -50,9 +50,9 @@ ROLLOUT_BATCH_SIZE = 4  # prompts per step; the train set has 32, so 8 steps per
 RESPONSES_PER_PROMPT = 4
 MAX_RESPONSE_LENGTH = 4
 LEARNING_RATE = 0.02  # large enough for greedy validation answers to change within 4 steps
-# metrics of the run rather than of the computation: times, and the bytes through Ray (a pickled Ray
-# ref holds its owner's address, whose port differs between runs)
-TIME_BASED_PREFIXES = ("timing_s/", "throughput/", "transfer/")
+# metrics of the run rather than of the computation: times, the bytes through Ray (a pickled Ray
+# ref holds its owner's address, whose port differs between runs) and the processes' peak memory
+TIME_BASED_PREFIXES = ("timing_s/", "throughput/", "transfer/", "memory/")
 
 
 def trainer_e2e(test: Callable) -> Callable:
@@ -330,8 +330,13 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
             "timing_s/update_actor",
             "timing_s/sync",  # the weight push into the rollout, a phase of its own
             "throughput/tokens_per_s",
+            "memory/gen_peak_gib",  # per phase, the largest over the ranks
+            "memory/ref_log_prob_peak_gib",
+            "memory/update_actor_peak_gib",
+            "memory/sync_peak_gib",
         ):
             assert key in step_metrics, f"step {step} has no {key}: {sorted(step_metrics)}"
+        assert 0.1 < step_metrics["memory/update_actor_peak_gib"] < 8  # a worker process's resident set
         assert 1 <= step_metrics["response_length/max"] <= MAX_RESPONSE_LENGTH
         assert step_metrics["actor/lr"] == pytest.approx(LEARNING_RATE)
         assert step_metrics["actor/grad_norm"] > 0  # the dense reward gives non-zero advantages
