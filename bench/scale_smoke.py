@@ -1,12 +1,12 @@
 """The real-shape smoke run: peak memory per worker and per phase, and time per phase, of two GRPO steps
 at Qwen2.5-VL-3B's widths and real vocabulary on this CPU machine.
 
-    python bench/scale_smoke.py [--chunks 0 1024]
+    python bench/scale_smoke.py [--chunks 0 256]
 
 The model is ``mmrl.demo.tiny``'s ``3b-width`` Qwen2.5-VL (2 decoder layers, 2 vision blocks, random
 weights, 151,936-token vocabulary, 0.55B parameters), the data two 448-pixel photo-like JPEGs, the job
-the one ``tests/trainer/test_real_shape.py`` runs (:func:`real_shape_overrides`): 2 prompts × 2
-responses of 1,024 tokens, 2 FSDP2 workers, bf16 compute, the transformers rollout in bf16. Each
+the one ``tests/trainer/test_real_shape.py`` runs (:func:`real_shape_overrides`): a prompt × 2
+responses of 1,024 tokens, one FSDP2 worker, bf16 compute, the transformers rollout in bf16. Each
 ``--chunks`` value is a run with ``worker.actor.log_prob_chunk_tokens`` set to it (0 = the whole
 ``[tokens, vocab]`` logits, what mmrl did before). Reported per phase: the largest peak resident set
 over the workers (``memory/<phase>_peak_gib``, :mod:`mmrl.workers.memory`) and the seconds of step 2.
@@ -32,29 +32,37 @@ IMAGE_PIXELS = 448 * 448  # kept as is: 16 × 16 merged patches, 256 placeholder
 PHASES = ("gen", "update_actor", "sync")
 
 
-def real_shape_overrides(model_path, data_dir, save_dir, chunk_tokens: int = 1024) -> list[str]:
-    """The real-shape job (the test and this bench run the same)."""
+def real_shape_overrides(model_path, data_dir, save_dir, chunk_tokens: int = 256) -> list[str]:
+    """The real-shape job (the test and this bench run the same): one worker, one prompt × 2 responses,
+    no reference (so the update computes the old log-probs itself). One worker holds the fp32 weights,
+    gradients and AdamW moments (8.8 GB), the gathered bf16 weights and gradients in the update (2.2
+    GB) and a bf16 rollout copy (1.1 GB): it fits this 24 GB machine with bf16 gradient reduction (an
+    fp32 one first casts the gathered gradients to a full fp32 copy) and 256-token chunks (each
+    [256, 151,936] fp32 buffer of the head is 0.16 GB). Two ranks would halve the sharded state but
+    double the processes; the 2-rank FSDP2 paths are tested at small widths."""
     return [
         f"data.train_files={Path(data_dir) / 'train.jsonl'}",
         "data.max_prompt_length=320",
         f"data.max_response_length={RESPONSE_TOKENS}",
-        "data.rollout_batch_size=2",
+        "data.rollout_batch_size=1",
         f"data.min_pixels={IMAGE_PIXELS}",
         f"data.max_pixels={IMAGE_PIXELS}",
         f"worker.actor.model.model_path={model_path}",
-        "worker.actor.global_batch_size=2",  # one optimizer step per rollout: no separate old-log-prob pass
+        "worker.actor.global_batch_size=1",  # one optimizer step per rollout: no separate old-log-prob pass
         "worker.actor.micro_batch_size_per_device_for_update=1",
         "worker.actor.fsdp.mp_param_dtype=bf16",
+        "worker.actor.fsdp.mp_reduce_dtype=bf16",
         f"worker.actor.log_prob_chunk_tokens={chunk_tokens}",
         "worker.rollout.name=hf",
         "worker.rollout.dtype=bf16",
+        "worker.rollout.prepack_cpu_linears=false",  # a second copy of the large weights: 0.9 GB
         "worker.rollout.n=2",
         "worker.rollout.ignore_eos=true",  # a random model seldom samples EOS anyway: full-length responses
         f"worker.reward.reward_function={FINGERPRINT_REWARD}:compute_score",
-        "algorithm.use_kl_loss=false",
+        "algorithm.disable_kl=true",
         "trainer.max_steps=2",
         "trainer.logger=[jsonl]",
-        "trainer.n_gpus_per_node=2",
+        "trainer.n_gpus_per_node=1",
         "trainer.device=cpu",
         "trainer.save_freq=-1",
         f"trainer.save_checkpoint_path={save_dir}",
@@ -106,7 +114,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
     args = parser.parse_args(argv)
     from mmrl.demo.synthetic import write_photo_dataset
     from mmrl.demo.tiny import ensure_tiny_model

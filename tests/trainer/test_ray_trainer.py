@@ -237,6 +237,26 @@ def logged_steps(save_dir: Path) -> int:
     return path.read_bytes().count(b"\n") if path.is_file() else 0
 
 
+def merge_checkpoint(actor_dir: Path, target_dir: Path, env: dict | None = None) -> None:
+    """``scripts/model_merger.py`` on a checkpoint's actor folder; it must succeed."""
+    merge = subprocess.run(
+        [
+            sys.executable,
+            "scripts/model_merger.py",
+            "--local_dir",
+            str(actor_dir),
+            "--target_dir",
+            str(target_dir),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert merge.returncode == 0, merge.stderr[-4000:]
+
+
 def metrics_by_step(lines: Sequence[dict[str, float]]) -> dict[int, dict[str, float]]:
     """The last line of each step (a resumed run appends to the file), without the ``step`` key."""
     by_step = {}
@@ -472,21 +492,7 @@ def test_merged_trainer_checkpoint_loads_with_from_pretrained(run_a, e2e_dir, ti
     assert_succeeded(run_a)
     actor_dir = run_a.save_dir / "global_step_4" / "actor"
     merged_dir = e2e_dir / "merged_step_4"
-    merge = subprocess.run(
-        [
-            sys.executable,
-            "scripts/model_merger.py",
-            "--local_dir",
-            str(actor_dir),
-            "--target_dir",
-            str(merged_dir),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    assert merge.returncode == 0, merge.stderr[-4000:]
+    merge_checkpoint(actor_dir, merged_dir)
 
     processor = AutoProcessor.from_pretrained(merged_dir)  # the merged folder is complete
     messages = [
@@ -752,22 +758,7 @@ def test_hub_id_model_path_saves_resumes_and_merges(tiny_vl_path, shapes_data_di
     rows = run_main([*overrides, "trainer.max_steps=3"], save_dir, env=env)
     assert [row["step"] for row in rows] == [1, 2, 3]  # resumed after step 2
     actor_dir = save_dir / "global_step_3" / "actor"
-    merge = subprocess.run(
-        [
-            sys.executable,
-            "scripts/model_merger.py",
-            "--local_dir",
-            str(actor_dir),
-            "--target_dir",
-            str(tmp_path / "merged"),
-        ],
-        cwd=REPO_ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    assert merge.returncode == 0, merge.stderr[-4000:]
+    merge_checkpoint(actor_dir, tmp_path / "merged", env=env)
     merged = AutoModelForImageTextToText.from_pretrained(
         tmp_path / "merged", dtype=torch.float32
     ).state_dict()
