@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
 
-.PHONY: install lock assets assets-video assets-audio demo demo-video demo-audio test test-fast quality style clean
+.PHONY: install lock assets assets-video assets-audio demo demo-video demo-audio bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -57,6 +57,10 @@ bench: assets
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
 	RAY_AUTH_MODE=disabled $(PY) bench/colocated_critic.py
 	@$(PY) bench/report.py
+
+# the real job's costs at Qwen2.5-VL-3B's widths and vocabulary (README, Benchmarks): ~1 h on this machine
+bench-scale: install
+	RAY_AUTH_MODE=disabled $(PY) bench/scale.py --run memory media startup smoke
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)

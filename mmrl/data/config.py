@@ -34,13 +34,8 @@ class DataConfig:
     max_prompt_length: int = 512  # tokens, media placeholders included
     max_response_length: int = 512  # tokens generated per response
     filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length at load (count is logged)
-    preprocess_num_workers: int | None = (
-        None  # processes measuring prompts for that filter; null = CPUs (≤ 32)
-    )
-    prompt_length_cache: bool = (
-        True  # keep the filter's lengths for later runs on the same files and settings
-    )
-    # (in $MMRL_CACHE_DIR/prompt_lengths; that folder defaults to $XDG_CACHE_HOME/mmrl or ~/.cache/mmrl)
+    preprocess_num_workers: int | None = None  # processes measuring prompts for the filter; null = auto
+    prompt_length_cache: bool = True  # reuse the filter's lengths in later runs (in $MMRL_CACHE_DIR)
     rollout_batch_size: int = 512  # prompts per training step
     val_batch_size: int = -1  # prompts per validation batch; -1 = the whole validation set at once
     shuffle: bool = True  # reshuffle the training prompts every epoch

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 # costs more than it saves
 MIN_ROWS_PER_PROCESS = 256
 MAX_AUTO_PROCESSES = 32
+PROBE_S = 2.0  # auto: seconds of rows measured in this process before deciding to start processes
+PROCESS_START_S = 10.0  # a spawned process importing torch and transformers, here and on most nodes
 # the DataConfig fields a prompt's tokens depend on (paths of the files are part of the key anyway)
 LENGTH_SETTINGS = (
     "prompt_key",
@@ -68,6 +71,12 @@ def process_count(requested: int | None, num_rows: int) -> int:
     if requested is not None:
         return max(1, min(requested, num_rows))
     return max(1, min(os.cpu_count() or 1, MAX_AUTO_PROCESSES, num_rows // MIN_ROWS_PER_PROCESS))
+
+
+def spawn_pays_off(rows: int, seconds_per_row: float, processes: int) -> bool:
+    """Whether ``processes`` spawned processes measure ``rows`` clearly sooner than this one would."""
+    serial_s = rows * seconds_per_row
+    return PROCESS_START_S + serial_s / processes < 0.8 * serial_s
 
 
 def _file_identity(source: str) -> dict[str, Any]:
@@ -215,19 +224,30 @@ def measure_prompt_lengths(
             logger.info("prompt lengths of %d rows read from %s", num_rows, cache_path)
             return cached
     processes = process_count(num_processes, num_rows)
-    if processes == 1:
-        measured = _measure(dataset, list(range(num_rows)))
+    measured: list[Measured] = []
+    if num_processes is None and processes > 1:
+        # auto: rows counted from image headers take ~0.2 ms, encoded ones (video, audio) tens of ms;
+        # measure here for a moment and start processes only when the rest is worth their start-up
+        started = time.perf_counter()
+        while len(measured) < num_rows and time.perf_counter() - started < PROBE_S:
+            measured += _measure(dataset, [len(measured)])
+        seconds_per_row = (time.perf_counter() - started) / len(measured)
+        if not spawn_pays_off(num_rows - len(measured), seconds_per_row, processes):
+            processes = 1
+    rest = list(range(len(measured), num_rows))
+    if processes == 1 or not rest:
+        measured += _measure(dataset, rest)
     else:
         logger.warning(
-            "measuring %d prompts for data.filter_overlong_prompts in %d processes", num_rows, processes
+            "measuring %d prompts for data.filter_overlong_prompts in %d processes", len(rest), processes
         )
         # a few chunks per process keeps them all busy when some rows are slower (videos, big images)
-        size = max(1, -(-num_rows // (processes * 4)))
-        chunks = [list(range(start, min(start + size, num_rows))) for start in range(0, num_rows, size)]
+        size = max(1, -(-len(rest) // (processes * 4)))
+        chunks = [rest[start : start + size] for start in range(0, len(rest), size)]
         with ProcessPoolExecutor(
             processes, mp_context=get_context("spawn"), initializer=_start_worker, initargs=(dataset,)
         ) as pool:
-            measured = [m for chunk in pool.map(_measure_rows, chunks) for m in chunk]
+            measured += [m for chunk in pool.map(_measure_rows, chunks) for m in chunk]
     if cache_path is not None:
         try:
             _write_cache(cache_path, measured)

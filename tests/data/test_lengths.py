@@ -12,7 +12,14 @@ import pytest
 
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset
-from mmrl.data.lengths import Measured, cache_dir, cache_key, measure_prompt_lengths, process_count
+from mmrl.data.lengths import (
+    Measured,
+    cache_dir,
+    cache_key,
+    measure_prompt_lengths,
+    process_count,
+    spawn_pays_off,
+)
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.trainer.ray_trainer import load_tokenizer_and_processor
 
@@ -187,3 +194,25 @@ def test_a_truncated_image_passes_the_count_and_fails_at_load(tmp_path, vl):
     )  # row 0 checks the count; row 1's header is whole
     with pytest.raises(DataError, match="row 1.*cut.png"):
         dataset[1]
+
+
+def test_processes_start_only_when_the_rows_are_worth_their_start_up():
+    # 10k rows counted from image headers (0.2 ms each): 2 s here, more than that to start processes
+    assert not spawn_pays_off(10_000, 0.0002, 2)
+    # 10k video rows encoded at 50 ms each: 500 s here, ~260 s in two processes
+    assert spawn_pays_off(10_000, 0.05, 2)
+    assert not spawn_pays_off(100, 0.05, 32)  # 5 s of work
+
+
+def test_auto_measures_cheap_rows_in_this_process(shapes_data_dir, vl, monkeypatch, private_cache):
+    import mmrl.data.lengths as lengths
+
+    monkeypatch.setattr(lengths, "MIN_ROWS_PER_PROCESS", 1)  # 32 rows would otherwise be too few to ask
+    monkeypatch.setattr(
+        lengths,
+        "ProcessPoolExecutor",
+        lambda *args, **kwargs: pytest.fail("started processes for cheap rows"),
+    )
+    dataset = make_dataset(shapes_data_dir / "train.jsonl", vl, filter_overlong_prompts=False)
+    measured = measure_prompt_lengths(dataset, None, cache=False)
+    assert [m.length for m in measured] == [dataset.prompt_length(p) for p in range(len(dataset))]
