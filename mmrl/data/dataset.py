@@ -240,7 +240,10 @@ class PromptDataset(torch.utils.data.Dataset):
             prompt, compact["image"], compact["video"], compact["audio"], order=order, where=where
         )
 
-    def _encode(self, position: int) -> dict[str, Any]:
+    def _render(
+        self, position: int
+    ) -> tuple[dict[str, Any], str | None, str, str, dict[str, list[Any]], str]:
+        """``(row, base_dir, where, text, media refs, chat-templated prompt)`` of the row at ``position``."""
         row, base_dir = self._row(position)
         where = self.where(position)
         text = self._prompt_text(row, where)
@@ -249,6 +252,10 @@ class PromptDataset(torch.utils.data.Dataset):
         self._check_model_takes(refs, where)
         chat = self.processor if self.processor is not None else self.tokenizer
         prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return row, base_dir, where, text, refs, prompt
+
+    def _encode(self, position: int) -> dict[str, Any]:
+        row, base_dir, where, text, refs, prompt = self._render(position)
         media = self._compact_media(prompt, text, refs, base_dir, where)
         encoded, _ = self.media.encode(media)
         return {"row": row, "prompt": prompt, "media": media, "encoded": encoded}
@@ -316,14 +323,9 @@ class PromptDataset(torch.utils.data.Dataset):
     def _length_from_image_sizes(self, position: int) -> tuple[int, int] | None:
         """``(length, images)``: the prompt's length from its text and image sizes, and its number of
         images; None for rows with other media."""
-        row, base_dir = self._row(position)
-        where = self.where(position)
-        text = self._prompt_text(row, where)
-        refs = {kind: self._media_list(row, kind, where) for kind in MEDIA_MARKERS}
+        row, base_dir, where, _, refs, prompt = self._render(position)
         if refs["video"] or refs["audio"]:
             return None
-        messages = self._messages(text, {kind: len(items) for kind, items in refs.items()}, where)
-        self._check_model_takes(refs, where)
         try:
             sizes = [
                 image_size(ref, self.config.min_pixels, self.config.max_pixels, base_dir)
@@ -331,8 +333,6 @@ class PromptDataset(torch.utils.data.Dataset):
             ]
         except MediaError as err:
             raise DataError(f"{where}: {err}") from None
-        chat = self.processor if self.processor is not None else self.tokenizer
-        prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         length = len(self.tokenizer.encode(prompt, add_special_tokens=False))
         image_processor = self.processor.image_processor if sizes else None
         for width, height in sizes:  # each image's one placeholder becomes one token per merged patch block

@@ -645,19 +645,10 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
 def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_dir, tmp_path):
     """GAE with one warm-up step: step 1 trains the critic only (the old log-probs come from their own
     pass, no weight push), step 2 trains both, the actor on-policy, and pushes its weights."""
-    from _trainer_run import run_main, small_run_overrides
+    from _trainer_run import run_main
 
     save_dir = tmp_path / "gae"
-    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-        "algorithm.adv_estimator=gae",
-        "algorithm.disable_kl=true",
-        "worker.critic.global_batch_size=4",
-        "worker.critic.model.enable_gradient_checkpointing=false",
-        "worker.rollout.name=hf",
-        "trainer.critic_warmup=1",
-        "trainer.val_before_train=false",
-        "trainer.val_freq=-1",
-    ]
+    overrides = gae_overrides(tiny_vl_path, shapes_data_dir, save_dir) + ["trainer.critic_warmup=1"]
     warmup, trained = [row for row in run_main(overrides, save_dir) if "critic/vf_loss" in row]
     for step in (warmup, trained):
         assert {"timing_s/values", "timing_s/update_critic", "critic/values/mean"} <= set(step)
