@@ -37,6 +37,8 @@ class DataConfig:
     preprocess_num_workers: int | None = None  # processes measuring prompts for the filter; null = auto
     prompt_length_cache: bool = True  # reuse the filter's lengths in later runs (in $MMRL_CACHE_DIR)
     rollout_batch_size: int = 512  # prompts per training step
+    # algorithm.online_filtering: prompts generated per round while filling a step; null = rollout_batch_size
+    mini_rollout_batch_size: int | None = None
     val_batch_size: int = -1  # prompts per validation batch; -1 = the whole validation set at once
     shuffle: bool = True  # reshuffle the training prompts every epoch
     seed: int = 1  # seed of the shuffling

@@ -38,6 +38,13 @@ class AlgorithmConfig:
     kl_type: str = "fixed"  # coefficient controller: fixed | adaptive (reward penalty only)
     kl_target: float = 0.1  # adaptive controller: KL (nats per token) the coefficient steers towards
     kl_horizon: float = 10000.0  # adaptive controller: responses over which the error is corrected
+    # DAPO dynamic sampling: drop prompt groups whose `filter_key` scores are all equal or whose mean is
+    # outside [filter_low, filter_high], and generate more (data.mini_rollout_batch_size prompts a round,
+    # at most trainer.max_try_make_batch rounds) until data.rollout_batch_size groups are kept
+    online_filtering: bool = False
+    filter_key: str = "overall"  # reward score key the filter reads (`overall` = the reward)
+    filter_low: float = 0.01  # keep a group only when its mean score is >= this ...
+    filter_high: float = 0.99  # ... and <= this
 
     @property
     def use_reference(self) -> bool:
@@ -57,12 +64,21 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0  # LoRA rank of the actor's adapter; 0 = full fine-tuning
+    alpha: int = 64  # LoRA scaling numerator: the update is (alpha / rank) * B @ A
+    target_modules: str = "all-linear"  # all-linear, or comma-separated module names (q_proj,v_proj,...)
+    exclude_modules: str | None = None  # regex of module names left without adapter, e.g. `.*visual.*`
+
+
+@dataclass(frozen=True)
 class ActorModelConfig(ModelConfig):
     # the run's one tokenizer: data, rollout and reward decoding (a critic needs none)
     tokenizer_path: str | None = None  # null = model_path
     # allow the model folder's own Python code: every model, config, tokenizer and processor load of the
     # run (actor, reference, rollout, reward workers, critic)
     trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)  # PEFT LoRA adapter (rank 0 = none)
 
     @property
     def tokenizer_or_model_path(self) -> str | None:
@@ -79,7 +95,7 @@ class OptimConfig:
     lr: float = 1e-6  # peak learning rate
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     weight_decay: float = 1e-2  # AdamW decoupled weight decay
-    strategy: str = "adamw"  # optimizer, by name in fsdp_engine.OPTIMIZERS: adamw
+    strategy: str = "adamw"  # optimizer, by name in fsdp_engine.OPTIMIZERS: adamw | adamw_bf16 (bf16 states)
     lr_warmup_ratio: float = 0.0  # fraction of the training steps spent warming up linearly
     lr_warmup_steps: int | None = None  # warm-up in steps; overrides lr_warmup_ratio when set
     lr_scheduler_type: str = "constant"  # after warm-up: constant | cosine
@@ -117,10 +133,16 @@ class ActorConfig:
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
     micro_batch_size_per_device_for_experience: int = 16  # responses per forward in log-prob passes
     max_grad_norm: float = 1.0  # gradient clipping norm; a non-finite norm skips the step
-    clip_ratio_low: float = 0.2  # PPO: ratio clipped below at 1 - clip_ratio_low
-    clip_ratio_high: float = 0.3  # PPO: ratio clipped above at 1 + clip_ratio_high (DAPO clip-higher)
+    # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default
+    # (ppo 0.2 / 0.3 (DAPO clip-higher), gspo 3e-4 / 4e-4, cispo 0 / 4: never below 1)
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     clip_ratio_dual: float = 3.0  # dual-clip constant c (> 1): loss bounded by c·|A| for A < 0
-    loss_type: str = "ppo"  # policy loss: ppo | gspo | cispo
+    loss_type: str = "ppo"  # policy loss: ppo | gspo | gspo_token | cispo | sapo
+    tau_positive: float = 1.0  # sapo: gate temperature for tokens with advantage >= 0
+    tau_negative: float = 1.05  # sapo: gate temperature for tokens with advantage < 0
+    # DAPO overlong filtering: responses cut at max_response_length (no EOS) are left out of the loss
+    mask_truncated_responses: bool = False
     loss_avg_mode: str = (
         "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     )
@@ -225,6 +247,10 @@ class RewardConfig:
     num_workers: int = 1  # reward worker processes (Ray actors)
     num_cpus: float = 1.0  # CPUs reserved per reward worker
     timeout_s: float = 600.0  # seconds a batch may take before the run stops with an error
+    # DAPO soft overlong punishment, added to every reward: 0 up to max_response_length minus this many
+    # tokens, then falling linearly to -overlong_penalty_factor at max_response_length; 0 = off
+    overlong_buffer_length: int = 0
+    overlong_penalty_factor: float = 1.0  # the punishment of a response that reaches max_response_length
 
 
 @dataclass(frozen=True)
@@ -268,6 +294,8 @@ class TrainerConfig:
     save_checkpoint_path: str | None = None  # null = checkpoints/<project_name>/<experiment_name>
     load_checkpoint_path: str | None = None  # a global_step_N folder to resume from
     find_last_checkpoint: bool = True  # resume from the latest checkpoint under save_checkpoint_path
+    # online_filtering: generation rounds a step may take to fill its batch; -1 = no limit
+    max_try_make_batch: int = 20
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
@@ -318,10 +346,10 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (AlgorithmConfig, "adv_estimator"): ("grpo", "rloo", "reinforce_plus_plus", "remax", "gae"),
     (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
     (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
-    (ActorConfig, "loss_type"): ("ppo", "gspo", "cispo"),
+    (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo"),
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,
-    (OptimConfig, "strategy"): ("adamw",),
+    (OptimConfig, "strategy"): ("adamw", "adamw_bf16"),
     (OptimConfig, "lr_scheduler_type"): ("constant", "cosine"),
     (FSDPConfig, "torch_dtype"): DTYPES,
     (FSDPConfig, "mp_param_dtype"): DTYPES,

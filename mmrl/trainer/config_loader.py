@@ -433,7 +433,7 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"data.min_pixels={cfg.data.min_pixels} exceeds data.max_pixels={cfg.data.max_pixels}")
     actor = cfg.worker.actor
     for key in ("clip_ratio_low", "clip_ratio_high"):
-        if getattr(actor, key) <= 0:
+        if getattr(actor, key) is not None and getattr(actor, key) <= 0:
             errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0")
     if actor.log_prob_chunk_tokens < 0:
         errors.append(

@@ -382,7 +382,7 @@ def compute_ppo_policy_loss(
     response_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip_ratio_high: float = 0.3,
     clip_ratio_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017), asymmetric clip (DAPO), dual clip.
@@ -458,7 +458,7 @@ def compute_cispo_policy_loss(
     response_mask: torch.Tensor,
     *,
     clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip_ratio_high: float = 0.3,
     clip_ratio_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.

@@ -239,9 +239,13 @@ class PolicyActor:
             log_probs,
             batch["advantages"],
             response_mask,
-            clip_ratio_low=config.clip_ratio_low,
-            clip_ratio_high=config.clip_ratio_high,
             clip_ratio_dual=config.clip_ratio_dual,
+            # null keys: the loss function's own defaults
+            **{
+                key: getattr(config, key)
+                for key in ("clip_ratio_low", "clip_ratio_high")
+                if getattr(config, key) is not None
+            },
         )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss
