@@ -63,7 +63,7 @@ bench-scale: install
 	RAY_AUTH_MODE=disabled $(PY) bench/scale.py --run memory media startup smoke
 
 test: install
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest tests -m "not slow" -x -q $(PYTEST_ARGS)
