@@ -249,4 +249,5 @@ def test_override_chat_template_renders_every_prompt(tmp_path, tiny_vl_path, tin
         tokenizer, processor = load_tokenizer_and_processor(str(model), chat_template_file=str(template))
         assert tokenizer.chat_template == template.read_text()
         item = PromptDataset(str(data), tokenizer, processor, DataConfig())[0]
-        assert tokenizer.decode(item["input_ids"]) == "[user] 1+1?\n[assistant] "
+        # (transformers renders chat templates with trim_blocks: the newline after a tag is dropped)
+        assert tokenizer.decode(item["input_ids"]) == "[user] 1+1?[assistant] "
