@@ -33,15 +33,10 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Fac
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
 REMOVED_KEYS = {
-    "worker.critic.model.tokenizer_path": "the critic needs no tokenizer (the run's is worker.actor.model.tokenizer_path)",
     "worker.critic.model.trust_remote_code": (
         "worker.actor.model.trust_remote_code applies to every load of the run, the critic's included"
     ),
-    "worker.ref.offload.offload_optimizer": (
-        "the frozen reference model has no optimizer (worker.ref.offload.offload_params offloads its weights)"
-    ),
-    "worker.critic.model.lora": "the critic trains all its weights (LoRA is the actor's: worker.actor.model.lora)",
-}
+}  # EasyR1's other keys without an mmrl counterpart: mmrl/trainer/easyr1.py (NO_EFFECT)
 # a hint names a key only when it is this close: a typo (a few characters) or the same words reordered;
 # a different key sharing most letters (mini_rollout_batch_size ~ rollout_batch_size) is no typo
 MAX_TYPO_EDITS = 2

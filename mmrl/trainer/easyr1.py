@@ -113,6 +113,22 @@ NO_EFFECT: dict[str, NoEffect] = {
         )
         for role in ROLES
     },
+    "worker.ref.offload.offload_optimizer": NoEffect(
+        lambda v: v is False,
+        "false: the frozen reference model has no optimizer",
+        "remove it: the frozen reference model has no optimizer "
+        "(worker.ref.offload.offload_params offloads its weights)",
+    ),
+    "worker.critic.model.tokenizer_path": NoEffect(
+        lambda v: v is None,
+        "null: the critic needs no tokenizer",
+        "remove it: the critic needs no tokenizer (the run's is worker.actor.model.tokenizer_path)",
+    ),
+    "worker.critic.model.lora": NoEffect(
+        lambda v: isinstance(v, dict) and not v.get("rank"),
+        "rank 0: no adapter, the critic trains all its weights as in mmrl",
+        "remove it: the critic trains all its weights (LoRA is the actor's: worker.actor.model.lora)",
+    ),
     "worker.actor.use_torch_compile": NoEffect(
         _always, "EasyR1 compiles its log-prob function for speed; the values are the same", ""
     ),
