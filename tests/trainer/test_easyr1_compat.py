@@ -333,3 +333,11 @@ def test_every_easyr1_key_is_known(tiny_vl_path, local_data, monkeypatch):
     for key in (*easyr1.RENAMED, *easyr1.NO_EFFECT, *easyr1.DYNAMIC_BATCHING):
         if key != "worker.critic.model.trust_remote_code":
             assert any(note.startswith(key) for note in notes), key
+
+
+def test_override_chat_template_path_is_resolved_and_checked(tiny_vl_path, local_data, monkeypatch):
+    monkeypatch.chdir(FIXTURES)
+    config = load(tiny_vl_path, local_data, "data.override_chat_template=examples/format_prompt/math.jinja")
+    assert config.data.override_chat_template == str(FIXTURES / "examples/format_prompt/math.jinja")
+    with pytest.raises(ConfigError, match="data.override_chat_template: template '.*missing.jinja' does not"):
+        load(tiny_vl_path, local_data, "data.override_chat_template=missing.jinja")
