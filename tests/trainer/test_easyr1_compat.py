@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mmrl.trainer.config_loader import ConfigError, _suggest, load_config, schema_keys
 from mmrl.trainer import easyr1
+from mmrl.trainer.config_loader import ConfigError, _suggest, load_config, schema_keys
 from mmrl.trainer.main import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "easyr1"
