@@ -30,6 +30,7 @@ class DataConfig:
     audio_key: str = "audios"  # column with a list of audio files (paths)
     media_dir: str | None = None  # base folder of relative media paths; null = the data file's folder
     format_prompt: str | None = None  # Jinja template file applied to each prompt (gets `content` + columns)
+    override_chat_template: str | None = None  # Jinja chat template file used instead of the tokenizer's
     system_prompt: str | None = None  # system message put before every prompt; null = the chat template's
     max_prompt_length: int = 512  # tokens, media placeholders included
     max_response_length: int = 512  # tokens generated per response
@@ -42,8 +43,12 @@ class DataConfig:
     val_batch_size: int = -1  # prompts per validation batch; -1 = the whole validation set at once
     shuffle: bool = True  # reshuffle the training prompts every epoch
     seed: int = 1  # seed of the shuffling
-    min_pixels: int = 262144  # images smaller than this many pixels are upscaled (aspect kept)
-    max_pixels: int = 4194304  # images larger than this many pixels are downscaled (aspect kept)
+    min_pixels: int | None = (
+        262144  # images smaller than this many pixels are upscaled (aspect kept); null = never
+    )
+    max_pixels: int | None = (
+        4194304  # images larger than this many pixels are downscaled (aspect kept); null = never
+    )
     video_fps: float = 2.0  # video frames sampled per second of video (unless num_video_frames is set)
     num_video_frames: int | None = None  # frames sampled evenly from each video; null = by video_fps
     max_video_frames: int = 64  # at most this many frames per video (counts are made even for Qwen)

@@ -72,12 +72,13 @@ def _open_image(ref: Any, base_dir: str | None) -> Image.Image:
     )
 
 
-def scaled_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """``(width, height)`` scaled (aspect kept) so that width × height lies within [min_pixels, max_pixels]."""
+def scaled_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    """``(width, height)`` scaled (aspect kept) so that width × height lies within [min_pixels, max_pixels];
+    a None bound is no bound (EasyR1's null)."""
     pixels = width * height
-    if pixels > max_pixels:
+    if max_pixels is not None and pixels > max_pixels:
         scale = math.sqrt(max_pixels / pixels)
-    elif pixels < min_pixels:
+    elif min_pixels is not None and pixels < min_pixels:
         scale = math.sqrt(min_pixels / pixels)
     else:
         return width, height
@@ -86,7 +87,7 @@ def scaled_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tu
     return max(1, rounding(width * scale)), max(1, rounding(height * scale))
 
 
-def resize_to_pixel_range(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
+def resize_to_pixel_range(image: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
     """Scale ``image`` (aspect kept) so that width × height lies within [min_pixels, max_pixels]."""
     size = scaled_size(image.width, image.height, min_pixels, max_pixels)
     if size == image.size:
@@ -102,7 +103,9 @@ def _check_patch_size(width: int, height: int, ref: Any, kind: str, min_pixels_k
         )
 
 
-def load_image(ref: Any, min_pixels: int, max_pixels: int, base_dir: str | None = None) -> Image.Image:
+def load_image(
+    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None
+) -> Image.Image:
     """Decode one image reference into an RGB PIL image within the pixel range."""
     try:
         image = _open_image(ref, base_dir)
@@ -118,7 +121,9 @@ def load_image(ref: Any, min_pixels: int, max_pixels: int, base_dir: str | None 
     return image
 
 
-def image_size(ref: Any, min_pixels: int, max_pixels: int, base_dir: str | None = None) -> tuple[int, int]:
+def image_size(
+    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None
+) -> tuple[int, int]:
     """``(width, height)`` that :func:`load_image` would return, read from the file's header alone (no
     pixels decoded): what a prompt's length needs. A truncated file passes here and fails at load."""
     try:

@@ -57,10 +57,14 @@ class DataError(ValueError):
 
 
 def load_tokenizer_and_processor(
-    model_path: str, trust_remote_code: bool = False, key: str = "worker.actor.model.tokenizer_path"
+    model_path: str,
+    trust_remote_code: bool = False,
+    key: str = "worker.actor.model.tokenizer_path",
+    chat_template_file: str | None = None,
 ) -> tuple[Any, Any | None]:
     """The tokenizer of ``model_path`` (a folder or hub id, named by config ``key``), and its multimodal
-    processor (None for text-only models)."""
+    processor (None for text-only models). ``chat_template_file`` (``data.override_chat_template``)
+    replaces the chat template of both, so that every prompt is rendered with it."""
     from transformers import AutoProcessor, AutoTokenizer
 
     from mmrl.models.loading import resolve_model_path
@@ -73,6 +77,12 @@ def load_tokenizer_and_processor(
         processor = None
     if processor is not None and not hasattr(processor, "image_processor"):
         processor = None  # a text model's "processor" is its tokenizer
+    if chat_template_file is not None:
+        with open(chat_template_file, encoding="utf-8") as file:
+            template = file.read()
+        for chat in (tokenizer, processor):
+            if chat is not None:
+                chat.chat_template = template
     return tokenizer, processor
 
 

@@ -26,20 +26,20 @@ from mmrl.trainer.config import (
     split_dataset_spec,
     split_function_spec,
 )
+from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
 REMOVED_KEYS = {
-    "worker.critic.model.tokenizer_path": "the critic needs no tokenizer (the run's is worker.actor.model.tokenizer_path)",
     "worker.critic.model.trust_remote_code": (
         "worker.actor.model.trust_remote_code applies to every load of the run, the critic's included"
     ),
-    "worker.ref.offload.offload_optimizer": (
-        "the frozen reference model has no optimizer (worker.ref.offload.offload_params offloads its weights)"
-    ),
-}
+}  # EasyR1's other keys without an mmrl counterpart: mmrl/trainer/easyr1.py (NO_EFFECT)
+# a hint names a key only when it is this close: a typo (a few characters) or the same words reordered;
+# a different key sharing most letters (mini_rollout_batch_size ~ rollout_batch_size) is no typo
+MAX_TYPO_EDITS = 2
 
 
 class ConfigError(ValueError):
@@ -87,17 +87,39 @@ def _unknown_keys(user: Any, cls: type, prefix: str = "") -> Iterator[tuple[str,
             yield from _unknown_keys(user[name], hint, key + ".")
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def _is_typo_of(name: str, candidate: str) -> bool:
+    if sorted(name.split("_")) == sorted(candidate.split("_")):
+        return True
+    return _edit_distance(name, candidate) <= min(MAX_TYPO_EDITS, max(1, len(candidate) // 4))
+
+
 def _suggest(key: str, siblings: list[str]) -> str:
+    """The fix for an unknown key: the removed-key table first, then the same name in another
+    section, then a typo of a key of its own section; never a merely similar key."""
     if key in REMOVED_KEYS:
         return f"remove it: {REMOVED_KEYS[key]}"
-    leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
-    if close:
-        return f"did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?"
-    anywhere = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.75)
-    if anywhere:
-        return f"did you mean '{anywhere[0]}'?"
-    return "see examples/config.yaml for every valid key"
+    section, _, leaf = key.rpartition(".")
+    typos = sorted(
+        (name for name in siblings if _is_typo_of(leaf, name)), key=lambda n: _edit_distance(leaf, n)
+    )
+    if typos:
+        return f"did you mean '{section + '.' if section else ''}{typos[0]}'?"
+    elsewhere = [other for other in schema_keys() if other.rsplit(".", 1)[-1] == leaf and other != key]
+    if elsewhere:
+        return f"'{leaf}' belongs to another section: did you mean '{elsewhere[0]}'?"
+    where = f"section '{section}'" if section else "the top level"
+    return f"{where} has no such key (its keys: {', '.join(siblings)}); see examples/config.yaml"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +182,16 @@ def _merge(layers: list[tuple[str, DictConfig]]) -> tuple[DictConfig, list[str],
         for key, siblings in _unknown_keys(layer, PPOConfig):
             errors.append(f"unknown key '{key}' in {source}: {_suggest(key, siblings)}")
             bad_keys.add(key)
-        for key, node in _leaves(layer, PPOConfig):
+        leaves = list(_leaves(layer, PPOConfig))
+        combined = OmegaConf.create()
+        for key, node in leaves:
+            OmegaConf.update(combined, key, node, force_add=True)
+        try:  # one merge per layer (each merge copies the whole tree); leaf by leaf only to find errors
+            merged = OmegaConf.merge(merged, combined)
+            continue
+        except OmegaConfBaseException:
+            pass
+        for key, node in leaves:
             single = OmegaConf.create()
             OmegaConf.update(single, key, node, force_add=True)
             try:
@@ -190,6 +221,7 @@ def _resolve_paths(cfg: DictConfig) -> None:
     cfg.data.train_files = dataset_specs(cfg.data.train_files)
     cfg.data.val_files = dataset_specs(cfg.data.val_files)
     cfg.data.format_prompt = _absolute(cfg.data.format_prompt)
+    cfg.data.override_chat_template = _absolute(cfg.data.override_chat_template)
     cfg.data.media_dir = _absolute(cfg.data.media_dir)
     for model, keys in (
         (cfg.worker.actor.model, ("model_path", "tokenizer_path")),
@@ -205,11 +237,14 @@ def _resolve_paths(cfg: DictConfig) -> None:
     cfg.trainer.load_checkpoint_path = _absolute(cfg.trainer.load_checkpoint_path)
 
 
-def load_config(argv: Sequence[str] = (), check_paths: bool = True) -> PPOConfig:
+def load_config(
+    argv: Sequence[str] = (), check_paths: bool = True, notes: list[str] | None = None
+) -> PPOConfig:
     """Build the run's config from command-line style arguments (``config=x.yaml a.b=c ...``).
 
-    Raises :class:`ConfigError` naming every problem. ``check_paths=False`` skips the checks that
-    files exist (for tooling that only inspects a config).
+    EasyR1's spellings are translated first (:mod:`mmrl.trainer.easyr1`); each translation is appended
+    to ``notes`` when given. Raises :class:`ConfigError` naming every problem. ``check_paths=False``
+    skips the checks that files exist (for tooling that only inspects a config).
     """
     config_path, overrides, errors = parse_cli(argv)
     layers = []
@@ -220,10 +255,17 @@ def load_config(argv: Sequence[str] = (), check_paths: bool = True) -> PPOConfig
             layers.append(("the command line", OmegaConf.from_dotlist([override])))
         except OmegaConfBaseException as err:
             errors.append(f"command line '{override}': {str(err).splitlines()[0]}")
+    notes = [] if notes is None else notes
+    derived: dict[str, Any] = {}
+    for source, layer in layers:
+        layer_notes, layer_errors = translate_layer(layer, source, derived)
+        notes += layer_notes
+        errors += layer_errors
     merged, merge_errors, bad_keys = _merge(layers)
     errors += merge_errors
     # frozen dataclasses make the typed tree read-only: resolve paths on a plain copy, then re-type it
     plain = OmegaConf.create(OmegaConf.to_container(merged))
+    notes += apply_derived(plain, derived)
     _resolve_paths(plain)
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
@@ -403,7 +445,6 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
         "data.max_prompt_length": cfg.data.max_prompt_length,
         "data.max_response_length": cfg.data.max_response_length,
         "data.rollout_batch_size": cfg.data.rollout_batch_size,
-        "data.min_pixels": cfg.data.min_pixels,
         "worker.actor.global_batch_size": cfg.worker.actor.global_batch_size,
         "worker.actor.micro_batch_size_per_device_for_update": cfg.worker.actor.micro_batch_size_per_device_for_update,
         "worker.actor.micro_batch_size_per_device_for_experience": cfg.worker.actor.micro_batch_size_per_device_for_experience,
@@ -429,8 +470,12 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
             )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
         errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
-    if cfg.data.min_pixels > cfg.data.max_pixels:
-        errors.append(f"data.min_pixels={cfg.data.min_pixels} exceeds data.max_pixels={cfg.data.max_pixels}")
+    min_pixels, max_pixels = cfg.data.min_pixels, cfg.data.max_pixels
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value is not None and value <= 0:
+            errors.append(f"{key}={value} must be > 0 (or null for no bound)")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        errors.append(f"data.min_pixels={min_pixels} exceeds data.max_pixels={max_pixels}")
     actor = cfg.worker.actor
     for key in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(actor, key) is not None and getattr(actor, key) <= 0:
@@ -519,6 +564,8 @@ def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
     _check_dataset(errors, "data.val_files", data.val_files)
     if data.format_prompt and not os.path.isfile(data.format_prompt):
         errors.append(f"data.format_prompt: template '{data.format_prompt}' does not exist")
+    if data.override_chat_template and not os.path.isfile(data.override_chat_template):
+        errors.append(f"data.override_chat_template: template '{data.override_chat_template}' does not exist")
     if data.media_dir and not os.path.isdir(data.media_dir):
         errors.append(f"data.media_dir: folder '{data.media_dir}' does not exist")
     actor_model = cfg.worker.actor.model

@@ -27,11 +27,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     dry_run = "--dry-run" in args
     args = [arg for arg in args if arg != "--dry-run"]
+    notes: list[str] = []
     try:
-        config = load_config(args)
+        config = load_config(args, notes=notes)
     except ConfigError as err:
         print(f"mmrl: {err}", file=sys.stderr)
         return 2
+    if notes:  # EasyR1 spellings translated: what changed on the way to the printed config
+        print("# translated from EasyR1 (see the README's table):\n" + "\n".join(f"#   {n}" for n in notes))
     print(config_to_yaml(config), flush=True)
     if dry_run:
         return 0

@@ -117,6 +117,7 @@ class RayPPOTrainer:
             model.tokenizer_or_model_path,
             model.trust_remote_code,
             key=model.tokenizer_key,
+            chat_template_file=config.data.override_chat_template,
         )
         data = config.data
         train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)

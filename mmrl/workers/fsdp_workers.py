@@ -156,7 +156,9 @@ def build_media_processor(config: PPOConfig) -> MediaProcessor:
     ``multi_modal_inputs``: the batches carry only the prompts' compact media."""
     model_cfg = config.worker.actor.model
     tokenizer, processor = load_tokenizer_and_processor(
-        model_cfg.tokenizer_or_model_path, model_cfg.trust_remote_code
+        model_cfg.tokenizer_or_model_path,
+        model_cfg.trust_remote_code,
+        chat_template_file=config.data.override_chat_template,
     )
     return MediaProcessor(tokenizer, processor, config.data)
 

@@ -279,6 +279,10 @@ def _reload_reward_function(path: str, name: str, kwargs: dict[str, Any]) -> Rew
     return load_reward_function(f"{path}:{name}", kwargs)
 
 
+# packages that reward files written for other frameworks import, and the mmrl extra that installs them
+EXTRA_PACKAGES = {"mathruler": "mmrl[easyr1]", "pylatexenc": "mmrl[easyr1]"}  # EasyR1's example rewards
+
+
 def _import_file_as_module(path: str) -> types.ModuleType:
     """Executes ``path`` as module ``<package>.<stem>``, the package being a synthetic one over its folder."""
     folder = os.path.dirname(path)
@@ -305,6 +309,8 @@ def _import_file_as_module(path: str) -> types.ModuleType:
             sibling = os.path.join(folder, err.name.split(".")[0] + ".py")
             if os.path.isfile(sibling):
                 hint = f" {sibling} sits next to it: import it relatively, `from .{err.name} import ...`."
+            elif err.name.split(".")[0] in EXTRA_PACKAGES:
+                hint = f" Install it with `pip install '{EXTRA_PACKAGES[err.name.split('.')[0]]}'`."
             else:
                 hint = f" Install `{err.name}` where the reward workers run, or drop that import."
         raise RewardFunctionError(

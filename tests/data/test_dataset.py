@@ -232,3 +232,22 @@ def test_split_by_markers():
         {"type": "text", "text": "and"},
         {"type": "audio"},
     ]
+
+
+def test_override_chat_template_renders_every_prompt(tmp_path, tiny_vl_path, tiny_text_path):
+    """EasyR1's data.override_chat_template: the file replaces the chat template of the tokenizer and
+    the processor, so the dataset's prompts (and their counted lengths) are rendered with it."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] "
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}\n{% endfor %}[assistant] "
+    )
+    data = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1?", "answer": "2"}])
+    for model in (tiny_text_path, tiny_vl_path):
+        tokenizer, processor = load_tokenizer_and_processor(str(model), chat_template_file=str(template))
+        assert tokenizer.chat_template == template.read_text()
+        item = PromptDataset(str(data), tokenizer, processor, DataConfig())[0]
+        # (transformers renders chat templates with trim_blocks: the newline after a tag is dropped)
+        assert tokenizer.decode(item["input_ids"]) == "[user] 1+1?[assistant] "

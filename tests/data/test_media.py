@@ -49,6 +49,10 @@ def test_frames_sampled_at_fps_resized_and_timed(tmp_path):
     assert fixed.frame_indices == (0, 2, 4, 5, 7, 9) and fixed.sampled_fps == pytest.approx(3.0)
     assert fixed.frames.shape[1:3] == (82, 123)  # upscaled by √(10000/4704): ceil(81.6), ceil(122.5)
     assert scaled_size(84, 56, 10_000, 10**6) == (123, 82)
+    # EasyR1's null bounds: no upscaling / no downscaling
+    assert scaled_size(84, 56, None, 10**6) == (84, 56)
+    assert scaled_size(2000, 1000, 10_000, None) == (2000, 1000)
+    assert scaled_size(2000, 1000, None, 500_000) == (1000, 500)
     assert load_video(str(path), 3136, 3136, fps=5.0, max_frames=2).frame_indices == (0, 9)
 
 

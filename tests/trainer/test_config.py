@@ -159,7 +159,7 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.rollout.val_override_config.tempreature=0"], "not a sampling key"),
         (["worker.rollout.max_model_len=100"], "shorter than data.max_prompt_length"),
         (["algorithm.adv_estimator=grp"], "did you mean 'grpo'"),
-        (["worker.actor.loss_avg_mode=token"], "token_mean"),
+        (["worker.actor.loss_avg_mode=token_means"], "token_mean"),
         (["worker.rollout.name=sglang"], "is not one of vllm, hf"),
         (["trainer.logger=[console,tensorbord]"], "did you mean 'tensorboard'"),
         (["data.min_pixels=100", "data.max_pixels=10"], "exceeds data.max_pixels"),

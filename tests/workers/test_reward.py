@@ -498,3 +498,62 @@ def test_relative_spec_from_repo_root(monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     reward = load_reward_function("reward_functions/shapes.py:compute_score", {"format_weight": 0.0})
     assert reward.path == os.path.join(str(REPO_ROOT), "reward_functions", "shapes.py")
+
+
+# ------------------------------------------------ EasyR1's example reward files (pip install mmrl[easyr1])
+
+EASYR1_REWARDS = REPO_ROOT / "tests" / "fixtures" / "easyr1" / "examples" / "reward_function"
+
+
+def test_easyr1_math_reward_scores_through_the_loader():
+    """EasyR1's math.py (imports mathruler): 0.9 accuracy + 0.1 format, EasyR1's default weights."""
+    reward = load_reward_function(f"{EASYR1_REWARDS / 'math.py'}:compute_score", None)
+    assert (reward.reward_type, reward.reward_name) == ("batch", "math")
+    scores = reward(
+        _inputs(
+            "<think>1/2 is 0.5</think> The answer is \\boxed{\\frac{1}{2}}",  # right, well formed
+            "<think>hmm</think> \\boxed{3}",  # wrong, well formed
+            "the answer is \\boxed{0.5}",  # right, no <think>
+            ground_truth="0.5",
+        )
+    )
+    assert scores == [
+        {"overall": 1.0, "format": 1.0, "accuracy": 1.0},
+        {"overall": pytest.approx(0.1), "format": 1.0, "accuracy": 0.0},
+        {"overall": pytest.approx(0.9), "format": 0.0, "accuracy": 1.0},
+    ]
+
+
+def test_easyr1_r1v_reward_is_sequential():
+    reward = load_reward_function(f"{EASYR1_REWARDS / 'r1v.py'}:compute_score", {"format_weight": 0.5})
+    assert reward.reward_type == "sequential"
+    scores = reward(_inputs("<think>x</think> <answer>2</answer>", "<answer>3</answer>", ground_truth="2"))
+    assert scores == [
+        {"overall": 1.0, "format": 1.0, "accuracy": 1.0},
+        {"overall": 0.0, "format": 0.0, "accuracy": 0.0},
+    ]
+
+
+def test_easyr1_dapo_reward_takes_its_overlong_kwargs():
+    """dapo.py (stdlib only): ±1 accuracy plus the soft overlong punishment, with the kwargs EasyR1's
+    qwen3_14b_dapo17k_dapo.sh passes."""
+    kwargs = {"max_response_length": 100, "overlong_buffer_length": 20, "overlong_penalty_factor": 1.0}
+    reward = load_reward_function(f"{EASYR1_REWARDS / 'dapo.py'}:compute_score", kwargs)
+    inputs = build_reward_inputs(["Answer: 7", "Answer: 8"], [10, 90], ["7", "7"], extra_columns={})
+    # 90 tokens: 10 into the 20-token buffer → -(90 - 80) / 20 = -0.5
+    assert reward(inputs) == [
+        {"overall": 1.0, "accuracy": 1.0, "overlong": 0.0, "accuracy_normalized": 1.0},
+        {"overall": -1.5, "accuracy": -1.0, "overlong": -0.5, "accuracy_normalized": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("missing", ["mathruler", "pylatexenc"])
+def test_easyr1_reward_without_mathruler_names_the_extra(missing, monkeypatch):
+    """A missing grader (or the LaTeX parser it imports) names the mmrl extra that installs it."""
+    for name in list(sys.modules):
+        if name == missing or name.startswith(f"{missing}.") or name.startswith("mathruler"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ModuleNotFoundError
+    with pytest.raises(RewardFunctionError, match=r"pip install 'mmrl\[easyr1\]'") as info:
+        load_reward_function(f"{EASYR1_REWARDS / 'math.py'}:compute_score", None)
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
