@@ -201,9 +201,15 @@ def adapter_info(
     }
 
 
-def _state_options(adapter: dict[str, Any] | None) -> StateDictOptions:
-    # the frozen base of a LoRA run is its source model folder: only the adapter is state
-    return StateDictOptions(ignore_frozen_params=adapter is not None)
+def _model_state(model: nn.Module, adapter: dict[str, Any] | None) -> dict[str, Any]:
+    """``get_model_state_dict``; with an adapter, its trainable tensors alone (the frozen base of a
+    LoRA run is its source model folder). ``ignore_frozen_params`` alone would keep a tied alias of a
+    frozen weight (``lm_head.weight``), which ``named_parameters`` does not list."""
+    if adapter is None:
+        return get_model_state_dict(model)
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in trainable}
 
 
 def save_train_state(
@@ -229,7 +235,7 @@ def save_train_state(
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
 
-    save_dcp(get_model_state_dict(model, options=_state_options(adapter)), directory / MODEL_DIR)
+    save_dcp(_model_state(model, adapter), directory / MODEL_DIR)
     if optimizer is not None:
         save_dcp(get_optimizer_state_dict(model, optimizer), directory / OPTIMIZER_DIR)
 
@@ -351,7 +357,7 @@ def load_train_state(
 
     adapter = info.get("lora")
     _check_same_kind(directory, adapter, model)
-    model_state = get_model_state_dict(model, options=_state_options(adapter))
+    model_state = _model_state(model, adapter)
     load_dcp(model_state, directory / MODEL_DIR)
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=adapter is None))
     if optimizer is not None:
