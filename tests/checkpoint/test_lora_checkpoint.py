@@ -65,9 +65,9 @@ def test_checkpoint_holds_the_adapter_alone(saved):
     model_keys = set(FileSystemReader(str(saved["dir"] / "model")).read_metadata().state_dict_metadata)
     assert model_keys == set(saved["at_save"])  # lora_A / lora_B only: no base weights
     optimizer_keys = FileSystemReader(str(saved["dir"] / "optimizer")).read_metadata().state_dict_metadata
-    assert {key.split(".", 1)[1].rsplit(".", 1)[0] for key in optimizer_keys if key.startswith("state.")} == set(
-        saved["at_save"]
-    )
+    assert {
+        key.split(".", 1)[1].rsplit(".", 1)[0] for key in optimizer_keys if key.startswith("state.")
+    } == set(saved["at_save"])
     info = json.loads((saved["dir"] / "mmrl_state.json").read_text())
     assert info["lora"]["rank"] == RANK and sorted(info["lora"]["modules"]) == sorted(saved["modules"])
     assert not any(".visual." in name for name in info["lora"]["modules"])
@@ -95,10 +95,15 @@ def test_merge_adds_the_scaled_adapter_to_the_base(tiny_vl_path, saved, tmp_path
     merged = load_file(str(target / "model.safetensors"))
     base = load_model(str(tiny_vl_path)).state_dict()
     name = "model.language_model.layers.0.self_attn.q_proj"
-    a, b = saved["at_save"][f"{name}.lora_A.default.weight"], saved["at_save"][f"{name}.lora_B.default.weight"]
+    a, b = (
+        saved["at_save"][f"{name}.lora_A.default.weight"],
+        saved["at_save"][f"{name}.lora_B.default.weight"],
+    )
     expected = base[f"{name}.weight"] + (ALPHA / RANK) * b @ a
     torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], expected, rtol=0, atol=1e-7)
-    torch.testing.assert_close(merged["visual.blocks.0.attn.qkv.weight"], base["model.visual.blocks.0.attn.qkv.weight"])
+    torch.testing.assert_close(
+        merged["visual.blocks.0.attn.qkv.weight"], base["model.visual.blocks.0.attn.qkv.weight"]
+    )
     assert (target / "tokenizer.json").is_file()
 
 

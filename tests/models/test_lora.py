@@ -47,9 +47,13 @@ def test_targets_every_linear_layer_but_the_output_head(tiny_vl_path):
     text_only = lora_target_names(model, "all-linear", r".*visual.*")
     assert text_only == [name for name in names if ".visual." not in name]
     assert lora_target_names(model, "q_proj, v_proj", None) == [
-        f"model.language_model.layers.{layer}.self_attn.{proj}" for layer in (0, 1) for proj in ("q_proj", "v_proj")
+        f"model.language_model.layers.{layer}.self_attn.{proj}"
+        for layer in (0, 1)
+        for proj in ("q_proj", "v_proj")
     ]
-    with pytest.raises(ValueError, match=r"worker.actor.model.lora.target_modules: \['qproj'\] match no.*q_proj"):
+    with pytest.raises(
+        ValueError, match=r"worker.actor.model.lora.target_modules: \['qproj'\] match no.*q_proj"
+    ):
         lora_target_names(model, "q_proj,qproj", None)
     with pytest.raises(ValueError, match=r"\['lm_head'\] match no linear layer"):
         lora_target_names(model, "lm_head", None)

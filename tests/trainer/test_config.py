@@ -609,7 +609,10 @@ def test_incompatible_dependency_is_named(monkeypatch, capsys, run_files):
         (["worker.actor.model.lora.rank=-1"], "worker.actor.model.lora.rank=-1 must be >= 0"),
         (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.alpha=0"], "lora.alpha=0 must be > 0"),
         (["worker.actor.model.lora.target_modules=' , '"], "lora.target_modules is empty"),
-        (["worker.actor.model.lora.exclude_modules='(visual'"], "lora.exclude_modules='(visual' is not a valid"),
+        (
+            ["worker.actor.model.lora.exclude_modules='(visual'"],
+            "lora.exclude_modules='(visual' is not a valid",
+        ),
     ],
 )
 def test_lora_settings_are_checked_at_load(run_files, extra, expected):
@@ -619,7 +622,9 @@ def test_lora_settings_are_checked_at_load(run_files, extra, expected):
 def test_lora_without_peft_says_how_to_install_it(run_files, monkeypatch):
     from mmrl.models.lora import require_peft
 
-    assert load_config(valid_args(run_files, "worker.actor.model.lora.rank=8")).worker.actor.model.lora.rank == 8
+    assert (
+        load_config(valid_args(run_files, "worker.actor.model.lora.rank=8")).worker.actor.model.lora.rank == 8
+    )
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
     hint = 'pip install "mmrl[lora]"'
     assert any(hint in error for error in errors_of(valid_args(run_files, "worker.actor.model.lora.rank=8")))

@@ -47,7 +47,14 @@ def test_lora_run_trains_the_adapter_against_the_base_reference(tiny_vl_path, sh
 
     merged_dir = tmp_path / "merged"
     subprocess.run(
-        [sys.executable, "scripts/model_merger.py", "--local_dir", str(actor_dir), "--target_dir", str(merged_dir)],
+        [
+            sys.executable,
+            "scripts/model_merger.py",
+            "--local_dir",
+            str(actor_dir),
+            "--target_dir",
+            str(merged_dir),
+        ],
         cwd=REPO_ROOT,
         check=True,
         capture_output=True,
