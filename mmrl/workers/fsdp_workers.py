@@ -1,7 +1,8 @@
 """Worker roles: one process per device, holding models and running the phases the driver asks for.
 
-``HybridWorker`` holds the actor (FSDP2, trained), the reference policy (FSDP2, frozen), the
-rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
+``HybridWorker`` holds the actor (FSDP2, trained; with ``worker.actor.model.lora.rank`` > 0 only its
+LoRA adapter trains), the reference policy (FSDP2, frozen; with LoRA the actor's own model with the
+adapter switched off, no second copy), the rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
 roles share the device, its CUDA context and one torch.distributed world (as in verl and EasyR1), so
 a critic needs no devices of its own; each role's ``offload`` settings move it off the device between
 its phases. It is a plain class: the single controller instantiates it inside Ray actors after
