@@ -13,6 +13,12 @@
    weights are stored once;
 4. copies the tokenizer, processor, chat template and generation config from ``huggingface/``.
 
+LoRA checkpoints (``mmrl_state.json`` has ``lora``) hold the adapter alone. Merging loads the base
+model (``lora.base_model_path``, or ``base_model``) as the trainer did and adds ``(alpha / r) * B @ A``
+to each adapted layer's weight, in fp32, before writing it as above. With ``adapter_only`` the adapter
+itself is written instead, as PEFT saves one (``adapter_config.json`` + ``adapter_model.safetensors``,
+keys ``base_model.model.<module>.lora_A.weight``), for ``peft.PeftModel.from_pretrained`` on the base.
+
 The output is by default ``<local_dir>/huggingface``, the folder that already holds the copied
 tokenizer and processor files, so that it becomes a complete model folder next to the shards.
 
@@ -46,7 +52,8 @@ from mmrl.checkpoint.state import (
     load_dcp,
     read_state_info,
 )
-from mmrl.models.loading import MergeNotSupportedError, as_source_class
+from mmrl.models.loading import MergeNotSupportedError, as_source_class, load_model
+from mmrl.models.lora import ADAPTER, merged_weight, require_peft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Written by save_pretrained itself; the other metadata files come from the checkpoint's huggingface/.
@@ -144,14 +151,70 @@ def _resolve_dtype(dtype: str) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def _base_folder(local_dir: Path, adapter: dict[str, Any], base_model: str | Path | None) -> Path:
+    folder = Path(base_model) if base_model is not None else Path(adapter["base_model_path"])
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{local_dir} holds a LoRA adapter on base model {folder}, which is not a model folder (no "
+            f"config.json): pass the base model's folder as --base_model"
+        )
+    return folder
+
+
+def _merged_lora_model(local_dir: Path, adapter: dict[str, Any], base_model: str | Path | None) -> nn.Module:
+    """The base model with the checkpoint's adapter merged into its weights: ``W + (alpha / r) B @ A``."""
+    tensors = load_full_state_dict(local_dir / MODEL_DIR)  # {"<module>.lora_A.default.weight": [r, in], ...}
+    dtype = _checkpoint_dtype(_checkpoint_tensors(local_dir / MODEL_DIR))
+    model = load_model(str(_base_folder(local_dir, adapter, base_model)), role="actor", torch_dtype=dtype)
+    scale = adapter["alpha"] / adapter["rank"]
+    with torch.no_grad():
+        for name in adapter["modules"]:
+            layer = model.get_submodule(name)
+            lora_a = tensors[f"{name}.lora_A.{ADAPTER}.weight"]
+            lora_b = tensors[f"{name}.lora_B.{ADAPTER}.weight"]
+            layer.weight.copy_(merged_weight(layer.weight, lora_a, lora_b, scale))
+    return model.eval()
+
+
+def export_adapter(local_dir: str | Path, target_dir: str | Path | None = None) -> Path:
+    """Writes the LoRA adapter of role folder ``local_dir`` in PEFT's format into ``target_dir``
+    (default ``local_dir/adapter``); returns ``target_dir``."""
+    from safetensors.torch import save_file
+
+    peft = require_peft()
+    local_dir = Path(local_dir)
+    adapter = read_state_info(local_dir).get("lora")
+    if adapter is None:
+        raise MergeNotSupportedError(f"{local_dir} holds a full model, not a LoRA adapter: merge it instead")
+    target_dir = Path(target_dir) if target_dir is not None else local_dir / "adapter"
+    config = peft.LoraConfig(
+        r=adapter["rank"],
+        lora_alpha=adapter["alpha"],
+        target_modules=adapter["modules"],
+        base_model_name_or_path=adapter["base_model_path"],
+    )
+    config.save_pretrained(str(target_dir))
+    tensors = load_full_state_dict(local_dir / MODEL_DIR)
+    # PEFT's saved names: the PeftModel's prefix, no adapter name
+    saved = {
+        f"base_model.model.{key.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for key, t in tensors.items()
+    }
+    save_file(saved, str(target_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return target_dir
+
+
 def merge_checkpoint(
-    local_dir: str | Path, target_dir: str | Path | None = None, dtype: str = "auto"
+    local_dir: str | Path,
+    target_dir: str | Path | None = None,
+    dtype: str = "auto",
+    base_model: str | Path | None = None,
 ) -> Path:
     """Writes the model of role folder ``local_dir`` (``global_step_N/actor`` or ``critic``) as a Hugging
     Face folder into ``target_dir`` (default ``local_dir/huggingface``); returns ``target_dir``.
 
     ``dtype``: ``auto`` keeps the checkpoint's dtype (fp32 master weights), else float32 / bfloat16 /
-    float16.
+    float16. A LoRA checkpoint is merged into its base model (``base_model``: default the folder the
+    run trained from).
     """
     from transformers import GenerationConfig
 
@@ -159,17 +222,10 @@ def merge_checkpoint(
     info = read_state_info(local_dir)
     hf_dir = local_dir / HF_DIR
     target_dir = Path(target_dir) if target_dir is not None else hf_dir
-    cls = _import_model_class(info["model_class"], local_dir)
-    if not (local_dir / MODEL_CONFIG_FILE).is_file():
-        raise MergeNotSupportedError(
-            f"{local_dir / MODEL_CONFIG_FILE} is missing: the model saved in {local_dir} had no Hugging Face "
-            f"config, so there is nothing to build the merged model from"
-        )
-    config = cls.config_class.from_json_file(str(local_dir / MODEL_CONFIG_FILE))
-
-    model_dir = local_dir / MODEL_DIR
-    model = _build_empty_model(cls, config, _checkpoint_dtype(_checkpoint_tensors(model_dir)))
-    _load_checkpoint_into(model, model_dir, local_dir)
+    if "lora" in info:
+        model = _merged_lora_model(local_dir, info["lora"], base_model)
+    else:
+        model = _full_model(local_dir, info)
     target_dtype = _resolve_dtype(dtype)
     if target_dtype is not None:
         model = model.to(target_dtype)
@@ -186,6 +242,21 @@ def merge_checkpoint(
     return target_dir
 
 
+def _full_model(local_dir: Path, info: dict[str, Any]) -> nn.Module:
+    """The trained model class filled with the checkpoint's full weights."""
+    cls = _import_model_class(info["model_class"], local_dir)
+    if not (local_dir / MODEL_CONFIG_FILE).is_file():
+        raise MergeNotSupportedError(
+            f"{local_dir / MODEL_CONFIG_FILE} is missing: the model saved in {local_dir} had no Hugging Face "
+            f"config, so there is nothing to build the merged model from"
+        )
+    config = cls.config_class.from_json_file(str(local_dir / MODEL_CONFIG_FILE))
+    model_dir = local_dir / MODEL_DIR
+    model = _build_empty_model(cls, config, _checkpoint_dtype(_checkpoint_tensors(model_dir)))
+    _load_checkpoint_into(model, model_dir, local_dir)
+    return model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Merge an mmrl checkpoint (global_step_N/actor or critic) into Hugging Face safetensors."
@@ -197,8 +268,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="auto keeps the saved dtype"
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the PEFT adapter (adapter_config.json + adapter_model.safetensors, "
+        "default <local_dir>/adapter) instead of merged weights",
+    )
+    parser.add_argument(
+        "--base_model", default=None, help="LoRA checkpoints: the base model folder (default: the run's)"
+    )
     args = parser.parse_args(argv)
-    target_dir = merge_checkpoint(args.local_dir, args.target_dir, args.dtype)
+    if args.adapter:
+        target_dir = export_adapter(args.local_dir, args.target_dir)
+    else:
+        target_dir = merge_checkpoint(args.local_dir, args.target_dir, args.dtype, args.base_model)
     files = sorted(path.name for path in target_dir.iterdir() if path.is_file())
     print(
         json.dumps({"merged": str(args.local_dir), "target_dir": str(target_dir), "files": files}, indent=2)

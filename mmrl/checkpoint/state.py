@@ -10,7 +10,12 @@ folder (``global_step_N.tmp/actor`` for instance)::
     huggingface/              config, generation config, tokenizer and processor files copied from
                               the model's source folder (rank 0; only when ``hf_source_dir`` is given)
     model_config.json         the trained model's own config (rank 0; Hugging Face models)
-    mmrl_state.json           world size, model class and parts written (rank 0)
+    mmrl_state.json           world size, model class and parts written (rank 0); with a LoRA
+                              adapter its description (``lora``: rank, alpha, adapted modules, base)
+
+With a LoRA adapter (``adapter`` given) ``model/`` holds the trainable tensors only (the adapter's
+``lora_A``/``lora_B``), ``optimizer/`` their states: the frozen base is the model folder the run
+started from, recorded as ``lora.base_model_path``, and is not copied.
 
 DCP stores each tensor with its global shape and the offsets of every rank's shard, so a checkpoint
 saved by N ranks loads on M ranks (or in one process without ``torch.distributed``) and into FSDP2
@@ -45,6 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from mmrl.models.lora import adapter_layers
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +187,31 @@ def _write_model_files(directory: Path, model: nn.Module, hf_source_dir: str | P
         config.to_json_file(str(directory / MODEL_CONFIG_FILE))
 
 
+def adapter_info(
+    rank: int, alpha: float, module_names: list[str], base_model_path: str | Path
+) -> dict[str, Any]:
+    """What a LoRA checkpoint records to be merged or exported without the run's config: the adapter's
+    rank and alpha (scale ``alpha / rank``), the full names of the adapted modules and the base model
+    folder."""
+    return {
+        "rank": rank,
+        "alpha": alpha,
+        "modules": list(module_names),
+        "base_model_path": str(base_model_path),
+    }
+
+
+def _model_state(model: nn.Module, adapter: dict[str, Any] | None) -> dict[str, Any]:
+    """``get_model_state_dict``; with an adapter, its trainable tensors alone (the frozen base of a
+    LoRA run is its source model folder). ``ignore_frozen_params`` alone would keep a tied alias of a
+    frozen weight (``lm_head.weight``), which ``named_parameters`` does not list."""
+    if adapter is None:
+        return get_model_state_dict(model)
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in trainable}
+
+
 def save_train_state(
     directory: str | Path,
     model: nn.Module,
@@ -187,8 +219,11 @@ def save_train_state(
     lr_scheduler: Any | None = None,
     hf_source_dir: str | Path | None = None,
     extra: dict[str, Any] | None = None,
+    adapter: dict[str, Any] | None = None,
 ) -> None:
     """Saves the training state of ``model`` into ``directory`` (layout in the module docstring).
+    ``adapter``: the LoRA adapter's description (:func:`adapter_info`); only the trainable tensors
+    are saved then.
 
     Collective: every rank of the default process group calls it (or one process without one). Model
     and optimizer are sharded DCP checkpoints of ``get_model_state_dict`` / ``get_optimizer_state_dict``
@@ -200,7 +235,7 @@ def save_train_state(
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
 
-    save_dcp(get_model_state_dict(model), directory / MODEL_DIR)
+    save_dcp(_model_state(model, adapter), directory / MODEL_DIR)
     if optimizer is not None:
         save_dcp(get_optimizer_state_dict(model, optimizer), directory / OPTIMIZER_DIR)
 
@@ -222,6 +257,8 @@ def save_train_state(
             "has_lr_scheduler": lr_scheduler is not None,
             "has_extra": extra is not None,
         }
+        if adapter is not None:
+            info["lora"] = adapter
         (directory / STATE_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     _barrier()
 
@@ -286,6 +323,21 @@ def _load_optimizer_state(directory: Path, model: nn.Module, optimizer: torch.op
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=False))
 
 
+def _check_same_kind(directory: Path, adapter: dict[str, Any] | None, model: nn.Module) -> None:
+    """A LoRA checkpoint resumes a LoRA model with the same adapted modules, a full one a full model."""
+    adapted = [name for name, _ in adapter_layers(model)]
+    if adapter is None and adapted:
+        raise ValueError(
+            f"{directory} holds a full model, but the model has a LoRA adapter "
+            f"(worker.actor.model.lora.rank > 0): resume it with lora.rank=0"
+        )
+    if adapter is not None and sorted(adapter["modules"]) != sorted(adapted):
+        raise ValueError(
+            f"{directory} holds a LoRA adapter on {len(adapter['modules'])} modules (rank {adapter['rank']}), "
+            f"the model has adapters on {len(adapted)}: resume with the run's worker.actor.model.lora settings"
+        )
+
+
 def load_train_state(
     directory: str | Path,
     model: nn.Module,
@@ -303,9 +355,11 @@ def load_train_state(
     info = read_state_info(directory)
     rank, world_size = _rank_and_world_size()
 
-    model_state = get_model_state_dict(model)
+    adapter = info.get("lora")
+    _check_same_kind(directory, adapter, model)
+    model_state = _model_state(model, adapter)
     load_dcp(model_state, directory / MODEL_DIR)
-    set_model_state_dict(model, model_state)
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=adapter is None))
     if optimizer is not None:
         if not info["has_optimizer"]:
             raise ValueError(

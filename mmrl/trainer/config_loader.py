@@ -556,6 +556,29 @@ def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
 
 
+def _check_lora(errors: list[str], cfg: PPOConfig) -> None:
+    """LoRA settings that are wrong whatever the model; target names are checked against the model's
+    modules where it is built (mmrl.models.lora.lora_target_names)."""
+    import importlib.util
+
+    from mmrl.models.lora import PEFT_HINT
+
+    lora, key = cfg.worker.actor.model.lora, "worker.actor.model.lora"
+    if lora.rank < 0:
+        errors.append(f"{key}.rank={lora.rank} must be >= 0 (0 = full fine-tuning)")
+    if lora.alpha <= 0:
+        errors.append(f"{key}.alpha={lora.alpha} must be > 0: the adapter's update is (alpha / rank) * B @ A")
+    if not lora.target_modules.strip(" ,"):
+        errors.append(f"{key}.target_modules is empty: all-linear, or module names such as q_proj,v_proj")
+    if lora.exclude_modules is not None:
+        try:
+            re.compile(lora.exclude_modules)
+        except re.error as error:
+            errors.append(f"{key}.exclude_modules={lora.exclude_modules!r} is not a valid regex: {error}")
+    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
+        errors.append(PEFT_HINT)
+
+
 def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
     data = cfg.data
     if not data.train_files:
@@ -605,6 +628,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_sequence_parallel(errors, cfg)
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)
+    _check_lora(errors, cfg)
     _check_choices(errors, cfg)
     if check_paths:
         _check_paths(errors, cfg)

@@ -1,7 +1,8 @@
 """Worker roles: one process per device, holding models and running the phases the driver asks for.
 
-``HybridWorker`` holds the actor (FSDP2, trained), the reference policy (FSDP2, frozen), the
-rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
+``HybridWorker`` holds the actor (FSDP2, trained; with ``worker.actor.model.lora.rank`` > 0 only its
+LoRA adapter trains), the reference policy (FSDP2, frozen; with LoRA the actor's own model with the
+adapter switched off, no second copy), the rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
 roles share the device, its CUDA context and one torch.distributed world (as in verl and EasyR1), so
 a critic needs no devices of its own; each role's ``offload`` settings move it off the device between
 its phases. It is a plain class: the single controller instantiates it inside Ray actors after
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmrl.checkpoint.state import load_train_state, save_train_state
+from mmrl.checkpoint.state import adapter_info, load_train_state, save_train_state
 from mmrl.data.processing import (
     MediaCache,
     MediaProcessor,
@@ -39,10 +40,19 @@ from mmrl.data.processing import (
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path
+from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
 from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import SAMPLING_KEYS, ActorConfig, CriticConfig, FSDPConfig, ModelConfig, PPOConfig
+from mmrl.trainer.config import (
+    SAMPLING_KEYS,
+    ActorConfig,
+    CriticConfig,
+    FSDPConfig,
+    LoraConfig,
+    ModelConfig,
+    PPOConfig,
+)
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.forward import add_position_ids
@@ -90,9 +100,11 @@ def build_fsdp_model(
     trust_remote_code: bool,
     padding_free: bool,
     sequence_parallel: bool,
+    lora: LoraConfig | None = None,
 ) -> torch.nn.Module:
     """Load the Hugging Face model at ``model_path``, prepare it for the passes it runs (packed with
-    ``padding_free``, rows split over ranks with ``sequence_parallel``) and shard it with FSDP2."""
+    ``padding_free``, rows split over ranks with ``sequence_parallel``), give it a LoRA adapter when
+    ``lora.rank`` > 0 (only the adapter trains) and shard it with FSDP2."""
     module = load_model(
         model_path,
         role=role,
@@ -103,6 +115,8 @@ def build_fsdp_model(
     prepare_for_training(
         module, packing=padding_free, sequence_parallel=sequence_parallel, score_tokens=role == "actor"
     )
+    if trainable and lora is not None and lora.rank > 0:
+        add_adapter(module, lora, fsdp, device)
     if not trainable:
         module.requires_grad_(False)
     elif model_config.freeze_vision_tower:
@@ -123,6 +137,20 @@ def build_fsdp_model(
         cpu_offload=fsdp.enable_cpu_offload,
         reshard_after_forward=fsdp.enable_full_shard,
     )
+
+
+def add_adapter(module: torch.nn.Module, lora: LoraConfig, fsdp: FSDPConfig, device: torch.device) -> None:
+    """Inject the LoRA adapter (before sharding, so each layer's adapter is sharded with it). The
+    frozen base is then stored as a frozen model would be (``storage_dtype``: bf16 on CUDA with
+    ``auto``) when the passes gather it in that dtype anyway; the adapter keeps fp32 master weights."""
+    names = apply_lora(module, lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules)
+    frozen_dtype = storage_dtype(fsdp.torch_dtype, device, trainable=False)
+    if frozen_dtype == resolve_dtype(fsdp.mp_param_dtype, device):
+        for parameter in module.parameters():
+            if not parameter.requires_grad and parameter.is_floating_point():
+                parameter.data = parameter.data.to(frozen_dtype)
+    trainable = sum(parameter.numel() for parameter in module.parameters() if parameter.requires_grad)
+    logger.info("LoRA rank %d on %d modules: %d trainable parameters", lora.rank, len(names), trainable)
 
 
 def build_optimization(module: torch.nn.Module, actor: ActorConfig | CriticConfig, total_steps: int):
@@ -187,6 +215,8 @@ class CriticRole:
         self.sequence_parallel = sequence_parallel
         self.dp_size = dist.get_world_size() // critic_cfg.sequence_parallel_size
         self.model_path = model_path
+        if config.worker.actor.model.lora.rank > 0 and dist.get_rank() == 0:
+            logger.warning("worker.actor.model.lora adapts the actor only: the critic trains all its weights")
         module = build_fsdp_model(
             model_path,
             critic_cfg.model,
@@ -278,7 +308,14 @@ class HybridWorker:
             "sequence_parallel": self.sequence_parallel is not None,
         }
         module = build_fsdp_model(
-            self.model_path, model_cfg, actor_cfg.fsdp, "actor", self.device, trainable=True, **passes
+            self.model_path,
+            model_cfg,
+            actor_cfg.fsdp,
+            "actor",
+            self.device,
+            trainable=True,
+            lora=model_cfg.lora,
+            **passes,
         )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
         self.actor = PolicyActor(
@@ -291,17 +328,7 @@ class HybridWorker:
             device=self.device,
             **sp_args,
         )
-        self.ref = None
-        if config.algorithm.use_reference:
-            ref_cfg = config.worker.ref
-            ref_module = build_fsdp_model(
-                self.model_path, model_cfg, ref_cfg.fsdp, "actor", self.device, trainable=False, **passes
-            )
-            # the reference scores with the actor's packing settings; it has no loss
-            self.ref = PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
-            # frozen: only its weights can move, and they are needed for its log-prob pass alone
-            self.ref_offload = PhaseOffload(ref_module, self.device, params=ref_cfg.offload.offload_params)
-            self.ref_offload.offload()
+        self.ref = self._build_ref(module, passes, sp_args) if config.algorithm.use_reference else None
         actor_offload = actor_cfg.offload
         self.actor_offload = PhaseOffload(
             module,
@@ -317,6 +344,30 @@ class HybridWorker:
         self.critic = self._build_critic(total_training_steps) if config.use_critic else None
 
     # ---- builders -----------------------------------------------------------------------------
+
+    def _build_ref(self, actor_module: torch.nn.Module, passes: dict, sp_args: dict) -> PolicyActor:
+        """The reference policy. With LoRA it is the actor's own model with its adapter disabled
+        (:meth:`compute_ref_log_probs`): the base weights, with no second copy of them."""
+        actor_cfg, ref_cfg = self.config.worker.actor, self.config.worker.ref
+        if actor_cfg.model.lora.rank > 0:
+            ref_module = actor_module
+            offload_params = actor_cfg.offload.offload_params  # the actor's weights, moved as the actor's
+        else:
+            ref_module = build_fsdp_model(
+                self.model_path,
+                actor_cfg.model,
+                ref_cfg.fsdp,
+                "actor",
+                self.device,
+                trainable=False,
+                **passes,
+            )
+            offload_params = ref_cfg.offload.offload_params
+        # frozen: only its weights can move, and they are needed for its log-prob pass alone
+        self.ref_offload = PhaseOffload(ref_module, self.device, params=offload_params)
+        self.ref_offload.offload()
+        # the reference scores with the actor's packing settings; it has no loss
+        return PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
 
     def _build_rollout(self):
         from transformers import AutoTokenizer
@@ -425,7 +476,8 @@ class HybridWorker:
         data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
-        with self.ref_offload.loaded():
+        # with LoRA the reference is the actor's model: its base weights, the adapter switched off
+        with self.ref_offload.loaded(), adapters_disabled(self.ref.module):
             log_probs, _ = self.ref.compute_log_probs(data, micro, temperature)
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
 
@@ -480,6 +532,11 @@ class HybridWorker:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
+        lora = self.config.worker.actor.model.lora
+        adapter = None
+        if lora.rank > 0:  # the adapter and its optimizer state; the base stays in model_path
+            modules = [name for name, _ in adapter_layers(self.actor.module)]
+            adapter = adapter_info(lora.rank, lora.alpha, modules, self.model_path)
         with self.actor_offload.loaded():
             save_train_state(
                 Path(directory) / "actor",
@@ -487,6 +544,7 @@ class HybridWorker:
                 self.actor.optimizer,
                 self.actor.lr_scheduler,
                 hf_source_dir=self.model_path,
+                adapter=adapter,
             )
         if self.critic is not None:
             self.critic.save_checkpoint(directory)

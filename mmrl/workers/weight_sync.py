@@ -9,6 +9,11 @@ renaming patterns leave the in-memory names alone); ``load_state_dict`` takes on
 on-disk names with ``checkpoint_format=True``; :func:`load_into` takes either. A tied weight
 (``lm_head.weight`` = input embedding) is yielded once, under its first name.
 
+LoRA. A model with adapters (:mod:`mmrl.models.lora`) is yielded as the plain model the rollout engine
+holds: each adapted layer's ``P.base_layer.weight`` as ``P.weight`` = ``W + (alpha / r) * B @ A`` of
+the current adapter, and no ``lora_A``/``lora_B`` tensors, so the engine never sees a stale adapter
+nor a name it does not know.
+
 Qwen2.5-Omni: the thinker's names carry no ``thinker.`` prefix, while the files of a full Omni
 checkpoint do; prepend it where a consumer expects the whole Omni model's names.
 """
@@ -21,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mmrl.models.lora import ADAPTER, adapter_layers, base_name, is_adapter_tensor, lora_scale, merged_weight
 from mmrl.workers.fsdp_engine import collective_device
 
 
@@ -62,6 +68,13 @@ def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
     return {key: mapping.get(key, key) for key in keys}
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded (DTensor) one all-gathered on its mesh's device (collective)."""
+    if isinstance(tensor, DTensor):
+        return tensor.to(collective_device(tensor)).full_tensor()
+    return tensor
+
+
 @torch.no_grad()
 def iter_full_state_dict(
     model: nn.Module,
@@ -72,14 +85,26 @@ def iter_full_state_dict(
     """Yield ``(name, full tensor)`` for every parameter and persistent buffer, one at a time.
 
     A sharded (DTensor) entry is all-gathered on its mesh's device (``full_tensor``), then moved to
-    ``device`` and cast to ``dtype`` (None keeps it): peak memory is one full tensor, never a second
-    copy of the model. Collective: every rank of the mesh must consume the iterator in step.
+    ``device`` and cast to ``dtype`` (None keeps it): peak memory is one full tensor (with LoRA, one
+    adapted weight and its adapter), never a second copy of the model. LoRA layers are yielded merged,
+    under the plain model's names (module docstring). Collective: every rank of the mesh must consume
+    the iterator in step.
     """
     key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
+    adapters = dict(adapter_layers(model))
     for name, tensor in _unique_state_tensors(model):
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to(collective_device(tensor)).full_tensor()
-        yield key_mapping.get(name, name), tensor.detach().to(device=device, dtype=dtype or tensor.dtype)
+        if is_adapter_tensor(name):  # folded into their layer's weight below
+            continue
+        full = _full(tensor)
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if leaf == "weight" and owner in adapters:
+            layer = adapters[owner]
+            lora_a, lora_b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
+            full = merged_weight(full, lora_a, lora_b, lora_scale(layer))
+        yield (
+            base_name(key_mapping.get(name, name)),
+            full.detach().to(device=device, dtype=dtype or full.dtype),
+        )
 
 
 @torch.no_grad()

@@ -601,3 +601,33 @@ def test_incompatible_dependency_is_named(monkeypatch, capsys, run_files):
     error = ImportError("cannot import name 'X' from 'transformers'", name="transformers")
     assert main_module.report_import_error(error) == 2
     assert "cannot import name 'X' from 'transformers'; install the versions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["worker.actor.model.lora.rank=-1"], "worker.actor.model.lora.rank=-1 must be >= 0"),
+        (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.alpha=0"], "lora.alpha=0 must be > 0"),
+        (["worker.actor.model.lora.target_modules=' , '"], "lora.target_modules is empty"),
+        (
+            ["worker.actor.model.lora.exclude_modules='(visual'"],
+            "lora.exclude_modules='(visual' is not a valid",
+        ),
+    ],
+)
+def test_lora_settings_are_checked_at_load(run_files, extra, expected):
+    assert any(expected in error for error in errors_of(valid_args(run_files, *extra)))
+
+
+def test_lora_without_peft_says_how_to_install_it(run_files, monkeypatch):
+    from mmrl.models.lora import require_peft
+
+    assert (
+        load_config(valid_args(run_files, "worker.actor.model.lora.rank=8")).worker.actor.model.lora.rank == 8
+    )
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    hint = 'pip install "mmrl[lora]"'
+    assert any(hint in error for error in errors_of(valid_args(run_files, "worker.actor.model.lora.rank=8")))
+    load_config(valid_args(run_files))  # rank 0 (full fine-tuning) needs no peft
+    with pytest.raises(ImportError, match=re.escape(hint)):
+        require_peft()

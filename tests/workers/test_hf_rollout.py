@@ -128,6 +128,34 @@ def test_rollout_log_probs_match_the_trainer(vl_parts, prompts):
     assert gap.max() < 1e-5
 
 
+def test_rollout_log_probs_match_the_lora_trainer_after_updates(vl_parts, prompts):
+    """LoRA: the rollout (a plain model) gets the merged weights after every update, and its sampled-token
+    log-probs equal the adapted trainer's; the updates move the policy far beyond the tolerance."""
+    from mmrl.models.lora import apply_lora
+    from mmrl.workers.fsdp_engine import build_optimizer
+    from mmrl.workers.weight_sync import iter_full_state_dict
+
+    path, tokenizer, _ = vl_parts
+    model = training_model(path)
+    apply_lora(model, 4, 16, "all-linear", None)
+    optimizer = build_optimizer(model.parameters(), lr=5e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    actor = policy_actor(model, optimizer, max_response_length=6)
+    rollout = make_rollout(vl_parts, return_log_probs=True)
+    generator, gaps = torch.Generator().manual_seed(0), []
+    for step in range(3):
+        rollout.update_weights(iter_full_state_dict(model))  # at start, then after every update
+        batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=step))
+        log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=0.7)
+        mask = batch.batch["response_mask"].bool()
+        gaps.append(float((log_probs - batch.batch["rollout_log_probs"]).abs()[mask].max()))
+        advantages = torch.randn(len(batch), 1, generator=generator).sign() * mask
+        columns = DataProto.from_dict(tensors={"old_log_probs": log_probs, "advantages": advantages})
+        actor.update_policy(batch.union(columns), len(batch), len(batch), ppo_epochs=1, temperature=0.7)
+    assert max(gaps) < 1e-5, gaps
+    base_log_probs, _ = policy_actor(training_model(path)).compute_log_probs(batch, 4, temperature=0.7)
+    assert (base_log_probs - log_probs).abs()[mask].max() > 0.01  # the adapter moved the policy
+
+
 @pytest.fixture(scope="module")
 def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
     """Image prompts (the colour task) and video prompts (the dot task, 8 frames)."""

@@ -6,7 +6,7 @@ which may touch the pytest process. Each spawn starts its engines once and makes
 
 - one rank: greedy responses equal ``HFRollout``'s token for token (text model, and the VL model on
   image + text-only prompts), row layout, seeded sampling, placeholder blocking, and log-probs after
-  FSDP2 updates + weight pushes;
+  FSDP2 updates + weight pushes, of the whole model and of a LoRA adapter (merged weights pushed);
 - one rank, video (Qwen2.5-VL), audio (Qwen2.5-Omni thinker), and image + video (Qwen3-VL: frame
   timestamps, deepstack features) prompts: the engine expands each prompt to exactly the trainer's
   token ids, greedy responses equal ``HFRollout``'s, and sampled-token
@@ -45,6 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
 MAX_TOKENS = 8
 UPDATE_STEPS = 3
+LORA_RANK, LORA_ALPHA = 4, 32  # scale 8: the adapter (B starts at 0) moves the policy within 3 steps
 ENGINE_ARGS = {
     "name": "vllm",
     "max_model_len": 512,
@@ -150,9 +151,19 @@ def _sampling_checks(rollout, prompts: DataProto) -> dict:
     return results
 
 
-def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProto, tp_size: int) -> dict:
+def _training_run(
+    rank: int,
+    world_size: int,
+    model_path: str,
+    prompts: DataProto,
+    tp_size: int,
+    lora_rank: int = 0,
+    rollout=None,
+) -> dict:
     """Rollout → trainer log-probs → FSDP2 update → weight push, ``UPDATE_STEPS`` times, then a last
-    rollout. Returns the |vLLM − trainer| log-prob gap of every rollout, and timings."""
+    rollout. Returns the |vLLM − trainer| log-prob gap of every rollout, and timings. ``lora_rank`` > 0:
+    the policy trains a LoRA adapter (sharded with its layers) and the pushes carry the merged weights;
+    ``rollout``: an engine to reuse (its weights are replaced by the first push)."""
     from _batches import policy_actor
     from _models import training_model
     from torch.distributed.device_mesh import init_device_mesh
@@ -163,12 +174,17 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
 
     tokenizer, _ = load_tokenizer_and_processor(model_path)
     mesh = init_device_mesh("cpu", (world_size,))
-    module = apply_fsdp2(training_model(model_path), mesh, torch.float32, torch.float32)
+    model = training_model(model_path)
+    if lora_rank:
+        from mmrl.models.lora import apply_lora
+
+        apply_lora(model, lora_rank, LORA_ALPHA, "all-linear", None)
+    module = apply_fsdp2(model, mesh, torch.float32, torch.float32)
     optimizer = build_optimizer(module.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     actor = policy_actor(module, optimizer, max_response_length=MAX_TOKENS)
     start = time.perf_counter()
     config = RolloutConfig(tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS)
-    rollout = _keep(VLLMRollout(model_path, tokenizer, config))
+    rollout = rollout or _keep(VLLMRollout(model_path, tokenizer, config))
     results = {"engine_start_s": time.perf_counter() - start, "gaps": [], "sync_s": [], "tokens": 0}
 
     def push_weights():
@@ -198,7 +214,7 @@ def _training_run(rank: int, world_size: int, model_path: str, prompts: DataProt
     # how far training moved the policy: the start model's log-probs of the last rollout's tokens
     start_log_probs, _ = policy_actor(training_model(model_path)).compute_log_probs(batch, 4, TEMPERATURE)
     results["gap_to_start"] = float((start_log_probs - log_probs).abs()[mask].max())
-    results["batch"] = batch
+    results["batch"], results["rollout"] = batch, rollout
     return results
 
 
@@ -237,11 +253,16 @@ def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_p
     results["sampling"] = _sampling_checks(results["vl"].pop("rollout"), vl_prompts)
     results["text"].pop("rollout")
     results["training"] = _training_run(rank, world_size, vl_path, vl_prompts, tp_size=1)
+    engine = results["training"].pop("rollout")
+    results["lora_training"] = _training_run(rank, world_size, vl_path, vl_prompts, 1, LORA_RANK, engine)
+    results["lora_training"].pop("rollout")
     return results
 
 
 def _training_job(rank: int, world_size: int, vl_path: str, rank_prompts: list, tp_size: int) -> dict:
-    return _training_run(rank, world_size, vl_path, rank_prompts[rank], tp_size)
+    results = _training_run(rank, world_size, vl_path, rank_prompts[rank], tp_size)
+    results.pop("rollout")
+    return results
 
 
 # ---------------------------------------------------------------- fixtures
@@ -361,6 +382,11 @@ def _assert_training_parity(run: dict) -> None:
 
 def test_log_probs_match_the_trainer_after_updates_one_rank(one_rank):
     _assert_training_parity(one_rank["training"])
+
+
+def test_log_probs_match_the_lora_trainer_after_updates_one_rank(one_rank):
+    """The engine gets the sharded adapter merged into its layers' weights at every push."""
+    _assert_training_parity(one_rank["lora_training"])
 
 
 # ---------------------------------------------------------------- video and audio

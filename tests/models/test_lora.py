@@ -1,0 +1,112 @@
+"""LoRA on the policy: the adapted model computes what its merged weights compute, the reference is
+the base model with the adapter switched off, an update trains the adapter alone, and the weights a
+rollout engine receives are the merged ones under the plain model's names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
+from _models import training_model
+
+from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora, lora_target_names
+from mmrl.workers.fsdp_engine import build_optimizer
+from mmrl.workers.weight_sync import iter_full_state_dict, load_into
+
+RANK, ALPHA = 4, 8  # scale alpha / rank = 2
+ROWS = ({"image": (56, 56)}, {}, {"image": (84, 56)}, {})
+RESPONSE_LENGTHS = (5, 3, 6, 4)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_vl_path):
+    from transformers import AutoProcessor
+
+    raw = build_batch(AutoProcessor.from_pretrained(tiny_vl_path), ROWS, RESPONSE_LENGTHS, seed=3)
+    return add_training_columns(raw, str(tiny_vl_path))
+
+
+def lora_model(path, seed: int = 0, target_modules: str = "all-linear", exclude_modules: str | None = None):
+    """The tiny model with an adapter whose B is non-zero (PEFT starts it at 0: a no-op adapter)."""
+    model = training_model(path)
+    apply_lora(model, RANK, ALPHA, target_modules, exclude_modules)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in adapter_layers(model):
+            weight = layer.lora_B["default"].weight
+            weight.copy_(0.05 * torch.randn(weight.shape, generator=generator))
+    return model
+
+
+def test_targets_every_linear_layer_but_the_output_head(tiny_vl_path):
+    model = training_model(tiny_vl_path)
+    names = lora_target_names(model, "all-linear", None)
+    assert "lm_head" not in names
+    assert any(".visual." in name for name in names)  # the vision tower too, unless excluded
+    assert "model.language_model.layers.0.self_attn.q_proj" in names
+    text_only = lora_target_names(model, "all-linear", r".*visual.*")
+    assert text_only == [name for name in names if ".visual." not in name]
+    assert lora_target_names(model, "q_proj, v_proj", None) == [
+        f"model.language_model.layers.{layer}.self_attn.{proj}"
+        for layer in (0, 1)
+        for proj in ("q_proj", "v_proj")
+    ]
+    with pytest.raises(
+        ValueError, match=r"worker.actor.model.lora.target_modules: \['qproj'\] match no.*q_proj"
+    ):
+        lora_target_names(model, "q_proj,qproj", None)
+    with pytest.raises(ValueError, match=r"\['lm_head'\] match no linear layer"):
+        lora_target_names(model, "lm_head", None)
+    with pytest.raises(ValueError, match="excludes every module"):
+        lora_target_names(model, "qkv", r".*visual.*")
+
+
+def test_lora_log_probs_equal_the_merged_models(tiny_vl_path, batch):
+    model = lora_model(tiny_vl_path)
+    merged_state = dict(iter_full_state_dict(model))
+    plain = training_model(tiny_vl_path)
+    assert set(merged_state) == set(dict(iter_full_state_dict(plain)))  # plain names, no adapter tensors
+    layer = model.get_submodule("model.language_model.layers.1.mlp.down_proj")
+    expected = layer.base_layer.weight + 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    torch.testing.assert_close(merged_state["model.language_model.layers.1.mlp.down_proj.weight"], expected)
+    load_into(plain, merged_state.items())
+
+    lora_log_probs, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain).compute_log_probs(batch, 2, TEMPERATURE)
+    mask = batch.batch["response_mask"].bool()
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base_log_probs, _ = policy_actor(training_model(tiny_vl_path)).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
+
+
+def test_ref_is_the_base_model_under_disabled_adapters(tiny_vl_path, batch):
+    model = lora_model(tiny_vl_path)
+    actor = policy_actor(model)
+    adapted, _ = actor.compute_log_probs(batch, 2, TEMPERATURE)
+    with adapters_disabled(model):
+        ref, _ = actor.compute_log_probs(batch, 2, TEMPERATURE)
+    base, _ = policy_actor(training_model(tiny_vl_path)).compute_log_probs(batch, 2, TEMPERATURE)
+    assert torch.equal(ref, base)
+    again, _ = actor.compute_log_probs(batch, 2, TEMPERATURE)  # switched back on after the block
+    assert torch.equal(again, adapted)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_an_update_trains_the_adapter_alone(tiny_vl_path, batch):
+    model = training_model(tiny_vl_path)
+    apply_lora(model, RANK, ALPHA, "all-linear", None)  # B = 0, as a run starts
+    optimizer = build_optimizer(model.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    optimized = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    assert optimized == {id(param) for name, param in model.named_parameters() if name in trainable}
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+
+    actor = policy_actor(model, optimizer, **ACTOR_SETTINGS)
+    # two steps: with B = 0 the first step's gradient reaches B alone (dL/dA = B^T dL/d(xA^T B^T) = 0)
+    assert actor.update_policy(batch, len(batch), 2, 2, TEMPERATURE).metrics["grad_norm"] > 0
+    for name, param in model.named_parameters():
+        if name in trainable:
+            assert not torch.equal(param, before[name]), f"{name} did not train"  # vision tower's too
+        else:
+            assert torch.equal(param, before[name]), f"frozen {name} changed"
