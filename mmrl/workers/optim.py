@@ -16,9 +16,7 @@ from torch import nn
 # elements updated at a time: the float32 temporaries of a chunk (moments, noise, denominator) stay
 # ~100 MB instead of several GB for a 151,936 x 2,048 embedding
 CHUNK_ELEMENTS = 1 << 22
-# stochastic rounding's noise is drawn from a generator seeded by (this, step): the same step of a
-# resumed run rounds the same way as the uninterrupted run, without any saved RNG state
-ROUNDING_SEED = 0x5EED
+ROUNDING_SEED = 0x5EED  # with the step, the seed of the rounding noise (rounding_noise)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -26,20 +24,31 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def round_to_bf16_stochastically(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``values`` (float32) rounded to bfloat16 up or down at random, with the probability of rounding
-    up equal to the fraction of the gap covered, so the result is unbiased: ``E[round(x)] = x``.
+def round_to_bf16_stochastically_(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``values`` (float32), in place, rounded to a bfloat16 value up or down at random, with the
+    probability of rounding up equal to the fraction of the gap covered, so the result is unbiased:
+    ``E[round(x)] = x``. ``noise``: int32 uniform in [0, 2^16), the shape of ``values``. Returns
+    ``values``, now exactly representable in bfloat16 (``.to(torch.bfloat16)`` is exact).
 
     Why: with round-to-nearest, ``v <- beta2 * v + (1 - beta2) * g^2`` (``beta2 = 0.999``) changes ``v`` by
-    0.1 %, less than half a bfloat16 step (0.2-0.4 %), so after ~700 steps ``v`` stops moving at all.
+    0.1 %, less than half a bfloat16 step (0.2-0.8 %), so after ~700 steps ``v`` stops moving at all.
     bfloat16 is the top 16 bits of a float32: adding uniform noise to the low 16 bits of the magnitude and
     truncating them rounds up with exactly that probability (the sign bit is not touched).
     """
     bits = values.view(torch.int32)
-    noise = torch.randint(
-        0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator
-    )
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
+    bits.add_(noise).bitwise_and_(-65536)  # -65536 = 0xFFFF0000
+    return values
+
+
+def rounding_noise(size: int, device: torch.device, step: int) -> torch.Tensor:
+    """Two int32 rows of ``size`` uniform draws in [0, 2^16) (one for each moment), from a generator
+    seeded by ``step``: the same step of a resumed run rounds the same way as the uninterrupted run,
+    without any saved RNG state. One draw per step is reused by every chunk of every tensor (drawing
+    per element is the slowest part of the step on a CPU); each element still gets fresh noise at
+    every step, which is what keeps its rounding unbiased over time."""
+    generator = torch.Generator(device)
+    generator.manual_seed(ROUNDING_SEED * 1_000_003 + step)
+    return torch.randint(0, 1 << 16, (2, size), dtype=torch.int32, device=device, generator=generator)
 
 
 class AdamWBf16(torch.optim.Optimizer):
@@ -94,7 +103,11 @@ class AdamWBf16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        generators: dict[torch.device, torch.Generator] = {}
+        stepped = [
+            param for group in self.param_groups for param in group["params"] if param.grad is not None
+        ]
+        largest = max((_local(param).numel() for param in stepped), default=0)
+        noise: dict[torch.device, torch.Tensor] = {}
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -105,18 +118,10 @@ class AdamWBf16(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 local = _local(param)
-                if local.device not in generators:
-                    generators[local.device] = torch.Generator(local.device)
-                    generators[local.device].manual_seed(ROUNDING_SEED * 1_000_003 + step)
-                self._update(
-                    local,
-                    _local(param.grad),
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
-                    step,
-                    group,
-                    generators[local.device],
-                )
+                if local.device not in noise:
+                    noise[local.device] = rounding_noise(min(largest, CHUNK_ELEMENTS), local.device, step)
+                moments = (_local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                self._update(local, _local(param.grad), *moments, step, group, noise[local.device])
         return loss
 
     @staticmethod
@@ -127,35 +132,33 @@ class AdamWBf16(torch.optim.Optimizer):
         exp_avg_sq: torch.Tensor,
         step: int,
         group: dict,
-        generator: torch.Generator,
+        noise: torch.Tensor,
     ) -> None:
         """One AdamW step of a (local) tensor, in float32 chunks of :data:`CHUNK_ELEMENTS`."""
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        step_size = lr / (1 - beta1**step)
+        # m / (sqrt(v) / c2 + eps) = c2 * m / (sqrt(v) + eps * c2) with c2 = sqrt(1 - beta2^t): one pass less
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        if param.numel() == 0:
-            return
-        flat = (
-            tensor.view(-1) if tensor.is_contiguous() else None
-            for tensor in (param, grad, exp_avg, exp_avg_sq)
-        )
-        param_flat, grad_flat, avg_flat, avg_sq_flat = flat
-        if param_flat is None or grad_flat is None or avg_flat is None or avg_sq_flat is None:  # one chunk
-            param_flat, grad_flat, avg_flat, avg_sq_flat = param, grad, exp_avg, exp_avg_sq
-            chunks = [slice(None)]
-        else:
+        step_size = lr / (1 - beta1**step) * bias_correction2_sqrt
+        tensors = (param, grad, exp_avg, exp_avg_sq)
+        if all(tensor.is_contiguous() for tensor in tensors):
+            tensors = tuple(tensor.view(-1) for tensor in tensors)
             chunks = [
                 slice(start, start + CHUNK_ELEMENTS) for start in range(0, param.numel(), CHUNK_ELEMENTS)
             ]
+        else:  # not seen with FSDP2 shards: one chunk of the tensor's own shape, noise drawn for it
+            noise = torch.randint(0, 1 << 16, (2, *param.shape), dtype=torch.int32, device=param.device)
+            chunks = [...]
+        param, grad, exp_avg, exp_avg_sq = tensors
         for chunk in chunks:
-            g = grad_flat[chunk].float()
-            m = avg_flat[chunk].float().mul_(beta1).add_(g, alpha=1 - beta1)
-            v = avg_sq_flat[chunk].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            target = param_flat[chunk]
+            g = grad[chunk].float()
+            m = exp_avg[chunk].float().mul_(beta1).add_(g, alpha=1 - beta1)
+            v = exp_avg_sq[chunk].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            target = param[chunk]
             if weight_decay:
                 target.mul_(1 - lr * weight_decay)
-            denominator = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
-            target.addcdiv_(m.to(target.dtype), denominator.to(target.dtype), value=-step_size)
-            avg_flat[chunk].copy_(round_to_bf16_stochastically(m, generator))
-            avg_sq_flat[chunk].copy_(round_to_bf16_stochastically(v, generator))
+            denominator = v.sqrt().add_(eps * bias_correction2_sqrt)
+            target.addcdiv_(m, denominator, value=-step_size)
+            size = m.numel()
+            exp_avg[chunk].copy_(round_to_bf16_stochastically_(m, noise[0].view(-1)[:size].view_as(m)))
+            exp_avg_sq[chunk].copy_(round_to_bf16_stochastically_(v, noise[1].view(-1)[:size].view_as(v)))

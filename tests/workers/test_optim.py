@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmrl.workers.fsdp_engine import build_optimizer
-from mmrl.workers.optim import AdamWBf16, round_to_bf16_stochastically
+from mmrl.workers.optim import AdamWBf16, round_to_bf16_stochastically_, rounding_noise
 
 HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
 
@@ -87,15 +87,46 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_is_stuck():
     # 1 + 2^-10 lies 1/8 of a bf16 step (2^-7) above 1: round-to-nearest gives 1 every time, stochastic
     # rounding gives 1 + 2^-7 with probability 1/8, so the mean is 1 + 2^-10 (std of the mean ~3e-5)
     values = torch.full((200_000,), 1.0 + 2**-10)
-    rounded = round_to_bf16_stochastically(values, torch.Generator().manual_seed(0)).float()
+    noise = rounding_noise(200_000, torch.device("cpu"), step=1)
+    rounded = round_to_bf16_stochastically_(values.clone(), noise[0])
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert rounded.mean().item() == pytest.approx(1.0 + 2**-10, abs=2e-4)
+    assert torch.equal(rounded.to(torch.bfloat16).float(), rounded)  # exactly representable
     assert values.to(torch.bfloat16).float().mean().item() == 1.0
-    negative = round_to_bf16_stochastically(-values, torch.Generator().manual_seed(0)).float()
+    negative = round_to_bf16_stochastically_(-values, noise[1])
     assert negative.mean().item() == pytest.approx(-(1.0 + 2**-10), abs=2e-4)
-    exact = torch.tensor([0.0, 1.5, -2.0, 3.0e-20])  # bf16 values come back unchanged
-    exact = exact.to(torch.bfloat16).float()
-    assert torch.equal(round_to_bf16_stochastically(exact, torch.Generator()).float(), exact)
+    exact = torch.tensor([0.0, 1.5, -2.0, 3.0e-20]).to(torch.bfloat16).float()  # come back unchanged
+    assert torch.equal(round_to_bf16_stochastically_(exact.clone(), noise[0, :4]), exact)
+    assert torch.equal(rounding_noise(8, torch.device("cpu"), 3), rounding_noise(8, torch.device("cpu"), 3))
+    assert not torch.equal(
+        rounding_noise(8, torch.device("cpu"), 3), rounding_noise(8, torch.device("cpu"), 4)
+    )
+
+
+def test_second_moment_follows_float32_where_round_to_nearest_freezes_it():
+    # g^2 = 1 for 400 steps: v = 1 - 0.999^400 = 0.3297; then g = 0 for 400 steps: v = 0.3297 * 0.999^400
+    # = 0.2210. In bf16 with round-to-nearest v stops at 0.25 after ~290 steps (a step's change, < 0.1 %,
+    # is below half a bf16 step) and stays there (checked: 0.25 at steps 400 and 800). Stochastic
+    # rounding follows the float32 value in expectation.
+    param = torch.nn.Parameter(torch.zeros(4_000))
+    optimizer = AdamWBf16([param], lr=0.0, betas=(0.9, 0.999), weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 800 tiny steps: a second thread only adds hand-over waits (~50x slower)
+    try:
+        _alternate_gradients(param, optimizer)
+    finally:
+        torch.set_num_threads(threads)
+    mean = optimizer.state[param]["exp_avg_sq"].float().mean().item()
+    assert mean == pytest.approx((1 - 0.999**400) * 0.999**400, rel=0.02)
+
+
+def _alternate_gradients(param, optimizer) -> None:
+    for step in range(800):
+        param.grad = torch.ones_like(param) if step < 400 else torch.zeros_like(param)
+        optimizer.step()
+        if step == 399:
+            mean = optimizer.state[param]["exp_avg_sq"].float().mean().item()
+            assert mean == pytest.approx(1 - 0.999**400, rel=0.01)
 
 
 def test_chunked_update_equals_one_chunk(monkeypatch):
