@@ -123,13 +123,20 @@ def test_gspo_through_the_actor_clips_at_its_own_defaults(training_batches):
 
 
 def test_sapo_on_policy_step_is_the_policy_gradient(training_batches):
-    # on-policy r = 1: SAPO's gradient wrt logp is -A whatever tau (f'(1) = 1), as PPO's unclipped one,
-    # so the step equals PPO's; the loss value is -A * 2 / tau, PPO's -A when tau = 2 for both signs
+    # on-policy r = 1: SAPO's loss is -A * f(1) = -A * 2 / tau and its gradient wrt logp is -A whatever
+    # tau (f'(1) = 1): two temperatures give the same step, and pg_loss the token mean of -2 A / tau
+    # with tau = tau_positive (1.0) where A >= 0 and tau_negative (1.05) where A < 0
+    from mmrl.trainer.core_algos import aggregate_loss
+
     path, batch = training_batches["qwen2_5_vl"]
     sapo = {"loss_type": "sapo", "clip_ratio_low": None, "clip_ratio_high": None}
-    ppo = _step(path, batch, on_policy=True)
-    sapo_tau2 = _step(path, batch, on_policy=True, **sapo, tau_positive=2.0, tau_negative=2.0)
-    sapo_default = _step(path, batch, on_policy=True, **sapo)
-    _assert_same_step(ppo, sapo_tau2, ("pg_loss", "kl_loss", "entropy", "grad_norm"))
-    _assert_same_step(ppo, sapo_default, ("kl_loss", "entropy", "grad_norm"))
-    assert sapo_default[0]["pg_loss"] != pytest.approx(ppo[0]["pg_loss"])
+    tau2 = _step(path, batch, on_policy=True, **sapo, tau_positive=2.0, tau_negative=2.0)
+    default = _step(path, batch, on_policy=True, **sapo)
+    _assert_same_step(tau2, default, ("kl_loss", "entropy", "grad_norm"))
+    advantages, mask = batch.batch["advantages"], batch.batch["response_mask"]
+    tau = torch.where(advantages >= 0, 1.0, 1.05)
+    assert tau2[0]["pg_loss"] == pytest.approx(
+        aggregate_loss(-advantages, mask, "token_mean").item(), rel=1e-5
+    )
+    expected = aggregate_loss(-2.0 * advantages / tau, mask, "token_mean").item()
+    assert default[0]["pg_loss"] == pytest.approx(expected, rel=1e-5)
