@@ -73,6 +73,8 @@ _SPECS = (
            "sampled ids, pad_token_id after EOS"),
     Column("response_mask", "generate", ("reward", "advantages", "update", "metrics"), _LONG, "[B, R]",
            "1 up to and including EOS"),
+    Column("truncated", "generate", ("update",), _LONG, "[B]",
+           "1 where the response was cut at the maximum length without EOS (actor.mask_truncated_responses)"),
     Column("rollout_log_probs", "generate", ("metrics",), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",

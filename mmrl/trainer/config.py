@@ -133,8 +133,8 @@ class ActorConfig:
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
     micro_batch_size_per_device_for_experience: int = 16  # responses per forward in log-prob passes
     max_grad_norm: float = 1.0  # gradient clipping norm; a non-finite norm skips the step
-    # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default
-    # (ppo 0.2 / 0.3 (DAPO clip-higher), gspo 3e-4 / 4e-4, cispo 0 / 4: never below 1)
+    # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default (ppo 0.2 /
+    # 0.3 (DAPO clip-higher), gspo(_token) 3e-4 / 4e-4, cispo 1 / 4 (no lower bound; 0: weight >= 1), sapo none)
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_dual: float = 3.0  # dual-clip constant c (> 1): loss bounded by c·|A| for A < 0
@@ -168,6 +168,14 @@ class ActorConfig:
     def sequence_parallel_size(self) -> int:
         """Ranks that share one data-parallel share of the rows (ring x Ulysses)."""
         return self.ulysses_size * self.ring_size
+
+    @property
+    def clip_range(self) -> tuple[float, float] | None:
+        """``(clip_ratio_low, clip_ratio_high)`` the loss runs with: null keys take ``loss_type``'s default
+        (``core_algos.POLICY_LOSS_CLIP_DEFAULTS``); None for a loss without clip (sapo)."""
+        from mmrl.trainer.core_algos import policy_clip_range  # imports torch: only when asked
+
+        return policy_clip_range(self.loss_type, self.clip_ratio_low, self.clip_ratio_high)
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,23 @@ def load_config(
 
 
 def config_to_yaml(cfg: PPOConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, then the values derived from it that a run uses, as comments."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg)) + "".join(
+        f"# {line}\n" for line in derived_values(cfg)
+    )
+
+
+def derived_values(cfg: PPOConfig) -> list[str]:
+    """Lines stating the values the run derives from null keys (properties of the config tree)."""
+    actor = cfg.worker.actor
+    if actor.loss_type not in CHOICES[(type(actor), "loss_type")]:
+        return []  # reported by validation
+    clip_range = actor.clip_range
+    if clip_range is None:
+        clip = f"no clip (soft gate, tau_positive={actor.tau_positive}, tau_negative={actor.tau_negative})"
+    else:
+        clip = f"ratio clipped to [1 - {clip_range[0]:g}, 1 + {clip_range[1]:g}]"
+    return [f"worker.actor: loss_type={actor.loss_type}: {clip}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,9 +493,6 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         errors.append(f"data.min_pixels={min_pixels} exceeds data.max_pixels={max_pixels}")
     actor = cfg.worker.actor
-    for key in ("clip_ratio_low", "clip_ratio_high"):
-        if getattr(actor, key) is not None and getattr(actor, key) <= 0:
-            errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0")
     if actor.log_prob_chunk_tokens < 0:
         errors.append(
             f"worker.actor.log_prob_chunk_tokens={actor.log_prob_chunk_tokens} must be >= 0 (tokens per "
@@ -488,6 +501,47 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
     if actor.clip_ratio_dual <= 1:
         errors.append(
             f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual} must be > 1 (dual-clip constant c)"
+        )
+
+
+def _check_policy_loss(errors: list[str], cfg: PPOConfig) -> None:
+    """Clip ratios that mean something for ``loss_type`` (null: the loss's default), SAPO temperatures."""
+    actor = cfg.worker.actor
+    low, high, loss = actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_type
+    if loss == "sapo" and (low is not None or high is not None):
+        errors.append(
+            "worker.actor.clip_ratio_low/clip_ratio_high: loss_type=sapo has no clip (a soft gate, tuned by "
+            "tau_positive/tau_negative); set them to null"
+        )
+    if high is not None and high <= 0:
+        errors.append(f"worker.actor.clip_ratio_high={high} must be > 0 (the ratio's upper bound is 1 + it)")
+    if low is not None and loss == "cispo" and not 0 <= low <= 1:
+        errors.append(
+            f"worker.actor.clip_ratio_low={low}: cispo bounds its weight below by 1 - clip_ratio_low, so it "
+            "must lie in [0, 1] (0: weight >= 1; 1: no lower bound)"
+        )
+    elif low is not None and loss in ("ppo", "gspo", "gspo_token") and not 0 < low < 1:
+        errors.append(
+            f"worker.actor.clip_ratio_low={low} must lie in (0, 1) for loss_type={loss}: the ratio is "
+            "clipped below at 1 - clip_ratio_low, which must stay positive (null: the loss's default)"
+        )
+    for key in ("tau_positive", "tau_negative"):
+        if getattr(actor, key) <= 0:
+            errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0 (SAPO gate temperature)")
+
+
+def _check_overlong(errors: list[str], cfg: PPOConfig) -> None:
+    reward, max_length = cfg.worker.reward, cfg.data.max_response_length
+    if not 0 <= reward.overlong_buffer_length < max_length:
+        errors.append(
+            f"worker.reward.overlong_buffer_length={reward.overlong_buffer_length} must lie in [0, "
+            f"data.max_response_length={max_length}): the punishment starts that many tokens before the "
+            "maximum length (0 = off)"
+        )
+    if reward.overlong_penalty_factor < 0:
+        errors.append(
+            f"worker.reward.overlong_penalty_factor={reward.overlong_penalty_factor} must be >= 0 "
+            "(the punishment of a response reaching data.max_response_length)"
         )
 
 
@@ -629,6 +683,8 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)
     _check_lora(errors, cfg)
+    _check_policy_loss(errors, cfg)
+    _check_overlong(errors, cfg)
     _check_choices(errors, cfg)
     if check_paths:
         _check_paths(errors, cfg)

@@ -18,6 +18,7 @@ object or calls ``torch.distributed``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -354,11 +355,60 @@ def compute_gae_advantages(
 # --------------------------------------------------------------------------------------------------
 # Policy losses
 #
-# Common signature: (old_log_probs, log_probs, advantages, response_mask, *, clip_ratio_low,
-# clip_ratio_high, clip_ratio_dual). Each returns (loss [B, L], diagnostics) where diagnostics are
-# detached per-token float tensors [B, L]; reduce them with masked_mean. The loss is NOT reduced:
-# pass it to aggregate_loss.
+# Common signature: (old_log_probs, log_probs, advantages, response_mask, *, <the loss's own knobs>).
+# The knobs are keyword-only and named as in worker.actor (clip_ratio_low, clip_ratio_high,
+# clip_ratio_dual, tau_positive, tau_negative); :func:`policy_loss_kwargs` picks the ones a loss takes.
+# Clip ratios left None take the loss's default from POLICY_LOSS_CLIP_DEFAULTS. Each loss returns
+# (loss [B, L], diagnostics) where diagnostics are detached per-token float tensors [B, L]
+# (``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``); reduce them with masked_mean. The loss is NOT
+# reduced: pass it to aggregate_loss.
 # --------------------------------------------------------------------------------------------------
+
+# loss -> (clip_ratio_low, clip_ratio_high) used when the config leaves them null; None: no clip range.
+# The ratio (or importance weight) is clipped to [1 - low, 1 + high].
+POLICY_LOSS_CLIP_DEFAULTS: dict[str, tuple[float, float] | None] = {
+    "ppo": (0.2, 0.3),  # PPO's 0.2 below, DAPO's clip-higher 0.28-0.3 above (EasyR1's defaults)
+    # GSPO paper, sec. 5.1: a sequence ratio is a geometric mean of token ratios and sits within ~1e-3
+    # of 1, so the token-level 0.2 would never clip; the paper clips at 3e-4 / 4e-4
+    "gspo": (3e-4, 4e-4),
+    "gspo_token": (3e-4, 4e-4),
+    # MiniMax-M1: no lower bound on the IS weight (1 - 1.0 = 0, below every ratio), upper 1 + 4 = 5 as
+    # EasyR1's CISPO recipe. clip_ratio_low=0 gives EasyR1's weight >= 1 instead.
+    "cispo": (1.0, 4.0),
+    "sapo": None,  # a soft gate instead of a clip
+}
+
+
+def policy_clip_range(
+    loss_type: str, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None
+) -> tuple[float, float] | None:
+    """``(clip_ratio_low, clip_ratio_high)`` in effect for ``loss_type``: the given values, the loss's
+    default (:data:`POLICY_LOSS_CLIP_DEFAULTS`) for each one left None; None for a loss without clip
+    (a ValueError if a clip ratio is given to it)."""
+    get_policy_loss(loss_type)  # an unknown name fails listing the valid ones
+    defaults = POLICY_LOSS_CLIP_DEFAULTS[loss_type]
+    if defaults is None:
+        if clip_ratio_low is not None or clip_ratio_high is not None:
+            raise ValueError(
+                f"policy loss {loss_type!r} has no clip range; leave clip_ratio_low/clip_ratio_high None"
+            )
+        return None
+    low = defaults[0] if clip_ratio_low is None else clip_ratio_low
+    high = defaults[1] if clip_ratio_high is None else clip_ratio_high
+    return low, high
+
+
+def policy_loss_kwargs(loss_type: str, **knobs: float | None) -> dict[str, float | None]:
+    """The keyword arguments of the loss ``loss_type`` out of ``knobs`` (every knob of every loss, as in
+    the config): only those its signature takes, with the clip ratios resolved by
+    :func:`policy_clip_range`. The caller keeps one call for all losses; each loss sees its own knobs."""
+    accepted = inspect.signature(get_policy_loss(loss_type)).parameters
+    clip_range = policy_clip_range(
+        loss_type, knobs.pop("clip_ratio_low", None), knobs.pop("clip_ratio_high", None)
+    )
+    if clip_range is not None:
+        knobs["clip_ratio_low"], knobs["clip_ratio_high"] = clip_range
+    return {name: value for name, value in knobs.items() if name in accepted}
 
 
 def _clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -374,6 +424,18 @@ def _clipped_surrogate(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
+def _diagnostics(
+    token_log_ratio: torch.Tensor, clipped: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The diagnostics every loss returns; ``clipped`` [B, L] 0/1 (None: nothing clips)."""
+    clipped = torch.zeros_like(token_log_ratio) if clipped is None else clipped
+    return {
+        "pg_clipfrac": clipped.detach().float(),
+        "pg_clipfrac_dual": torch.zeros_like(token_log_ratio).detach(),
+        "ppo_kl": -token_log_ratio.detach(),
+    }
+
+
 @_register(POLICY_LOSSES, "ppo")
 def compute_ppo_policy_loss(
     old_log_probs: torch.Tensor,
@@ -381,14 +443,15 @@ def compute_ppo_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.3,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
     clip_ratio_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017), asymmetric clip (DAPO), dual clip.
 
     ``ratio_t = exp(logp_t - old_logp_t)`` (log-ratio clamped to ±20 before exp, see LOG_RATIO_CLAMP),
-    ``loss_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high))``.
+    ``loss_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high))``
+    (None: 0.2 / 0.3, :data:`POLICY_LOSS_CLIP_DEFAULTS`).
     Dual clip (Ye et al. 2020), when ``clip_ratio_dual = c`` (> 1) is given: for ``A_t < 0`` the loss is
     further capped at ``-A_t * c``, so a huge ratio on a bad token cannot blow up the update.
 
@@ -398,20 +461,16 @@ def compute_ppo_policy_loss(
     """
     if clip_ratio_dual is not None and clip_ratio_dual <= 1.0:
         raise ValueError(f"clip_ratio_dual must be > 1 (e.g. 3.0) or None to disable; got {clip_ratio_dual}.")
+    low, high = policy_clip_range("ppo", clip_ratio_low, clip_ratio_high)
     log_ratio = log_probs - old_log_probs
     ratio = _clamped_exp(log_ratio)
-    loss, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
-    dual_clipped = torch.zeros_like(clipped)
+    loss, clipped = _clipped_surrogate(ratio, advantages, low, high)
+    diagnostics = _diagnostics(log_ratio, clipped)
     if clip_ratio_dual is not None:
         dual_cap = -advantages * clip_ratio_dual
         apply_dual = (advantages < 0) & (loss > dual_cap)
         loss = torch.where(apply_dual, dual_cap, loss)
-        dual_clipped = apply_dual.float()
-    diagnostics = {
-        "pg_clipfrac": clipped.detach(),
-        "pg_clipfrac_dual": dual_clipped.detach(),
-        "ppo_kl": -log_ratio.detach(),
-    }
+        diagnostics["pg_clipfrac_dual"] = apply_dual.float()
     return loss, diagnostics
 
 
@@ -422,32 +481,57 @@ def compute_gspo_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    clip_ratio_low: float = 3e-4,
-    clip_ratio_high: float = 4e-4,
-    clip_ratio_dual: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025): clip a sequence-level importance ratio instead of token ratios.
 
-    ``s_i = exp(mean_t (logp_it - old_logp_it))`` over the response's valid tokens, spread to tokens as
-    ``s_it = sg[s_i] * pi_it / sg[pi_it]`` (GSPO-token form): its value is ``s_i`` on every token and its
-    gradient is ``s_i * grad logp_it``. ``loss_it = max(-A_it * s_it, -A_it * clip(s_it, 1 - low, 1 + high))``
-    so a whole sequence is clipped or not. With ``seq_mean_token_mean`` aggregation and per-sequence
-    advantages this is exactly the GSPO objective and gradient. ``clip_ratio_dual`` is ignored.
+    ``s_i = exp(mean_t (logp_it - old_logp_it))`` over the response's valid tokens (differentiable, so
+    ``grad s_i = s_i * mean_t grad logp_it``), on every token of the row:
+    ``loss_it = max(-A_it * s_i, -A_it * clip(s_i, 1 - low, 1 + high))`` (None: 3e-4 / 4e-4, the
+    paper's: a sequence ratio stays near 1). A whole sequence is clipped or not. Meant for
+    sequence-level advantages (GRPO): with token-level ones, token ``t``'s gradient is driven by the
+    row's *mean* advantage (use ``gspo_token`` to keep each token's own). With
+    ``seq_mean_token_mean`` aggregation this is exactly the GSPO objective.
 
     Shapes and diagnostics as :func:`compute_ppo_policy_loss` (``pg_clipfrac`` is per sequence,
-    broadcast to its tokens).
+    broadcast to its tokens; ``pg_clipfrac_dual`` 0).
     """
+    low, high = policy_clip_range("gspo", clip_ratio_low, clip_ratio_high)
+    token_log_ratio = log_probs - old_log_probs
+    seq_log_ratio = masked_mean(token_log_ratio, response_mask, dim=-1).unsqueeze(-1)  # [B, 1]
+    ratio = _clamped_exp(seq_log_ratio).expand_as(log_probs)  # [B, L]
+    loss, clipped = _clipped_surrogate(ratio, advantages, low, high)
+    return loss, _diagnostics(token_log_ratio, clipped)
+
+
+@_register(POLICY_LOSSES, "gspo_token")
+def compute_gspo_token_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Zheng et al. 2025, eq. 13): the sequence ratio with each token's own advantage.
+
+    ``s_it = sg[s_i] * pi_it / sg[pi_it]`` with ``s_i`` as in :func:`compute_gspo_policy_loss`: its
+    value is ``s_i`` on every token and its gradient ``s_i * grad logp_it``.
+    ``loss_it = max(-A_it * s_it, -A_it * clip(s_it, 1 - low, 1 + high))`` (None: 3e-4 / 4e-4).
+    With one advantage per sequence (``A_it = A_i``) value and gradient equal ``gspo``'s; with
+    token-level advantages token ``t`` is weighted by its own ``A_it``, not the row's mean.
+
+    Shapes and diagnostics as :func:`compute_gspo_policy_loss`.
+    """
+    low, high = policy_clip_range("gspo_token", clip_ratio_low, clip_ratio_high)
     token_log_ratio = log_probs - old_log_probs
     seq_log_ratio = masked_mean(token_log_ratio, response_mask, dim=-1).unsqueeze(-1)  # [B, 1]
     combined_log_ratio = seq_log_ratio.detach() + log_probs - log_probs.detach()  # [B, L]
     ratio = _clamped_exp(combined_log_ratio)
-    loss, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
-    diagnostics = {
-        "pg_clipfrac": clipped.detach(),
-        "pg_clipfrac_dual": torch.zeros_like(clipped),
-        "ppo_kl": -token_log_ratio.detach(),
-    }
-    return loss, diagnostics
+    loss, clipped = _clipped_surrogate(ratio, advantages, low, high)
+    return loss, _diagnostics(token_log_ratio, clipped)
 
 
 @_register(POLICY_LOSSES, "cispo")
@@ -457,30 +541,80 @@ def compute_cispo_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.3,
-    clip_ratio_dual: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.
 
     ``loss_t = -sg(clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * logp_t``, so
     ``d loss_t / d logp_t = -clip(ratio_t) * A_t``: unlike PPO, clipped tokens still get a gradient,
-    only its weight is bounded. (The paper clips only the upper side; set ``clip_ratio_low`` large,
-    e.g. 1.0, for that.) ``clip_ratio_dual`` is ignored.
+    only its weight is bounded. None: 1.0 / 4.0, the paper's choice of no lower bound (``1 - 1 = 0``)
+    with EasyR1's upper bound 5; ``clip_ratio_low=0`` keeps every weight >= 1 (EasyR1's recipe).
 
     Shapes and diagnostics as :func:`compute_ppo_policy_loss`; ``pg_clipfrac`` marks tokens whose
     weight was clipped.
     """
+    low, high = policy_clip_range("cispo", clip_ratio_low, clip_ratio_high)
     log_ratio = log_probs - old_log_probs
     ratio = _clamped_exp(log_ratio).detach()
-    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    weight = ratio.clamp(1.0 - low, 1.0 + high)
     loss = -weight * advantages * log_probs
-    diagnostics = {
-        "pg_clipfrac": (weight != ratio).float(),
-        "pg_clipfrac_dual": torch.zeros_like(ratio),
-        "ppo_kl": -log_ratio.detach(),
-    }
-    return loss, diagnostics
+    return loss, _diagnostics(log_ratio, (weight != ratio).float())
+
+
+@_register(POLICY_LOSSES, "sapo")
+def compute_sapo_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tau_positive: float = 1.0,
+    tau_negative: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a soft gate instead of a hard clip.
+
+    ``f_tau(r) = (4 / tau) * sigmoid(tau * (r - 1))``, ``loss_t = -A_t * f_tau(r_t)`` with
+    ``tau = tau_positive`` where ``A_t >= 0`` and ``tau_negative`` where ``A_t < 0``. Since
+    ``f'(r) = 4 * sigmoid * (1 - sigmoid)``: at ``r = 1`` the gradient wrt ``logp_t`` is ``-A_t``
+    exactly (on-policy it is the plain policy gradient), and it decays smoothly (not to zero at a
+    boundary) as ``r`` leaves 1, faster for larger ``tau``; negative tokens get the slightly larger
+    temperature because their updates destabilise more.
+
+    Shapes: every input ``[B, L]``. Diagnostics as :func:`compute_ppo_policy_loss`
+    (``pg_clipfrac`` and ``pg_clipfrac_dual`` 0: nothing is clipped).
+    """
+    if tau_positive <= 0 or tau_negative <= 0:
+        raise ValueError(
+            f"SAPO temperatures must be > 0; got tau_positive={tau_positive}, tau_negative={tau_negative}"
+        )
+    log_ratio = log_probs - old_log_probs
+    ratio = _clamped_exp(log_ratio)
+    tau = torch.where(advantages >= 0, tau_positive, tau_negative).to(ratio.dtype)  # [B, L]
+    gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
+    return -advantages * gate, _diagnostics(log_ratio)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward shaping
+# --------------------------------------------------------------------------------------------------
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment [B] of responses of ``response_lengths`` [B] tokens.
+
+    With ``L`` the length, ``L_max = max_response_length``, ``B = buffer_length`` (> 0) and
+    ``F = penalty_factor``: 0 for ``L <= L_max - B``, ``((L_max - B) - L) / B * F`` inside the buffer
+    (falling linearly to ``-F`` at ``L_max``), ``-F`` beyond. Added to the reward.
+    """
+    if buffer_length <= 0 or buffer_length >= max_response_length:
+        raise ValueError(
+            f"overlong buffer_length={buffer_length} must be in (0, max_response_length={max_response_length})"
+        )
+    excess = (response_lengths.float() - (max_response_length - buffer_length)) / buffer_length
+    return -excess.clamp(0.0, 1.0) * penalty_factor
 
 
 # --------------------------------------------------------------------------------------------------

@@ -94,6 +94,9 @@ class RayPPOTrainer:
             reward_type=reward.reward_type,
             skip_special_tokens=reward.skip_special_tokens,
             trust_remote_code=model.trust_remote_code,
+            max_response_length=config.data.max_response_length,
+            overlong_buffer_length=reward.overlong_buffer_length,
+            overlong_penalty_factor=reward.overlong_penalty_factor,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
         pool = ResourcePool(

@@ -1,8 +1,9 @@
-"""The policy: log-probabilities of responses, and the PPO-style update (PPO, GSPO, CISPO losses).
+"""The policy: log-probabilities of responses, and the PPO-style update (the losses of
+:data:`mmrl.trainer.core_algos.POLICY_LOSSES`: PPO, GSPO, GSPO-token, CISPO, SAPO).
 
 Batch columns (:mod:`mmrl.columns`): the forward columns of :mod:`mmrl.workers.forward`; the update
 also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_probs`` (and
-``ref_log_probs`` with the KL loss), all [B, R].
+``ref_log_probs`` with the KL loss), all [B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
 
 The actor takes its config section (:class:`~mmrl.trainer.config.ActorConfig`: loss, clipping,
 aggregation, packing) and the algorithm section (the KL loss); a new loss knob is a field there and a
@@ -37,6 +38,7 @@ from mmrl.trainer.core_algos import (
     get_policy_loss,
     kl_penalty,
     log_probs_from_logits,
+    policy_loss_kwargs,
 )
 from mmrl.workers.forward import (
     check_sequence_parallel,
@@ -45,7 +47,7 @@ from mmrl.workers.forward import (
     role_micro_batches,
     train_role,
 )
-from mmrl.workers.fsdp_engine import token_share
+from mmrl.workers.fsdp_engine import all_reduce_sum, token_share
 
 ROW_KEY = "_row"  # each row's place in the update's batch (on-policy updates return per-row outputs)
 
@@ -88,6 +90,15 @@ class PolicyActor:
         if config.loss_avg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_avg_mode {config.loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
         self.policy_loss_fn = get_policy_loss(config.loss_type)
+        # the loss's own knobs, clip ratios left null resolved to the loss's defaults (core_algos table)
+        self.policy_loss_kwargs = policy_loss_kwargs(
+            config.loss_type,
+            clip_ratio_low=config.clip_ratio_low,
+            clip_ratio_high=config.clip_ratio_high,
+            clip_ratio_dual=config.clip_ratio_dual,
+            tau_positive=config.tau_positive,
+            tau_negative=config.tau_negative,
+        )
         # the KL loss term needs the reference's log-probs: only when a reference exists
         self.use_kl_loss = algorithm.use_kl_loss and algorithm.use_reference
         self.kl_penalty, self.kl_coef = algorithm.kl_penalty, algorithm.kl_coef
@@ -178,7 +189,9 @@ class PolicyActor:
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
         ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means), ``kl_loss``
         (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
-        ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free).
+        ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free), and with
+        ``mask_truncated_responses`` ``truncated_masked_ratio`` (fraction of the rows left out of the
+        loss; they need the ``truncated`` column).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -193,17 +206,34 @@ class PolicyActor:
         extra_keys = ("response_mask", "advantages") + (() if on_policy else ("old_log_probs",))
         extra_keys += ("ref_log_probs",) if self.use_kl_loss else ()
         columns = forward_columns(data, extra_keys)
+        truncated_ratio = None
+        if self.config.mask_truncated_responses:
+            columns.batch["response_mask"], truncated_ratio = self._mask_truncated(data)
         outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         if on_policy:
             outputs = []
             columns.batch[ROW_KEY] = torch.arange(len(data))
         loss = functools.partial(self._micro_batch_loss, temperature=temperature, on_policy_outputs=outputs)
         metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
+        if truncated_ratio is not None:
+            metrics["truncated_masked_ratio"] = truncated_ratio
         if not outputs:
             return PolicyUpdate(metrics)
         rows, log_probs, entropies = (torch.cat(parts) for parts in zip(*outputs))
         restore = torch.argsort(rows)
         return PolicyUpdate(metrics, log_probs[restore], entropies[restore])
+
+    def _mask_truncated(self, data: DataProto) -> tuple[torch.Tensor, float]:
+        """``response_mask`` [B, R] with the rows of truncated responses (``truncated``: cut at the
+        maximum length without EOS, DAPO's overlong filtering) zeroed, and the fraction of rows masked
+        over all data-parallel ranks. A zeroed row adds nothing to any loss term (policy, entropy, KL)
+        nor to the token and sequence counts that normalise them (``global_counts``), so the update is
+        the one of the batch without those rows."""
+        truncated = data.batch["truncated"].bool()  # [B]
+        counts = torch.tensor([float(truncated.sum()), float(len(truncated))], device=self.device)
+        all_reduce_sum(counts, self.dp_group)
+        response_mask = data.batch["response_mask"].masked_fill(truncated.unsqueeze(-1), 0)
+        return response_mask, float(counts[0] / counts[1].clamp(min=1.0))
 
     def _micro_batch_loss(
         self,
@@ -239,13 +269,7 @@ class PolicyActor:
             log_probs,
             batch["advantages"],
             response_mask,
-            clip_ratio_dual=config.clip_ratio_dual,
-            # null keys: the loss function's own defaults
-            **{
-                key: getattr(config, key)
-                for key in ("clip_ratio_low", "clip_ratio_high")
-                if getattr(config, key) is not None
-            },
+            **self.policy_loss_kwargs,
         )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss

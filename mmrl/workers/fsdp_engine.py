@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from mmrl.models.loading import decoder_layers
 from mmrl.parallel.packing import padding_counts, split_groups, token_budget_groups
 from mmrl.protocol import DataProto
+from mmrl.workers.optim import AdamWBf16
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 SCHEDULER_TYPES = ("constant", "cosine")
@@ -115,8 +116,15 @@ def _adamw(
     )
 
 
+def _adamw_bf16(
+    params: list[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.Optimizer:
+    """AdamW with bfloat16 moments (:class:`mmrl.workers.optim.AdamWBf16`): half the optimizer state."""
+    return AdamWBf16(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
 # optim.strategy -> builder(trainable parameters, lr, betas, weight_decay); one entry per optimizer
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": _adamw}
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": _adamw, "adamw_bf16": _adamw_bf16}
 
 
 def build_optimizer(

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mmrl.protocol import DataProto
+from mmrl.trainer.core_algos import overlong_penalty
 from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_reward_function
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
@@ -55,7 +56,13 @@ class RewardScorer:
         skip_special_tokens: bool = True,
         trust_remote_code: bool = False,
         tokenizer_key: str = "worker.actor.model.tokenizer_path",
+        max_response_length: int | None = None,
+        overlong_buffer_length: int = 0,
+        overlong_penalty_factor: float = 1.0,
     ):
+        """``overlong_buffer_length`` > 0 adds DAPO's soft overlong punishment
+        (:func:`~mmrl.trainer.core_algos.overlong_penalty` over ``max_response_length``) to every
+        ``overall`` score, and reports it as the score ``overlong_penalty``."""
         from transformers import AutoTokenizer
 
         from mmrl.models.loading import resolve_model_path
@@ -67,6 +74,13 @@ class RewardScorer:
         if reward_type is not None:  # config overrides the file's REWARD_TYPE (old EasyR1 files lack it)
             self.function = dataclasses.replace(self.function, reward_type=reward_type)
         self.skip_special_tokens = skip_special_tokens
+        if overlong_buffer_length > 0 and max_response_length is None:
+            raise ValueError(
+                "overlong_buffer_length > 0 needs max_response_length (data.max_response_length)"
+            )
+        self.max_response_length = max_response_length
+        self.overlong_buffer_length = overlong_buffer_length
+        self.overlong_penalty_factor = overlong_penalty_factor
 
     def score(self, batch: DataProto) -> DataProto:
         response_mask = batch.batch["response_mask"]
@@ -77,11 +91,26 @@ class RewardScorer:
         ground_truths = columns.pop("ground_truth", np.full(len(batch), None, dtype=object))
         inputs = build_reward_inputs(texts, lengths, ground_truths, columns)
         scores = self.function(inputs)
+        if self.overlong_buffer_length > 0:
+            scores = self._punish_overlong(scores, response_mask.sum(-1))
         token_level = scores_to_token_level([s["overall"] for s in scores], response_mask)
         return DataProto.from_dict(
             tensors={"token_level_scores": token_level},
             non_tensors={"reward_scores": scores, "response_text": texts},
         )
+
+    def _punish_overlong(
+        self, scores: list[dict[str, float]], lengths: torch.Tensor
+    ) -> list[dict[str, float]]:
+        """``scores`` with the overlong penalty of each response (``lengths`` [B] tokens) added to
+        ``overall`` and kept as ``overlong_penalty`` (logged like every score key)."""
+        penalties = overlong_penalty(
+            lengths, self.max_response_length, self.overlong_buffer_length, self.overlong_penalty_factor
+        ).tolist()
+        return [
+            {**score, "overall": score["overall"] + penalty, "overlong_penalty": penalty}
+            for score, penalty in zip(scores, penalties)
+        ]
 
 
 @dataclasses.dataclass

@@ -167,6 +167,26 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["data.preprocess_num_workers=0"], "data.preprocess_num_workers=0 must be >= 1"),
         (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "use_kl_loss=false"),
         (["worker.actor.clip_ratio_dual=1.0"], "must be > 1"),
+        (
+            ["worker.actor.clip_ratio_low=1.0"],
+            "worker.actor.clip_ratio_low=1.0 must lie in (0, 1) for loss_type=ppo",
+        ),
+        (
+            ["worker.actor.loss_type=gspo", "worker.actor.clip_ratio_low=0"],
+            "must lie in (0, 1) for loss_type=gspo",
+        ),
+        (
+            ["worker.actor.loss_type=cispo", "worker.actor.clip_ratio_low=1.5"],
+            "must lie in [0, 1] (0: weight >= 1",
+        ),
+        (["worker.actor.clip_ratio_high=0"], "worker.actor.clip_ratio_high=0.0 must be > 0"),
+        (["worker.actor.loss_type=sapo", "worker.actor.clip_ratio_high=0.3"], "loss_type=sapo has no clip"),
+        (["worker.actor.tau_negative=0"], "worker.actor.tau_negative=0.0 must be > 0"),
+        (
+            ["worker.reward.overlong_buffer_length=512"],
+            "overlong_buffer_length=512 must lie in [0, data.max_response_length=512)",
+        ),
+        (["worker.reward.overlong_penalty_factor=-1"], "overlong_penalty_factor=-1.0 must be >= 0"),
         (["worker.actor.log_prob_chunk_tokens=-1"], "worker.actor.log_prob_chunk_tokens=-1 must be >= 0"),
         (["worker.actor.ring_size=3"], "ulysses_size × worker.actor.ring_size = 3 must divide"),
         (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0 must be >= 1"),
@@ -199,6 +219,43 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
 def test_cross_field_rules(run_files, args, expected):
     errors = errors_of(valid_args(run_files, *args))
     assert any(expected in error for error in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "clip_range", "printed"),
+    [
+        ("ppo", (0.2, 0.3), "ratio clipped to [1 - 0.2, 1 + 0.3]"),
+        ("gspo", (3e-4, 4e-4), "ratio clipped to [1 - 0.0003, 1 + 0.0004]"),
+        ("gspo_token", (3e-4, 4e-4), "ratio clipped to [1 - 0.0003, 1 + 0.0004]"),
+        ("cispo", (1.0, 4.0), "ratio clipped to [1 - 1, 1 + 4]"),
+        ("sapo", None, "no clip (soft gate, tau_positive=1.0, tau_negative=1.05)"),
+    ],
+)
+def test_null_clip_ratios_resolve_to_the_loss_default_and_are_printed(
+    run_files, loss_type, clip_range, printed
+):
+    cfg = load_config(valid_args(run_files, f"worker.actor.loss_type={loss_type}"))
+    assert (
+        cfg.worker.actor.clip_ratio_low is None and cfg.worker.actor.clip_ratio_high is None
+    )  # not written back
+    assert cfg.worker.actor.clip_range == clip_range
+    assert f"# worker.actor: loss_type={loss_type}: {printed}" in config_to_yaml(cfg)
+
+
+def test_cispo_accepts_clip_ratio_low_zero_and_explicit_values_win(run_files):
+    cfg = load_config(valid_args(run_files, "worker.actor.loss_type=cispo", "worker.actor.clip_ratio_low=0"))
+    assert cfg.worker.actor.clip_range == (0.0, 4.0)
+    cfg = load_config(
+        valid_args(run_files, "worker.actor.loss_type=gspo", "worker.actor.clip_ratio_high=1e-3")
+    )
+    assert cfg.worker.actor.clip_range == (3e-4, 1e-3)
+
+
+def test_overlong_buffer_below_the_maximum_length_is_valid(run_files):
+    cfg = load_config(
+        valid_args(run_files, "data.max_response_length=64", "worker.reward.overlong_buffer_length=63")
+    )
+    assert cfg.worker.reward.overlong_buffer_length == 63
 
 
 def test_missing_paths_are_named(run_files, tmp_path):

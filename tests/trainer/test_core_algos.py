@@ -234,7 +234,7 @@ def test_ppo_huge_log_ratio_stays_finite():
     # log-ratio 200 would overflow exp in float32; clamped to 20, then clipped: loss = -1 * 1.2
     log_probs = torch.tensor([[0.0]], requires_grad=True)
     loss, _ = ca.compute_ppo_policy_loss(
-        torch.tensor([[-200.0]]), log_probs, torch.ones(1, 1), torch.ones(1, 1)
+        torch.tensor([[-200.0]]), log_probs, torch.ones(1, 1), torch.ones(1, 1), clip_ratio_high=0.2
     )
     loss.sum().backward()
     close(loss.detach(), [[-1.2]])
@@ -282,17 +282,75 @@ def test_gspo_token_trick_matches_the_sequence_level_objective():
     advantages = torch.tensor([[1.0], [-0.5], [2.0]]).expand(3, 4)
     wide = {"clip_ratio_low": 10.0, "clip_ratio_high": 10.0}  # no clipping in this comparison
 
-    log_probs = (old_log_probs + log_ratio).requires_grad_()
-    loss, _ = ca.compute_gspo_policy_loss(old_log_probs, log_probs, advantages, mask, **wide)
-    token_trick = ca.aggregate_loss(loss, mask, "seq_mean_token_mean")
-    token_trick.backward()
-
     reference_log_probs = (old_log_probs + log_ratio).requires_grad_()
     seq_ratio = torch.exp(ca.masked_mean(reference_log_probs - old_log_probs, mask, dim=-1))  # [B]
     reference = (-advantages[:, 0] * seq_ratio).mean()
     reference.backward()
-    close(token_trick.detach(), reference.detach())
-    close(log_probs.grad, reference_log_probs.grad)
+    for loss_fn in (ca.compute_gspo_policy_loss, ca.compute_gspo_token_policy_loss):
+        log_probs = (old_log_probs + log_ratio).requires_grad_()
+        loss, _ = loss_fn(old_log_probs, log_probs, advantages, mask, **wide)
+        aggregated = ca.aggregate_loss(loss, mask, "seq_mean_token_mean")
+        aggregated.backward()
+        close(aggregated.detach(), reference.detach())
+        close(log_probs.grad, reference_log_probs.grad)
+
+
+def test_gspo_token_equals_gspo_for_sequence_advantages_and_not_for_token_ones():
+    # One row, 2 valid tokens, log-ratios [0.1, -0.1] -> s = exp(0) = 1 (inside any clip range).
+    # Row sum of the per-token loss, d/dlogp_t (n = 2):
+    #   gspo:       sum_u -A_u * s,  s = exp(mean log-ratio)  -> -s * (A_0 + A_1) / 2 on both tokens
+    #   gspo_token: sum_u -A_u * s_u, grad s_u = s * grad logp_u -> -s * A_t on token t
+    # sequence-level A = [1.5, 1.5]: both -1.5; token-level A = [2, -1]: gspo -0.5, -0.5; token 2, -1 -> -2, +1
+    old_log_probs = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    for advantages, gspo_grad, token_grad in (
+        ([[1.5, 1.5]], [[-1.5, -1.5]], [[-1.5, -1.5]]),
+        ([[2.0, -1.0]], [[-0.5, -0.5]], [[-2.0, 1.0]]),
+    ):
+        values = {}
+        for name, expected in (("gspo", gspo_grad), ("gspo_token", token_grad)):
+            log_probs = (old_log_probs + torch.tensor([[0.1, -0.1]])).requires_grad_()
+            loss, _ = ca.get_policy_loss(name)(old_log_probs, log_probs, torch.tensor(advantages), mask)
+            loss.sum().backward()
+            close(log_probs.grad, expected)
+            values[name] = loss.detach()
+        close(values["gspo"], values["gspo_token"])  # the value is -A_t * s either way
+        close(values["gspo"], -torch.tensor(advantages))
+
+
+def test_gspo_defaults_clip_the_sequence_ratio_at_3e4_4e4():
+    # s = exp(mean log-ratio) = exp(0.001) = 1.0010005 > 1 + 4e-4, A = +1: clipped, loss -(1 + 4e-4), no
+    # gradient; with PPO's 0.3 it would not clip. s = exp(-0.0002) = 0.9998 stays inside [1 - 3e-4, ..].
+    old_log_probs = torch.zeros(2, 2)
+    log_probs = torch.tensor([[0.0005, 0.0015], [-0.0002, -0.0002]], requires_grad=True)
+    for name in ("gspo", "gspo_token"):
+        loss, diagnostics = ca.get_policy_loss(name)(
+            old_log_probs, log_probs, torch.ones(2, 2), torch.ones(2, 2)
+        )
+        close(loss.detach(), [[-1.0004, -1.0004], [-math.exp(-0.0002)] * 2])
+        close(diagnostics["pg_clipfrac"], [[1.0, 1.0], [0.0, 0.0]])
+
+
+def test_clip_defaults_come_from_one_table():
+    assert ca.policy_clip_range("ppo") == (0.2, 0.3)
+    assert ca.policy_clip_range("gspo") == ca.policy_clip_range("gspo_token") == (3e-4, 4e-4)
+    assert ca.policy_clip_range("cispo") == (1.0, 4.0)
+    assert ca.policy_clip_range("sapo") is None
+    assert ca.policy_clip_range("gspo", clip_ratio_high=1e-3) == (3e-4, 1e-3)  # only null keys default
+    assert set(ca.POLICY_LOSS_CLIP_DEFAULTS) == set(ca.POLICY_LOSSES)
+    with pytest.raises(ValueError, match="'sapo' has no clip range"):
+        ca.policy_clip_range("sapo", clip_ratio_low=0.2)
+    with pytest.raises(ValueError, match="Unknown policy loss 'ppo2'"):
+        ca.policy_clip_range("ppo2")
+    knobs = {"clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_dual": 3.0}
+    knobs |= {"tau_positive": 1.0, "tau_negative": 1.05}
+    assert ca.policy_loss_kwargs("ppo", **knobs) == {
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.3,
+        "clip_ratio_dual": 3.0,
+    }
+    assert ca.policy_loss_kwargs("gspo", **knobs) == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert ca.policy_loss_kwargs("sapo", **knobs) == {"tau_positive": 1.0, "tau_negative": 1.05}
 
 
 def test_cispo_gradient_is_clipped_weight_times_advantage():
@@ -312,6 +370,93 @@ def test_cispo_gradient_is_clipped_weight_times_advantage():
     close(diagnostics["pg_clipfrac"], [[1.0, 1.0, 0.0]])
     ca.aggregate_loss(loss, mask, "token_mean").backward()
     close(log_probs.grad, [[-1.28 / 3, 0.8 / 3, -2.0 / 3]])
+
+
+def test_cispo_low_zero_keeps_every_weight_at_least_one_and_the_default_has_no_lower_bound():
+    # ratios [0.25, 0.9, 1.0, 7.0], A = 1: loss_t = -w_t * logp_t, so d/dlogp_t = -w_t
+    #   low 0, high 4 (EasyR1's recipe): w = clip(r, 1, 5) = [1, 1, 1, 5]
+    #   defaults (1.0, 4.0):             w = clip(r, 0, 5) = [0.25, 0.9, 1, 5]
+    ratios = torch.tensor([[0.25, 0.9, 1.0, 7.0]])
+    old_log_probs = torch.full((1, 4), -1.0)
+    for knobs, weights in (
+        ({"clip_ratio_low": 0.0, "clip_ratio_high": 4.0}, [1.0, 1.0, 1.0, 5.0]),
+        ({}, [0.25, 0.9, 1.0, 5.0]),
+    ):
+        log_probs = (old_log_probs + ratios.log()).requires_grad_()
+        loss, _ = ca.compute_cispo_policy_loss(
+            old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), **knobs
+        )
+        loss.sum().backward()
+        close(-log_probs.grad, [weights])
+    assert (-log_probs.grad >= 0).all()
+    low_zero = ca.compute_cispo_policy_loss
+    log_probs = (old_log_probs + torch.linspace(-3, 3, 4).unsqueeze(0)).requires_grad_()
+    low_zero(old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), clip_ratio_low=0.0)[
+        0
+    ].sum().backward()
+    assert (-log_probs.grad >= 1.0).all()
+
+
+def test_sapo_gate_values_and_gradients_by_hand():
+    # f(r) = (4/tau) sigmoid(tau (r - 1)), loss = -A f(r), d loss/d logp = -A f'(r) r, f'(r) = 4 s (1 - s)
+    # tau_positive 2, tau_negative 1:
+    #   token 0: A = +1, r = 1 + ln3/2 (tau (r-1) = ln 3, s = 3/4): f = 2 * 3/4 = 1.5, loss -1.5,
+    #            f' = 4 * 3/16 = 0.75, grad = -0.75 * (1 + ln3/2) = -1.1619795
+    #   token 1: A = -2, r = 1 + ln3 (tau 1: s = 3/4): f = 3, loss +6, grad = 2 * 0.75 * (1 + ln3) = 3.1479184
+    #   token 2: A = +1, r = 1: f = (4/2)/2 = 1, loss -1, grad -1
+    #   token 3: A = -1, r = 1: f = 4/2 = 2, loss +2, grad +1
+    ln3 = math.log(3.0)
+    ratios = torch.tensor([[1 + ln3 / 2, 1 + ln3, 1.0, 1.0]])
+    advantages = torch.tensor([[1.0, -2.0, 1.0, -1.0]])
+    old_log_probs = torch.full((1, 4), -1.5)
+    log_probs = (old_log_probs + ratios.log()).requires_grad_()
+    loss, diagnostics = ca.compute_sapo_policy_loss(
+        old_log_probs, log_probs, advantages, torch.ones(1, 4), tau_positive=2.0, tau_negative=1.0
+    )
+    close(loss.detach(), [[-1.5, 6.0, -1.0, 2.0]])
+    loss.sum().backward()
+    close(log_probs.grad, [[-1.1619795, 3.1479184, -1.0, 1.0]])
+    assert diagnostics["pg_clipfrac"].sum() == 0 and diagnostics["pg_clipfrac_dual"].sum() == 0
+    close(diagnostics["ppo_kl"], -ratios.log())
+    # below 1: tau 4, r = 1 - ln3/4 (s = 1/4): f = 1/4, loss -0.25, f' = 0.75, grad -0.75 * 0.7253469
+    log_probs = (torch.zeros(1, 1) + math.log(1 - ln3 / 4)).requires_grad_()
+    loss, _ = ca.compute_sapo_policy_loss(
+        torch.zeros(1, 1), log_probs, torch.ones(1, 1), torch.ones(1, 1), tau_positive=4.0
+    )
+    loss.sum().backward()
+    close(loss.detach(), [[-0.25]])
+    close(log_probs.grad, [[-0.75 * (1 - ln3 / 4)]])
+
+
+def test_sapo_gradient_at_ratio_one_is_minus_the_advantage_for_any_tau():
+    # f'(1) = 4 * (1/2) * (1/2) = 1 and r = 1: d loss/d logp = -A whatever tau (the plain policy gradient)
+    torch.manual_seed(0)
+    advantages = torch.randn(3, 5)
+    old_log_probs = -torch.rand(3, 5)
+    for tau_positive, tau_negative in ((1.0, 1.05), (0.3, 7.0)):
+        log_probs = old_log_probs.clone().requires_grad_()
+        loss, _ = ca.compute_sapo_policy_loss(
+            old_log_probs,
+            log_probs,
+            advantages,
+            torch.ones(3, 5),
+            tau_positive=tau_positive,
+            tau_negative=tau_negative,
+        )
+        loss.sum().backward()
+        close(log_probs.grad, -advantages)
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        ca.compute_sapo_policy_loss(
+            old_log_probs, old_log_probs, advantages, torch.ones(3, 5), tau_negative=0.0
+        )
+
+
+def test_overlong_penalty_by_hand():
+    # L_max 20, buffer 4, factor 0.5: free up to 16; 17 -> (16-17)/4*0.5 = -0.125; 18 -> -0.25; 20 -> -0.5
+    lengths = torch.tensor([3, 16, 17, 18, 20, 25])
+    close(ca.overlong_penalty(lengths, 20, 4, 0.5), [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="buffer_length=20 must be in"):
+        ca.overlong_penalty(lengths, 20, 20, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,7 +654,7 @@ def test_masked_whiten_and_mean():
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'.*gae, grpo, reinforce_plus_plus"):
         ca.get_adv_estimator("ppo")
-    with pytest.raises(ValueError, match="Unknown policy loss 'dpo'.*cispo, gspo, ppo"):
+    with pytest.raises(ValueError, match="Unknown policy loss 'dpo'.*cispo, gspo, gspo_token, ppo, sapo"):
         ca.get_policy_loss("dpo")
     with pytest.raises(ValueError, match="Unknown KL estimator 'k4'.*abs, k1, k2, k3"):
         ca.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
@@ -519,5 +664,5 @@ def test_unknown_names_list_the_valid_ones():
 
 def test_registries_hold_the_documented_names():
     assert set(ca.ADV_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "remax", "gae"}
-    assert set(ca.POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
+    assert set(ca.POLICY_LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo"}
     assert set(ca.KL_ESTIMATORS) == {"k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"}

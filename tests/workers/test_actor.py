@@ -9,6 +9,7 @@ import torch
 from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
 from _models import training_model
 
+from mmrl.protocol import DataProto
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 ROWS = ({}, {"image": (84, 56)}, {"video_frames": 4}, {}, {"image": (56, 56)})
@@ -66,3 +67,76 @@ def test_chunked_scoring_needs_a_model_prepared_for_it(tiny_vl_path):
     with pytest.raises(ValueError, match="score_tokens=True"):
         policy_actor(load_model(str(tiny_vl_path)), log_prob_chunk_tokens=CHUNK_TOKENS)
     policy_actor(load_model(str(tiny_vl_path)), log_prob_chunk_tokens=0)  # the whole logits: any head
+
+
+def _step(path, batch, on_policy: bool = False, **settings) -> tuple[dict, dict]:
+    """One SGD step (lr 1: the weight change is the gradient) of a fresh model: (metrics, weights)."""
+    model = training_model(path)
+    actor = policy_actor(
+        model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **{**ACTOR_SETTINGS, **settings}
+    )
+    metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE, on_policy=on_policy).metrics
+    return metrics, {name: tensor.detach().clone() for name, tensor in iter_full_state_dict(model)}
+
+
+def _assert_same_step(first: tuple[dict, dict], second: tuple[dict, dict], metric_names) -> None:
+    for name in metric_names:
+        assert first[0][name] == pytest.approx(second[0][name], rel=1e-5, abs=1e-7), name
+    for name, tensor in first[1].items():
+        torch.testing.assert_close(second[1][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("loss_avg_mode", ["token_mean", "seq_mean_token_mean"])
+def test_masking_truncated_responses_equals_leaving_them_out(loss_avg_mode, training_batches):
+    # rows 1 and 4 (row 4 fills the width 7 without EOS: a real truncation) are masked: policy loss,
+    # entropy bonus and KL loss, and their token and sequence counts, must be those of the 3 other rows
+    path, batch = training_batches["qwen2_5_vl"]
+    batch = batch.union(DataProto.from_dict(tensors={"truncated": torch.tensor([0, 1, 0, 0, 1])}))
+    kept = batch[[0, 2, 3]]
+    masked = _step(path, batch, mask_truncated_responses=True, loss_avg_mode=loss_avg_mode)
+    removed = _step(path, kept, loss_avg_mode=loss_avg_mode)
+    _assert_same_step(
+        masked, removed, ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "ppo_kl", "grad_norm")
+    )
+    assert masked[0]["truncated_masked_ratio"] == pytest.approx(2 / 5)
+    if loss_avg_mode == "token_mean":  # flag off: the column changes nothing (and no ratio is logged)
+        plain = batch.select(batch_keys=[key for key in batch.batch.keys() if key != "truncated"])
+        off = _step(path, batch, loss_avg_mode=loss_avg_mode)
+        _assert_same_step(
+            off, _step(path, plain, loss_avg_mode=loss_avg_mode), ("pg_loss", "kl_loss", "grad_norm")
+        )
+        assert "truncated_masked_ratio" not in off[0]
+        assert off[0]["pg_loss"] != pytest.approx(masked[0]["pg_loss"])
+
+
+def test_gspo_through_the_actor_clips_at_its_own_defaults(training_batches):
+    # old_log_probs are the model's own + N(0, 0.3) noise: sequence ratios are ~0.1 away from 1, far
+    # outside GSPO's [1 - 3e-4, 1 + 4e-4] but inside PPO's [0.8, 1.3]; null must mean GSPO's range
+    path, batch = training_batches["qwen2_5_vl"]
+    null = {"loss_type": "gspo", "clip_ratio_low": None, "clip_ratio_high": None}
+    actor = policy_actor(training_model(path), **{**ACTOR_SETTINGS, **null})
+    assert actor.policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    defaults = _step(path, batch, **null)
+    explicit = _step(path, batch, loss_type="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    _assert_same_step(defaults, explicit, ("pg_loss", "pg_clipfrac", "grad_norm"))
+    assert defaults[0]["pg_clipfrac"] > 0.2  # PPO's range would clip (almost) none of these sequences
+
+
+def test_sapo_on_policy_step_is_the_policy_gradient(training_batches):
+    # on-policy r = 1: SAPO's loss is -A * f(1) = -A * 2 / tau and its gradient wrt logp is -A whatever
+    # tau (f'(1) = 1): two temperatures give the same step, and pg_loss the token mean of -2 A / tau
+    # with tau = tau_positive (1.0) where A >= 0 and tau_negative (1.05) where A < 0
+    from mmrl.trainer.core_algos import aggregate_loss
+
+    path, batch = training_batches["qwen2_5_vl"]
+    sapo = {"loss_type": "sapo", "clip_ratio_low": None, "clip_ratio_high": None}
+    tau2 = _step(path, batch, on_policy=True, **sapo, tau_positive=2.0, tau_negative=2.0)
+    default = _step(path, batch, on_policy=True, **sapo)
+    _assert_same_step(tau2, default, ("kl_loss", "entropy", "grad_norm"))
+    advantages, mask = batch.batch["advantages"], batch.batch["response_mask"]
+    tau = torch.where(advantages >= 0, 1.0, 1.05)
+    assert tau2[0]["pg_loss"] == pytest.approx(
+        aggregate_loss(-advantages, mask, "token_mean").item(), rel=1e-5
+    )
+    expected = aggregate_loss(-2.0 * advantages / tau, mask, "token_mean").item()
+    assert default[0]["pg_loss"] == pytest.approx(expected, rel=1e-5)

@@ -210,6 +210,7 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     optimizer = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
     policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(shard, rows, 1, 1, TEMPERATURE)
     results["frozen_update"] = _full_state(model)
+    results["bf16_optimizer"] = _bf16_optimizer_update(model_path, mesh, shard)
 
     critic_model = _sharded(model_path, mesh, role="critic", cpu_offload=True)
     critic = value_critic(
@@ -227,6 +228,30 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     load_optimizer(critic.optimizer, "cpu")
     results["critic_update"] = (_full_state(critic_model), metrics)
     return results
+
+
+def _bf16_optimizer_update(model_path: str, mesh, shard: DataProto) -> dict:
+    """The ``frozen_update`` step with ``adamw_bf16``, and its states before and after a distributed
+    state-dict round trip (what checkpoint resume does)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model = _sharded(model_path, mesh, freeze=True)
+    optimizer = build_optimizer(
+        model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, strategy="adamw_bf16"
+    )
+    policy_actor(model, optimizer, **ACTOR_SETTINGS).update_policy(shard, len(shard), 1, 1, TEMPERATURE)
+
+    def kinds() -> set:
+        return {
+            (isinstance(state[key], DTensor), state[key].dtype)
+            for state in optimizer.state.values()
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+
+    before = kinds()
+    set_optimizer_state_dict(model, optimizer, get_optimizer_state_dict(model, optimizer))
+    return {"state": _full_state(model), "kinds": before, "kinds_after_load": kinds()}
 
 
 @pytest.fixture(scope="module")
@@ -602,6 +627,19 @@ def test_two_rank_frozen_tower_unchanged(two_rank_results):
     updated = two_rank_results[0]["frozen_update"]
     for name in initial:
         assert torch.equal(initial[name], updated[name]) == name.startswith("model.visual."), name
+
+
+@pytest.mark.distributed
+def test_two_rank_adamw_bf16_first_step_equals_adamw_on_dtensor_shards(two_rank_results):
+    # the first AdamW step computes both moments in float32 before storing them: bf16 storage changes
+    # nothing yet, so the FSDP2 update equals the float32 AdamW one (frozen_update, same gradients)
+    initial = two_rank_results[0]["state_dict"]
+    for result in two_rank_results:
+        bf16 = result["bf16_optimizer"]
+        assert bf16["kinds"] == bf16["kinds_after_load"] == {(True, torch.bfloat16)}  # DTensor shards
+        _assert_states_close(bf16["state"], result["frozen_update"], atol=1e-6)
+    moved = two_rank_results[0]["bf16_optimizer"]["state"]
+    assert max((moved[name] - initial[name]).abs().max().item() for name in initial) > 5e-4
 
 
 @pytest.mark.distributed

@@ -73,6 +73,20 @@ def test_assemble_pads_after_eos_and_extends_masks():
     assert list(batch.non_tensor_batch["uid"]) == ["a", "b"]
 
 
+def test_truncated_marks_responses_cut_at_the_width_without_eos():
+    # width 3, EOS 2: ended early / EOS exactly on the last position / cut (no EOS) / EOS, then junk
+    responses = torch.tensor([[7, 2, 0], [7, 7, 2], [7, 7, 7], [2, 7, 7]])
+    prompts = DataProto.from_dict(
+        tensors={
+            "input_ids": torch.ones(4, 2, dtype=torch.long),
+            "attention_mask": torch.ones(4, 2, dtype=torch.long),
+        }
+    )
+    batch = assemble_rollout_batch(prompts, responses, eos_token_ids=[2], pad_token_id=0)
+    assert batch.batch["truncated"].tolist() == [0, 0, 1, 0]
+    assert batch.batch["truncated"].dtype == torch.long
+
+
 def test_n_samples_per_prompt_keep_uid_and_media(vl_parts, prompts):
     rollout = make_rollout(vl_parts)
     batch = rollout.generate(prompts, SamplingParams(n=4, max_tokens=5, seed=3))

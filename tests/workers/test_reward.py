@@ -557,3 +557,41 @@ def test_easyr1_reward_without_mathruler_names_the_extra(missing, monkeypatch):
     with pytest.raises(RewardFunctionError, match=r"pip install 'mmrl\[easyr1\]'") as info:
         load_reward_function(f"{EASYR1_REWARDS / 'math.py'}:compute_score", None)
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+# ---------------------------------------------------------------- overlong shaping (reward worker)
+
+
+def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
+    import torch
+
+    from mmrl.protocol import DataProto
+    from mmrl.workers.reward_worker import RewardScorer
+
+    # data.max_response_length 20, buffer 4, factor 0.5 (L = valid tokens):
+    #   L 3, 16: 0 (up to 20 - 4 = 16); 17: (16 - 17) / 4 * 0.5 = -0.125; 18: -0.25; 20 (end): -0.5
+    lengths = [3, 16, 17, 18, 20]
+    response_mask = (torch.arange(20) < torch.tensor(lengths)[:, None]).long()
+    responses = torch.randint(50, 300, (5, 20), generator=torch.Generator().manual_seed(0)) * response_mask
+    batch = DataProto.from_dict(
+        tensors={"responses": responses, "response_mask": response_mask},
+        non_tensors={"ground_truth": np.array(["7"] * 5, dtype=object)},
+    )
+    spec = f"{REWARD_FUNCTIONS / 'math.py'}:compute_score"  # junk responses: accuracy and format 0
+    expected = [0.0, 0.0, -0.125, -0.25, -0.5]
+    scorer = RewardScorer(
+        str(tiny_vl_path), spec, max_response_length=20, overlong_buffer_length=4, overlong_penalty_factor=0.5
+    )
+    scored = scorer.score(batch)
+    scores = scored.non_tensor_batch["reward_scores"]
+    assert [score["overlong_penalty"] for score in scores] == pytest.approx(expected)
+    assert [score["overall"] for score in scores] == pytest.approx(expected)
+    assert [score["accuracy"] for score in scores] == [0.0] * 5  # sub-scores untouched
+    token_level = scored.batch["token_level_scores"]
+    assert token_level.sum(-1).tolist() == pytest.approx(expected)
+    assert token_level[4, 19] == pytest.approx(-0.5) and token_level[2, 16] == pytest.approx(-0.125)
+    assert reduce_reward_metrics(list(scores))["reward/overlong_penalty"] == pytest.approx(sum(expected) / 5)
+
+    off = RewardScorer(str(tiny_vl_path), spec, max_response_length=20).score(batch)  # buffer 0: off
+    assert all("overlong_penalty" not in score for score in off.non_tensor_batch["reward_scores"])
+    assert off.batch["token_level_scores"].abs().sum() == 0

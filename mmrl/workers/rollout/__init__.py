@@ -73,6 +73,16 @@ def response_mask_until_eos(
     return (eos_before == 0).long()
 
 
+def truncated_responses(
+    responses: torch.Tensor, response_mask: torch.Tensor, eos_token_ids: list[int]
+) -> torch.Tensor:
+    """``[B]`` 1 for responses cut at the width R (the maximum response length) before they ended: the
+    last position is valid and its token is not an EOS token; 0 for responses that ended (an EOS on
+    the last position included)."""
+    ends_with_eos = torch.isin(responses[:, -1], torch.tensor(eos_token_ids, device=responses.device))
+    return (response_mask[:, -1].bool() & ~ends_with_eos).long()
+
+
 def assemble_rollout_batch(
     prompts: DataProto,
     responses: torch.Tensor,
@@ -83,16 +93,18 @@ def assemble_rollout_batch(
 ) -> DataProto:
     """Join the (already repeated) prompt batch with its ``[B, R]`` responses into a training batch.
 
-    Adds ``prompts``, ``responses``, ``response_mask``, and extends ``input_ids``, ``attention_mask``
+    Adds ``prompts``, ``responses``, ``response_mask``, ``truncated``, and extends ``input_ids``, ``attention_mask``
     (and ``mm_token_type_ids``) over the response; tokens after EOS become ``pad_token_id``.
     """
     response_mask = response_mask_until_eos(responses, eos_token_ids, ignore_eos)
+    truncated = truncated_responses(responses, response_mask, eos_token_ids)
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
     batch = prompts.batch
     tensors = {
         "prompts": batch["input_ids"],
         "responses": responses,
         "response_mask": response_mask,
+        "truncated": truncated,
         "input_ids": torch.cat([batch["input_ids"], responses], dim=-1),  # [B, P+R]
         "attention_mask": torch.cat([batch["attention_mask"], response_mask], dim=-1),
     }
