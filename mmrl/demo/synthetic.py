@@ -13,8 +13,8 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
   3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
   Harder: the tiny Qwen2.5-VL stays at chance on it even trained supervised (300 steps of 16 clips).
-- ``spatial``: one filled circle, square or triangle (any of the 4 colours, side 16-26 px) fully inside
-  the left or the right half of the image. "Is the <shape> on the left or the right? Answer left or
+- ``spatial``: one filled circle, square or triangle (any of the 4 colours, side 20-24 px) fully inside
+  the left or the right half of the image, and a 4-px black bar along the left edge as a landmark. "Is the <shape> on the left or the right? Answer left or
   right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
@@ -98,6 +98,9 @@ BEEP_FADE_SECONDS = 0.005  # linear fade in/out, no clicks
 MIN_BEEP_GAP_SECONDS = 0.15  # silence between two beeps
 AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
 MAX_BEEPS = 3
+LANDMARK_WIDTH = 4  # px, spatial: a black bar along the left edge (see draw_spatial_image)
+LANDMARK_RGB = (0, 0, 0)
+SPATIAL_MIN_SIDE = 20  # px; the largest shape that fits a half beside the bar is 24
 
 
 @dataclass(frozen=True)
@@ -172,20 +175,25 @@ def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
 
 
 def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Drawn:
-    """A shape of side 16-26 px (random kind and colour) fully inside the ``answer`` (left | right) half.
+    """A shape of side 20-24 px (random kind and colour) fully inside the ``answer`` (left | right) half,
+    beside a black bar along the image's left edge.
 
-    The half is 28 px, one column of the tiny model's merged 28-px patches, so the answer is which
-    column of image tokens holds colour: position is all the model has to go on.
+    Each half is 28 px, one column of the tiny model's merged 28-px patches. The bar is a landmark:
+    without it "left" is only the position of an image token, which the 0.4M-parameter model did not
+    learn even supervised (300 steps of 16 images, at chance); with it the left column's tokens hold
+    the bar, and the shape is left when it shares their tokens (learnt supervised in ~120 steps).
     """
     if answer not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', found {answer!r}")
     half = size // 2
-    side = int(rng.integers(16, 27))
-    left = int(rng.integers(0, half - side + 1)) + (half if answer == "right" else 0)
+    side = int(rng.integers(SPATIAL_MIN_SIDE, half - LANDMARK_WIDTH + 1))
+    lowest, highest = (LANDMARK_WIDTH, half - side) if answer == "left" else (half, size - side)
+    left = int(rng.integers(lowest, highest + 1))
     top = int(rng.integers(0, size - side + 1))
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     rgb = list(COLORS.values())[int(rng.integers(len(COLORS)))]
     image = _blank_image(size)
+    ImageDraw.Draw(image).rectangle((0, 0, LANDMARK_WIDTH - 1, size - 1), fill=LANDMARK_RGB)
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), rgb)
     return Drawn(image, {"shape": shape})
 

@@ -66,10 +66,14 @@ def test_spatial_shape_lies_in_the_answer_half_and_the_question_names_it():
     seen = Counter()
     for _ in range(60):
         image, question, answer = draw_sample("spatial", rng)
+        pixels = np.asarray(image)
+        assert (pixels[:, : synthetic.LANDMARK_WIDTH] == synthetic.LANDMARK_RGB).all()  # the bar
         foreground = _foreground(image)
+        foreground[:, : synthetic.LANDMARK_WIDTH] = False
         columns = np.flatnonzero(foreground.any(axis=0))
-        assert foreground.sum() >= 100  # the smallest shape, a triangle of side 16 px, covers ~128 px
+        assert foreground.sum() >= 200  # the smallest shape, a triangle of side 20 px, covers ~200 px
         assert (columns.max() < 28) if answer == "left" else (columns.min() >= 28)
+        assert len({tuple(rgb) for rgb in pixels[foreground]}) == 1  # one colour, no anti-aliasing
         shape = question.split("Is the ")[1].split(" on the")[0]
         assert question == f"<image>Is the {shape} on the left or the right? Answer left or right."
         assert shape in synthetic.SHAPES
