@@ -69,6 +69,30 @@ def total_training_steps(config: PPOConfig, prompts: int) -> int:
     return min(steps, config.trainer.max_steps) if config.trainer.max_steps else steps
 
 
+def prompts_per_round(config: PPOConfig) -> int:
+    """Prompts the loader yields at a time. With online filtering every generation round draws a
+    mini-batch of its own: the loader's position then counts rounds, so a resumed run goes on with the
+    prompts an uninterrupted one would have seen."""
+    data = config.data
+    if config.algorithm.online_filtering and data.mini_rollout_batch_size is not None:
+        return data.mini_rollout_batch_size
+    return data.rollout_batch_size
+
+
+def build_filter(config: PPOConfig) -> FilterOptions | None:
+    """DAPO dynamic sampling's settings when ``algorithm.online_filtering`` is on."""
+    algo = config.algorithm
+    if not algo.online_filtering:
+        return None
+    return FilterOptions(
+        key=algo.filter_key,
+        low=algo.filter_low,
+        high=algo.filter_high,
+        groups_per_step=config.data.rollout_batch_size,
+        max_rounds=config.trainer.max_try_make_batch,
+    )
+
+
 def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
@@ -132,14 +156,9 @@ class RayPPOTrainer:
         data = config.data
         train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)
         collate = self._collate
-        # with online filtering every generation round draws a mini-batch of its own: the loader's
-        # position then counts rounds, so a resumed run goes on with the prompts it would have seen
-        prompts_per_round = data.rollout_batch_size
-        if config.algorithm.online_filtering and data.mini_rollout_batch_size is not None:
-            prompts_per_round = data.mini_rollout_batch_size
         self.train_loader = PromptLoader(
             train_set,
-            prompts_per_round,
+            prompts_per_round(config),
             collate,
             data.shuffle,
             data.seed,
@@ -151,21 +170,11 @@ class RayPPOTrainer:
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(train_set))
-        algo = config.algorithm
-        self.filter = (
-            FilterOptions(
-                algo.filter_key,
-                algo.filter_low,
-                algo.filter_high,
-                data.rollout_batch_size,
-                trainer.max_try_make_batch,
-            )
-            if algo.online_filtering
-            else None
-        )
+        self.filter = build_filter(config)  # None: one generation per step, no filtering
 
         worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
         self.actor.start(kwargs=worker_kwargs)
+        algo = config.algorithm
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
         )
