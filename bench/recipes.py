@@ -198,7 +198,7 @@ def table(results: list[dict], threshold: float) -> str:
     return "\n".join(lines + per_seed)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 11)))
     parser.add_argument("--steps", type=int, default=100)
@@ -208,7 +208,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1, help="training processes per run")
     parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
     parser.add_argument("--force", action="store_true", help="rerun runs that have a results file")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     results = []
     for seed in args.seeds:  # seed-major: an interrupted study has both recipes of its first seeds
