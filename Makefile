@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
 
-.PHONY: install lock assets assets-video assets-audio demo demo-video demo-audio bench bench-scale test test-fast quality style clean
+.PHONY: install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial bench-recipes bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -44,6 +44,21 @@ assets-audio: install
 
 demo-audio: assets-audio
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
+
+# "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL: DAPO dynamic sampling, clip-higher
+# and an entropy bonus, the recommended recipe for small models (examples/tiny_cpu_spatial.yaml)
+assets-spatial: install
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task spatial --out $(ASSETS)/data/shapes-spatial --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/shapes-spatial/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-spatial-warm
+
+demo-spatial: assets-spatial
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)
+
+# seeds x {plain GRPO, the recipe} on the spatial task; resumable (bench/results/recipes/), ~SEEDS x 2 runs
+bench-recipes: assets-spatial
+	RAY_AUTH_MODE=disabled $(PY) bench/recipes.py $(ARGS)
 
 # CPU benchmarks (README, section Benchmarks): each prints its table and writes bench/results/*.json.
 # Sized for < 20 min on a quiet 2-core machine; other jobs on it slow every step (tables say how much).

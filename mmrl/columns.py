@@ -64,7 +64,7 @@ _SPECS = (
     Column("multi_modal_inputs", "attach_media", ("generate", "log_probs", "update"), None, "[B]",
            "the processor's media tensors of the prompt (pixel_values, grids, audio features)"),
     Column("ground_truth", "data", ("reward",), None, "[B]", "the answer handed to the reward function"),
-    Column("uid", "data", ("advantages", "remax_baseline"), None, "[B]",
+    Column("uid", "data", ("advantages", "remax_baseline", "dynamic_sampling", "metrics"), None, "[B]",
            "one id per prompt, shared by its n responses (grouping is by uid, never by position)"),
     Column("sample_index", "data", ("reward",), None, "[B]", "the prompt's position in its dataset"),
     # ---- generate: mmrl.workers.rollout (assemble_rollout_batch) and the worker's position ids
@@ -82,7 +82,8 @@ _SPECS = (
     # ---- reward: mmrl.workers.reward_worker
     Column("token_level_scores", "reward", ("advantages", "metrics"), _FLOAT, "[B, R]",
            "the reward function's overall score on each response's last valid token"),
-    Column("reward_scores", "reward", ("metrics",), None, "[B]", "every score key the function returned"),
+    Column("reward_scores", "reward", ("dynamic_sampling", "metrics"), None, "[B]",
+           "every score key the function returned"),
     Column("response_text", "reward", ("logging",), None, "[B]", "the decoded response"),
     Column("reward_baselines", "remax_baseline", ("advantages",), _FLOAT, "[B]",
            "ReMax: the reward of the prompt's greedy response"),

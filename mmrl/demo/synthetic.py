@@ -13,13 +13,19 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
   3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
   Harder: the tiny Qwen2.5-VL stays at chance on it even trained supervised (300 steps of 16 clips).
+- ``spatial``: one filled circle, square or triangle (any of the 4 colours, side 20-24 px) fully inside
+  the left or the right half of the image, and a 4-px black bar along the left edge as a landmark. "Is the <shape> on the left or the right? Answer left or
+  right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
+  it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
+  demo, ``examples/tiny_cpu_spatial.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
 Shapes are drawn without anti-aliasing, so every pixel is either the background or the answer colour.
 Beeps have one length and loudness, so (as with the circles) the sound's energy grows in steps with the
 count. A task is a ``SyntheticTask``: its question, its answers, its media kind and a function that
-draws a sample (a PIL image, ``[T, H, W, 3]`` uint8 frames, or a float32 waveform) for a given answer.
+draws a sample (a PIL image, ``[T, H, W, 3]`` uint8 frames, or a float32 waveform) for a given answer;
+a question that names what was drawn (``{shape}``) is filled in from a ``Drawn``'s fields.
 
 Output folder (``generate_shapes_dataset``), rows with columns ``problem`` (the question with an
 ``<image>``, ``<video>`` or ``<audio>`` marker), ``answer``, the media column (``images``, ``videos``
@@ -92,6 +98,18 @@ BEEP_FADE_SECONDS = 0.005  # linear fade in/out, no clicks
 MIN_BEEP_GAP_SECONDS = 0.15  # silence between two beeps
 AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
 MAX_BEEPS = 3
+LANDMARK_WIDTH = 4  # px, spatial: a black bar along the left edge (see draw_spatial_image)
+LANDMARK_RGB = (0, 0, 0)
+SPATIAL_MIN_SIDE = 20  # px; the largest shape that fits a half beside the bar is 24
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """What a ``draw`` returns when the question names part of the sample: the media, and the fields
+    that fill the question's ``{placeholders}``."""
+
+    media: Any
+    fields: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,13 @@ class SyntheticTask:
     answers: tuple[str, ...]
     draw: Callable[[str, np.random.Generator], Any]
     media: str = "image"  # image | video | audio
+
+    def sample(self, answer: str, rng: np.random.Generator) -> tuple[Any, str]:
+        """``(media, question)`` of a new sample whose correct answer is ``answer``."""
+        drawn = self.draw(answer, rng)
+        if isinstance(drawn, Drawn):
+            return drawn.media, self.question.format(**drawn.fields)
+        return drawn, self.question
 
     @property
     def data_source(self) -> str:
@@ -147,6 +172,30 @@ def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), COLORS[answer])
     return image
+
+
+def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Drawn:
+    """A shape of side 20-24 px (random kind and colour) fully inside the ``answer`` (left | right) half,
+    beside a black bar along the image's left edge.
+
+    Each half is 28 px, one column of the tiny model's merged 28-px patches. The bar is a landmark:
+    without it "left" is only the position of an image token, which the 0.4M-parameter model did not
+    learn even supervised (300 steps of 16 images, at chance); with it the left column's tokens hold
+    the bar, and the shape is left when it shares their tokens (learnt supervised in ~120 steps).
+    """
+    if answer not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', found {answer!r}")
+    half = size // 2
+    side = int(rng.integers(SPATIAL_MIN_SIDE, half - LANDMARK_WIDTH + 1))
+    lowest, highest = (LANDMARK_WIDTH, half - side) if answer == "left" else (half, size - side)
+    left = int(rng.integers(lowest, highest + 1))
+    top = int(rng.integers(0, size - side + 1))
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    rgb = list(COLORS.values())[int(rng.integers(len(COLORS)))]
+    image = _blank_image(size)
+    ImageDraw.Draw(image).rectangle((0, 0, LANDMARK_WIDTH - 1, size - 1), fill=LANDMARK_RGB)
+    draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), rgb)
+    return Drawn(image, {"shape": shape})
 
 
 def place_circles(
@@ -272,6 +321,12 @@ TASKS: dict[str, SyntheticTask] = {
         answers=tuple(str(n) for n in range(1, MAX_CIRCLES + 1)),
         draw=draw_count_image,
     ),
+    "spatial": SyntheticTask(
+        name="spatial",
+        question="<image>Is the {shape} on the left or the right? Answer left or right.",
+        answers=("left", "right"),
+        draw=draw_spatial_image,
+    ),
     "video_flashes": SyntheticTask(
         name="video_flashes",
         question="<video>How many times does the light flash? Answer with a number.",
@@ -306,7 +361,8 @@ def draw_sample(task: str, rng: np.random.Generator) -> tuple[Any, str, str]:
     """A random sample of ``task``: ``(media, question, answer)``; the answer is drawn uniformly."""
     spec = get_task(task)
     answer = spec.answers[int(rng.integers(len(spec.answers)))]
-    return spec.draw(answer, rng), spec.question, answer
+    media, question = spec.sample(answer, rng)
+    return media, question, answer
 
 
 def balanced_answers(answers: tuple[str, ...], n: int, rng: np.random.Generator) -> list[str]:
@@ -365,9 +421,9 @@ def generate_split(spec: SyntheticTask, split: str, n: int, rng: np.random.Gener
     suffix, encode = MEDIA_FILES[spec.media]
     rows = []
     for index, answer in enumerate(balanced_answers(spec.answers, n, rng)):
-        media = spec.draw(answer, rng)
+        media, question = spec.sample(answer, rng)
         rows.append(
-            {"problem": spec.question, "answer": answer, "file_name": f"{split}_{index:05d}{suffix}",
+            {"problem": question, "answer": answer, "file_name": f"{split}_{index:05d}{suffix}",
              "file_bytes": encode(media)}
         )  # fmt: skip
     return rows

@@ -602,6 +602,8 @@ def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a prompt: "
             f"set worker.rollout.n >= 2 (found {cfg.worker.rollout.n})"
         )
+    if algo.online_filtering:
+        _check_online_filtering(errors, cfg)
     if algo.kl_type == "adaptive" and algo.use_kl_loss:
         errors.append("algorithm.kl_type=adaptive steers the reward penalty: set algorithm.use_kl_loss=false")
     if algo.kl_coef < 0:
@@ -631,6 +633,36 @@ def _check_lora(errors: list[str], cfg: PPOConfig) -> None:
             errors.append(f"{key}.exclude_modules={lora.exclude_modules!r} is not a valid regex: {error}")
     if lora.rank > 0 and importlib.util.find_spec("peft") is None:
         errors.append(PEFT_HINT)
+
+
+def _check_online_filtering(errors: list[str], cfg: PPOConfig) -> None:
+    algo, data = cfg.algorithm, cfg.data
+    if algo.adv_estimator not in GROUP_ESTIMATORS:
+        errors.append(
+            f"algorithm.online_filtering drops prompt groups whose responses score alike, which only "
+            f"matters to a group estimator: set algorithm.adv_estimator to one of {list(GROUP_ESTIMATORS)} "
+            f"(found {algo.adv_estimator}) or algorithm.online_filtering=false"
+        )
+    if cfg.worker.rollout.n < 2:
+        errors.append(
+            f"algorithm.online_filtering needs groups of responses: set worker.rollout.n >= 2 "
+            f"(found {cfg.worker.rollout.n})"
+        )
+    if data.mini_rollout_batch_size is not None and data.mini_rollout_batch_size <= 0:
+        errors.append(
+            f"data.mini_rollout_batch_size={data.mini_rollout_batch_size} must be > 0 (prompts generated "
+            "per round), or null for data.rollout_batch_size"
+        )
+    if algo.filter_low > algo.filter_high:
+        errors.append(
+            f"algorithm.filter_low={algo.filter_low} exceeds algorithm.filter_high={algo.filter_high}: "
+            "no group could be kept"
+        )
+    if cfg.trainer.max_try_make_batch == 0 or cfg.trainer.max_try_make_batch < -1:
+        errors.append(
+            f"trainer.max_try_make_batch={cfg.trainer.max_try_make_batch} must be >= 1 (generation rounds "
+            "per step), or -1 for no limit"
+        )
 
 
 def _check_paths(errors: list[str], cfg: PPOConfig) -> None:

@@ -9,10 +9,11 @@ arguments. Every phase is a named method; the models live in the workers
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -35,6 +36,14 @@ from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
 from mmrl.trainer import core_algos
 from mmrl.trainer.config import PPOConfig
+from mmrl.trainer.dynamic_sampling import (
+    DynamicSamplingError,
+    FilterOptions,
+    filter_scores,
+    first_groups,
+    kept_groups,
+    zero_advantage_group_fraction,
+)
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
@@ -53,9 +62,35 @@ def conform_to_columns(batch: DataProto, phase: str) -> None:
         raise RuntimeError(f"the batch after {phase} does not match mmrl.columns: {'; '.join(problems)}")
 
 
-def total_training_steps(config: PPOConfig, batches_per_epoch: int) -> int:
-    steps = config.trainer.total_epochs * batches_per_epoch
+def total_training_steps(config: PPOConfig, prompts: int) -> int:
+    """Steps of ``data.rollout_batch_size`` prompts over ``trainer.total_epochs`` passes of ``prompts``
+    (with online filtering an "epoch" counts the prompts trained on, not those generated for)."""
+    steps = config.trainer.total_epochs * (prompts // config.data.rollout_batch_size)
     return min(steps, config.trainer.max_steps) if config.trainer.max_steps else steps
+
+
+def prompts_per_round(config: PPOConfig) -> int:
+    """Prompts the loader yields at a time. With online filtering every generation round draws a
+    mini-batch of its own: the loader's position then counts rounds, so a resumed run goes on with the
+    prompts an uninterrupted one would have seen."""
+    data = config.data
+    if config.algorithm.online_filtering and data.mini_rollout_batch_size is not None:
+        return data.mini_rollout_batch_size
+    return data.rollout_batch_size
+
+
+def build_filter(config: PPOConfig) -> FilterOptions | None:
+    """DAPO dynamic sampling's settings when ``algorithm.online_filtering`` is on."""
+    algo = config.algorithm
+    if not algo.online_filtering:
+        return None
+    return FilterOptions(
+        key=algo.filter_key,
+        low=algo.filter_low,
+        high=algo.filter_high,
+        groups_per_step=config.data.rollout_batch_size,
+        max_rounds=config.trainer.max_try_make_batch,
+    )
 
 
 def local_cluster_cpus(config: PPOConfig) -> int:
@@ -127,7 +162,7 @@ class RayPPOTrainer:
         collate = self._collate
         self.train_loader = PromptLoader(
             train_set,
-            data.rollout_batch_size,
+            prompts_per_round(config),
             collate,
             data.shuffle,
             data.seed,
@@ -138,7 +173,8 @@ class RayPPOTrainer:
             val_set = PromptDataset(data.val_files, self.tokenizer, processor, data)
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
-        self.total_steps = total_training_steps(config, len(self.train_loader))
+        self.total_steps = total_training_steps(config, len(train_set))
+        self.filter = build_filter(config)  # None: one generation per step, no filtering
 
         worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
         self.actor.start(kwargs=worker_kwargs)
@@ -175,7 +211,7 @@ class RayPPOTrainer:
             return last_metrics
         batches = self._training_batches()
         while self.global_step < self.total_steps:
-            metrics = self.train_step(next(batches))
+            metrics = self.train_step(batches)
             self.global_step += 1
             if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
                 metrics.update(self.validate() if self.val_loader is not None else {})
@@ -185,19 +221,14 @@ class RayPPOTrainer:
             last_metrics = metrics
         return last_metrics
 
-    def train_step(self, batch: DataProto) -> dict[str, float]:
-        """One PPO step on a batch of prompts; returns its metrics."""
+    def train_step(self, prompts: Iterator[DataProto]) -> dict[str, float]:
+        """One PPO step on the next batch of ``prompts``; returns its metrics."""
         plan = StepPlan.for_step(self.config, self.global_step)
         timings: dict[str, float] = {}
         transferred = self.transfers.snapshot()
         with timer("step", timings):
-            batch = self._share_media(batch)
             with timer("gen", timings):
-                batch = self.actor.dispatch(
-                    "generate", batch, mode=GenerationMode.TRAIN, global_step=self.global_step
-                )
-            conform_to_columns(batch, "generate")
-            pending_rewards = self.rewards.launch(batch)  # scored in the background, in generation order
+                batch, collect_scores, rollout_metrics = self.make_batch(prompts)
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
             if not plan.old_log_probs_from_update:
@@ -214,7 +245,7 @@ class RayPPOTrainer:
                 with timer("values", timings):
                     batch = batch.union(self.actor.dispatch("compute_values", batch))
             with timer("reward", timings):
-                scores = self.rewards.collect(pending_rewards).reorder(np.argsort(restore))  # balanced order
+                scores = collect_scores().reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
                     scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
                 )
@@ -225,6 +256,11 @@ class RayPPOTrainer:
             batch, update_metrics = self.update_models(batch, plan, timings)
         conform_to_columns(batch, "the training step")
         return {
+            **rollout_metrics,
+            # the groups this update learnt nothing from; dynamic sampling drives it to 0
+            "rollout/zero_adv_group_frac": zero_advantage_group_fraction(
+                batch.batch["advantages"], batch.batch["response_mask"], batch.non_tensor_batch["uid"]
+            ),
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
             **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
@@ -241,6 +277,75 @@ class RayPPOTrainer:
         }
 
     # ---- phases ---------------------------------------------------------------------------------
+
+    def make_batch(
+        self, prompts: Iterator[DataProto]
+    ) -> tuple[DataProto, Callable[[], DataProto], dict[str, float]]:
+        """The step's responses (generation order), a function returning their scores, and the rollout's
+        metrics. Without online filtering one batch is generated and scored in the background while the
+        log-prob passes run; with it, :meth:`_filtered_rollout` scores as it goes."""
+        if self.filter is not None:
+            batch, scores, metrics = self._filtered_rollout(prompts, self.filter)
+            return batch, lambda: scores, metrics
+        batch = self._generate(next(prompts), round_index=0)
+        pending = self.rewards.launch(batch)  # scored in the background, in generation order
+        metrics = {
+            "rollout/generated_responses": len(batch),
+            "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
+        }
+        return batch, lambda: self.rewards.collect(pending), metrics
+
+    def _filtered_rollout(
+        self, prompts: Iterator[DataProto], options: FilterOptions
+    ) -> tuple[DataProto, DataProto, dict[str, float]]:
+        """DAPO dynamic sampling: generate and score a mini-batch of prompts a round, keep the groups
+        :func:`kept_groups` accepts, until ``options.groups_per_step`` are kept; returns exactly that
+        many groups (the first kept, in generation order) with their scores. Raises
+        :class:`DynamicSamplingError` after ``options.max_rounds`` rounds."""
+        kept_batches, kept_scores = [], []
+        kept = dropped = responses = response_tokens = 0
+        for round_index in itertools.count():
+            if kept >= options.groups_per_step:
+                break
+            if not options.may_start(round_index):
+                raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
+            batch = self._generate(next(prompts), round_index)
+            scores = self.rewards.collect(self.rewards.launch(batch))
+            uids = batch.non_tensor_batch["uid"]
+            values = filter_scores(scores.non_tensor_batch["reward_scores"], options.key)
+            keep = kept_groups(uids, values, options.low, options.high)
+            groups, kept_here = len(set(uids)), len(set(uids[keep]))
+            kept, dropped = kept + kept_here, dropped + groups - kept_here
+            responses += len(batch)
+            response_tokens += int(batch.batch["response_mask"].sum())
+            rows = np.flatnonzero(keep)
+            kept_batches.append(batch[rows])
+            kept_scores.append(scores[rows])
+        batch, scores = DataProto.concat(kept_batches), DataProto.concat(kept_scores)
+        rows = first_groups(batch.non_tensor_batch["uid"], options.groups_per_step)
+        metrics = {
+            "rollout/kept_groups": options.groups_per_step,
+            # dropped = failed the filter + passed it after the step was full (surplus, trimmed away)
+            "rollout/dropped_groups": dropped + kept - options.groups_per_step,
+            "rollout/surplus_groups": kept - options.groups_per_step,
+            "rollout/rounds": round_index,
+            "rollout/generated_responses": responses,
+            "rollout/generated_response_tokens": response_tokens,
+        }
+        return batch[rows], scores[rows], metrics
+
+    def _generate(self, prompts: DataProto, round_index: int) -> DataProto:
+        """Training responses for ``prompts``; ``round_index`` gives each round of a step its own
+        sampling stream."""
+        batch = self.actor.dispatch(
+            "generate",
+            self._share_media(prompts),
+            mode=GenerationMode.TRAIN,
+            global_step=self.global_step,
+            round_index=round_index,
+        )
+        conform_to_columns(batch, "generate")
+        return batch
 
     def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         algo, tensors = self.config.algorithm, batch.batch
@@ -463,7 +568,7 @@ def run(config: PPOConfig) -> int:
     trainer = RayPPOTrainer(config)
     try:
         trainer.fit()
-    except (WorkerGroupError, RewardFunctionError) as err:
+    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError) as err:
         print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
         return 1
     finally:

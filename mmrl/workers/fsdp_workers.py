@@ -70,6 +70,8 @@ from mmrl.workers.rollout import GenerationMode, SamplingParams
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 logger = logging.getLogger(__name__)
+# seed offset between generation rounds of one step: past any step's own offsets of a realistic run
+ROUND_SEED_STRIDE = 1_000_003
 
 
 def setup_distributed() -> torch.device:
@@ -421,7 +423,7 @@ class HybridWorker:
         )
         return CriticRole(self.config, total_training_steps, self.device, groups, folder)
 
-    def _sampling(self, mode: GenerationMode, global_step: int) -> SamplingParams:
+    def _sampling(self, mode: GenerationMode, global_step: int, round_index: int = 0) -> SamplingParams:
         rollout_cfg = self.config.worker.rollout
         if mode is GenerationMode.VALIDATE:
             params = rollout_cfg.sampling_for_validation()
@@ -433,6 +435,8 @@ class HybridWorker:
         # sampling); greedy draws no random numbers
         validate = mode is GenerationMode.VALIDATE
         params["seed"] = params["seed"] + (global_step * self.world_size + self.rank) * 2 + int(validate)
+        # the extra rounds of a step under online filtering (trainer.max_try_make_batch) draw new numbers
+        params["seed"] += round_index * ROUND_SEED_STRIDE
         return SamplingParams(
             **params, max_tokens=self.config.data.max_response_length, ignore_eos=rollout_cfg.ignore_eos
         )
@@ -440,19 +444,24 @@ class HybridWorker:
     # ---- phases -------------------------------------------------------------------------------
 
     @rows_per_rank
-    def generate(self, prompts: DataProto, *, mode: GenerationMode, global_step: int) -> DataProto:
+    def generate(
+        self, prompts: DataProto, *, mode: GenerationMode, global_step: int, round_index: int = 0
+    ) -> DataProto:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
-        ``position_ids`` (validation and greedy baselines are only scored)."""
+        ``position_ids`` (validation and greedy baselines are only scored). ``round_index``: the
+        generation round within the step (online filtering), for a sampling stream of its own."""
         with self.peaks.phase("gen" if mode is GenerationMode.TRAIN else f"gen_{mode.value}"):
-            return self._generate(prompts, mode, global_step)
+            return self._generate(prompts, mode, global_step, round_index)
 
-    def _generate(self, prompts: DataProto, mode: GenerationMode, global_step: int) -> DataProto:
+    def _generate(
+        self, prompts: DataProto, mode: GenerationMode, global_step: int, round_index: int = 0
+    ) -> DataProto:
         if getattr(self.rollout, "weights_discarded", False):
             # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
             # step's sync): its weights are gone and must be pushed again before it can generate
             self.sync_rollout_weights()
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
-        output = self.rollout.generate(prompts, self._sampling(mode, global_step))
+        output = self.rollout.generate(prompts, self._sampling(mode, global_step, round_index))
         if mode is GenerationMode.TRAIN:
             output = add_position_ids(self.actor.module, output)
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors

@@ -61,6 +61,41 @@ def test_color_pixels_match_the_answer():
         assert pixels[foreground].mean(axis=0).tolist() == list(COLORS[answer])
 
 
+def test_spatial_shape_lies_in_the_answer_half_and_the_question_names_it():
+    rng = np.random.default_rng(0)
+    seen = Counter()
+    for _ in range(60):
+        image, question, answer = draw_sample("spatial", rng)
+        pixels = np.asarray(image)
+        assert (pixels[:, : synthetic.LANDMARK_WIDTH] == synthetic.LANDMARK_RGB).all()  # the bar
+        foreground = _foreground(image)
+        foreground[:, : synthetic.LANDMARK_WIDTH] = False
+        columns = np.flatnonzero(foreground.any(axis=0))
+        assert foreground.sum() >= 200  # the smallest shape, a triangle of side 20 px, covers ~200 px
+        assert (columns.max() < 28) if answer == "left" else (columns.min() >= 28)
+        assert len({tuple(rgb) for rgb in pixels[foreground]}) == 1  # one colour, no anti-aliasing
+        shape = question.split("Is the ")[1].split(" on the")[0]
+        assert question == f"<image>Is the {shape} on the left or the right? Answer left or right."
+        assert shape in synthetic.SHAPES
+        assert _count_components(foreground) == 1
+        seen[shape, answer] += 1
+    assert len(seen) == 6  # every shape on both sides
+
+
+def test_spatial_dataset_is_balanced_and_scored_by_the_shapes_reward(tmp_path):
+    from mmrl.workers.reward import load_reward_function
+
+    shapes_reward = Path(__file__).resolve().parents[2] / "reward_functions" / "shapes.py"
+    compute_score = load_reward_function(f"{shapes_reward}:compute_score")
+    out_dir = generate_shapes_dataset("spatial", tmp_path / "spatial", n_train=8, n_val=4, seed=0)
+    rows = _read_jsonl(out_dir / "train.jsonl")
+    assert Counter(row["answer"] for row in rows) == {"left": 4, "right": 4}
+    assert {row["data_source"] for row in rows} == {"shapes_spatial"}
+    responses = ["Left.", "right", "left<|im_end|>", "on the left"]
+    scores = compute_score([{"response": r, "ground_truth": "left"} for r in responses])
+    assert [score["overall"] for score in scores] == [1.0, 0.0, 1.0, 0.0]
+
+
 def test_circle_count_matches_connected_components_and_area():
     one_circle = Image.new("RGB", (56, 56), BACKGROUND_RGB)
     synthetic.draw_shape(one_circle, "circle", (10, 10, 24, 24), synthetic.COUNT_RGB)  # radius 7

@@ -213,6 +213,27 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "worker.critic.ulysses_size × worker.critic.ring_size = 4 must divide",
         ),
         (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
+        (
+            ["algorithm.online_filtering=true", "algorithm.adv_estimator=reinforce_plus_plus"],
+            "set algorithm.adv_estimator to one of ['grpo', 'rloo'] (found reinforce_plus_plus)",
+        ),
+        (
+            ["algorithm.online_filtering=true", "algorithm.adv_estimator=gae"],
+            "or algorithm.online_filtering=false",
+        ),
+        (["algorithm.online_filtering=true", "worker.rollout.n=1"], "online_filtering needs groups"),
+        (
+            ["algorithm.online_filtering=true", "data.mini_rollout_batch_size=0"],
+            "data.mini_rollout_batch_size=0 must be > 0",
+        ),
+        (
+            ["algorithm.online_filtering=true", "algorithm.filter_low=0.6", "algorithm.filter_high=0.4"],
+            "algorithm.filter_low=0.6 exceeds algorithm.filter_high=0.4",
+        ),
+        (
+            ["algorithm.online_filtering=true", "trainer.max_try_make_batch=0"],
+            "trainer.max_try_make_batch=0 must be >= 1",
+        ),
         (["worker.critic.fsdp.mp_buffer_dtype=fp16"], "worker.critic.fsdp.mp_buffer_dtype='fp16' is not one"),
     ],
 )

@@ -792,3 +792,75 @@ def test_media_cross_ray_once_per_step_as_their_files(tiny_vl_path, tmp_path):
         non_media = step["transfer/tensors_bytes"] + 160 * 1024
         moved = step["transfer/sent_bytes"] + step["transfer/received_bytes"] + media
         assert moved <= 2 * encoded + non_media, step
+
+
+@trainer_e2e
+def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
+    tiny_vl_path, shapes_data_dir, tmp_path
+):
+    """DAPO dynamic sampling on a coarse 0/1 reward (about a third of the groups score all 0): 2 prompts a
+    round until 4 useful groups are kept. Every update trains on exactly 4 groups, none of them with
+    zero advantage; the dropped and kept groups add up to those generated. The live trainer then
+    gives up after trainer.max_try_make_batch rounds when no group can pass. A second trainer resumed
+    from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps."""
+    import ray
+    from _trainer_run import small_run_overrides
+
+    from mmrl.single_controller import init_ray
+    from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions
+    from mmrl.trainer.ray_trainer import RayPPOTrainer, local_cluster_cpus
+
+    def overrides(save_dir: Path, *extra: str) -> list[str]:
+        return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+            f"worker.reward.reward_function={ASSETS / 'coarse_reward.py'}:compute_score",
+            "worker.rollout.name=hf",
+            "algorithm.online_filtering=true",
+            "data.mini_rollout_batch_size=2",
+            "trainer.max_try_make_batch=10",
+            "trainer.max_steps=3",
+            "trainer.save_freq=2",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=-1",
+            *extra,
+        ]
+
+    # no group can have a mean score in [2, 2]: a step gives up after max_rounds rounds
+    hopeless = FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
+    resume = f"trainer.load_checkpoint_path={tmp_path / 'a' / 'global_step_2'}"
+    config = load_config(overrides(tmp_path / "a"))
+    init_ray(num_cpus=local_cluster_cpus(config), object_store_memory_bytes=300_000_000)
+    try:
+        for run_config in (config, None):  # the resumed run's config is valid once step 2 is saved
+            trainer = RayPPOTrainer(run_config or load_config(overrides(tmp_path / "b", resume)))
+            try:
+                trainer.fit()
+                if run_config is config:
+                    with pytest.raises(
+                        DynamicSamplingError, match=r"in 2 rounds \(trainer.max_try_make_batch=2\)"
+                    ):
+                        trainer._filtered_rollout(trainer._training_batches(), hopeless)
+            finally:
+                trainer.shutdown()
+                trainer.actor.shutdown()
+    finally:
+        ray.shutdown()
+
+    rows = metrics_by_step(metrics_lines(tmp_path / "a"))
+    assert sorted(rows) == [1, 2, 3]
+    for step, row in rows.items():
+        assert row["rollout/kept_groups"] == 4, step
+        assert row["rollout/rounds"] >= 2, step  # 2 prompts a round, 4 groups a step
+        generated = row["rollout/rounds"] * 2
+        assert row["rollout/kept_groups"] + row["rollout/dropped_groups"] == generated, step
+        assert row["rollout/generated_responses"] == generated * 4
+        assert 0 < row["rollout/generated_response_tokens"] <= generated * 4 * 4
+        assert row["rollout/zero_adv_group_frac"] == 0.0, step
+        assert row["actor/grad_norm"] > 0
+    assert sum(row["rollout/dropped_groups"] - row["rollout/surplus_groups"] for row in rows.values()) > 0
+    state = json.loads((tmp_path / "a" / "global_step_2" / "trainer_state.json").read_text())
+    rounds = rows[1]["rollout/rounds"] + rows[2]["rollout/rounds"]
+    assert state["loader"] == {"epoch": 0, "batch_index": rounds}  # one mini-batch of the loader a round
+
+    resumed_rows = metrics_by_step(metrics_lines(tmp_path / "b"))
+    assert sorted(resumed_rows) == [3]
+    assert deterministic_part(resumed_rows[3]) == deterministic_part(rows[3])

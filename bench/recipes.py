@@ -1,0 +1,230 @@
+"""Plain GRPO against the recommended small-model recipe (DAPO dynamic sampling + clip-higher + entropy
+bonus) on the spatial demo task, over seeds.
+
+    python bench/recipes.py [--seeds 1 2 3] [--steps 300] [--recipes plain recipe]
+        [--threshold 0.9] [--val_every 10] [--ranks 1] [--force]
+
+Every run starts from the answer-format warm-up of ``make assets-spatial`` (a tiny random Qwen2.5-VL
+that answers "left" or "right" at random: validation accuracy ~0.5) and trains on
+``examples/tiny_cpu_spatial.yaml`` with the recipe's overrides:
+
+- ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus;
+- ``recipe``: the example config as it stands: online filtering, clip_ratio_high 0.28 and its
+  entropy bonus.
+
+Both keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, so the
+recipe's three parts are the only difference.
+
+A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
+and ``data.seed`` (the prompt order); the warm-up model is the same for every seed. Each run's summary
+goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exists is not run again
+(``--force`` reruns), so an interrupted study resumes where it stopped.
+
+Per run: validation accuracy (greedy, the 64 validation images) after every ``--val_every`` steps
+against the response tokens generated so far (filtered rounds included), the mean fraction of
+zero-advantage groups in the updates, and the wall time. A seed "learns" when its final accuracy is at
+least ``--threshold`` (default 0.9: chance is 0.5, and a policy that ignores the image scores 0.5 on
+the balanced validation set however it answers, so 0.9 needs the image on at least 80 % of the
+images beyond a guess). The table reports per recipe: seeds that learn, mean final accuracy, mean
+zero-advantage fraction, and accuracy at fixed budgets of generated response tokens (the learning
+curve per rollout token, from the logged ``rollout/generated_response_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results" / "recipes"
+CONFIG = REPO / "examples" / "tiny_cpu_spatial.yaml"
+VAL_KEY = "val/reward/accuracy"
+RUN_TIMEOUT_S = 3600  # a hang's safety net; a busy shared machine slows runs several times over
+
+RECIPES: dict[str, list[str]] = {
+    "plain": [
+        "algorithm.online_filtering=false",
+        "worker.actor.clip_ratio_low=0.2",
+        "worker.actor.clip_ratio_high=0.2",
+        "worker.actor.entropy_coeff=0.0",
+    ],
+    "recipe": [],  # examples/tiny_cpu_spatial.yaml as it stands
+}
+
+
+def run_overrides(recipe: str, seed: int, args: argparse.Namespace, out_dir: Path) -> list[str]:
+    return [
+        *RECIPES[recipe],
+        f"trainer.seed={seed}",
+        f"worker.rollout.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_freq={args.val_every}",
+        "trainer.val_before_train=true",
+        "trainer.save_freq=-1",
+        "trainer.logger=[jsonl]",
+        f"trainer.n_gpus_per_node={args.ranks}",
+        f"trainer.save_checkpoint_path={out_dir}",
+        f"trainer.experiment_name=recipes_{recipe}_seed{seed}",
+        *args.override,
+    ]
+
+
+def summarize(rows: list[dict], threshold: float) -> dict:
+    """A run's metrics.jsonl rows → its learning curve per generated response token and summary."""
+    tokens, curve, zero_adv, responses = 0, [], [], 0
+    for row in sorted(rows, key=lambda r: r["step"]):
+        tokens += int(row.get("rollout/generated_response_tokens", 0))
+        responses += int(row.get("rollout/generated_responses", 0))
+        if "rollout/zero_adv_group_frac" in row:
+            zero_adv.append(row["rollout/zero_adv_group_frac"])
+        if VAL_KEY in row:
+            curve.append({"step": row["step"], "tokens": tokens, "accuracy": row[VAL_KEY]})
+    final = curve[-1]["accuracy"] if curve else float("nan")
+    reached = next((point for point in curve if point["accuracy"] >= threshold), None)
+    return {
+        "final_accuracy": final,
+        "learnt": final >= threshold,
+        "tokens_to_threshold": reached["tokens"] if reached else None,
+        "zero_adv_group_frac": statistics.fmean(zero_adv) if zero_adv else None,
+        "zero_adv_group_frac_last10": statistics.fmean(zero_adv[-10:]) if zero_adv else None,
+        "generated_responses": responses,
+        "generated_response_tokens": tokens,
+        "curve": curve,
+    }
+
+
+def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
+    result_file = RESULTS / f"{recipe}_seed{seed}.json"
+    out_dir = RESULTS / "runs" / f"{recipe}_seed{seed}"
+    if result_file.is_file() and not args.force:
+        done = json.loads(result_file.read_text())
+        if done["overrides"] == run_overrides(recipe, seed, args, out_dir):  # same steps, same settings
+            return done
+    log = out_dir / "logs" / "metrics.jsonl"
+    log.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "mmrl.trainer.main", f"config={CONFIG}"]
+    command += run_overrides(recipe, seed, args, out_dir)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    with open(out_dir / "output.log", "w") as output:
+        process = subprocess.run(
+            command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S
+        )
+    wall_s = time.perf_counter() - start
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    summary = {
+        "recipe": recipe,
+        "seed": seed,
+        "steps": args.steps,
+        "returncode": process.returncode,
+        "wall_s": wall_s,
+        "overrides": run_overrides(recipe, seed, args, out_dir),
+        **summarize(rows, args.threshold),
+    }
+    if process.returncode != 0:
+        tail = (out_dir / "output.log").read_text(errors="replace")[-1500:]
+        summary["error"] = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+        print(f"[recipes] {recipe} seed {seed} failed ({process.returncode}): {summary['error']}")
+    result_file.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def accuracy_at(curve: list[dict], tokens: int) -> float | None:
+    """The last validated accuracy at or before ``tokens`` generated response tokens."""
+    seen = [point["accuracy"] for point in curve if point["tokens"] <= tokens]
+    return seen[-1] if seen else None
+
+
+def table(results: list[dict], threshold: float) -> str:
+    budgets = sorted({int(r["generated_response_tokens"] * f) for r in results for f in (0.25, 0.5, 1.0)})
+    budgets = [budgets[len(budgets) // 4], budgets[len(budgets) // 2], budgets[-1]] if budgets else []
+    headers = [
+        "recipe",
+        "seeds",
+        f"learn (final ≥ {threshold})",
+        "final acc (mean)",
+        "zero-adv groups in updates (mean / last 10 steps)",
+        "response tokens to threshold (median of learners)",
+        *[f"acc at {b:,} tokens" for b in budgets],
+        "wall s / run (mean)",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for recipe in RECIPES:
+        runs = [r for r in results if r["recipe"] == recipe]
+        if not runs:
+            continue
+        finals = [r["final_accuracy"] for r in runs]
+        zero = [r["zero_adv_group_frac"] for r in runs if r["zero_adv_group_frac"] is not None]
+        zero_last = [
+            r["zero_adv_group_frac_last10"] for r in runs if r["zero_adv_group_frac_last10"] is not None
+        ]
+        reached = [r["tokens_to_threshold"] for r in runs if r["tokens_to_threshold"] is not None]
+        at_budget = []
+        for budget in budgets:
+            values = [v for v in (accuracy_at(r["curve"], budget) for r in runs) if v is not None]
+            at_budget.append(f"{statistics.fmean(values):.2f}" if values else "-")
+        cells = [
+            recipe,
+            str(len(runs)),
+            f"{sum(r['learnt'] for r in runs)}/{len(runs)}",
+            f"{statistics.fmean(finals):.2f}",
+            f"{statistics.fmean(zero):.2f} / {statistics.fmean(zero_last):.2f}" if zero else "-",
+            f"{statistics.median(reached):,.0f}" if reached else "-",
+            *at_budget,
+            f"{statistics.fmean(r['wall_s'] for r in runs):.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    per_seed = [
+        "",
+        "| recipe | seed | final acc | accuracy curve (step: acc) | failed |",
+        "|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r["recipe"], r["seed"])):
+        curve = " ".join(f"{p['step']}:{p['accuracy']:.2f}" for p in r["curve"])
+        per_seed.append(
+            f"| {r['recipe']} | {r['seed']} | {r['final_accuracy']:.2f} | {curve} | {r.get('error', '')} |"
+        )
+    return "\n".join(lines + per_seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 11)))
+    # 100 steps left both recipes at chance on seed 1 (lr 1e-3); supervised, the model needs ~120 steps
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--val_every", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=1, help="training processes per run")
+    parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
+    parser.add_argument("--force", action="store_true", help="rerun runs that have a results file")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in args.seeds:  # seed-major: an interrupted study has both recipes of its first seeds
+        for recipe in args.recipes:
+            summary = run_one(recipe, seed, args)
+            print(
+                f"[recipes] {recipe} seed {seed}: final {summary['final_accuracy']:.2f} "
+                f"in {summary['wall_s']:.0f} s",
+                flush=True,
+            )
+            results.append(summary)
+    print(table(results, args.threshold))
+
+
+if __name__ == "__main__":
+    main()

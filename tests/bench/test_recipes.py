@@ -1,0 +1,45 @@
+"""bench/recipes.py: a run's metrics become a learning curve per generated response token."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH_DIR))  # bench/ holds scripts, not a package
+
+import recipes  # noqa: E402
+
+
+def test_summary_counts_tokens_up_to_each_validation():
+    rows = [
+        {"step": 0, "val/reward/accuracy": 0.5},
+        {"step": 1, "rollout/generated_response_tokens": 100, "rollout/generated_responses": 50,
+         "rollout/zero_adv_group_frac": 0.5},
+        {"step": 2, "rollout/generated_response_tokens": 300, "rollout/generated_responses": 150,
+         "rollout/zero_adv_group_frac": 0.0, "val/reward/accuracy": 0.75},
+        {"step": 3, "rollout/generated_response_tokens": 200, "rollout/generated_responses": 100,
+         "rollout/zero_adv_group_frac": 0.25, "val/reward/accuracy": 0.95},
+    ]  # fmt: skip
+    summary = recipes.summarize(rows, threshold=0.9)
+    assert [(p["step"], p["tokens"], p["accuracy"]) for p in summary["curve"]] == [
+        (0, 0, 0.5),
+        (2, 400, 0.75),
+        (3, 600, 0.95),
+    ]
+    assert summary["learnt"] and summary["final_accuracy"] == 0.95
+    assert summary["tokens_to_threshold"] == 600
+    assert summary["zero_adv_group_frac"] == pytest.approx(0.25)
+    assert (summary["generated_responses"], summary["generated_response_tokens"]) == (300, 600)
+    assert recipes.accuracy_at(summary["curve"], 599) == 0.75
+    assert recipes.accuracy_at(summary["curve"], 600) == 0.95
+
+
+def test_a_seed_varies_sampling_data_order_and_the_workers_rngs(tmp_path):
+    args = recipes.build_parser().parse_args(["--seeds", "3", "--steps", "7"])
+    overrides = recipes.run_overrides("plain", 3, args, tmp_path)
+    assert {"trainer.seed=3", "worker.rollout.seed=3", "data.seed=3", "trainer.max_steps=7"} <= set(overrides)
+    assert "algorithm.online_filtering=false" in overrides
+    assert recipes.run_overrides("recipe", 3, args, tmp_path)[0] == "trainer.seed=3"  # the yaml's recipe
