@@ -46,7 +46,7 @@ demo-audio: assets-audio
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
 
 # "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL: DAPO dynamic sampling, clip-higher
-# and an entropy bonus, the recommended recipe for small models (examples/tiny_cpu_spatial.yaml)
+# and an entropy bonus, a candidate recipe for small models, not yet shown to learn (examples/tiny_cpu_spatial.yaml)
 assets-spatial: install
 	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
 	@$(PY) -m mmrl.demo.synthetic --task spatial --out $(ASSETS)/data/shapes-spatial --n_train 512 --n_val 64

@@ -1,4 +1,4 @@
-"""Plain GRPO against the recommended small-model recipe (DAPO dynamic sampling + clip-higher + entropy
+"""Plain GRPO against the candidate small-model recipe (DAPO dynamic sampling + clip-higher + entropy
 bonus) on the spatial demo task, over seeds.
 
     python bench/recipes.py [--seeds 1 2 3] [--steps 300] [--recipes plain recipe]

@@ -687,14 +687,14 @@ def gae_overrides(model_path, data_dir, save_dir) -> list[str]:
 @trainer_e2e
 def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_data_dir, tmp_path):
     """The critic lives in the 2 training processes: Ray holds 2 bundles (not 4) and 2 worker actors;
-    and a 6-step GAE run on the dense fingerprint reward raises the reward clearly above its start.
+    and an 8-step GAE run on the dense fingerprint reward raises the reward clearly above its start.
     The trainer runs in this process, on a real local Ray cluster, so Ray's own tables can be read."""
     import ray
 
     from mmrl.single_controller import init_ray
     from mmrl.trainer.ray_trainer import RayPPOTrainer, local_cluster_cpus
 
-    steps = 6
+    steps = 8
     config = load_config(
         gae_overrides(tiny_vl_path, shapes_data_dir, tmp_path / "gae") + [f"trainer.max_steps={steps}"]
     )

@@ -42,5 +42,6 @@ def test_two_grpo_steps_at_the_3b_widths_and_real_vocabulary(real_width_vl_path,
         # log-softmax would add 1.6 GB more
         for phase in ("gen", "update_actor", "sync"):
             assert 0.5 < row[f"memory/{phase}_peak_gib"] < 14, (phase, row[f"memory/{phase}_peak_gib"])
-    # the two steps trained on different responses, with the same amount of work
-    assert steps[0]["reward/overall"] != steps[1]["reward/overall"]
+    # the two steps trained on different responses (their texts' CRC-32 mean; the distinct-character
+    # reward of 1,024-token responses saturates, so two steps can share its mean)
+    assert steps[0]["reward/fingerprint"] != steps[1]["reward/fingerprint"]
