@@ -300,7 +300,13 @@ def derived_values(cfg: PPOConfig) -> list[str]:
         clip = f"no clip (soft gate, tau_positive={actor.tau_positive}, tau_negative={actor.tau_negative})"
     else:
         clip = f"ratio clipped to [1 - {clip_range[0]:g}, 1 + {clip_range[1]:g}]"
-    return [f"worker.actor: loss_type={actor.loss_type}: {clip}"]
+    lines = [f"worker.actor: loss_type={actor.loss_type}: {clip}"]
+    if actor.model.lora.rank > 0 and cfg.algorithm.use_reference:
+        lines.append(
+            "worker.ref: the actor's model with its LoRA adapters switched off (no copy of the weights; "
+            "worker.ref.fsdp and worker.ref.offload are unused, the actor's settings apply)"
+        )
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------

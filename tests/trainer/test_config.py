@@ -263,6 +263,17 @@ def test_null_clip_ratios_resolve_to_the_loss_default_and_are_printed(
     assert f"# worker.actor: loss_type={loss_type}: {printed}" in config_to_yaml(cfg)
 
 
+def test_lora_reference_is_printed_as_the_actor_without_adapters(run_files):
+    """With LoRA the reference is the actor's model under disabled adapters: the printed config says
+    that worker.ref's own engine keys are unused (and says nothing without a reference)."""
+    line = "# worker.ref: the actor's model with its LoRA adapters switched off"
+    cfg = load_config(valid_args(run_files, "worker.actor.model.lora.rank=8", "algorithm.disable_kl=false"))
+    assert line in config_to_yaml(cfg)
+    cfg = load_config(valid_args(run_files, "worker.actor.model.lora.rank=8", "algorithm.disable_kl=true"))
+    assert line not in config_to_yaml(cfg)
+    assert line not in config_to_yaml(load_config(valid_args(run_files, "algorithm.disable_kl=false")))
+
+
 def test_cispo_accepts_clip_ratio_low_zero_and_explicit_values_win(run_files):
     cfg = load_config(valid_args(run_files, "worker.actor.loss_type=cispo", "worker.actor.clip_ratio_low=0"))
     assert cfg.worker.actor.clip_range == (0.0, 4.0)
