@@ -22,6 +22,8 @@ from mmrl.workers.reward import (
 ASSETS = Path(__file__).parent / "assets"
 REPO_ROOT = Path(__file__).parents[2]
 REWARD_FUNCTIONS = REPO_ROOT / "reward_functions"
+# EasyR1's own example reward files, verbatim (tests/fixtures/easyr1/SOURCE.md; math.py needs mmrl[easyr1])
+EASYR1_REWARDS = REPO_ROOT / "tests" / "fixtures" / "easyr1" / "examples" / "reward_function"
 
 
 def _inputs(*responses: str, ground_truth: str = "2") -> list[dict]:
@@ -38,9 +40,9 @@ def _load(name: str, function: str, **kwargs) -> RewardFunction:
 
 
 def test_load_relative_path_resolves_against_cwd(monkeypatch):
-    monkeypatch.chdir(ASSETS.parent)
-    reward = load_reward_function("assets/easyr1_math.py:compute_score", None)
-    assert reward.path == str(ASSETS / "easyr1_math.py")
+    monkeypatch.chdir(EASYR1_REWARDS.parent)
+    reward = load_reward_function("reward_function/math.py:compute_score", None)
+    assert reward.path == str(EASYR1_REWARDS / "math.py")
     assert (reward.name, reward.reward_type, reward.reward_name, reward.kwargs) == (
         "compute_score",
         "batch",
@@ -71,7 +73,7 @@ def test_unknown_kwarg_fails_at_load_naming_the_parameters():
 
 
 def test_easyr1_batch_file_works_unchanged():
-    reward = _load("easyr1_math.py", "compute_score", format_weight=0.2)
+    reward = load_reward_function(f"{EASYR1_REWARDS / 'math.py'}:compute_score", {"format_weight": 0.2})
     scores = reward(
         _inputs(
             "<think>1+1</think> so \\boxed{2}",  # format and answer right
@@ -87,7 +89,7 @@ def test_easyr1_batch_file_works_unchanged():
 
 
 def test_easyr1_sequential_file_works_unchanged():
-    reward = _load("easyr1_r1v.py", "compute_score")
+    reward = load_reward_function(f"{EASYR1_REWARDS / 'r1v.py'}:compute_score", None)
     assert reward.reward_type == "sequential"
     scores = reward(_inputs("<think>x</think> <answer>2</answer>", "2", "<answer>3</answer>"))
     assert scores == [
@@ -501,8 +503,6 @@ def test_relative_spec_from_repo_root(monkeypatch):
 
 
 # ------------------------------------------------ EasyR1's example reward files (pip install mmrl[easyr1])
-
-EASYR1_REWARDS = REPO_ROOT / "tests" / "fixtures" / "easyr1" / "examples" / "reward_function"
 
 
 def test_easyr1_math_reward_scores_through_the_loader():
