@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -105,10 +105,29 @@ def _single_process_quietly() -> Iterator[None]:
         yield
 
 
-def save_dcp(state_dict: dict[str, Any], directory: Path) -> None:
-    """``dcp.save`` of ``state_dict`` into ``directory``; collective, or single-process without a group."""
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the data files this rank wrote (names relative to its folder)."""
+
+    written: tuple[str, ...] = ()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = tuple(sorted({result.storage_data.relative_path for result in future.wait()}))
+        return future
+
+
+def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], list[str]]:
+    """``dcp.save`` of ``state_dict`` into ``directory``; collective, or single-process without a group.
+
+    Returns (the data files this rank wrote, every data file the checkpoint's index names), relative to
+    ``directory``; the index (``.metadata``) is written by rank 0.
+    """
+    writer = _RecordingWriter(directory)
     with _single_process_quietly():
-        dcp.save(state_dict, checkpoint_id=str(directory))
+        metadata = dcp.save(state_dict, storage_writer=writer)
+    # every rank gets the index DCP wrote, so each knows the files a complete folder holds
+    indexed = sorted({info.relative_path for info in metadata.storage_data.values()})
+    return list(writer.written), indexed
 
 
 def load_dcp(state_dict: dict[str, Any], directory: Path) -> None:
@@ -220,14 +239,15 @@ def save_train_state(
     hf_source_dir: str | Path | None = None,
     extra: dict[str, Any] | None = None,
     adapter: dict[str, Any] | None = None,
-) -> None:
+) -> dict[str, Any]:
     """Saves the training state of ``model`` into ``directory`` (layout in the module docstring).
     ``adapter``: the LoRA adapter's description (:func:`adapter_info`); only the trainable tensors
     are saved then.
 
     Collective: every rank of the default process group calls it (or one process without one). Model
     and optimizer are sharded DCP checkpoints of ``get_model_state_dict`` / ``get_optimizer_state_dict``
-    (FQN keys, so they load into FSDP2 and plain models alike). Returns after every rank has finished.
+    (FQN keys, so they load into FSDP2 and plain models alike). Returns after every rank has finished,
+    with this rank's report (:func:`missing_from_reports` judges a folder complete from all of them).
     """
     directory = Path(directory)
     rank, world_size = _rank_and_world_size()
@@ -235,9 +255,15 @@ def save_train_state(
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
 
-    save_dcp(_model_state(model, adapter), directory / MODEL_DIR)
+    written, required = [], [STATE_INFO_FILE, *(rank_file(r) for r in range(world_size))]
+    parts = [(MODEL_DIR, lambda: _model_state(model, adapter))]
     if optimizer is not None:
-        save_dcp(get_optimizer_state_dict(model, optimizer), directory / OPTIMIZER_DIR)
+        parts.append((OPTIMIZER_DIR, lambda: get_optimizer_state_dict(model, optimizer)))
+        required.append(f"{OPTIMIZER_DIR}/.metadata")
+    for subdir, state in parts:
+        mine, indexed = save_dcp(state(), directory / subdir)
+        written += [f"{subdir}/{name}" for name in mine]
+        required += [f"{subdir}/{name}" for name in (".metadata", *indexed)]
 
     rank_state = {
         "world_size": world_size,
@@ -246,9 +272,14 @@ def save_train_state(
         "rng": capture_rng_state(),
     }
     torch.save(rank_state, directory / rank_file(rank))
+    written.append(rank_file(rank))
+    if extra is not None:
+        required.append(EXTRA_FILE)
     if rank == 0:
+        written += [f"{subdir}/.metadata" for subdir, _ in parts]
         if extra is not None:
             torch.save(extra, directory / EXTRA_FILE)
+            written.append(EXTRA_FILE)
         _write_model_files(directory, model, hf_source_dir)
         info = {
             "world_size": world_size,
@@ -260,7 +291,14 @@ def save_train_state(
         if adapter is not None:
             info["lora"] = adapter
         (directory / STATE_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        written.append(STATE_INFO_FILE)
     _barrier()
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "files": {name: (directory / name).stat().st_size for name in written},
+        "required": sorted(set(required)),
+    }
 
 
 def read_state_info(directory: str | Path) -> dict[str, Any]:
@@ -286,6 +324,25 @@ def missing_state_files(directory: str | Path) -> list[str]:
     if info["has_extra"]:
         required.append(EXTRA_FILE)
     return [name for name in required if not (directory / name).is_file()]
+
+
+def missing_from_reports(reports: list[dict[str, Any]]) -> list[str]:
+    """What a role folder lacks according to its ranks' reports ([] when complete), without reading it.
+
+    Each rank's :func:`save_train_state` report lists the files it wrote (name → bytes) and the files a
+    complete folder needs (its index names every data file of every rank). Complete: every rank of the
+    world reported, and every needed file was written by some rank. The driver judges with this, not by
+    listing the folder: on several machines it may not see (yet) what the other machines wrote.
+    """
+    if not reports:
+        return ["every rank's report (none came)"]
+    world_size = reports[0]["world_size"]
+    problems = [
+        f"rank {rank}'s report" for rank in range(world_size) if rank not in {r["rank"] for r in reports}
+    ]
+    written = set().union(*(report["files"] for report in reports))
+    required = set().union(*(report["required"] for report in reports))
+    return problems + sorted(required - written)
 
 
 def _load_rank_state(directory: Path, rank: int) -> dict[str, Any]:

@@ -11,6 +11,12 @@ Layout under ``save_dir``::
 A crash during a save leaves only a ``.tmp`` folder: the latest complete checkpoint and the tracker
 are untouched, ``latest_step`` ignores the folder and the next ``begin`` removes it. No
 ``torch.distributed`` here: the driver calls these between the workers' save calls.
+
+Several machines: ``save_dir`` must be one folder that the driver and every training machine see
+(a shared filesystem). ``begin`` writes a random save id into the ``.tmp`` folder; each rank reads it
+back (:func:`read_save_id`) and returns it with the report of what it wrote, and ``commit`` judges the
+folder complete from those reports, refusing a save whose ranks did not see the driver's id (they
+wrote to a disk of their own).
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,8 @@ TRACKER_FILE = "checkpoint_tracker.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 STEP_PREFIX = "global_step_"
 TMP_SUFFIX = ".tmp"
+# In a .tmp folder while a save runs: the driver's id of the save, which every rank reads back.
+SAVE_ID_FILE = ".save_id"
 # A committed folder being replaced by a new save of the same step; removed at the next begin().
 REPLACED_SUFFIX = ".replaced"
 _STEP_DIR_PATTERN = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -43,6 +52,15 @@ def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp_path, path)
+
+
+def read_save_id(tmp_dir: str | Path) -> str | None:
+    """The save id ``CheckpointLayout.begin`` wrote into ``tmp_dir``, as this process sees it (None
+    when this machine does not see the driver's folder)."""
+    try:
+        return (Path(tmp_dir) / SAVE_ID_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> Path:
@@ -156,16 +174,35 @@ class CheckpointLayout:
                     path.unlink()
         tmp_dir = self.tmp_dir(step)
         tmp_dir.mkdir()
+        (tmp_dir / SAVE_ID_FILE).write_text(uuid.uuid4().hex + "\n")
         return tmp_dir
 
-    def _check_parts(self, tmp_dir: Path, parts: Sequence[str]) -> None:
+    def _check_reports(self, tmp_dir: Path, part: str, reports: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Problems of ``part`` according to its ranks' reports (see :func:`read_save_id`)."""
+        from mmrl.checkpoint.state import missing_from_reports
+
+        save_id = read_save_id(tmp_dir)
+        strangers = sorted(report["rank"] for report in reports if report.get("save_id") != save_id)
+        if strangers:
+            return [
+                f"ranks {strangers} wrote {part} into a folder {tmp_dir} of their own machine, not the "
+                "driver's: trainer.save_checkpoint_path must be a folder that the driver and every node "
+                "share (NFS, Lustre, a mounted bucket)"
+            ]
+        return [f"{part}: {name} is missing" for name in missing_from_reports(list(reports))]
+
+    def _check_parts(
+        self, tmp_dir: Path, parts: Sequence[str], reports: Mapping[str, Sequence[Mapping[str, Any]]]
+    ) -> None:
         # here, not at the top: the state module imports torch.distributed.checkpoint (seconds)
         from mmrl.checkpoint.state import missing_state_files
 
         problems = []
         for part in parts:
             path = tmp_dir / part
-            if not path.exists():
+            if part in reports:
+                problems += self._check_reports(tmp_dir, part, reports[part])
+            elif not path.exists():
                 problems.append(f"{part} is missing")
             elif path.is_dir():
                 problems += [f"{part}/{name} is missing" for name in missing_state_files(path)]
@@ -209,17 +246,21 @@ class CheckpointLayout:
         metric: float | None = None,
         metric_name: str | None = None,
         higher_is_better: bool = True,
+        reports: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     ) -> Path:
         """Publishes ``global_step_{step}.tmp`` as ``global_step_{step}`` and returns the new folder.
 
-        Checks that every name in ``parts`` exists in the tmp folder (role folders: complete
-        ``save_train_state`` output), renames, updates the tracker (the best step follows ``metric``
-        when given), then prunes to ``save_limit`` keeping the best.
+        Checks every name in ``parts``: a role folder with ``reports`` (its ranks' ``save_train_state``
+        reports, each with the ``save_id`` the rank read) from the reports alone; any other part by
+        looking at the folder (the driver's own files; role folders saved in this process). Then
+        renames, updates the tracker (the best step follows ``metric`` when given) and prunes to
+        ``save_limit`` keeping the best.
         """
         tmp_dir, step_dir = self.tmp_dir(step), self.step_dir(step)
         if not tmp_dir.is_dir():
             raise FileNotFoundError(f"{tmp_dir} does not exist; call begin({step}) before commit({step})")
-        self._check_parts(tmp_dir, parts)
+        self._check_parts(tmp_dir, parts, reports or {})
+        (tmp_dir / SAVE_ID_FILE).unlink(missing_ok=True)
         tracker = self._updated_tracker(step, metric, metric_name, higher_is_better)
         if step_dir.exists():
             # The same step saved again (e.g. the final save right after a periodic one): keep the old

@@ -2,17 +2,26 @@
 
 A `ResourcePool` holds one placement group per node, `STRICT_PACK`ed so that the `procs_per_node` bundles of
 a node really share a machine (NVLink, shared memory); bundle b of group n becomes rank
-`n * procs_per_node + b`. A bundle is `{"GPU": 1, "CPU": cpus_per_proc}` on GPU machines and
+`n * procs_per_node + b`. When the cluster has at least `nnodes` machines that can each hold a group, the
+groups go to distinct machines (Ray itself would pack two small groups onto one); on a smaller cluster
+(one machine for a CPU trial of `nnodes=2`) groups share machines. A bundle is `{"GPU": 1, "CPU": cpus_per_proc}` on GPU machines and
 `{"CPU": cpus_per_proc}` on a CPU machine.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 __all__ = ["DEFAULT_WORKER_ENV_VARS", "ResourcePool", "ResourcePoolError", "init_ray", "nodes_that_fit"]
 
@@ -101,12 +110,13 @@ class ResourcePool:
         if use_gpu:
             self.bundle = {"GPU": 1, "CPU": cpus_per_proc}
 
-        self._check_cluster_can_hold()
-        self.placement_groups: list[PlacementGroup] = [
-            placement_group([dict(self.bundle)] * procs_per_node, strategy="STRICT_PACK")
-            for _ in range(nnodes)
-        ]
-        self._wait_until_placed(timeout_s)
+        spread = self._check_cluster_can_hold()
+        if spread:
+            self.placement_groups: list[PlacementGroup] = []
+            self._place_on_distinct_nodes(timeout_s)
+        else:
+            self.placement_groups = [self._new_group() for _ in range(nnodes)]
+            self._wait_until_placed(timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -122,6 +132,32 @@ class ResourcePool:
             remove_placement_group(group)
         self.placement_groups = []
 
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each placement group (node group n's machine), in group order."""
+        return [placement_group_table(group)["bundles_to_node_id"][0] for group in self.placement_groups]
+
+    def _new_group(self, avoid_nodes: list[str] | None = None) -> PlacementGroup:
+        bundles = [dict(self.bundle)] * self.procs_per_node
+        if not avoid_nodes:
+            return placement_group(bundles, strategy="STRICT_PACK")
+        # every node carries the label ray.io/node-id; "!in(a,b)" keeps the group off those machines
+        selector = {NODE_ID_LABEL_KEY: f"!in({','.join(avoid_nodes)})"}
+        return placement_group(
+            bundles, strategy="STRICT_PACK", bundle_label_selector=[selector] * len(bundles)
+        )
+
+    def _place_on_distinct_nodes(self, timeout_s: float) -> None:
+        """One group at a time, each kept off the machines of the groups placed before it."""
+        deadline = time.monotonic() + timeout_s
+        used_nodes: list[str] = []
+        for _ in range(self.nnodes):
+            group = self._new_group(used_nodes)
+            self.placement_groups.append(group)
+            ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail_to_place(timeout_s, placed=len(self.placement_groups) - 1)
+            used_nodes.append(placement_group_table(group)["bundles_to_node_id"][0])
+
     def _request_text(self) -> str:
         kind = "GPU" if self.use_gpu else "CPU"
         return (
@@ -129,10 +165,15 @@ class ResourcePool:
             f"{self.procs_per_node} processes, each node's bundles on one machine)"
         )
 
-    def _check_cluster_can_hold(self) -> None:
+    def _check_cluster_can_hold(self) -> bool:
+        """Raises when the cluster can never hold the groups; True when `nnodes > 1` distinct machines can
+        each hold one group (then they are spread over machines)."""
         alive = [node["Resources"] for node in ray.nodes() if node.get("Alive", True)]
         if nodes_that_fit(alive, self.bundle, self.procs_per_node) >= self.nnodes:
-            return
+            machines = sum(
+                nodes_that_fit([resources], self.bundle, self.procs_per_node) > 0 for resources in alive
+            )
+            return self.nnodes > 1 and machines >= self.nnodes
         per_node = "; ".join(_describe(resources) for resources in alive) or "no alive nodes"
         raise ResourcePoolError(
             f"ResourcePool {self._request_text()}, but the Ray cluster cannot hold them: its nodes have "
@@ -143,11 +184,13 @@ class ResourcePool:
     def _wait_until_placed(self, timeout_s: float) -> None:
         ready_refs = [group.ready() for group in self.placement_groups]
         ready, _ = ray.wait(ready_refs, num_returns=len(ready_refs), timeout=timeout_s)
-        if len(ready) == len(ready_refs):
-            return
+        if len(ready) != len(ready_refs):
+            self._fail_to_place(timeout_s, placed=len(ready))
+
+    def _fail_to_place(self, timeout_s: float, placed: int) -> None:
         self.remove()
         raise ResourcePoolError(
-            f"ResourcePool {self._request_text()}: only {len(ready)} of {self.nnodes} node groups were "
+            f"ResourcePool {self._request_text()}: only {placed} of {self.nnodes} node groups were "
             f"placed within {timeout_s:g} s. The cluster has {_describe(ray.cluster_resources())} in total "
             f"but only {_describe(ray.available_resources())} free; another run or worker group holds the "
             "rest. Free it (shut down the other group) or wait for it to finish."

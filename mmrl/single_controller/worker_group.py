@@ -241,8 +241,10 @@ class RayWorkerGroup:
             [self._hosts[0].free_port.remote()], "free_port", ranks=[0], timeout_s=start_timeout_s
         )[0]
         gpu_ids = [gpus[0] if resource_pool.use_gpu else None for _, _, gpus in node_infos]
+        # where each rank landed, as its own process reported it (the driver logs it; tests check placement)
+        self.node_ids: list[str] = [node_id for _, node_id, _ in node_infos]
         envs = distributed_env(
-            node_ids=[node_id for _, node_id, _ in node_infos],
+            node_ids=self.node_ids,
             gpu_ids=gpu_ids,
             master_addr=node_infos[0][0],
             master_port=master_port,

@@ -102,6 +102,12 @@ def local_cluster_cpus(config: PPOConfig) -> int:
     return max(os.cpu_count() or 1, int(workers + rewards + 1))
 
 
+def placement_line(node_ids: list[str]) -> str:
+    """Which Ray node each training rank runs on, as the ranks reported it (short node ids)."""
+    ranks = ", ".join(f"rank {rank}: {node_id[:12]}" for rank, node_id in enumerate(node_ids))
+    return f"mmrl: {len(node_ids)} training ranks on {len(set(node_ids))} Ray node(s) ({ranks})"
+
+
 class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
 
@@ -178,6 +184,7 @@ class RayPPOTrainer:
 
         worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
         self.actor.start(kwargs=worker_kwargs)
+        print(placement_line(self.actor.node_ids), flush=True)
         algo = config.algorithm
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
@@ -454,7 +461,8 @@ class RayPPOTrainer:
 
     def save_checkpoint(self, val_metric: float | None = None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
-        self.actor.call("save_checkpoint", tmp_dir)  # the critic's too
+        per_rank = self.actor.call("save_checkpoint", tmp_dir)  # {role: report}, the critic's too
+        reports = {role: [rank_reports[role] for rank_reports in per_rank] for role in per_rank[0]}
         parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
         state = {
             "global_step": self.global_step,
@@ -462,7 +470,9 @@ class RayPPOTrainer:
             "kl_coef": self.kl_ctrl.value,
         }
         save_trainer_state(tmp_dir, state)
-        self.checkpoints.commit(self.global_step, parts, metric=val_metric, metric_name=VAL_METRIC)
+        self.checkpoints.commit(
+            self.global_step, parts, metric=val_metric, metric_name=VAL_METRIC, reports=reports
+        )
 
     def resume(self) -> None:
         trainer = self.config.trainer

@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mmrl.checkpoint.state import adapter_info, load_train_state, save_train_state
+from mmrl.checkpoint.tracker import read_save_id
 from mmrl.data.processing import (
     MediaCache,
     MediaProcessor,
@@ -267,9 +269,10 @@ class CriticRole:
             )
         return DataProto(meta_info={"metrics": {f"critic/{key}": value for key, value in metrics.items()}})
 
-    def save_checkpoint(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """This rank's report of the critic folder it wrote (``save_train_state``)."""
         with self.offload.loaded():
-            save_train_state(
+            return save_train_state(
                 Path(directory) / "critic",
                 self.critic.module,
                 self.critic.optimizer,
@@ -540,23 +543,30 @@ class HybridWorker:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str) -> dict[str, dict[str, Any]]:
+        """Writes the actor's (and critic's) folder under ``directory``; returns this rank's report of
+        each, with the save id it read there, for the driver's completeness check
+        (``CheckpointLayout.commit``): on several machines the driver cannot list the others' files."""
         lora = self.config.worker.actor.model.lora
         adapter = None
         if lora.rank > 0:  # the adapter and its optimizer state; the base stays in model_path
             modules = [name for name, _ in adapter_layers(self.actor.module)]
             adapter = adapter_info(lora.rank, lora.alpha, modules, self.model_path)
         with self.actor_offload.loaded():
-            save_train_state(
-                Path(directory) / "actor",
-                self.actor.module,
-                self.actor.optimizer,
-                self.actor.lr_scheduler,
-                hf_source_dir=self.model_path,
-                adapter=adapter,
-            )
+            reports = {
+                "actor": save_train_state(
+                    Path(directory) / "actor",
+                    self.actor.module,
+                    self.actor.optimizer,
+                    self.actor.lr_scheduler,
+                    hf_source_dir=self.model_path,
+                    adapter=adapter,
+                )
+            }
         if self.critic is not None:
-            self.critic.save_checkpoint(directory)
+            reports["critic"] = self.critic.save_checkpoint(directory)
+        save_id = read_save_id(directory)  # None: this machine does not see the driver's folder
+        return {role: {**report, "save_id": save_id} for role, report in reports.items()}
 
     def load_checkpoint(self, directory: str) -> None:
         with self.actor_offload.loaded():  # the driver pushes the loaded weights into the rollout next

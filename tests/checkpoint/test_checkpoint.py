@@ -112,6 +112,38 @@ def test_commit_refuses_a_role_folder_with_missing_rank_files(tmp_path):
     assert layout.latest_step() is None
 
 
+def test_commit_judges_role_folders_from_the_ranks_reports(tmp_path):
+    """With reports the driver never lists a role folder: it trusts what the ranks say they wrote, and
+    refuses ranks that did not see its save id (a folder on a disk of their own machine)."""
+    from mmrl.checkpoint.tracker import read_save_id
+
+    layout = CheckpointLayout(tmp_path)
+    tmp_dir = layout.begin(1)
+    report = save_train_state(tmp_dir / "actor", nn.Linear(2, 2))
+    save_trainer_state(tmp_dir, {"global_step": 1})
+    assert report == {
+        "rank": 0,
+        "world_size": 1,
+        "files": {
+            name: (tmp_dir / "actor" / name).stat().st_size
+            for name in ("model/__0_0.distcp", "extra_state_rank0.pt", "model/.metadata", "mmrl_state.json")
+        },
+        "required": ["extra_state_rank0.pt", "mmrl_state.json", "model/.metadata", "model/__0_0.distcp"],
+    }
+
+    stranger = {**report, "save_id": None}  # what a rank on a machine without the folder reads
+    with pytest.raises(FileNotFoundError, match=r"ranks \[0\] wrote actor .*trainer\.save_checkpoint_path"):
+        layout.commit(1, reports={"actor": [stranger]})
+    unwritten = {**report, "save_id": read_save_id(tmp_dir), "files": {}}
+    with pytest.raises(FileNotFoundError, match=r"actor: extra_state_rank0\.pt is missing"):
+        layout.commit(1, reports={"actor": [unwritten]})
+
+    # the driver's own view of the folder plays no part: a file it cannot see does not stop the commit
+    (tmp_dir / "actor" / "extra_state_rank0.pt").unlink()
+    step_dir = layout.commit(1, reports={"actor": [{**report, "save_id": read_save_id(tmp_dir)}]})
+    assert sorted(path.name for path in step_dir.iterdir()) == ["actor", "trainer_state.json"]
+
+
 def test_prune_keeps_newest_and_best(tmp_path):
     layout = CheckpointLayout(tmp_path, save_limit=2)
     for step, accuracy in zip([1, 2, 3, 4, 5], [0.1, 0.9, 0.3, 0.2, 0.4]):
@@ -252,9 +284,10 @@ def _fsdp_rank(rank: int, port: int, model_path: str, checkpoint_dir: str, out_d
 
     model, optimizer, scheduler = _build(model_path, shard=True)
     _train_step(model, optimizer, scheduler, _text_batch())
-    save_train_state(
+    report = save_train_state(
         checkpoint_dir, model, optimizer, scheduler, model_path, extra={"dataloader": {"position": 8}}
     )
+    (out / f"report_rank{rank}.json").write_text(json.dumps(report))
     uninterrupted = _draw_random()
     saved_state = _full_state(model, optimizer)
     _train_step(model, optimizer, scheduler, _text_batch().flip(0))
@@ -315,6 +348,35 @@ def _assert_weights_equal(actual: dict, expected: dict, atol: float = 0.0) -> No
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=0, atol=atol, msg=key)
+
+
+@pytest.mark.distributed
+def test_fsdp2_ranks_report_what_they_wrote(fsdp_run):
+    """Each rank reports its own shard and RNG file (rank 0 also the indexes and state info) with their
+    sizes; both derive the same list of needed files from DCP's index; one report alone is not enough."""
+    from mmrl.checkpoint.state import missing_from_reports
+
+    checkpoint_dir = fsdp_run[0]
+    reports = [
+        json.loads((checkpoint_dir.parents[1] / "out" / f"report_rank{rank}.json").read_text())
+        for rank in range(WORLD_SIZE)
+    ]
+    own = {rank: [f"{kind}/__{rank}_0.distcp" for kind in ("model", "optimizer")] for rank in (0, 1)}
+    assert sorted(reports[1]["files"]) == sorted([*own[1], "extra_state_rank1.pt"])
+    assert sorted(reports[0]["files"]) == sorted(
+        [*own[0], "extra_state_rank0.pt", "model/.metadata", "optimizer/.metadata", "extra.pt"]
+        + ["mmrl_state.json"]
+    )
+    for report in reports:
+        for name, size in report["files"].items():
+            assert size == (checkpoint_dir / name).stat().st_size > 0, name
+    assert reports[0]["required"] == reports[1]["required"]
+    assert set(reports[0]["required"]) == set().union(*(report["files"] for report in reports))
+    assert missing_from_reports(reports) == []
+    assert missing_from_reports(reports[:1]) == [
+        "rank 1's report",
+        *sorted([*own[1], "extra_state_rank1.pt"]),
+    ]
 
 
 @pytest.mark.distributed
