@@ -18,6 +18,7 @@ def offline_tracker_env(root: Path) -> dict[str, str]:
     return {
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",  # no wrapping of the (test) process's stdout and stderr
         "WANDB_CONFIG_DIR": str(root / "wandb-config"),
         "WANDB_CACHE_DIR": str(root / "wandb-cache"),
         "WANDB_DATA_DIR": str(root / "wandb-data"),
