@@ -237,15 +237,18 @@ def test_wandb_offline_run_holds_the_metrics_and_generations(offline_trackers, m
     monkeypatch.chdir(log_dir.parent)  # anything written relative to the working directory shows up
     tracker = build_loggers(["wandb"], "proj", "exp", str(log_dir), {"trainer": {"seed": 1}}, 10)
     log_two_steps(tracker)
+    # a ground truth that is a list after a string one: wandb.Table alone would raise a TypeError
+    tracker.log_generations([SAMPLES[0], {**SAMPLES[1], "ground_truth": ["red", "blue"]}], step=3)
     tracker.finish()
 
     history, tables = wandb_offline_run(log_dir)
     assert history["critic/score/mean"] == {1: 0.5, 2: 0.75}
     assert history["timing_s/step"] == {1: 2.0, 2: 1.5}
     assert list(history["actor/pg_loss"]) == [2] and math.isnan(history["actor/pg_loss"][2])
-    assert list(tables) == [2]
+    assert list(tables) == [2, 3]
     assert tables[2]["columns"] == ["prompt", "response", "ground_truth", "score"]
     assert tables[2]["data"] == SAMPLE_ROWS
+    assert [row[2] for row in tables[3]["data"]] == ["4", "['red', 'blue']"]
     assert {path.name for path in log_dir.parent.iterdir()} <= {"home", "logs"}  # nothing in the cwd
     assert not (log_dir / "tensorboard").exists() and not (log_dir / "mlruns").exists()
 
