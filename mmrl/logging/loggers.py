@@ -7,8 +7,9 @@
   line, so a killed run keeps its history. Non-finite values are written as `null`.
 - `tensorboard`: event files in `<log_dir>/tensorboard`; generations as a markdown table of text.
 - `wandb`, `mlflow`, `swanlab`: imported only when selected, from the `loggers` extra
-  (`pip install 'mmrl[loggers]'`). mlflow follows `MLFLOW_TRACKING_URI`, swanlab `SWANLAB_MODE`, wandb
-  `WANDB_MODE`, as those libraries document.
+  (`pip install 'mmrl[loggers]'`). wandb follows `WANDB_MODE` (`offline`: a local run in
+  `<log_dir>/wandb`), swanlab `SWANLAB_MODE`, as those libraries document. mlflow follows
+  `MLFLOW_TRACKING_URI`; unset, it writes a local file store in `<log_dir>/mlruns`.
 
 Generation samples are dicts with `prompt`, `response`, `ground_truth` and `score` (other keys are kept
 by the jsonl backend only).
@@ -22,6 +23,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,7 +144,7 @@ def build_loggers(
         elif name == "wandb":
             backends[name] = WandbLogger(project_name, experiment_name, log_dir, config_dict)
         elif name == "mlflow":
-            backends[name] = MlflowLogger(project_name, experiment_name, config_dict)
+            backends[name] = MlflowLogger(project_name, experiment_name, log_dir, config_dict)
         elif name == "swanlab":
             backends[name] = SwanlabLogger(project_name, experiment_name, log_dir, config_dict)
     return Tracker(backends)
@@ -254,26 +256,51 @@ class WandbLogger:
         self._run.log(metrics, step=step)
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        rows = [[sample.get(col) for col in GENERATION_COLUMNS] for sample in samples]
+        # wandb.Table fixes each column's type from the first row and rejects a later row of another
+        # type (a ground truth that is a string in one sample and a list in the next): text as str.
+        rows = [
+            [
+                _text_cell(sample.get("prompt")),
+                _text_cell(sample.get("response")),
+                _text_cell(sample.get("ground_truth")),
+                sample.get("score"),
+            ]
+            for sample in samples
+        ]
         table = self._wandb.Table(columns=list(GENERATION_COLUMNS), data=rows)
         self._run.log({"val/generations": table}, step=step)
 
     def finish(self) -> None:
         self._run.finish()
+        # wandb 0.31's finish() can return before its service process (wandb-core) has written the
+        # run's last records (seen offline); teardown waits for them and stops that process, which
+        # wandb otherwise leaves to an exit hook that multiprocessing setups may skip.
+        self._wandb.teardown()
 
 
 class MlflowLogger:
-    """MLflow: experiment = project, run = experiment name; the config as flattened params.
+    """MLflow: experiment = project, run = experiment name; the config as flattened params; each
+    validation's generations as a table artifact `generations/step_<step>.json`.
 
-    Metric and param names keep only the characters MLflow accepts (others become `_`); params go in
-    chunks of 100 with values cut to 250 characters, the limits of older MLflow servers and AzureML.
+    Without `MLFLOW_TRACKING_URI` the run goes to a file store in `<log_dir>/mlruns` (read it with
+    `mlflow ui --backend-store-uri <log_dir>/mlruns`), not to MLflow's own default, a `mlflow.db` in
+    the working directory that needs the full `mlflow` package. Metric and param names keep only the
+    characters MLflow accepts (others become `_`); params go in chunks of 100 with values cut to 250
+    characters, the limits of older MLflow servers and AzureML.
     """
 
     _MAX_PARAMS_PER_CALL = 100
     _MAX_PARAM_CHARS = 250
 
-    def __init__(self, project_name: str, experiment_name: str, config_dict: dict[str, Any]) -> None:
+    def __init__(
+        self, project_name: str, experiment_name: str, log_dir: str, config_dict: dict[str, Any]
+    ) -> None:
         self._mlflow = _import_for_logger("mlflow")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3.17 (at least) refuses a file store unless this opt-in is set; mmrl chose the
+            # store, so it opts in (a value the user set is kept).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self._mlflow.set_tracking_uri(Path(log_dir, "mlruns").resolve().as_uri())
         self._mlflow.set_experiment(project_name)
         self._mlflow.start_run(run_name=experiment_name)
         params = [
@@ -287,7 +314,13 @@ class MlflowLogger:
         self._mlflow.log_metrics({_mlflow_key(key): value for key, value in metrics.items()}, step=step)
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        text = json.dumps(samples, indent=2, ensure_ascii=False, default=str)
+        """`{"columns": [...], "data": [[...], ...]}`, the JSON layout of `mlflow.log_table`, written
+        without the pandas that `log_table` needs (mlflow-skinny does not install it)."""
+        table = {
+            "columns": list(GENERATION_COLUMNS),
+            "data": [[sample.get(col) for col in GENERATION_COLUMNS] for sample in samples],
+        }
+        text = json.dumps(table, ensure_ascii=False, default=str)
         self._mlflow.log_text(text, artifact_file=f"generations/step_{step:08d}.json")
 
     def finish(self) -> None:
@@ -355,6 +388,10 @@ def _to_float(key: str, value: Any) -> float:
             f"Metric {key!r} must be a number, got {type(value).__name__} {value!r:.80}. "
             "Log text through log_generations instead."
         ) from error
+
+
+def _text_cell(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _to_plain(value: Any) -> Any:

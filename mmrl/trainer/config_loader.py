@@ -677,6 +677,11 @@ def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
         errors.append("data.train_files is required (e.g. data.train_files=data/train.jsonl)")
     _check_dataset(errors, "data.train_files", data.train_files)
     _check_dataset(errors, "data.val_files", data.val_files)
+    if cfg.trainer.val_only and not data.val_files:
+        errors.append(
+            "trainer.val_only=true validates and exits, but data.val_files is not set: set "
+            "data.val_files (e.g. data/val.jsonl) or trainer.val_only=false"
+        )
     if data.format_prompt and not os.path.isfile(data.format_prompt):
         errors.append(f"data.format_prompt: template '{data.format_prompt}' does not exist")
     if data.override_chat_template and not os.path.isfile(data.override_chat_template):

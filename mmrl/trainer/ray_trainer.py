@@ -211,10 +211,11 @@ class RayPPOTrainer:
         self.resume()
         self.tracker = self._build_tracker()
         last_metrics: dict[str, float] = {}
-        if self.val_loader is not None and self.config.trainer.val_before_train:
+        trainer = self.config.trainer
+        if self.val_loader is not None and (trainer.val_before_train or trainer.val_only):
             last_metrics = self.validate()
             self.tracker.log(last_metrics, self.global_step)
-        if self.config.trainer.val_only:
+        if trainer.val_only:  # validated above whatever val_before_train says; no step, no checkpoint
             return last_metrics
         batches = self._training_batches()
         while self.global_step < self.total_steps:

@@ -1,5 +1,6 @@
-"""Tests for mmrl.logging: console format and ETA (fake clock), jsonl files, tensorboard events, and the
-errors for trackers that are not installed."""
+"""Tests for mmrl.logging: console format and ETA (fake clock), jsonl files, and what tensorboard, wandb
+(offline) and MLflow (file store) hold when read back with their own readers; the errors for trackers
+that are not installed."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import math
 import os
 import re
 import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
+from _trackers import markdown_rows, mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
 
 from mmrl.logging import LOGGER_NAMES, ConsoleLogger, Tracker, build_loggers
 from mmrl.logging.console import format_duration, format_value
@@ -174,24 +178,97 @@ def test_jsonl_lines_are_on_disk_before_finish(tmp_path):
     assert [record["step"] for record in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+# the rows every tracker must hold for SAMPLES, in GENERATION_COLUMNS order
+SAMPLE_ROWS = [[sample[col] for col in ("prompt", "response", "ground_truth", "score")] for sample in SAMPLES]
+
+
+def log_two_steps(tracker: Tracker) -> None:
+    """Steps 1 and 2 of known metrics (a NaN at step 2), the generations at step 2."""
+    tracker.log({"critic/score/mean": torch.tensor(0.5), "timing_s/step": 2.0}, step=1)
+    tracker.log(
+        {"critic/score/mean": 0.75, "timing_s/step": np.float32(1.5), "actor/pg_loss": math.nan}, step=2
+    )
+    tracker.log_generations([{**SAMPLES[0], "score": np.float32(1.0)}, SAMPLES[1]], step=2)
+
+
+@pytest.fixture
+def offline_trackers(tmp_path, monkeypatch):
+    """wandb offline and MLflow's files confined to tmp_path; no process of theirs outlives the test."""
+    for key, value in offline_tracker_env(tmp_path / "home").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+    yield tmp_path / "logs"
+    deadline = time.monotonic() + 10
+    while (new := _new_children(children_before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not new, f"processes left by the trackers: {new}"
+
+
+def _new_children(before: set[int]) -> list[str]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid not in before and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{child.pid} {child.name()}")
+        except psutil.Error:
+            continue
+    return found
+
+
 def test_tensorboard_events_are_readable(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     tracker = build_loggers(["tensorboard"], "proj", "exp", str(tmp_path), {"trainer": {"seed": 1}}, 10)
-    tracker.log({"critic/score/mean": 0.5, "timing_s/step": 2.0}, step=1)
-    tracker.log({"critic/score/mean": 0.75, "timing_s/step": 1.5}, step=2)
-    tracker.log_generations(SAMPLES, step=2)
-
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()  # before finish: every log call flushes
-    scores = events.Scalars("critic/score/mean")
-    assert [(event.step, event.value) for event in scores] == [(1, 0.5), (2, 0.75)]
-    assert {"val/generations/text_summary", "config/text_summary"} <= set(events.Tags()["tensors"])
-    text = events.Tensors("val/generations/text_summary")[0]
-    assert text.step == 2
-    table = text.tensor_proto.string_val[0].decode()
-    assert "| Name \\| a colour | red<br>or blue | blue | 0.0 |" in table
+    log_two_steps(tracker)
+    # before finish: every log call flushes
+    scalars, tables = tensorboard_run(tmp_path)
+    assert scalars["critic/score/mean"] == {1: 0.5, 2: 0.75}
+    assert scalars["timing_s/step"] == {1: 2.0, 2: 1.5}
+    assert list(scalars["actor/pg_loss"]) == [2] and math.isnan(scalars["actor/pg_loss"][2])
+    assert list(tables) == [2]
+    assert markdown_rows(tables[2]) == [
+        ["What is 2+2?", "<think>2+2</think> 4", "4", "1.0"],
+        ["Name | a colour", "red<br>or blue", "blue", "0.0"],
+    ]
     tracker.finish()
+
+
+def test_wandb_offline_run_holds_the_metrics_and_generations(offline_trackers, monkeypatch):
+    log_dir = offline_trackers
+    monkeypatch.chdir(log_dir.parent)  # anything written relative to the working directory shows up
+    tracker = build_loggers(["wandb"], "proj", "exp", str(log_dir), {"trainer": {"seed": 1}}, 10)
+    log_two_steps(tracker)
+    # a ground truth that is a list after a string one: wandb.Table alone would raise a TypeError
+    tracker.log_generations([SAMPLES[0], {**SAMPLES[1], "ground_truth": ["red", "blue"]}], step=3)
+    tracker.finish()
+
+    history, tables = wandb_offline_run(log_dir)
+    assert history["critic/score/mean"] == {1: 0.5, 2: 0.75}
+    assert history["timing_s/step"] == {1: 2.0, 2: 1.5}
+    assert list(history["actor/pg_loss"]) == [2] and math.isnan(history["actor/pg_loss"][2])
+    assert list(tables) == [2, 3]
+    assert tables[2]["columns"] == ["prompt", "response", "ground_truth", "score"]
+    assert tables[2]["data"] == SAMPLE_ROWS
+    assert [row[2] for row in tables[3]["data"]] == ["4", "['red', 'blue']"]
+    assert {path.name for path in log_dir.parent.iterdir()} <= {"home", "logs"}  # nothing in the cwd
+    assert not (log_dir / "tensorboard").exists() and not (log_dir / "mlruns").exists()
+
+
+def test_mlflow_file_store_holds_the_metrics_params_and_generations(offline_trackers, monkeypatch):
+    log_dir = offline_trackers
+    monkeypatch.chdir(log_dir.parent)  # MLflow's own default would be ./mlflow.db here
+    config = {"trainer": {"seed": 1, "logger": ["mlflow"]}, "worker": {"actor": {"lr": 1e-6}}}
+    tracker = build_loggers(["mlflow"], "proj", "exp", str(log_dir), config, 10)
+    log_two_steps(tracker)
+    tracker.finish()
+
+    params, metrics, tables = mlflow_run(log_dir)
+    assert params == {"trainer.seed": "1", "trainer.logger": "['mlflow']", "worker.actor.lr": "1e-06"}
+    assert metrics["critic/score/mean"] == {1: 0.5, 2: 0.75}
+    assert metrics["timing_s/step"] == {1: 2.0, 2: 1.5}
+    assert list(metrics["actor/pg_loss"]) == [2] and math.isnan(metrics["actor/pg_loss"][2])
+    assert tables == {2: {"columns": ["prompt", "response", "ground_truth", "score"], "data": SAMPLE_ROWS}}
+    assert {path.name for path in log_dir.parent.iterdir()} <= {"home", "logs"}  # nothing in the cwd
+    assert sorted(path.name for path in log_dir.iterdir()) == ["mlruns"]
 
 
 def test_generations_markdown_escapes_cells():

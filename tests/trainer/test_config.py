@@ -720,3 +720,12 @@ def test_lora_without_peft_says_how_to_install_it(run_files, monkeypatch):
     load_config(valid_args(run_files))  # rank 0 (full fine-tuning) needs no peft
     with pytest.raises(ImportError, match=re.escape(hint)):
         require_peft()
+
+
+def test_val_only_needs_validation_files(run_files):
+    assert errors_of(valid_args(run_files, "trainer.val_only=true")) == [
+        "trainer.val_only=true validates and exits, but data.val_files is not set: set data.val_files "
+        "(e.g. data/val.jsonl) or trainer.val_only=false"
+    ]
+    args = valid_args(run_files, "trainer.val_only=true", f"data.val_files={run_files['data']}")
+    assert load_config(args).trainer.val_only

@@ -7,7 +7,8 @@ really move (lr 0.02), plus a fingerprint of the response texts, so that equal m
 generations.
 
 One uninterrupted 4-step run (``run_a``, module scope) serves the tests of the run itself, of the exact
-resume after SIGKILL, of the resume on one worker and of the merger. Every trainer process starts in a
+resume after SIGKILL, of the resume on one worker, of the merger and of the trackers (it logs to
+tensorboard, wandb offline and an MLflow file store too, whose files are read back). Every trainer process starts in a
 session of its own: a kill of its process group takes Ray's head processes with it, and whatever is
 left can be found by session id (Ray's workers have their own process groups but keep the session).
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _trackers import mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
 
 from mmrl.trainer.config_loader import config_to_yaml, load_config
 
@@ -112,19 +114,23 @@ def write_config(path: Path, overrides: Sequence[str]) -> Path:
     return path
 
 
-def trainer_env() -> dict[str, str]:
+def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(actor_rankN pid=...)"
     # prefix, which the dying-worker test reads.
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+    return {**env, **(extra or {})}
 
 
-def start_trainer(config_file: Path, log_path: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
-    """The trainer CLI in a new session (its pid is the session id), output to ``log_path``."""
+def start_trainer(
+    config_file: Path, log_path: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """The trainer CLI in a new session (its pid is the session id), output to ``log_path``; ``env`` is
+    added to the environment."""
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "mmrl.trainer.main", f"config={config_file}", *extra],
             cwd=REPO_ROOT,
-            env=trainer_env(),
+            env=trainer_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -213,8 +219,9 @@ def run_trainer(
     log_path: Path,
     extra: Sequence[str] = (),
     timeout_s: float = RUN_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> TrainerRun:
-    process = start_trainer(config_file, log_path, extra)
+    process = start_trainer(config_file, log_path, extra, env)
     try:
         returncode = wait_for_exit(process, log_path, timeout_s)
         leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
@@ -296,16 +303,25 @@ def e2e_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ray_trainer")
 
 
+# every file tracker of run A; its jsonl files are what the others must hold too
+RUN_A_LOGGERS = "trainer.logger=[jsonl,tensorboard,wandb,mlflow]"
+RUN_A_GENERATIONS = 2  # validation samples logged per validation
+
+
 @pytest.fixture(scope="module")
 def run_a_config(e2e_dir, tiny_vl_path, shapes_data_dir) -> Path:
-    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, e2e_dir / "run_a")
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, e2e_dir / "run_a") + [
+        RUN_A_LOGGERS,
+        f"trainer.val_generations_to_log={RUN_A_GENERATIONS}",
+    ]
     return write_config(e2e_dir / "run_a.yaml", overrides)
 
 
 @pytest.fixture(scope="module")
 def run_a(e2e_dir, run_a_config) -> TrainerRun:
     """4 steps on 2 workers, uninterrupted: checkpoints at steps 2 and 4, validation at 0, 2 and 4."""
-    return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log")
+    env = offline_tracker_env(e2e_dir / "tracker_home")
+    return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log", env=env)
 
 
 def assert_succeeded(run: TrainerRun) -> None:
@@ -388,6 +404,105 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
     assert state_info["world_size"] == WORLD_SIZE and state_info["has_optimizer"]
     for name in ("model/.metadata", "optimizer/.metadata", "extra_state_rank0.pt", "extra_state_rank1.pt"):
         assert (step_dir / "actor" / name).is_file(), name
+
+
+def generations_by_step(save_dir: Path) -> dict[int, list[dict]]:
+    """The validation samples of ``logs/generations.jsonl``, by step, without the ``step`` key."""
+    by_step: dict[int, list[dict]] = {}
+    for line in (save_dir / "logs" / "generations.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        by_step.setdefault(sample.pop("step"), []).append(sample)
+    return by_step
+
+
+def assert_trackers_hold(
+    save_dir: Path, metrics: dict[int, dict[str, float]], generations: dict[int, list[dict]]
+) -> None:
+    """tensorboard, wandb and MLflow hold ``metrics`` (jsonl's, by step) and ``generations`` (the
+    samples of each validation): every key at every step, and one table per validation."""
+    from mmrl.logging.loggers import generations_markdown
+
+    log_dir = save_dir / "logs"
+    rows = {
+        step: [[s["prompt"], s["response"], s["ground_truth"], s["score"]] for s in samples]
+        for step, samples in generations.items()
+    }
+    columns = ["prompt", "response", "ground_truth", "score"]
+    by_key: dict[str, dict[int, float]] = {}
+    for step, step_metrics in metrics.items():
+        for key, value in step_metrics.items():
+            by_key.setdefault(key, {})[step] = value
+    assert all(value is not None for steps in by_key.values() for value in steps.values())
+
+    scalars, markdown = tensorboard_run(log_dir)
+    assert set(scalars) == set(by_key)
+    for key, steps in by_key.items():  # event files hold float32
+        assert scalars[key] == pytest.approx(steps, rel=1e-6), key
+    assert markdown == {step: generations_markdown(samples) for step, samples in generations.items()}
+
+    history, wandb_tables = wandb_offline_run(log_dir)
+    assert history == by_key
+    assert wandb_tables == {step: {"columns": columns, "data": data} for step, data in rows.items()}
+
+    _, mlflow_metrics, mlflow_tables = mlflow_run(log_dir)
+    assert mlflow_metrics == by_key
+    assert mlflow_tables == {step: {"columns": columns, "data": data} for step, data in rows.items()}
+
+
+@trainer_e2e
+def test_every_tracker_holds_the_runs_metrics_and_validation_generations(run_a, monkeypatch):
+    """Run A logged to jsonl, tensorboard, wandb (offline) and MLflow (file store): read back, the last
+    three hold every metric of steps 0-4 and a 2-row generations table per validation (0, 2, 4)."""
+    assert_succeeded(run_a)
+    for key, value in offline_tracker_env(run_a.save_dir.parent / "tracker_home").items():
+        monkeypatch.setenv(key, value)
+    metrics = metrics_by_step(metrics_lines(run_a.save_dir))
+    generations = generations_by_step(run_a.save_dir)
+    assert sorted(generations) == [0, 2, 4]
+    assert all(len(samples) == RUN_A_GENERATIONS for samples in generations.values())
+    assert_trackers_hold(run_a.save_dir, metrics, generations)
+    assert sorted(path.name for path in (run_a.save_dir / "logs").iterdir()) == [
+        "generations.jsonl",
+        "metrics.jsonl",
+        "mlruns",
+        "tensorboard",
+        "wandb",
+    ]
+
+
+@trainer_e2e
+def test_val_only_validates_logs_to_every_tracker_and_exits(
+    run_a, e2e_dir, tiny_vl_path, shapes_data_dir, monkeypatch
+):
+    """trainer.val_only (with val_before_train=false): one validation of the initial model at step 0,
+    equal to run A's on one worker instead of two, 3 generations in every tracker, then the run exits:
+    no training step, no checkpoint, no process left."""
+    assert_succeeded(run_a)
+    save_dir = e2e_dir / "val_only"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]",
+        "trainer.val_only=true",
+        "trainer.val_before_train=false",
+        "trainer.val_generations_to_log=3",
+        "trainer.n_gpus_per_node=1",
+    ]
+    config_file = write_config(e2e_dir / "val_only.yaml", overrides)
+    env = offline_tracker_env(e2e_dir / "val_only_home")
+    run = run_trainer(config_file, save_dir, e2e_dir / "val_only.log", env=env)
+    assert_succeeded(run)
+    assert run.leftovers == [], f"processes still running after the trainer exited: {run.leftovers}"
+
+    assert sorted(path.name for path in save_dir.iterdir()) == ["logs"]  # no checkpoint
+    metrics = metrics_by_step(metrics_lines(save_dir))
+    run_a_metrics = metrics_by_step(metrics_lines(run_a.save_dir))
+    assert metrics == {0: val_part(run_a_metrics[0])}  # only the validation: no training step
+    generations = generations_by_step(save_dir)
+    assert list(generations) == [0] and len(generations[0]) == 3
+    assert generations[0][:RUN_A_GENERATIONS] == generations_by_step(run_a.save_dir)[0]
+    assert "validation generations at step 0 (3 samples)" in run.output  # the console's
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert_trackers_hold(save_dir, metrics, generations)
 
 
 @trainer_e2e
