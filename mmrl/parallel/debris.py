@@ -155,7 +155,7 @@ def ray_temp_dir() -> str:
     return os.path.join(root, "ray")
 
 
-def _processes() -> dict[int, tuple[str, set[str]]]:
+def user_processes() -> dict[int, tuple[str, set[str]]]:
     """Every process of this user: pid -> (command line, targets of its open files)."""
     processes = {}
     for proc in Path("/proc").iterdir():
@@ -173,10 +173,16 @@ def _processes() -> dict[int, tuple[str, set[str]]]:
     return processes
 
 
+def _is_ray_process(cmdline: str) -> bool:
+    """Ray's workers and agents (``ray::IDLE``, ``ray::DashboardAgent``, ...) or its Python components;
+    not, say, a user's ``tail -f`` of a session's log."""
+    return cmdline.startswith("ray::") or f"{os.sep}ray{os.sep}" in cmdline
+
+
 def _remove_stale_ray_sessions(root: str) -> None:
     """Session folders whose starting process is dead and whose GCS server and raylet are gone (their
     command lines name the folder; a cluster of ``ray start``, whose starter exits at once, keeps
-    them), with the processes still holding files in them (the orphaned agents)."""
+    them), with the Ray processes still holding files in them (the orphaned agents)."""
     if not os.path.isdir(root):
         return
     stale = [
@@ -188,13 +194,13 @@ def _remove_stale_ray_sessions(root: str) -> None:
     ]
     if not stale:
         return
-    processes = _processes()
+    processes = user_processes()
     for session in stale:
         prefix = session + os.sep
-        if any(prefix in cmdline for cmdline, _ in processes.values()):
+        if any(prefix in cmdline and _is_ray_process(cmdline) for cmdline, _ in processes.values()):
             continue  # its GCS server or raylet runs: a live cluster
-        for pid, (_, files) in processes.items():
-            if pid != os.getpid() and any(path.startswith(prefix) for path in files):
+        for pid, (cmdline, files) in processes.items():
+            if _is_ray_process(cmdline) and any(path.startswith(prefix) for path in files):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(session, ignore_errors=True)
