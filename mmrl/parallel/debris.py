@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import functools
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -173,10 +174,19 @@ def user_processes() -> dict[int, tuple[str, set[str]]]:
     return processes
 
 
+@functools.cache
+def ray_package_dir() -> str | None:
+    """Where Ray's code lives (found without importing Ray)."""
+    spec = importlib.util.find_spec("ray")
+    return os.path.dirname(spec.origin) if spec and spec.origin else None
+
+
 def _is_ray_process(cmdline: str) -> bool:
-    """Ray's workers and agents (``ray::IDLE``, ``ray::DashboardAgent``, ...) or its Python components;
-    not, say, a user's ``tail -f`` of a session's log."""
-    return cmdline.startswith("ray::") or f"{os.sep}ray{os.sep}" in cmdline
+    """Ray's workers and agents (``ray::IDLE``, ``ray::DashboardAgent``, ...) or a program of Ray's
+    package (``.../ray/core/src/ray/gcs/gcs_server``, ``.../ray/_private/log_monitor.py``); not, say, a
+    user's ``tail -f /tmp/ray/session_.../logs/raylet.out``."""
+    package = ray_package_dir()
+    return cmdline.startswith("ray::") or (package is not None and package + os.sep in cmdline)
 
 
 def _remove_stale_ray_sessions(root: str) -> None:

@@ -133,12 +133,10 @@ def test_a_ray_session_is_stale_only_when_its_starter_and_its_cluster_are_dead(t
 
     # the "GCS server" names its session folder on its command line (--log_dir=...); the orphaned agent
     # only holds one of its logs open (Ray rewrites its command line to its name)
-    gcs = named(
-        f"/site-packages/ray/core/src/ray/gcs/gcs_server --log_dir={started}/logs",
-        started / "logs" / "agent.log",
-    )
+    gcs_server = f"{debris.ray_package_dir()}/core/src/ray/gcs/gcs_server --log_dir={started}/logs"
+    gcs = named(gcs_server, started / "logs" / "agent.log")
     orphan = named("ray::DashboardAgent", dead / "logs" / "agent.log")
-    reader = named("tail", dead / "logs" / "agent.log")  # not Ray's
+    reader = named(f"tail -f {dead}/logs/agent.log", dead / "logs" / "agent.log")  # not Ray's
     try:
         deadline = time.monotonic() + 10
         while {orphan.pid, reader.pid} - set(_holders(str(dead) + os.sep)) and time.monotonic() < deadline:
