@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,17 +43,49 @@ def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
 
 
 def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict | None = None) -> list[dict]:
-    """Run the trainer to completion (it must exit 0), with ``env`` added to this process's
-    environment; returns its metrics.jsonl rows."""
+    """Run the trainer to completion (it must exit 0 and leave nothing behind: see
+    :func:`assert_left_nothing`), with ``env`` added to this process's environment; returns its
+    metrics.jsonl rows."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
-    run = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO_ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    ) as run:
+        try:
+            stdout, stderr = run.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+    assert run.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    assert_left_nothing(run.pid)
     lines = (Path(save_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def assert_left_nothing(driver_pid: int, timeout_s: float = 15) -> None:
+    """The exited driver ``driver_pid`` left no Ray session folder, no Ray process of its session (they
+    may take a moment to exit) and no temp folder of its own."""
+    from mmrl.parallel import debris
+
+    session = os.path.join(debris.ray_temp_dir(), f"session_*_{driver_pid}")
+    assert not glob.glob(session), f"the run left its Ray session folder {glob.glob(session)}"
+    folders = glob.glob(os.path.join(tempfile.gettempdir(), f"mmrl-*-{driver_pid}-*"))
+    assert not folders, f"the run left temp folders {folders}"
+    deadline = time.monotonic() + timeout_s
+    while (alive := _session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"processes of the run's Ray session still running: {alive}"
+
+
+def _session_processes(session_glob: str) -> list[str]:
+    from mmrl.parallel import debris
+
+    return [
+        f"{pid} {cmdline[:60]}"
+        for pid, (cmdline, files) in debris.user_processes().items()
+        if any(fnmatch.fnmatch(path, session_glob + "/*") for path in files)
+    ]

@@ -32,6 +32,16 @@ def _limit_torch_threads():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_stale_debris():
+    """What killed runs (an interrupted session included) left: vLLM shared memory that would block the
+    next TP=2 engine, Ray sessions and their orphans, temp folders. Only debris of dead processes goes,
+    so sessions running side by side are safe."""
+    from mmrl.parallel.debris import clean_stale_debris
+
+    clean_stale_debris()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_mmrl_cache(tmp_path_factory):
     """Prompt-length caches (mmrl.data.lengths) of the tests go to a session folder, not the user's."""
     os.environ["MMRL_CACHE_DIR"] = str(tmp_path_factory.mktemp("mmrl-cache"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from mmrl.parallel.debris import make_temp_dir
 
 
 def free_port() -> int:
@@ -64,7 +65,16 @@ def run_on_ranks(
     A rank that raises makes this raise with its traceback; the other ranks (which would wait for it
     in a collective) are killed. Ranks still running after ``timeout_s`` are killed too.
     """
-    out_dir = tempfile.mkdtemp(prefix="mmrl-dist-")
+    out_dir = make_temp_dir("dist")  # a later start-up removes it if this process is killed
+    try:
+        return _collect_results(fn, world_size, args, out_dir, timeout_s, threads)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _collect_results(
+    fn: Callable, world_size: int, args: tuple, out_dir: str, timeout_s: float, threads: int
+) -> list[Any]:
     context = mp.get_context("spawn")
     port = free_port()
     processes = [
@@ -90,6 +100,4 @@ def run_on_ranks(
     exit_codes = [process.exitcode for process in processes]
     if any(code != 0 for code in exit_codes):
         raise RuntimeError(f"ranks exited with codes {exit_codes} (timeout {timeout_s} s or a crash)")
-    results = [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return results
+    return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]

@@ -23,6 +23,8 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from mmrl.parallel.debris import remove_ray_session_at_exit
+
 __all__ = ["DEFAULT_WORKER_ENV_VARS", "ResourcePool", "ResourcePoolError", "init_ray", "nodes_that_fit"]
 
 # Set in every Ray worker process (before it imports anything) unless the caller overrides them.
@@ -49,7 +51,8 @@ def init_ray(
     (it costs ~0.7 GB) and an object store of `object_store_memory_bytes` (None = Ray's default, 30% of
     memory). `address="auto"` or `"ip:port"` joins a cluster started with `ray start`; the local-cluster
     arguments are then ignored. `runtime_env_vars` (PYTHONPATH, OMP_NUM_THREADS, HF_HOME, ...) are set in
-    every worker process at start, on top of `DEFAULT_WORKER_ENV_VARS`.
+    every worker process at start, on top of `DEFAULT_WORKER_ENV_VARS`. A local cluster stops, and its
+    session folder under /tmp/ray goes, when this process exits.
     """
     if ray.is_initialized():
         return
@@ -62,6 +65,8 @@ def init_ray(
             object_store_memory=object_store_memory_bytes,
         )
     ray.init(address=address, **options)
+    if address is None:  # the cluster is this process's: nothing of it outlives the process
+        remove_ray_session_at_exit()
 
 
 def nodes_that_fit(

@@ -567,8 +567,10 @@ class RayPPOTrainer:
 
 def run(config: PPOConfig) -> int:
     """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    from mmrl.parallel.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
+    clean_stale_debris()  # what killed runs left (shared memory, Ray sessions, temp folders)
     ray_cfg = config.trainer.ray
     init_ray(
         address=ray_cfg.address,

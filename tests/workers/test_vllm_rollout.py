@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,11 +37,11 @@ from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.parallel.debris import CPU_SHM_PATTERN, unlink_cpu_shared_memory
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import RolloutConfig
 from mmrl.workers.rollout import SamplingParams
-from mmrl.workers.rollout.vllm_spmd import CPU_SHM_PATTERN, unlink_cpu_shared_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
@@ -262,7 +264,27 @@ def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_p
 def _training_job(rank: int, world_size: int, vl_path: str, rank_prompts: list, tp_size: int) -> dict:
     results = _training_run(rank, world_size, vl_path, rank_prompts[rank], tp_size)
     results.pop("rollout")
+    results["pid"] = os.getpid()
     return results
+
+
+def _engine_killed_while_starting(rank: int, world_size: int, vl_path: str, tp_size: int) -> None:
+    """Start a tensor-parallel engine and die by SIGKILL as soon as its shared memory exists (before the
+    engine unlinks it): what a run killed during start-up leaves behind."""
+    import signal
+    import threading
+
+    from mmrl.workers.rollout.vllm_spmd import VLLMRollout
+
+    def kill_when_the_segment_exists():
+        while not glob.glob(CPU_SHM_PATTERN):
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_when_the_segment_exists, daemon=True).start()
+    tokenizer, _ = load_tokenizer_and_processor(vl_path)
+    VLLMRollout(vl_path, tokenizer, RolloutConfig(tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS))
+    time.sleep(60)  # not reached: the engine creates its segments while it starts
 
 
 # ---------------------------------------------------------------- fixtures
@@ -419,10 +441,14 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size):
-    if tp_size == 2:  # what a crashed TP=2 run leaves behind (vLLM never unlinks its segments)
-        Path("/dev/shm/-tp:0-[0-1]-cpushm_0").write_bytes(b"\0" * 64)
+    if tp_size == 2:  # a TP=2 run SIGKILLed while its engines start: vLLM never unlinks its segments
+        with pytest.raises(RuntimeError, match="exited with codes"):
+            run_on_ranks(_engine_killed_while_starting, 2, str(tiny_vl_path), tp_size, timeout_s=120)
+        assert glob.glob(CPU_SHM_PATTERN), "the killed engines left no shared memory to clean"
     runs = _two_ranks(tiny_vl_path, vl_prompts, tp_size)
+    # the next engines started; nothing of theirs is left: no segment, no socket folder
     assert not glob.glob(CPU_SHM_PATTERN), "the run left shared memory behind"
+    assert not [path for run in runs for path in glob.glob(f"{tempfile.gettempdir()}/mmrl-*-{run['pid']}-*")]
     for run in runs:
         _assert_training_parity(run)
     # each rank gets back exactly its own prompts' responses (with TP=2 the group generates all six)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import glob
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mmrl.models.families import family_for
+from mmrl.parallel.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
 from mmrl.protocol import DataProto
 from mmrl.trainer.config import RolloutConfig
 from mmrl.workers.fsdp_engine import resolve_dtype
@@ -157,34 +157,6 @@ def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
     return config
 
 
-CPU_SHM_PATTERN = "/dev/shm/*-cpushm_*"  # vLLM 0.32 CPU backend: {ident}-{group}-cpushm_{rank}
-
-
-def _mapped_shm_segments(maps_file: str) -> set[str]:
-    with contextlib.suppress(OSError), open(maps_file) as maps:
-        return {line.split(maxsplit=5)[-1].strip() for line in maps if "-cpushm_" in line}
-    return set()
-
-
-def unlink_cpu_shared_memory(stale_only: bool) -> None:
-    """Unlink vLLM's CPU tensor-parallel shared-memory segments: those no running process maps
-    (``stale_only``, before an engine starts), or those this process maps (once its engine has
-    started: every rank of the group has opened them by then, and their mappings outlive the names).
-
-    vLLM's CPU backend (0.32) never unlinks its segments, and under the external launcher their names
-    are the same in every run (``/dev/shm/-tp:0-[0-1]-cpushm_0``), so a segment left by an earlier run
-    makes the next engine fail with "create shm in SHMManager failed. errno: 17".
-    """
-    if stale_only:
-        in_use = set().union(*(_mapped_shm_segments(maps) for maps in glob.glob("/proc/[0-9]*/maps")))
-        segments = set(glob.glob(CPU_SHM_PATTERN)) - in_use
-    else:
-        segments = _mapped_shm_segments("/proc/self/maps")
-    for segment in segments:
-        with contextlib.suppress(OSError):
-            os.unlink(segment)
-
-
 def _device_memory_used_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -228,8 +200,7 @@ class VLLMRollout:
         os.environ.setdefault("LOCAL_RANK", "0")  # the external launcher reads it
         on_gpu = torch.cuda.is_available()
         cpu_shared_memory = not on_gpu and config.tensor_parallel_size > 1
-        if cpu_shared_memory:
-            unlink_cpu_shared_memory(stale_only=True)
+        clean_stale_debris()  # e.g. the shared memory of a crashed TP run, which would block this one
         self.tokenizer = tokenizer
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -269,7 +240,8 @@ class VLLMRollout:
             engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
         if override_config:
             engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
-        self.llm = LLM(**engine_args)
+        with vllm_socket_dir():
+            self.llm = LLM(**engine_args)
         if cpu_shared_memory:  # nothing of this run is left in /dev/shm, whatever way it ends
             unlink_cpu_shared_memory(stale_only=False)
         hf_config = self.llm.llm_engine.model_config.hf_config
