@@ -46,11 +46,12 @@ def preflight(config: PPOConfig) -> None:
     tokenizer, processor = check_models(config)
     check_reward(config)
     data = config.data
-    check_dataset(
-        "data.train_files", data.train_files, tokenizer, processor, config, prompts_per_round(config)
-    )
+    step = (prompts_per_round(config), "the prompts a step draws (data.rollout_batch_size)")
+    check_dataset("data.train_files", data.train_files, tokenizer, processor, config, step)
     if data.val_files:
-        check_dataset("data.val_files", data.val_files, tokenizer, processor, config, 1)
+        check_dataset(
+            "data.val_files", data.val_files, tokenizer, processor, config, (1, "one to validate on")
+        )
 
 
 # ---- output and checkpoint folders --------------------------------------------------------------
@@ -134,10 +135,10 @@ def check_reward(config: PPOConfig) -> None:
 
 
 def check_dataset(
-    key: str, files: str, tokenizer: Any, processor: Any | None, config: PPOConfig, needed: int
+    key: str, files: str, tokenizer: Any, processor: Any | None, config: PPOConfig, needed: tuple[int, str]
 ) -> None:
     """Build the dataset as the trainer does, check its rows' keys, process the first rows of each
-    file in full, and check that at least ``needed`` prompts fit ``data.max_prompt_length``."""
+    file in full, and check that ``needed = (count, what for)`` prompts are left to use."""
     from mmrl.data.dataset import PromptDataset
 
     data = config.data
@@ -154,17 +155,21 @@ def check_dataset(
     for positions in first_positions.values():
         for position in positions[:SAMPLE_ROWS]:
             dataset[position]  # template, chat template, media, processor, length: DataError naming the row
-    if data.filter_overlong_prompts and len(dataset) < needed:
-        lengths = [length for length, _ in _lengths(dataset)]
-        shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
-        dropped = dataset.num_filtered
-        raise PreflightError(
-            f"{key}: {len(dataset)} prompts fit data.max_prompt_length={data.max_prompt_length} tokens "
-            f"({dropped} of {len(lengths)} are longer and dropped by data.filter_overlong_prompts; lengths "
-            f"range from {shortest} to {longest} tokens, media placeholders included), fewer than the "
-            f"{needed} a step draws (data.rollout_batch_size); raise data.max_prompt_length (to {longest} "
-            "keeps every prompt), or add data"
-        )
+    if len(dataset) < needed[0]:
+        raise PreflightError(_too_few(key, dataset, needed))
+
+
+def _too_few(key: str, dataset: Any, needed: tuple[int, str]) -> str:
+    count = f"{key}: {len(dataset)} usable prompts, fewer than {needed[0]}, {needed[1]}"
+    if dataset.num_filtered == 0:
+        return f"{count}; add data, or lower data.rollout_batch_size"
+    lengths = [length for length, _ in _lengths(dataset)]
+    limit = dataset.config.max_prompt_length
+    return (
+        f"{count}: data.filter_overlong_prompts dropped {dataset.num_filtered} of {len(lengths)} as longer than "
+        f"data.max_prompt_length={limit} tokens (prompts have {min(lengths)} to {max(lengths)} tokens, media "
+        f"placeholders included); raise data.max_prompt_length ({max(lengths)} keeps every prompt), or add data"
+    )
 
 
 def _check_columns(key: str, rows: Any, required: tuple[tuple[str, str], ...]) -> None:

@@ -238,11 +238,11 @@ CASES: list[tuple[str, Build, str, str]] = [
      "trainer.load_checkpoint_path: folder '{tmp}/global_step_9'", "does not exist"),
     # ---- prompt lengths -------------------------------------------------------------------------
     ("every prompt over max_prompt_length", lambda i, m: i.args("data.max_prompt_length=20"),
-     "data.train_files: 0 prompts fit data.max_prompt_length=20", "raise data.max_prompt_length (to 42"),
+     "data.train_files: 0 usable prompts, fewer than 4", "raise data.max_prompt_length (42 keeps every prompt)"),
     ("overlong prompts without the filter", lambda i, m: i.args("data.max_prompt_length=20", "data.filter_overlong_prompts=false"),
      "32 of 32 prompts are longer than data.max_prompt_length=20", "data.filter_overlong_prompts=true"),
     ("fewer prompts than a step draws", lambda i, m: i.args("data.rollout_batch_size=64", "worker.actor.global_batch_size=64"),
-     "data.train_files: 32 prompts fit", "add data"),
+     "data.train_files: 32 usable prompts, fewer than 64", "lower data.rollout_batch_size"),
 ]  # fmt: skip
 
 
