@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 MEDIA_MARKERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 _MARKER_PATTERN = re.compile("(" + "|".join(re.escape(m) for m in MEDIA_MARKERS.values()) + ")")
+JSONL_FORM = (
+    'each line of a .jsonl file holds one row as a JSON object, e.g. {"problem": "...", "answer": "..."}'
+)
 __all__ = ["TOKEN_COLUMNS", "DataError", "PromptDataset", "Rows", "load_rows", "split_by_markers"]
 
 
@@ -71,10 +74,12 @@ def _read_json_lines(path: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {line_number}: not valid JSON ({err.msg})") from None
+                raise DataError(
+                    f"{path} line {line_number}: not valid JSON ({err.msg}); {JSONL_FORM}"
+                ) from None
             if not isinstance(row, dict):
                 raise DataError(
-                    f"{path} line {line_number}: expected a JSON object, found {type(row).__name__}"
+                    f"{path} line {line_number}: expected a JSON object, found {type(row).__name__}; {JSONL_FORM}"
                 )
             rows.append(row)
     return rows

@@ -71,10 +71,9 @@ def _check_writable_folder(key: str, path: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        inside = "" if existing == path else f" (it would be made inside '{existing}', which is a file)"
+        where = "is a file" if existing == path else f"would be made inside '{existing}', which is a file"
         raise PreflightError(
-            f"{key}: '{path}' cannot be a checkpoint folder: '{existing}' is a file{inside}; "
-            "choose another path, or move the file away"
+            f"{key}: '{path}' cannot be a checkpoint folder: it {where}; choose another path, or move the file away"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PreflightError(

@@ -154,9 +154,9 @@ CASES: list[tuple[str, Build, str, str]] = [
     ("train file missing", lambda i, m: i.args(f"data.train_files={i.tmp / 'train.jsonl'}"),
      "data.train_files: '{tmp}/train.jsonl'", "does not exist"),
     ("malformed jsonl line", lambda i, m: i.args(i.file("data.train_files", 't.jsonl', '{\"problem\": \"a\"}\n' * 2 + '{oops\n')),
-     "{tmp}/t.jsonl line 3", "not valid JSON"),
+     "{tmp}/t.jsonl line 3: not valid JSON", "holds one row as a JSON object"),
     ("jsonl line that is no object", lambda i, m: i.args(i.file("data.train_files", 't.jsonl', '[1, 2]\n')),
-     "{tmp}/t.jsonl line 1", "expected a JSON object"),
+     "{tmp}/t.jsonl line 1: expected a JSON object", "holds one row as a JSON object"),
     ("malformed json file", lambda i, m: i.args(i.file("data.train_files", 't.json', '[{\"problem\": \"a\"},\n {]')),
      "{tmp}/t.json line 2", "one JSON list of row objects"),
     ("damaged parquet file", lambda i, m: i.args(i.file("data.train_files", 't.parquet', 'PAR1 not really')),
@@ -164,7 +164,7 @@ CASES: list[tuple[str, Build, str, str]] = [
     ("empty train file", lambda i, m: i.args(i.file("data.train_files", 't.jsonl', '')),
      "{tmp}/t.jsonl' has no rows", "at least one prompt"),
     ("malformed val file", lambda i, m: i.args(i.file("data.val_files", 'v.jsonl', '{}\n{\"a\": }\n')),
-     "{tmp}/v.jsonl line 2", "not valid JSON"),
+     "{tmp}/v.jsonl line 2: not valid JSON", "holds one row as a JSON object"),
     ("a row without the prompt column", lambda i, m: i.train(_with_row(i, 5, {"answer": "red", "images": []})),
      "{tmp}/train.jsonl row 5: no column 'problem' (data.prompt_key)", "set data.prompt_key"),
     ("prompt_key naming no column", lambda i, m: i.args("data.prompt_key=question"),
@@ -231,7 +231,7 @@ CASES: list[tuple[str, Build, str, str]] = [
     ("checkpoint path that is a file", lambda i, m: i.args(i.file("trainer.save_checkpoint_path", 'out', '')),
      "trainer.save_checkpoint_path: '{tmp}/out'", "choose another path"),
     ("checkpoint path inside a file", lambda i, m: i.args(i.file("trainer.save_checkpoint_path", 'out', '') + "/run"),
-     "'{tmp}/out', which is a file", "move the file away"),
+     "'{tmp}/out/run' cannot be a checkpoint folder: it would be made inside '{tmp}/out'", "move the file away"),
     ("resume path that is no checkpoint", lambda i, m: i.args(f"trainer.load_checkpoint_path={i.tmp}"),
      "trainer.load_checkpoint_path: '{tmp}' is no mmrl checkpoint", "global_step_N"),
     ("resume path missing", lambda i, m: i.args(f"trainer.load_checkpoint_path={i.tmp / 'global_step_9'}"),
@@ -310,3 +310,20 @@ def test_debug_environment_variable_shows_the_traceback(inputs, media, capsys, m
     assert main(inputs.train(truncated)) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "row 1: cannot decode image" in err
+
+
+def test_failure_during_training_exits_1_with_a_message(inputs, capsys, monkeypatch):
+    """An error the trainer did not turn into a message: exit 1, its type and text, no traceback unless
+    debugging (then it propagates as it is)."""
+    import mmrl.trainer.ray_trainer as ray_trainer
+
+    def failing_run(config):
+        raise RuntimeError("the interconnect went away")
+
+    monkeypatch.setattr(ray_trainer, "run", failing_run)
+    assert main(inputs.args()) == 1
+    err = capsys.readouterr().err
+    assert "mmrl: training failed with RuntimeError: the interconnect went away" in err
+    assert "rerun with --debug or MMRL_DEBUG=1 for the traceback" in err and "Traceback" not in err
+    with pytest.raises(RuntimeError, match="interconnect"):
+        main([*inputs.args(), "--debug"])
