@@ -33,16 +33,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jinja2 import StrictUndefined, Template, TemplateError
+from jinja2 import StrictUndefined, Template, TemplateError, TemplateSyntaxError
 
 from mmrl.data.config import DataConfig, split_dataset_spec
 from mmrl.data.media import MediaError, image_size
-from mmrl.data.processing import TOKEN_COLUMNS, DataError, MediaProcessor, PromptMedia, compact_media_ref
+from mmrl.data.processing import (
+    TOKEN_COLUMNS,
+    DataError,
+    MediaProcessor,
+    PromptMedia,
+    compact_media_ref,
+    media_error,
+)
 
 logger = logging.getLogger(__name__)
 
 MEDIA_MARKERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 _MARKER_PATTERN = re.compile("(" + "|".join(re.escape(m) for m in MEDIA_MARKERS.values()) + ")")
+JSONL_FORM = (
+    'each line of a .jsonl file holds one row as a JSON object, e.g. {"problem": "...", "answer": "..."}'
+)
 __all__ = ["TOKEN_COLUMNS", "DataError", "PromptDataset", "Rows", "load_rows", "split_by_markers"]
 
 
@@ -64,32 +74,61 @@ def _read_json_lines(path: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {line_number}: not valid JSON ({err.msg})") from None
+                raise DataError(
+                    f"{path} line {line_number}: not valid JSON ({err.msg}); {JSONL_FORM}"
+                ) from None
             if not isinstance(row, dict):
                 raise DataError(
-                    f"{path} line {line_number}: expected a JSON object, found {type(row).__name__}"
+                    f"{path} line {line_number}: expected a JSON object, found {type(row).__name__}; {JSONL_FORM}"
                 )
             rows.append(row)
     return rows
 
 
+def _read_json_list(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        try:
+            table = json.load(handle)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path} line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); a .json data file "
+                "holds one JSON list of row objects (use .jsonl for one object per line)"
+            ) from None
+    if not isinstance(table, list):
+        raise DataError(f"{path}: expected a JSON list of objects, found {type(table).__name__}")
+    for index, row in enumerate(table):
+        if not isinstance(row, dict):
+            raise DataError(f"{path} row {index}: expected a JSON object, found {type(row).__name__}")
+    return table
+
+
+def _read_parquet(path: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise DataError(
+            f"{path}: not a readable parquet file ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "rewrite it (e.g. pandas.DataFrame.to_parquet) or give a .jsonl file"
+        ) from None
+
+
 def load_rows(spec: str, media_dir: str | None = None) -> Rows:
     """Read ``path[@split]``: a .jsonl/.json/.parquet file, a ``datasets.save_to_disk`` folder, or a
-    folder of data files; anything else that looks like ``owner/name`` goes to ``datasets.load_dataset``."""
+    folder of data files; anything else that looks like ``owner/name`` goes to ``datasets.load_dataset``.
+    A file that cannot be read or parsed raises :class:`DataError` naming it (and the line)."""
     path, split = split_dataset_spec(spec)
     base_dir = media_dir or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else path)
-    if path.endswith(".jsonl"):
-        return Rows(spec, base_dir, _read_json_lines(path))
-    if path.endswith(".json"):
-        with open(path, encoding="utf-8") as handle:
-            table = json.load(handle)
-        if not isinstance(table, list):
-            raise DataError(f"{path}: expected a JSON list of objects, found {type(table).__name__}")
-        return Rows(spec, base_dir, table)
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return Rows(spec, base_dir, pq.read_table(path).to_pylist())
+    readers = {".jsonl": _read_json_lines, ".json": _read_json_list, ".parquet": _read_parquet}
+    reader = next((read for suffix, read in readers.items() if path.endswith(suffix)), None)
+    if reader is not None:
+        try:
+            return Rows(spec, base_dir, reader(path))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except OSError as err:  # missing, a folder, no permission
+            raise DataError(f"{path}: cannot read the data file ({err.strerror or err})") from None
     import datasets
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
@@ -156,8 +195,13 @@ class PromptDataset(torch.utils.data.Dataset):
             source = handle.read()
         try:
             return Template(source, undefined=StrictUndefined, keep_trailing_newline=False)
+        except TemplateSyntaxError as err:
+            raise DataError(
+                f"data.format_prompt: template '{path}' line {err.lineno}: invalid Jinja ({err.message}); "
+                "fix the template (it gets `content` and the row's columns)"
+            ) from None
         except TemplateError as err:
-            raise DataError(f"format prompt '{path}': invalid Jinja template ({err})") from None
+            raise DataError(f"data.format_prompt: template '{path}': invalid Jinja ({err})") from None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -176,7 +220,8 @@ class PromptDataset(torch.utils.data.Dataset):
     def _prompt_text(self, row: dict[str, Any], where: str) -> str:
         if self.config.prompt_key not in row:
             raise DataError(
-                f"{where}: no column '{self.config.prompt_key}' (data.prompt_key); columns: {sorted(row)}"
+                f"{where}: no column '{self.config.prompt_key}' (data.prompt_key); its columns are {sorted(row)}: "
+                "set data.prompt_key to the right one, or add the column to every row"
             )
         content = row[self.config.prompt_key]
         if not isinstance(content, str):
@@ -188,7 +233,10 @@ class PromptDataset(torch.utils.data.Dataset):
         try:
             return self.template.render(**{**row, "content": content}).strip()
         except TemplateError as err:
-            raise DataError(f"{where}: format prompt failed: {err}") from None
+            raise DataError(
+                f"{where}: data.format_prompt '{self.config.format_prompt}' failed: {err}; the template gets "
+                f"`content` and the row's columns {sorted(row)}"
+            ) from None
 
     def _media_list(self, row: dict[str, Any], kind: str, where: str) -> list[Any]:
         value = row.get(self.media_keys[kind])
@@ -221,7 +269,8 @@ class PromptDataset(torch.utils.data.Dataset):
             if items and not self.media.takes(kind):
                 raise DataError(
                     f"{where}: the sample has {len(items)} {kind}(s) in column '{self.media_keys[kind]}', but the "
-                    f"model's processor takes no {kind}s"
+                    f"model's processor takes no {kind}s; use a model that does, or check that its folder has "
+                    "its processor files (preprocessor_config.json, processor_config.json)"
                 )
 
     def _compact_media(
@@ -234,7 +283,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 for kind, items in refs.items()
             }
         except MediaError as err:
-            raise DataError(f"{where}: {err}") from None
+            raise media_error(where, err) from None
         order = tuple(part["type"] for part in split_by_markers(text) if part["type"] != "text")
         return PromptMedia(
             prompt, compact["image"], compact["video"], compact["audio"], order=order, where=where
@@ -251,7 +300,14 @@ class PromptDataset(torch.utils.data.Dataset):
         messages = self._messages(text, {kind: len(items) for kind, items in refs.items()}, where)
         self._check_model_takes(refs, where)
         chat = self.processor if self.processor is not None else self.tokenizer
-        prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as err:  # a broken data.override_chat_template surfaces here
+            source = self.config.override_chat_template or "the tokenizer's chat template"
+            line = f" line {err.lineno}" if getattr(err, "lineno", None) else ""
+            raise DataError(
+                f"{where}: chat template {source}{line} failed: {err} (data.override_chat_template)"
+            ) from None
         return row, base_dir, where, text, refs, prompt
 
     def _encode(self, position: int) -> dict[str, Any]:
@@ -332,7 +388,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 for ref in refs["image"]
             ]
         except MediaError as err:
-            raise DataError(f"{where}: {err}") from None
+            raise media_error(where, err) from None
         length = len(self.tokenizer.encode(prompt, add_special_tokens=False))
         image_processor = self.processor.image_processor if sizes else None
         for width, height in sizes:  # each image's one placeholder becomes one token per merged patch block

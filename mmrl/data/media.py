@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from mmrl.errors import UserInputError
+
 MIN_IMAGE_SIDE = 28  # Qwen-VL: one merged patch is 28×28 pixels; smaller images cannot be encoded
 
 
-class MediaError(ValueError):
+class MediaError(UserInputError, ValueError):
     """A media reference that cannot be decoded; the message says which and why."""
 
 

@@ -39,10 +39,11 @@ import torch
 
 from mmrl.data.config import DataConfig
 from mmrl.data.media import DecodedVideo, MediaError, load_audio, load_image, load_video
+from mmrl.errors import UserInputError
 from mmrl.protocol import DataProto
 
 __all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "DataError", "MediaCache", "MediaProcessor",
-           "PromptMedia", "attach_media", "compact_media_ref", "load_tokenizer_and_processor",
+           "PromptMedia", "attach_media", "compact_media_ref", "load_tokenizer_and_processor", "media_error",
            "without_model_media"]  # fmt: skip
 
 # processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
@@ -52,8 +53,19 @@ PROMPT_MEDIA = "prompt_media"  # the compact column: a PromptMedia, a Ray ref to
 MODEL_MEDIA_COLUMNS = ("multi_modal_inputs", "multi_modal_data")
 
 
-class DataError(ValueError):
+# a folder holding any of these has a tokenizer (fast, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class DataError(UserInputError, ValueError):
     """A dataset row that cannot be used; the message names the file and row."""
+
+
+def media_error(where: str, err: MediaError) -> DataError:
+    """The row's error for media that cannot be used, with what the user can do about it."""
+    return DataError(
+        f"{where}: {err}; fix or replace the file, or set data.skip_bad_samples=true to leave such samples out"
+    )
 
 
 def load_tokenizer_and_processor(
@@ -67,10 +79,23 @@ def load_tokenizer_and_processor(
     replaces the chat template of both, so that every prompt is rendered with it."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    from mmrl.models.loading import resolve_model_path
+    from mmrl.models.loading import ModelPathError, resolve_model_path
 
     model_path = resolve_model_path(model_path, key, without_weights=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if not any(name in TOKENIZER_FILES or name.endswith(".tiktoken") for name in os.listdir(model_path)):
+        # transformers v5 would build an empty tokenizer (a vocabulary of 1) without a word
+        raise ModelPathError(
+            f"{key}: '{model_path}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy them "
+            "from the base model, or set worker.actor.model.tokenizer_path to a folder that has them"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # transformers' many ways to say "no tokenizer"
+        raise ModelPathError(
+            f"{key}: no usable tokenizer in '{model_path}' ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "copy the tokenizer files (tokenizer.json, tokenizer_config.json) from the base model, or set "
+            "worker.actor.model.tokenizer_path to a folder that has them"
+        ) from None
     try:
         processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
@@ -197,7 +222,7 @@ class MediaProcessor:
             ]
             audios = [load_audio(ref, sampling_rate, self.audio_seconds) for ref in media.audios]
         except MediaError as err:
-            raise DataError(f"{media.where}: {err}") from None
+            raise media_error(media.where, err) from None
         return images, videos, audios
 
     def _audio_inputs(self, order: Sequence[str], videos: list[DecodedVideo], audios: list[Any]) -> list[Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmrl.errors import UserInputError
 from mmrl.models.families import family_for, family_of
 
 ROLES = ("actor", "critic")
@@ -32,7 +33,7 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Fac
 METADATA_FILES = ("*.json", "*.py", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 
 
-class ModelPathError(ValueError):
+class ModelPathError(UserInputError, ValueError):
     """A model or tokenizer path that is neither a folder nor a hub id that can be resolved."""
 
 
@@ -83,6 +84,35 @@ def _hub_snapshot(repo_id: str, cache_dir: str, offline: bool, patterns: tuple[s
 
     allow = list(patterns) if patterns is not None else None
     return snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=offline, allow_patterns=allow)
+
+
+def check_model_folder(folder: str, key: str, trust_remote_code: bool = False) -> Any:
+    """The Hugging Face config of model ``folder`` (named by config ``key``), read without any weights;
+    :class:`ModelPathError` saying what is wrong when it has no readable ``config.json`` or its
+    ``model_type`` is one mmrl has no family for."""
+    import transformers
+
+    from mmrl.models.families import UnknownModelFamilyError
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelPathError(
+            f"{key}: '{folder}' has no config.json, so it is no Hugging Face model folder; give the folder "
+            "that save_pretrained wrote (config.json, weights, tokenizer files), or a checkpoint merged with "
+            "python -m mmrl.checkpoint.merger"
+        )
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:  # bad JSON, an unknown model_type, remote code refused
+        raise ModelPathError(
+            f"{key}: cannot read '{os.path.join(folder, 'config.json')}' ({type(err).__name__}: "
+            f"{str(err).splitlines()[0]}); check its model_type (and worker.actor.model.trust_remote_code "
+            "for models with their own code)"
+        ) from None
+    try:
+        family_for(config)
+    except UnknownModelFamilyError as err:
+        raise ModelPathError(f"{key}: '{folder}': {err}") from None
+    return config
 
 
 def attention_heads(folder: str, trust_remote_code: bool = False) -> tuple[int, int]:

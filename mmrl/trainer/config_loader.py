@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mmrl.errors import UserInputError
 from mmrl.trainer.config import (
     CHOICES,
     SAMPLING_KEYS,
@@ -42,7 +43,7 @@ REMOVED_KEYS = {
 MAX_TYPO_EDITS = 2
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError, ValueError):
     """One or more user errors in the configuration; ``errors`` holds one message per problem."""
 
     def __init__(self, errors: Sequence[str]):

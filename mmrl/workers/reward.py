@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from mmrl.errors import UserInputError
+
 REWARD_TYPES = ("batch", "sequential")
 DEFAULT_FUNCTION_NAME = "main"  # EasyR1's default when the spec has no ``:function_name``
 # Keys every reward input carries; dataset columns with these names are overridden by the rollout.
@@ -46,7 +48,7 @@ _MAX_RESPONSE_CHARS = 200  # in error messages: head and tail of the response, w
 _MAX_VALUE_CHARS = 80
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserInputError, RuntimeError):
     """A reward file could not be loaded, raised an exception, or returned malformed scores.
 
     Takes only the message, so it pickles unchanged across process boundaries (Ray).
@@ -211,6 +213,7 @@ def load_reward_function(spec: str, kwargs: dict[str, Any] | None = None) -> Rew
             '("batch": the function takes the list of all inputs; "sequential": one input at a time).'
         )
     kwargs = dict(kwargs or {})
+    _check_takes_inputs(fn, function_name, path, reward_type, kwargs)
     _check_kwargs_accepted(fn, function_name, path, kwargs)
     reward_name = str(getattr(module, "REWARD_NAME", os.path.splitext(os.path.basename(path))[0]))
     return RewardFunction(
@@ -317,6 +320,34 @@ def _import_file_as_module(path: str) -> types.ModuleType:
             f"Importing reward file {path} failed with {type(err).__name__}: {err}.{hint}"
         ) from err
     return module
+
+
+def _check_takes_inputs(
+    fn: Callable[..., Any], function_name: str, path: str, reward_type: str, kwargs: dict[str, Any]
+) -> None:
+    """Fails at load, not at the first reward, when ``fn`` cannot be called with the reward inputs as
+    its first argument and ``kwargs`` (``reward_function_kwargs``) as keywords."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature: let the call decide
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind in (*positional, inspect.Parameter.VAR_POSITIONAL) for p in parameters):
+        required = [
+            p.name
+            for p in parameters[1:]
+            if p.kind in positional and p.default is p.empty and p.name not in kwargs
+        ]
+        if not required:
+            return
+        problem = f"requires more than one positional argument ({', '.join(required)} after the inputs)"
+    else:
+        problem = "takes no positional argument"
+    takes = "the list of reward inputs" if reward_type == "batch" else "one reward input dict"
+    raise RewardFunctionError(
+        f"Reward function `{function_name}` in {path} {problem}; a {reward_type} reward function takes "
+        f"{takes} as its first argument, e.g. `def {function_name}(reward_inputs, **kwargs)`."
+    )
 
 
 def _check_kwargs_accepted(fn: Callable[..., Any], function_name: str, path: str, kwargs: dict) -> None:

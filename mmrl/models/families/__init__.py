@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmrl.errors import UserInputError
+
 # (model, input_ids [B, L], attention_mask [B, L], media, mm_token_type_ids [B, L] | None) -> position ids:
 # [3, B, L] (M-RoPE) or [B, L]; ``media`` holds the joined processor outputs of the B rows.
 PositionIdsFn = Callable[
@@ -90,7 +92,7 @@ class ModelFamily:
         return towers
 
 
-class UnknownModelFamilyError(ValueError):
+class UnknownModelFamilyError(UserInputError, ValueError):
     """A model whose ``model_type`` no registered family covers."""
 
 
