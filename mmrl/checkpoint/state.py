@@ -107,8 +107,18 @@ def _single_process_quietly() -> Iterator[None]:
 
 def save_dcp(state_dict: dict[str, Any], directory: Path) -> None:
     """``dcp.save`` of ``state_dict`` into ``directory``; collective, or single-process without a group."""
-    with _single_process_quietly():
-        dcp.save(state_dict, checkpoint_id=str(directory))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _single_process_quietly():
+            dcp.save(state_dict, checkpoint_id=str(directory))
+    except CheckpointException as error:
+        # a BaseException (Ray would not report it as a task error) holding each failed rank's
+        # error; a full disk or an unwritable folder is raised as an OSError naming the folder
+        rank, (first, _) = next(iter(error.failures.items()))
+        if isinstance(first, OSError):
+            raise OSError(first.errno, f"{first.strerror} (rank {rank}, DCP save)", str(directory)) from None
+        raise RuntimeError(str(error)) from None
 
 
 def load_dcp(state_dict: dict[str, Any], directory: Path) -> None:
