@@ -81,7 +81,9 @@ class RewardFunction:
         if len(inputs) == 0:
             return []
         if self.reward_type == "batch":
-            self.in_progress = f"a batch of {len(inputs)} samples, the first {describe_reward_input(inputs[0])}"
+            self.in_progress = (
+                f"a batch of {len(inputs)} samples, the first {describe_reward_input(inputs[0])}"
+            )
             raw_scores = self._call_batch(inputs)
         else:
             raw_scores = [self._call_one(sample, index, len(inputs)) for index, sample in enumerate(inputs)]

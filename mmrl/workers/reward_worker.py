@@ -205,7 +205,8 @@ class RewardWorkers:
             actor = self.actors[index]
             try:
                 answer = ray.get(
-                    actor.progress.options(concurrency_group=PROGRESS_GROUP).remote(), timeout=PROGRESS_ANSWER_S
+                    actor.progress.options(concurrency_group=PROGRESS_GROUP).remote(),
+                    timeout=PROGRESS_ANSWER_S,
                 )
             except Exception as err:  # noqa: BLE001 - the message matters more than why it has no answer
                 answer = f"(no answer: {type(err).__name__})"

@@ -59,7 +59,9 @@ def _assert_step_intact(save_dir: Path, step: int, model: nn.Module) -> None:
 def small_tmpfs(path: Path, size_bytes: int):
     path.mkdir()
     mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
     )
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
