@@ -9,15 +9,12 @@ is skipped with that reason.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from _faults import fill_disk, small_tmpfs, unwritable
 from torch import nn
 
 from mmrl.checkpoint import (
@@ -55,32 +52,6 @@ def _assert_step_intact(save_dir: Path, step: int, model: nn.Module) -> None:
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size_bytes: int):
-    path.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-def fill_disk(folder: Path) -> Path:
-    """Writes a file under ``folder`` until the file system is full; returns it."""
-    filler = folder / "filler.bin"
-    with open(filler, "wb", buffering=0) as file, contextlib.suppress(OSError):
-        while True:
-            file.write(b"\0" * 4096)
-    assert shutil.disk_usage(folder).free < 8192
-    return filler
-
-
 def test_full_disk_at_save_time_keeps_the_previous_checkpoint(tmp_path):
     with small_tmpfs(tmp_path / "disk", TMPFS_BYTES) as disk:
         save_dir = disk / "checkpoints"
@@ -105,24 +76,6 @@ def test_full_disk_at_save_time_keeps_the_previous_checkpoint(tmp_path):
             "global_step_2",
         ]
         _assert_step_intact(save_dir, 2, second)
-
-
-@contextlib.contextmanager
-def unwritable(folder: Path):
-    """``folder`` made unwritable for real: immutable as root (root ignores permission bits), read-only
-    permission bits otherwise."""
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "+i", str(folder)], check=True)
-        try:
-            yield
-        finally:
-            subprocess.run(["chattr", "-i", str(folder)], check=True)
-    else:
-        folder.chmod(0o555)
-        try:
-            yield
-        finally:
-            folder.chmod(0o755)
 
 
 def test_unwritable_folder_at_save_time_keeps_the_previous_checkpoint(tmp_path):

@@ -716,7 +716,7 @@ def test_full_disk_at_save_time_stops_the_run_with_the_last_checkpoint_intact(ru
     """The checkpoint folder is a tmpfs with room for one checkpoint and a half (run A's step-2 folder
     measures one): step 1 saves, step 2 hits a real ENOSPC. The run exits 1 naming the folder, the OS
     error and the intact step-1 checkpoint, which find-last then picks."""
-    from tests.checkpoint.test_save_failures import small_tmpfs
+    from _faults import small_tmpfs
 
     assert_succeeded(run_a)
     one_checkpoint = folder_bytes(run_a.save_dir / "global_step_2")
