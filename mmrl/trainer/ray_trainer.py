@@ -58,10 +58,11 @@ FAULT_ENV = "MMRL_FAULT_AT"  # a test hook: see fault_point
 
 
 def fault_point(phase: str, step: int) -> None:
-    """Test hook of the chaos test (tests/trainer/test_chaos.py): with ``MMRL_FAULT_AT=<phase>:<step>``
-    in the environment, the driver SIGKILLs itself on entering ``phase`` ("rollout", "reward", "update",
-    "sync", "checkpoint") of training step ``step`` (1-based), so that a kill lands in a chosen phase.
-    Unset (always, outside tests) it does nothing."""
+    """Test hook of the chaos test (``test_sigkill_at_any_moment_*`` in tests/trainer/test_ray_trainer.py):
+    with ``MMRL_FAULT_AT=<phase>:<step>`` in the environment, the driver SIGKILLs itself on entering
+    ``phase`` ("rollout", "reward", "update", "sync", "checkpoint": after the workers wrote their part of
+    ``global_step_N.tmp``, before the commit) of training step ``step`` (1-based), so that a kill lands
+    in a chosen phase. Unset (always, outside tests) it does nothing."""
     if os.environ.get(FAULT_ENV) == f"{phase}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -490,12 +491,15 @@ class RayPPOTrainer:
         except (OSError, WorkerGroupError) as err:
             if isinstance(err, WorkerGroupError) and "[Errno " not in str(err):
                 raise  # a rank died or failed otherwise: not a write failure
-            kept = "none was saved before" if previous is None else self.checkpoints.step_dir(previous)
+            kept = (
+                "No earlier checkpoint was complete."
+                if previous is None
+                else f"The last complete checkpoint ({self.checkpoints.step_dir(previous)}) is intact."
+            )
             raise CheckpointSaveError(
                 f"could not write the checkpoint of step {self.global_step} under "
-                f"trainer.save_checkpoint_path={self.checkpoints.save_dir}: {err}\nThe last complete "
-                f"checkpoint ({kept}) is intact. Free disk space or make the folder writable, then "
-                "resume with trainer.find_last_checkpoint=true."
+                f"trainer.save_checkpoint_path={self.checkpoints.save_dir}: {err}\n{kept} Free disk space "
+                "or make the folder writable, then resume with trainer.find_last_checkpoint=true."
             ) from err
 
     def resume(self) -> None:
