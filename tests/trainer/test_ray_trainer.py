@@ -433,7 +433,12 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
 
     assert_succeeded(run_a)
     save_dir = e2e_dir / "run_chaos"
-    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + ["trainer.save_freq=1"]
+    # no validation at each start (run A's at step 0 does not change its training: the resumed
+    # segments, which validate at other steps than run A, reproduce it exactly)
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+    ]
     config_file = write_config(e2e_dir / "run_chaos.yaml", overrides)
     seconds = {}
     for index, (phase, step, last_saved) in enumerate(CHAOS_FAULTS):
@@ -455,9 +460,9 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
                 log_path
             )
 
-    seed = random.randrange(1 << 30)
+    seed = int(os.environ.get("MMRL_CHAOS_SEED", random.randrange(1 << 30)))
     delay_s = random.Random(seed).uniform(*RANDOM_KILL_WINDOW_S)
-    print(f"random kill: seed {seed}, {delay_s:.1f} s after the start (rerun with this seed to reproduce)")
+    print(f"random kill: seed {seed}, {delay_s:.1f} s after the start (MMRL_CHAOS_SEED={seed} repeats it)")
     log_path = e2e_dir / "run_chaos_random.log"
     process = start_trainer(config_file, log_path)
     try:
@@ -476,7 +481,7 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     check_against_uninterrupted(lines, expected)
     trained_steps = {line["step"] for line in lines if "actor/pg_loss" in line}
     assert trained_steps == set(range(1, TOTAL_STEPS + 1))
-    assert {line["step"] for line in lines} == set(expected)
+    assert {line["step"] for line in lines if "val/reward/overall" in line} == {2, 4}  # val_freq=2
 
 
 @trainer_e2e
