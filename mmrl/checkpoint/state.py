@@ -122,9 +122,19 @@ def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], li
     Returns (the data files this rank wrote, every data file the checkpoint's index names), relative to
     ``directory``; the index (``.metadata``) is written by rank 0.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     writer = _RecordingWriter(directory)
-    with _single_process_quietly():
-        metadata = dcp.save(state_dict, storage_writer=writer)
+    try:
+        with _single_process_quietly():
+            metadata = dcp.save(state_dict, storage_writer=writer)
+    except CheckpointException as error:
+        # a BaseException (Ray would not report it as a task error) holding each failed rank's
+        # error; a full disk or an unwritable folder is raised as an OSError naming the folder
+        rank, (first, _) = next(iter(error.failures.items()))
+        if isinstance(first, OSError):
+            raise OSError(first.errno, f"{first.strerror} (rank {rank}, DCP save)", str(directory)) from None
+        raise RuntimeError(str(error)) from None
     # every rank gets the index DCP wrote, so each knows the files a complete folder holds
     indexed = sorted({info.relative_path for info in metadata.storage_data.values()})
     return list(writer.written), indexed

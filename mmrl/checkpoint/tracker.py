@@ -44,6 +44,11 @@ REPLACED_SUFFIX = ".replaced"
 _STEP_DIR_PATTERN = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (full disk, unwritable folder); the message names the folder,
+    the OS error and the last complete checkpoint, which is left intact."""
+
+
 def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     """Writes ``path`` so that readers see the old or the new content, never a partial file."""
     tmp_path = path.with_name(path.name + TMP_SUFFIX)

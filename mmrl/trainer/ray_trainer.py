@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -22,6 +23,7 @@ import torch
 
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
+    CheckpointSaveError,
     find_last_checkpoint,
     load_trainer_state,
     save_trainer_state,
@@ -52,6 +54,17 @@ from mmrl.workers.rollout import GenerationMode
 logger = logging.getLogger(__name__)
 
 VAL_METRIC = "val/reward/overall"  # the checkpoint tracker's "best" follows this
+FAULT_ENV = "MMRL_FAULT_AT"  # a test hook: see fault_point
+
+
+def fault_point(phase: str, step: int) -> None:
+    """Test hook of the chaos test (``test_sigkill_at_any_moment_*`` in tests/trainer/test_ray_trainer.py):
+    with ``MMRL_FAULT_AT=<phase>:<step>`` in the environment, the driver SIGKILLs itself on entering
+    ``phase`` ("rollout", "reward", "update", "sync", "checkpoint": after the workers wrote their part of
+    ``global_step_N.tmp``, before the commit) of training step ``step`` (1-based), so that a kill lands
+    in a chosen phase. Unset (always, outside tests) it does nothing."""
+    if os.environ.get(FAULT_ENV) == f"{phase}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def conform_to_columns(batch: DataProto, phase: str) -> None:
@@ -253,6 +266,7 @@ class RayPPOTrainer:
                 with timer("values", timings):
                     batch = batch.union(self.actor.dispatch("compute_values", batch))
             with timer("reward", timings):
+                fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
                     scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
@@ -292,6 +306,7 @@ class RayPPOTrainer:
         """The step's responses (generation order), a function returning their scores, and the rollout's
         metrics. Without online filtering one batch is generated and scored in the background while the
         log-prob passes run; with it, :meth:`_filtered_rollout` scores as it goes."""
+        fault_point("rollout", self.global_step + 1)
         if self.filter is not None:
             batch, scores, metrics = self._filtered_rollout(prompts, self.filter)
             return batch, lambda: scores, metrics
@@ -395,6 +410,7 @@ class RayPPOTrainer:
         """Critic, then actor updates, then the new weights into the rollout; ``batch`` gains the
         on-policy update's ``old_log_probs`` and ``entropies`` when it computed them (for the metrics)."""
         metrics: dict[str, float] = {}
+        fault_point("update", self.global_step + 1)
         if plan.use_critic:
             with timer("update_critic", timings):
                 update = self.actor.dispatch("update_critic", batch)
@@ -411,6 +427,7 @@ class RayPPOTrainer:
             if plan.old_log_probs_from_update:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
             with timer("sync", timings):
+                fault_point("sync", self.global_step + 1)
                 self.actor.call("sync_rollout_weights")
         return batch, metrics
 
@@ -461,8 +478,32 @@ class RayPPOTrainer:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(self, val_metric: float | None = None) -> None:
+        """Writes ``global_step_N.tmp`` and renames it; a failed write (full disk, unwritable folder)
+        raises :class:`CheckpointSaveError`, leaving the last complete checkpoint and the tracker as they
+        were (the ``.tmp`` folder is ignored on resume and removed by the next save)."""
+        from mmrl.single_controller import WorkerGroupError
+
+        previous = self.checkpoints.latest_step()
+        try:
+            self._write_checkpoint(val_metric)
+        except (OSError, WorkerGroupError) as err:
+            if isinstance(err, WorkerGroupError) and "[Errno " not in str(err):
+                raise  # a rank died or failed otherwise: not a write failure
+            kept = (
+                "No earlier checkpoint was complete."
+                if previous is None
+                else f"The last complete checkpoint ({self.checkpoints.step_dir(previous)}) is intact."
+            )
+            raise CheckpointSaveError(
+                f"could not write the checkpoint of step {self.global_step} under "
+                f"trainer.save_checkpoint_path={self.checkpoints.save_dir}: {err}\n{kept} Free disk space "
+                "or make the folder writable, then resume with trainer.find_last_checkpoint=true."
+            ) from err
+
+    def _write_checkpoint(self, val_metric: float | None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
         per_rank = self.actor.call("save_checkpoint", tmp_dir)  # {role: report}, the critic's too
+        fault_point("checkpoint", self.global_step)  # the workers' part written, not yet committed
         reports = {role: [rank_reports[role] for rank_reports in per_rank] for role in per_rank[0]}
         parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
         state = {
@@ -581,7 +622,7 @@ def run(config: PPOConfig) -> int:
     trainer = RayPPOTrainer(config)
     try:
         trainer.fit()
-    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError) as err:
+    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
         print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
         return 1
     finally:

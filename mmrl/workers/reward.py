@@ -75,12 +75,17 @@ class RewardFunction:
     fn: Callable[..., Any] = field(repr=False)
     kwargs: dict[str, Any] = field(default_factory=dict)
     reward_name: str = ""
+    # what the running call is scoring, for the message when it outlasts worker.reward.timeout_s
+    in_progress: str = field(default="", repr=False, compare=False)
 
     def __call__(self, inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
         """Scores ``inputs`` and returns one validated ``{key: float}`` dict (with ``overall``) per input."""
         if len(inputs) == 0:
             return []
         if self.reward_type == "batch":
+            self.in_progress = (
+                f"a batch of {len(inputs)} samples, the first {describe_reward_input(inputs[0])}"
+            )
             raw_scores = self._call_batch(inputs)
         else:
             raw_scores = [self._call_one(sample, index, len(inputs)) for index, sample in enumerate(inputs)]
@@ -117,6 +122,7 @@ class RewardFunction:
         return list(scores)
 
     def _call_one(self, sample: dict[str, Any], index: int, num_samples: int) -> Any:
+        self.in_progress = f"sample {index} of {num_samples}: {describe_reward_input(sample)}"
         try:
             return self.fn(sample, **self.kwargs)
         except Exception as err:

@@ -23,6 +23,8 @@ from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_r
 MODEL_INPUT_COLUMNS = ("prompt_media", "multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
 _CHAINED_LINE = "\n\nThe above exception was the direct cause of the following exception:"
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the process names in remote tracebacks
+PROGRESS_GROUP = "progress"
+PROGRESS_ANSWER_S = 10.0  # how long a timed-out scorer gets to say what it was scoring
 
 
 def reward_error_message(error: RewardFunctionError, remote_text: str) -> str:
@@ -99,6 +101,11 @@ class RewardScorer:
             non_tensors={"reward_scores": scores, "response_text": texts},
         )
 
+    def progress(self) -> str:
+        """The reward function and what its running call is scoring (answered while ``score`` runs:
+        the actor has a concurrency group of its own for this call)."""
+        return f"{self.function} was scoring {self.function.in_progress or 'nothing yet'}"
+
     def _punish_overlong(
         self, scores: list[dict[str, float]], lengths: torch.Tensor
     ) -> list[dict[str, float]]:
@@ -111,6 +118,20 @@ class RewardScorer:
             {**score, "overall": score["overall"] + penalty, "overlong_penalty": penalty}
             for score, penalty in zip(scores, penalties)
         ]
+
+
+def _died(ref: Any) -> bool:
+    """Whether the task behind ``ref`` failed because its worker process died."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - unfinished or failed otherwise
+        return False
+    return False
 
 
 @dataclasses.dataclass
@@ -131,7 +152,10 @@ class RewardWorkers:
     ):
         import ray
 
-        remote_cls = ray.remote(num_cpus=num_cpus)(RewardScorer)
+        # `progress` runs in a concurrency group of its own, so a hung `score` can still be asked what
+        # it is scoring; the reward function then runs in a worker thread, not the main thread (a
+        # signal-based timeout inside a reward file does not work; worker.reward.timeout_s does)
+        remote_cls = ray.remote(num_cpus=num_cpus, concurrency_groups={PROGRESS_GROUP: 1})(RewardScorer)
         self.actors = [remote_cls.remote(**scorer_kwargs) for _ in range(num_workers)]
         self.timeout_s = timeout_s
         self.transfers = transfers
@@ -149,22 +173,50 @@ class RewardWorkers:
 
     def collect(self, pending: PendingRewards) -> DataProto:
         import ray
-        from ray.exceptions import GetTimeoutError, RayTaskError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
             shards = ray.get(pending.refs, timeout=self.timeout_s)
         except GetTimeoutError:
-            raise RewardFunctionError(
-                f"reward scoring did not finish within worker.reward.timeout_s={self.timeout_s} s "
-                "(raise it, or look for a reward function that hangs)"
-            ) from None
+            raise RewardFunctionError(self._timeout_message(pending)) from None
         except RayTaskError as err:
             if isinstance(err.cause, RewardFunctionError):  # the scorer's own exception, unpickled
                 raise RewardFunctionError(reward_error_message(err.cause, str(err))) from None
             raise
+        except RayActorError as err:  # the process died (killed, out of memory): name the worker
+            index = next((i for i, ref in enumerate(pending.refs) if _died(ref)), "?")
+            self.shutdown()
+            raise RewardFunctionError(
+                f"reward worker {index} of {len(self.actors)} (RewardScorer) died while scoring: "
+                f"{str(err).splitlines()[0]}"
+            ) from None
         if self.transfers is not None:
             self.transfers.received(pending.refs)
         return DataProto.concat(shards).unpad(pending.pad_size)
+
+    def _timeout_message(self, pending: PendingRewards) -> str:
+        """Names what each unfinished worker was scoring, then kills the workers (a hung function
+        would otherwise keep its process busy forever)."""
+        import ray
+
+        unfinished = [i for i, ref in enumerate(pending.refs) if not ray.wait([ref], timeout=0)[0]]
+        lines = []
+        for index in unfinished:
+            actor = self.actors[index]
+            try:
+                answer = ray.get(
+                    actor.progress.options(concurrency_group=PROGRESS_GROUP).remote(),
+                    timeout=PROGRESS_ANSWER_S,
+                )
+            except Exception as err:  # noqa: BLE001 - the message matters more than why it has no answer
+                answer = f"(no answer: {type(err).__name__})"
+            lines.append(f"reward worker {index} of {len(self.actors)}: {answer}")
+        self.shutdown()
+        return (
+            f"reward scoring did not finish within worker.reward.timeout_s={self.timeout_s:g} s; the reward "
+            "workers were stopped. Raise the timeout, or fix the reward function where it hangs:\n"
+            + "\n".join(lines)
+        )
 
     def shutdown(self) -> None:
         import ray

@@ -32,12 +32,15 @@ import pytest
 import torch
 from _trackers import mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
 
+from mmrl.checkpoint.tracker import find_last_checkpoint
 from mmrl.trainer.config_loader import config_to_yaml, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = Path(__file__).resolve().parent / "assets"
 FINGERPRINT_REWARD = f"{ASSETS / 'fingerprint_reward.py'}:compute_score"
 RAISING_REWARD = f"{ASSETS / 'raising_reward.py'}:compute_score"
+HANGING_REWARD = f"{ASSETS / 'hanging_reward.py'}:compute_score"
+REWARD_TIMEOUT_S = 5.0  # scoring a step takes well under a second here
 
 # A trainer run takes 20-45 s on a 2-core machine; the limits only keep a hang from stalling CI.
 RUN_TIMEOUT_S = 240.0
@@ -505,57 +508,92 @@ def test_val_only_validates_logs_to_every_tracker_and_exits(
     assert_trackers_hold(save_dir, metrics, generations)
 
 
+# Where the chaos run's driver kills itself (mmrl.trainer.ray_trainer.fault_point), in order, each
+# resumed from the last checkpoint (saved every step): (phase, step, the last checkpoint at the kill).
+# The step of each kill is the first the resumed run has not saved, so that every run moves on.
+CHAOS_FAULTS = (
+    ("rollout", 2, 1),
+    ("reward", 3, 2),
+    ("checkpoint", 3, 2),  # the workers' part of global_step_3.tmp written, not committed
+    ("update", 4, 3),
+    ("sync", 4, 3),
+)
+RANDOM_KILL_WINDOW_S = (3.0, 15.0)  # seconds after the start: from start-up to past the last step
+
+
+def check_against_uninterrupted(lines: Sequence[dict], expected: dict[int, dict[str, float]]) -> None:
+    """Every metrics line of the chaos run (killed segments and resumes alike) equals the uninterrupted
+    run's for its step, timings aside; a resume's validation-only line is compared where A validated."""
+    for line in lines:
+        step, found = line["step"], deterministic_part({k: v for k, v in line.items() if k != "step"})
+        if set(found) == set(val_part(found)):
+            if val_part(expected[step]):
+                assert found == val_part(expected[step]), f"validation at step {step}"
+            continue
+        assert found == deterministic_part(expected[step]), f"step {step}"
+
+
 @trainer_e2e
-def test_sigkill_and_resume_reproduce_the_uninterrupted_metrics(
+def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     run_a, e2e_dir, tiny_vl_path, shapes_data_dir
 ):
-    """Run B (run A's config) is killed with SIGKILL once step 2 is committed, then resumed to step 4:
-    every metric of steps 3 and 4 except timings equals run A's exactly."""
+    """Run A's config, saving every step, SIGKILLed (the driver, then what is left of its session, as a
+    crashed machine loses it) in each phase — rollout, reward, update, weight sync, the middle of a
+    checkpoint write — and once at a random moment, resumed after every kill: each step's metrics
+    equal run A's exactly, timings aside."""
+    import random
+
     assert_succeeded(run_a)
-    save_dir = e2e_dir / "run_b"
-    config_file = write_config(
-        e2e_dir / "run_b.yaml", trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir)
-    )
-    log_path = e2e_dir / "run_b_killed.log"
+    save_dir = e2e_dir / "run_chaos"
+    # no validation at each start (run A's at step 0 does not change its training: the resumed
+    # segments, which validate at other steps than run A, reproduce it exactly)
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+    ]
+    config_file = write_config(e2e_dir / "run_chaos.yaml", overrides)
+    seconds = {}
+    for index, (phase, step, last_saved) in enumerate(CHAOS_FAULTS):
+        log_path = e2e_dir / f"run_chaos_{index}_{phase}.log"
+        started = time.monotonic()
+        process = start_trainer(config_file, log_path, env={"MMRL_FAULT_AT": f"{phase}:{step}"})
+        try:
+            returncode = wait_for_exit(process, log_path, RUN_TIMEOUT_S)
+        finally:
+            kill_session(process)
+        seconds[f"{phase}:{step}"] = round(time.monotonic() - started, 1)
+        assert returncode == -signal.SIGKILL, read_log(log_path)[-4000:]
+        assert latest_committed_step(save_dir) == last_saved, phase
+        if phase == "checkpoint":  # killed mid-save: the partial folder is there, and ignored
+            assert (save_dir / f"global_step_{step}.tmp" / "actor").is_dir()
+            assert not (save_dir / f"global_step_{step}").exists()
+        elif index > 0:
+            assert f"resuming from {save_dir / f'global_step_{CHAOS_FAULTS[index - 1][2]}'}" in read_log(
+                log_path
+            )
+
+    seed = int(os.environ.get("MMRL_CHAOS_SEED", random.randrange(1 << 30)))
+    delay_s = random.Random(seed).uniform(*RANDOM_KILL_WINDOW_S)
+    print(f"random kill: seed {seed}, {delay_s:.1f} s after the start (MMRL_CHAOS_SEED={seed} repeats it)")
+    log_path = e2e_dir / "run_chaos_random.log"
     process = start_trainer(config_file, log_path)
     try:
-        wait_until(
-            lambda: (latest_committed_step(save_dir) or 0) >= 2,
-            process,
-            log_path,
-            "committed checkpoint of step 2",
-            RUN_TIMEOUT_S,
-        )
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=delay_s)
     finally:
-        kill_session(process)
-    assert process.returncode == -signal.SIGKILL
-    assert leftovers == [], f"processes of the killed run still running: {leftovers}"
-    assert (save_dir / "global_step_2").is_dir()
-    assert not (save_dir / "global_step_4").exists(), "the run finished before it was killed"
-    killed_run = metrics_by_step(metrics_lines(save_dir))
-    lines_before_resume = len(metrics_lines(save_dir))
-
-    resumed = run_trainer(
-        config_file, save_dir, e2e_dir / "run_b_resumed.log", extra=["trainer.find_last_checkpoint=true"]
-    )
+        kill_session(process)  # SIGKILL of the whole session, wherever it is (or a no-op if finished)
+    assert not (save_dir / "global_step_4.tmp").is_file()
+    resumed = run_trainer(config_file, save_dir, e2e_dir / "run_chaos_resumed.log")
     assert_succeeded(resumed)
-    assert f"resuming from {save_dir / 'global_step_2'}" in resumed.output
-    new_lines = metrics_lines(save_dir)[lines_before_resume:]
-    assert [line["step"] for line in new_lines] == [2, 3, 4]  # validation at the resumed step, then 3, 4
-    assert set(new_lines[0]) - {"step"} == set(val_part(new_lines[0]))
+    print(f"seconds per killed run: {seconds}")
 
-    expected, found = metrics_by_step(metrics_lines(run_a.save_dir)), metrics_by_step(new_lines)
-    # before the kill both runs are the same run: any difference here is nondeterminism, not resume
-    assert deterministic_part(killed_run[1]) == deterministic_part(expected[1])
-    assert val_part(found[2]) == val_part(expected[2])
-    for step in (3, 4):
-        assert set(found[step]) == set(expected[step])
-        assert deterministic_part(found[step]) == deterministic_part(expected[step]), f"step {step}"
-        assert "actor/pg_loss" in deterministic_part(found[step])
-    assert latest_committed_step(save_dir) == 4
+    assert latest_committed_step(save_dir) == TOTAL_STEPS
+    assert not list(save_dir.glob("*.tmp")), "a partial checkpoint folder was left after the last save"
+    expected, lines = metrics_by_step(metrics_lines(run_a.save_dir)), metrics_lines(save_dir)
+    check_against_uninterrupted(lines, expected)
+    trained_steps = {line["step"] for line in lines if "actor/pg_loss" in line}
+    assert trained_steps == set(range(1, TOTAL_STEPS + 1))
+    assert {line["step"] for line in lines if "val/reward/overall" in line} == {2, 4}  # val_freq=2
 
 
 @trainer_e2e
@@ -661,6 +699,7 @@ def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny
     finally:
         kill_session(process)
     output = read_log(log_path)
+    print(f"rank 1 killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
     assert seconds_to_exit < EXIT_AFTER_WORKER_DEATH_S
     assert "mmrl: training stopped: actor_rank1 (rank 1 of 2) lost its process" in output, output[-4000:]
@@ -673,10 +712,7 @@ def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
 ):
     """The reward raises on the answer of train row 2; unshuffled, the first batch holds rows 0-3 and
     response i belongs to prompt i // n, so the first failing sample is n x (first row with that answer)."""
-    first_batch = [
-        json.loads(line)["answer"]
-        for line in (shapes_data_dir / "train.jsonl").read_text().splitlines()[:ROLLOUT_BATCH_SIZE]
-    ]
+    first_batch = first_batch_answers(shapes_data_dir)
     fail_on = first_batch[2]
     first_failing_sample = first_batch.index(fail_on) * RESPONSES_PER_PROMPT
     save_dir = e2e_dir / "run_raising_reward"
@@ -699,6 +735,130 @@ def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
     assert expected in run.output, run.output[-4000:]
     assert f'File "{ASSETS / "raising_reward.py"}", line' in run.output  # the user's failing line
     assert metrics_lines(save_dir) == []  # it failed in the first step
+
+
+def first_batch_answers(shapes_data_dir: Path) -> list[str]:
+    """Ground truths of the first step's prompts when unshuffled (train rows 0-3); response i belongs to
+    prompt i // n."""
+    lines = (shapes_data_dir / "train.jsonl").read_text().splitlines()[:ROLLOUT_BATCH_SIZE]
+    return [json.loads(line)["answer"] for line in lines]
+
+
+@trainer_e2e
+def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
+    e2e_dir, tiny_vl_path, shapes_data_dir
+):
+    """The reward never returns on the answer of train row 2: the run exits 1 soon after
+    worker.reward.timeout_s, naming the reward file, function and the sample being scored, and the
+    hung reward process is gone."""
+    answers = first_batch_answers(shapes_data_dir)
+    hang_on = answers[2]
+    hung_sample = answers.index(hang_on) * RESPONSES_PER_PROMPT
+    save_dir = e2e_dir / "run_hanging_reward"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        f"worker.reward.reward_function={HANGING_REWARD}",
+        f"worker.reward.reward_function_kwargs.hang_on_answer={hang_on}",
+        f"worker.reward.reward_function_kwargs.hang_marker={e2e_dir / 'reward_hangs'}",
+        f"worker.reward.timeout_s={REWARD_TIMEOUT_S}",
+        "data.shuffle=false",
+        "trainer.val_before_train=false",
+    ]
+    config_file = write_config(e2e_dir / "run_hanging_reward.yaml", overrides)
+    process = start_trainer(config_file, e2e_dir / "run_hanging_reward.log")
+    try:
+        returncode = wait_for_exit(process, e2e_dir / "run_hanging_reward.log", RUN_TIMEOUT_S)
+        seconds_to_exit = time.time() - (e2e_dir / "reward_hangs").stat().st_mtime
+        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+    finally:
+        kill_session(process)
+    run = TrainerRun(returncode, read_log(e2e_dir / "run_hanging_reward.log"), save_dir, leftovers)
+    print(f"hanging reward: the trainer exited {seconds_to_exit:.1f} s after the hang began")
+
+    assert run.returncode == 1, run.output[-4000:]
+    batch_responses = ROLLOUT_BATCH_SIZE * RESPONSES_PER_PROMPT
+    expected = (
+        f"mmrl: training stopped: reward scoring did not finish within "
+        f"worker.reward.timeout_s={REWARD_TIMEOUT_S:g} s; the reward workers were stopped."
+    )
+    assert expected in run.output, run.output[-4000:]
+    assert (
+        f"reward worker 0 of 1: `compute_score` from {ASSETS / 'hanging_reward.py'} "
+        f"(reward 'hanging', sequential) was scoring sample {hung_sample} of {batch_responses}: "
+    ) in run.output, run.output[-4000:]
+    assert f"'ground_truth': '{hang_on}'" in run.output
+    assert run.leftovers == [], f"processes still running after the trainer exited: {run.leftovers}"
+    assert seconds_to_exit < REWARD_TIMEOUT_S + EXIT_AFTER_WORKER_DEATH_S
+
+
+@trainer_e2e
+def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(e2e_dir, tiny_vl_path, shapes_data_dir):
+    """SIGKILL of the reward actor's process between steps: the next step's scoring fails, and the
+    trainer exits 1 within seconds naming the reward worker."""
+    save_dir = e2e_dir / "run_reward_worker_dies"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "trainer.max_steps=1000",  # never reached: the run must end because of the kill
+        "trainer.val_before_train=false",
+        "trainer.val_freq=0",
+        "trainer.save_freq=0",
+    ]
+    config_file = write_config(e2e_dir / "run_reward_worker_dies.yaml", overrides)
+    log_path = e2e_dir / "run_reward_worker_dies.log"
+    process = start_trainer(config_file, log_path)
+    try:
+        wait_until(lambda: logged_steps(save_dir) >= 1, process, log_path, "logged step", RUN_TIMEOUT_S)
+        scorers = [p for p in session_processes(process.pid) if p.name().startswith("ray::RewardScorer")]
+        assert len(scorers) == 1, [p.name() for p in session_processes(process.pid)]
+        scorers[0].kill()
+        killed_at = time.monotonic()
+        returncode = wait_for_exit(process, log_path, EXIT_AFTER_WORKER_DEATH_S)
+        seconds_to_exit = time.monotonic() - killed_at
+        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
+    finally:
+        kill_session(process)
+    output = read_log(log_path)
+    print(f"reward worker killed: the trainer exited {seconds_to_exit:.1f} s later")
+    assert returncode == 1, output[-4000:]
+    assert "mmrl: training stopped: reward worker 0 of 1 (RewardScorer) died while scoring" in output, output[
+        -4000:
+    ]
+    assert leftovers == [], f"processes still running after the trainer exited: {leftovers}"
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+@trainer_e2e
+def test_full_disk_at_save_time_stops_the_run_with_the_last_checkpoint_intact(run_a, e2e_dir):
+    """The checkpoint folder is a tmpfs with room for one checkpoint and a half (run A's step-2 folder
+    measures one): step 1 saves, step 2 hits a real ENOSPC. The run exits 1 naming the folder, the OS
+    error and the intact step-1 checkpoint, which find-last then picks."""
+    from _faults import small_tmpfs
+
+    assert_succeeded(run_a)
+    one_checkpoint = folder_bytes(run_a.save_dir / "global_step_2")
+    with small_tmpfs(e2e_dir / "small_disk", int(one_checkpoint * 1.5)) as save_dir:
+        overrides = [
+            f"config={e2e_dir / 'run_a.yaml'}",
+            f"trainer.save_checkpoint_path={save_dir}",
+            "trainer.max_steps=2",
+            "trainer.save_freq=1",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=0",
+        ]
+        config_file = write_config(e2e_dir / "run_full_disk.yaml", overrides)
+        run = run_trainer(config_file, save_dir, e2e_dir / "run_full_disk.log")
+        assert run.returncode == 1, run.output[-4000:]
+        expected = (
+            f"mmrl: training stopped: could not write the checkpoint of step 2 under "
+            f"trainer.save_checkpoint_path={save_dir}: "
+        )
+        assert expected in run.output, run.output[-4000:]
+        assert "[Errno 28] No space left on device" in run.output
+        assert f"The last complete checkpoint ({save_dir / 'global_step_1'}) is intact." in run.output
+        assert latest_committed_step(save_dir) == 1
+        assert find_last_checkpoint(save_dir) == save_dir / "global_step_1"
+        assert run.leftovers == [], f"processes still running after the trainer exited: {run.leftovers}"
 
 
 def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_data_dir):

@@ -289,6 +289,19 @@ def test_exception_in_batch_function_names_the_batch():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+def test_in_progress_names_the_sample_or_batch_being_scored():
+    """What a reward worker reports when its call outlasts worker.reward.timeout_s: the sample (or the
+    batch) the running call started on."""
+    sequential = _load("faulty_sequential.py", "fails_on_empty_answer")
+    with pytest.raises(RewardFunctionError):
+        sequential(_inputs("answer: 2", "answer: 3", "no answer"))
+    assert sequential.in_progress.startswith("sample 2 of 3: {'response': 'no answer', 'response_length': 9")
+    batch = _load("faulty_batch.py", "raises")
+    with pytest.raises(RewardFunctionError):
+        batch(build_reward_inputs(["abcd"] * 2, [4, 4], ["1", "1"], {}))
+    assert batch.in_progress.startswith("a batch of 2 samples, the first {'response': 'abcd'")
+
+
 def test_reward_function_error_pickles_with_its_message():
     with pytest.raises(RewardFunctionError) as info:
         _load("faulty_batch.py", "missing_overall")(_inputs("a", "b"))
