@@ -845,6 +845,7 @@ def test_full_disk_at_save_time_stops_the_run_with_the_last_checkpoint_intact(ru
             "trainer.save_freq=1",
             "trainer.val_before_train=false",
             "trainer.val_freq=0",
+            "trainer.logger=[jsonl]",  # run A's trackers are read back elsewhere
         ]
         config_file = write_config(e2e_dir / "run_full_disk.yaml", overrides)
         run = run_trainer(config_file, save_dir, e2e_dir / "run_full_disk.log")
