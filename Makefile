@@ -45,13 +45,16 @@ assets-audio: install
 demo-audio: assets-audio
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
 
-# "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL: DAPO dynamic sampling, clip-higher
-# and an entropy bonus, a candidate recipe for small models, not yet shown to learn (examples/tiny_cpu_spatial.yaml)
+# "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL (examples/tiny_cpu_spatial.yaml).
+# The warm-up also trains the colour task's true labels (--aux_data), which opens the tiny model's image
+# path; the left/right answers stay uniform. bench-recipes compares plain GRPO with the small-model recipe.
 assets-spatial: install
 	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
 	@$(PY) -m mmrl.demo.synthetic --task spatial --out $(ASSETS)/data/shapes-spatial --n_train 512 --n_val 64
 	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
-		--data $(ASSETS)/data/shapes-spatial/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-spatial-warm
+		--data $(ASSETS)/data/shapes-spatial/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-spatial-warm \
+		--aux_data $(ASSETS)/data/shapes-color/train.jsonl --steps 200
 
 demo-spatial: assets-spatial
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)

@@ -13,9 +13,9 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
   3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
   Harder: the tiny Qwen2.5-VL stays at chance on it even trained supervised (300 steps of 16 clips).
-- ``spatial``: one filled circle, square or triangle (any of the 4 colours, side 20-24 px) fully inside
-  the left or the right half of the image, and a 4-px black bar along the left edge as a landmark. "Is the <shape> on the left or the right? Answer left or
-  right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
+- ``spatial``: one filled circle, square or triangle (any of the 4 colours, side 20-28 px) fully inside
+  the left or the right half of the image; the left half is black, the right half white (the landmark).
+  "Is the <shape> on the left or the right? Answer left or right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
@@ -65,7 +65,7 @@ from PIL import Image, ImageDraw
 
 BUILD_MARKER = "mmrl_dataset.json"
 # Bumped when the drawing or the file layout changes, so stale folders are rebuilt.
-BUILD_VERSION = 4
+BUILD_VERSION = 5  # 5: the spatial task's left half is black (was a 4-px black bar)
 
 IMAGE_SIZE = 56  # px; a multiple of 28 (patch 14 x merge 2), so Qwen's resize keeps it as drawn
 BACKGROUND_RGB = (255, 255, 255)
@@ -98,9 +98,8 @@ BEEP_FADE_SECONDS = 0.005  # linear fade in/out, no clicks
 MIN_BEEP_GAP_SECONDS = 0.15  # silence between two beeps
 AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
 MAX_BEEPS = 3
-LANDMARK_WIDTH = 4  # px, spatial: a black bar along the left edge (see draw_spatial_image)
-LANDMARK_RGB = (0, 0, 0)
-SPATIAL_MIN_SIDE = 20  # px; the largest shape that fits a half beside the bar is 24
+LANDMARK_RGB = (0, 0, 0)  # spatial: the left half's background (see draw_spatial_image)
+SPATIAL_MIN_SIDE = 20  # px; the largest shape fills its 28-px half
 
 
 @dataclass(frozen=True)
@@ -175,25 +174,29 @@ def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
 
 
 def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Drawn:
-    """A shape of side 20-24 px (random kind and colour) fully inside the ``answer`` (left | right) half,
-    beside a black bar along the image's left edge.
+    """A shape of side 20-28 px (random kind and colour) fully inside the ``answer`` (left | right) half;
+    the left half's background is black, the right half's white.
 
-    Each half is 28 px, one column of the tiny model's merged 28-px patches. The bar is a landmark:
-    without it "left" is only the position of an image token, which the 0.4M-parameter model did not
-    learn even supervised (300 steps of 16 images, at chance); with it the left column's tokens hold
-    the bar, and the shape is left when it shares their tokens (learnt supervised in ~120 steps).
+    Each half is 28 px, one column of the tiny model's 2x2 merged 28-px patches. The black half is a
+    landmark whose cue survives averaging over the image tokens: the shape hides black (left) or white
+    (right), 13-25 % of the pixels. A 4-px black bar at the left edge did not: the bar is in the image
+    either way, so the summed content of the tokens is the same for both answers; and a patch of bar
+    and white normalises (RMSNorm, no patch bias) to nearly a white patch. The tiny model learnt the
+    bar supervised (~120 steps of 16 images) but RL, from a warm-up that answers at random, stayed at
+    chance for 200 steps. Black, not grey: a uniform grey patch is a scaled white one after the
+    processor's normalisation, and RMSNorm removes the scale.
     """
     if answer not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', found {answer!r}")
     half = size // 2
-    side = int(rng.integers(SPATIAL_MIN_SIDE, half - LANDMARK_WIDTH + 1))
-    lowest, highest = (LANDMARK_WIDTH, half - side) if answer == "left" else (half, size - side)
+    side = int(rng.integers(SPATIAL_MIN_SIDE, half + 1))
+    lowest, highest = (0, half - side) if answer == "left" else (half, size - side)
     left = int(rng.integers(lowest, highest + 1))
     top = int(rng.integers(0, size - side + 1))
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     rgb = list(COLORS.values())[int(rng.integers(len(COLORS)))]
     image = _blank_image(size)
-    ImageDraw.Draw(image).rectangle((0, 0, LANDMARK_WIDTH - 1, size - 1), fill=LANDMARK_RGB)
+    ImageDraw.Draw(image).rectangle((0, 0, half - 1, size - 1), fill=LANDMARK_RGB)
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), rgb)
     return Drawn(image, {"shape": shape})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.demo.warmup import warm_up
+from mmrl.demo.warmup import MARKER, warm_up
 from mmrl.models.inputs import response_head_outputs
 from mmrl.models.loading import load_model
 
@@ -53,3 +55,20 @@ def test_warm_up_teaches_the_answer_format_but_not_the_task(tiny_vl_path, shapes
     capsys.readouterr()
     warm_up(str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(tmp_path / "warm"), steps=40)
     assert "is up to date" in capsys.readouterr().out
+
+
+def test_aux_data_adds_its_true_labels_to_each_step_and_to_the_settings(
+    tiny_vl_path, shapes_data_dir, tmp_path, capsys
+):
+    data = str(shapes_data_dir / "train.jsonl")
+    capsys.readouterr()
+    plain = warm_up(str(tiny_vl_path), data, str(tmp_path / "plain"), steps=1)
+    plain_loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    aux = warm_up(str(tiny_vl_path), data, str(tmp_path / "aux"), steps=1, aux_data_file=data)
+    aux_loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    settings = json.loads((aux / MARKER).read_text())
+    assert settings["aux_data_file"] == data and settings["aux_data_build"] is not None
+    assert json.loads((plain / MARKER).read_text())["aux_data_file"] is None
+    # same first batch of uniform targets, plus the auxiliary batch's cross-entropy: the random model
+    # gives the true colour word (then EOS) ~1/485 per token, so that term is about ln(485) = 6.2
+    assert 4.0 < aux_loss - plain_loss < 8.0
