@@ -1,5 +1,5 @@
-"""Plain GRPO against the candidate small-model recipe (DAPO dynamic sampling + clip-higher + entropy
-bonus) on the spatial demo task, over seeds.
+"""Plain GRPO against the small-model recipe (DAPO dynamic sampling + clip-higher, KL loss kept, no
+entropy bonus) on the spatial demo task, over seeds.
 
     python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain recipe]
         [--threshold 0.8] [--val_every 10] [--ranks 1] [--force]
@@ -14,7 +14,7 @@ path: spatial validation accuracy 0.31 at step 0) and trains on
   bonus is 0: at 0.001 it broke the answer format on seed 1).
 
 Both keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, so the
-recipe's three parts are the only difference.
+recipe's parts are the only difference.
 
 A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
 and ``data.seed`` (the prompt order); the warm-up model is the same for every seed. Each run's summary
