@@ -669,36 +669,51 @@ def test_merged_trainer_checkpoint_loads_with_from_pretrained(run_a, e2e_dir, ti
     assert (merged_log_probs - token_log_probs(initial, inputs)).abs().max() > 1e-3
 
 
-@trainer_e2e
-def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny_vl_path, shapes_data_dir):
-    """SIGKILL of rank 1's process mid-run: the trainer exits 1 within a bounded time, naming the rank."""
-    save_dir = e2e_dir / "run_worker_dies"
+def kill_a_process_of_an_endless_run(
+    e2e_dir: Path, tiny_vl_path: Path, shapes_data_dir: Path, name: str, find_victim
+) -> tuple[int, float, str, list]:
+    """Starts a run that would never end, waits for its first logged step, SIGKILLs the process that
+    ``find_victim(trainer process, log path)`` picks and waits for the trainer's exit: (its exit code,
+    seconds from the kill to the exit, its output, processes of its session still running)."""
+    save_dir = e2e_dir / name
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "trainer.max_steps=1000",  # never reached: the run must end because of the kill
         "trainer.val_before_train=false",
         "trainer.val_freq=0",
         "trainer.save_freq=0",
     ]
-    config_file = write_config(e2e_dir / "run_worker_dies.yaml", overrides)
-    log_path = e2e_dir / "run_worker_dies.log"
+    config_file = write_config(e2e_dir / f"{name}.yaml", overrides)
+    log_path = e2e_dir / f"{name}.log"
     process = start_trainer(config_file, log_path)
     try:
         wait_until(lambda: logged_steps(save_dir) >= 1, process, log_path, "logged step", RUN_TIMEOUT_S)
-        rank1 = re.compile(r"\(actor_rank1 pid=(\d+)\)")
-        wait_until(
-            lambda: rank1.search(read_log(log_path)) is not None, process, log_path, "line of rank 1", 30
-        )
-        rank1_pid = int(rank1.search(read_log(log_path)).group(1))
-        worker = psutil.Process(rank1_pid)
-        assert os.getsid(rank1_pid) == process.pid and worker.name().startswith("ray::")
-        worker.kill()
+        find_victim(process, log_path).kill()
         killed_at = time.monotonic()
         returncode = wait_for_exit(process, log_path, EXIT_AFTER_WORKER_DEATH_S)
         seconds_to_exit = time.monotonic() - killed_at
         leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
     finally:
         kill_session(process)
-    output = read_log(log_path)
+    return returncode, seconds_to_exit, read_log(log_path), leftovers
+
+
+@trainer_e2e
+def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny_vl_path, shapes_data_dir):
+    """SIGKILL of rank 1's process mid-run: the trainer exits 1 within a bounded time, naming the rank."""
+    rank1 = re.compile(r"\(actor_rank1 pid=(\d+)\)")
+
+    def rank1_process(process: subprocess.Popen, log_path: Path) -> psutil.Process:
+        wait_until(
+            lambda: rank1.search(read_log(log_path)) is not None, process, log_path, "line of rank 1", 30
+        )
+        rank1_pid = int(rank1.search(read_log(log_path)).group(1))
+        worker = psutil.Process(rank1_pid)
+        assert os.getsid(rank1_pid) == process.pid and worker.name().startswith("ray::")
+        return worker
+
+    returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
+        e2e_dir, tiny_vl_path, shapes_data_dir, "run_worker_dies", rank1_process
+    )
     print(f"rank 1 killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
     assert seconds_to_exit < EXIT_AFTER_WORKER_DEATH_S
@@ -794,30 +809,18 @@ def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
 def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(e2e_dir, tiny_vl_path, shapes_data_dir):
     """SIGKILL of the reward actor's process between steps: the next step's scoring fails, and the
     trainer exits 1 within seconds naming the reward worker."""
-    save_dir = e2e_dir / "run_reward_worker_dies"
-    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-        "trainer.max_steps=1000",  # never reached: the run must end because of the kill
-        "trainer.val_before_train=false",
-        "trainer.val_freq=0",
-        "trainer.save_freq=0",
-    ]
-    config_file = write_config(e2e_dir / "run_reward_worker_dies.yaml", overrides)
-    log_path = e2e_dir / "run_reward_worker_dies.log"
-    process = start_trainer(config_file, log_path)
-    try:
-        wait_until(lambda: logged_steps(save_dir) >= 1, process, log_path, "logged step", RUN_TIMEOUT_S)
+
+    def reward_scorer(process: subprocess.Popen, log_path: Path) -> psutil.Process:
         scorers = [p for p in session_processes(process.pid) if p.name().startswith("ray::RewardScorer")]
         assert len(scorers) == 1, [p.name() for p in session_processes(process.pid)]
-        scorers[0].kill()
-        killed_at = time.monotonic()
-        returncode = wait_for_exit(process, log_path, EXIT_AFTER_WORKER_DEATH_S)
-        seconds_to_exit = time.monotonic() - killed_at
-        leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
-    finally:
-        kill_session(process)
-    output = read_log(log_path)
+        return scorers[0]
+
+    returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
+        e2e_dir, tiny_vl_path, shapes_data_dir, "run_reward_worker_dies", reward_scorer
+    )
     print(f"reward worker killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
+    assert seconds_to_exit < EXIT_AFTER_WORKER_DEATH_S
     assert "mmrl: training stopped: reward worker 0 of 1 (RewardScorer) died while scoring" in output, output[
         -4000:
     ]
