@@ -32,7 +32,9 @@ IMAGE_PIXELS = 448 * 448  # kept as is: 16 × 16 merged patches, 256 placeholder
 PHASES = ("gen", "update_actor", "sync")
 
 
-def real_shape_overrides(model_path, data_dir, save_dir, chunk_tokens: int = 256) -> list[str]:
+def real_shape_overrides(
+    model_path, data_dir, save_dir, chunk_tokens: int = 256, response_tokens: int = RESPONSE_TOKENS
+) -> list[str]:
     """The real-shape job (the test and this bench run the same): one worker, one prompt × 2 responses,
     no reference (so the update computes the old log-probs itself). One worker holds the fp32 weights,
     gradients and AdamW moments (8.8 GB), the gathered bf16 weights and gradients in the update (2.2
@@ -43,7 +45,7 @@ def real_shape_overrides(model_path, data_dir, save_dir, chunk_tokens: int = 256
     return [
         f"data.train_files={Path(data_dir) / 'train.jsonl'}",
         "data.max_prompt_length=320",
-        f"data.max_response_length={RESPONSE_TOKENS}",
+        f"data.max_response_length={response_tokens}",
         "data.rollout_batch_size=1",
         f"data.min_pixels={IMAGE_PIXELS}",
         f"data.max_pixels={IMAGE_PIXELS}",

@@ -135,6 +135,10 @@ def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], li
         if isinstance(first, OSError):
             raise OSError(first.errno, f"{first.strerror} (rank {rank}, DCP save)", str(directory)) from None
         raise RuntimeError(str(error)) from None
+    except OSError as error:  # without a process group DCP lets a writer's error through unwrapped
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, f"{error.strerror} (DCP save)", str(directory)) from None
     # every rank gets the index DCP wrote, so each knows the files a complete folder holds
     indexed = sorted({info.relative_path for info in metadata.storage_data.values()})
     return list(writer.written), indexed

@@ -179,7 +179,11 @@ class CheckpointLayout:
                     path.unlink()
         tmp_dir = self.tmp_dir(step)
         tmp_dir.mkdir()
-        (tmp_dir / SAVE_ID_FILE).write_text(uuid.uuid4().hex + "\n")
+        save_id_file = tmp_dir / SAVE_ID_FILE
+        try:
+            save_id_file.write_text(uuid.uuid4().hex + "\n")
+        except OSError as err:  # a full disk fails at close, with no file named
+            raise OSError(err.errno, err.strerror, str(save_id_file)) from None
         return tmp_dir
 
     def _check_reports(self, tmp_dir: Path, part: str, reports: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -196,7 +196,10 @@ def offline_trackers(tmp_path, monkeypatch):
     """wandb offline and MLflow's files confined to tmp_path; no process of theirs outlives the test."""
     for key, value in offline_tracker_env(tmp_path / "home").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # mlflow.set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ; set through monkeypatch
+    # (empty = unset for MlflowLogger), it is removed after the test instead of leading every later
+    # trainer subprocess of the session into this test's file store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")
     children_before = {child.pid for child in psutil.Process().children(recursive=True)}
     yield tmp_path / "logs"
     deadline = time.monotonic() + 10
