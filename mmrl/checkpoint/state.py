@@ -130,10 +130,12 @@ def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], li
             metadata = dcp.save(state_dict, storage_writer=writer)
     except CheckpointException as error:
         # a BaseException (Ray would not report it as a task error) holding each failed rank's
-        # error; a full disk or an unwritable folder is raised as an OSError naming the folder
-        rank, (first, _) = next(iter(error.failures.items()))
-        if isinstance(first, OSError):
-            raise OSError(first.errno, f"{first.strerror} (rank {rank}, DCP save)", str(directory)) from None
+        # error; a full disk or an unwritable folder (on any rank) is raised as an OSError naming the folder
+        for rank, (failure, _) in sorted(error.failures.items()):
+            if isinstance(failure, OSError):
+                raise OSError(
+                    failure.errno, f"{failure.strerror} (rank {rank}, DCP save)", str(directory)
+                ) from None
         raise RuntimeError(str(error)) from None
     except OSError as error:  # without a process group DCP lets a writer's error through unwrapped
         if error.filename is not None:

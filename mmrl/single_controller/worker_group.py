@@ -46,12 +46,20 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 class WorkerGroupError(RuntimeError):
     """A rank raised, died or timed out. `rank` and `method` name the first failure; the message holds
-    the remote traceback. The worker group is shut down when this is raised."""
+    the remote traceback and `cause` the rank's own exception when it raised one. The worker group is
+    shut down when this is raised."""
 
-    def __init__(self, message: str, rank: int | None = None, method: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        method: str | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.method = method
+        self.cause = cause
 
 
 class _WorkerHost:
@@ -452,7 +460,8 @@ class RayWorkerGroup:
                 except RayError as error:
                     message = self._failure_message(ranks[index], method, error)
                     self._abort(message)
-                    raise WorkerGroupError(message, rank=ranks[index], method=method) from None
+                    cause = error.cause if isinstance(error, RayTaskError) else None
+                    raise WorkerGroupError(message, rank=ranks[index], method=method, cause=cause) from None
         return results
 
     def _failure_message(self, rank: int, method: str, error: RayError) -> str:

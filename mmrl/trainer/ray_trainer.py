@@ -487,7 +487,7 @@ class RayPPOTrainer:
         try:
             self._write_checkpoint(val_metric)
         except (OSError, WorkerGroupError) as err:
-            if isinstance(err, WorkerGroupError) and "[Errno " not in str(err):
+            if isinstance(err, WorkerGroupError) and not isinstance(err.cause, OSError):
                 raise  # a rank died or failed otherwise: not a write failure
             kept = (
                 "No earlier checkpoint was complete."
