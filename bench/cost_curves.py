@@ -147,9 +147,9 @@ class WorkerStep:
     def step(self, index: int) -> dict:
         import numpy as np
 
+        from mmrl import core_algos
         from mmrl.data.collate import collate_prompts
         from mmrl.protocol import DataProto
-        from mmrl.trainer import core_algos
         from mmrl.trainer.step_plan import StepPlan
         from mmrl.workers.rollout import GenerationMode
 

@@ -157,9 +157,9 @@ def run(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from mmrl.config import ActorConfig
     from mmrl.models.prepare import prepare_for_training
     from mmrl.protocol import DataProto
-    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
 

@@ -74,8 +74,8 @@ def _batch(length: int):
 def run_point(point: dict) -> dict:
     import torch
 
+    from mmrl.config import ActorConfig
     from mmrl.models.lora import apply_lora
-    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import build_optimizer
 

@@ -104,8 +104,8 @@ def build_batch(processor, lengths: list[int], seed: int = 0):
 
 def add_old_log_probs(model, batch):
     """The model's own log-probs as ``old_log_probs``: every ratio starts at 1, as in a real update."""
+    from mmrl.config import ActorConfig
     from mmrl.protocol import DataProto
-    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
 
     actor = PolicyActor(model, ActorConfig(padding_free=True))
@@ -119,8 +119,8 @@ def bench_modes(model, batch, modes, micro_batch_size: int, repeats: int) -> dic
     machine slows all of them rather than one."""
     import torch
 
+    from mmrl.config import ActorConfig
     from mmrl.parallel.packing import padding_counts
-    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import micro_batch_rows
 

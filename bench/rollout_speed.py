@@ -88,9 +88,9 @@ def _bench_size(model_path: str, prompts: dict, args: argparse.Namespace) -> dic
     machine slows both, and the best of ``--repeats`` calls counts."""
     from transformers import AutoTokenizer
 
+    from mmrl.config import RolloutConfig
     from mmrl.models.loading import load_model
     from mmrl.models.prepare import prepare_for_training
-    from mmrl.trainer.config import RolloutConfig
     from mmrl.workers.rollout import SamplingParams
     from mmrl.workers.rollout.hf import HFRollout
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout

@@ -95,9 +95,9 @@ def run_point(point: dict) -> dict:
     """Load the model, warm up on 16 tokens, then run the point's pass once: seconds and memory."""
     import torch
 
+    from mmrl.config import ActorConfig
     from mmrl.models.loading import load_model
     from mmrl.models.prepare import prepare_for_training
-    from mmrl.trainer.config import ActorConfig
     from mmrl.workers.actor import PolicyActor
     from mmrl.workers.fsdp_engine import build_optimizer
 

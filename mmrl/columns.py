@@ -95,7 +95,7 @@ _SPECS = (
            "the reference policy's log-probs (KL penalty or KL loss)"),
     Column("values", "values", ("advantages", "update_critic", "metrics"), _FLOAT, "[B, R]",
            "the critic's value of the state before each response token"),
-    # ---- advantages: the driver (mmrl.trainer.core_algos)
+    # ---- advantages: the driver (mmrl.core_algos)
     Column("token_level_rewards", "advantages", ("metrics",), _FLOAT, "[B, R]",
            "scores after the KL reward penalty"),
     Column("advantages", "advantages", ("update", "metrics"), _FLOAT, "[B, R]", "per-token advantages"),

@@ -96,7 +96,7 @@ def render(current: str) -> str:
     """The file as the schema has it, keeping ``current``'s values and its opening comment lines."""
     from omegaconf import OmegaConf
 
-    from mmrl.trainer.config import PPOConfig
+    from mmrl.config import PPOConfig
 
     header = []
     for line in current.splitlines():

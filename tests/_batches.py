@@ -13,8 +13,8 @@ import torch
 from _models import training_model
 from PIL import Image
 
+from mmrl.config import ActorConfig, AlgorithmConfig, CriticConfig
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import ActorConfig, AlgorithmConfig, CriticConfig
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 

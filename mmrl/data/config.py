@@ -1,7 +1,7 @@
 """The ``data`` section of the config tree, and the ``path[@split]`` form of its dataset keys.
 
 It lives with the data layer, which reads it (:class:`mmrl.data.dataset.PromptDataset` takes the
-section whole); :mod:`mmrl.trainer.config` embeds it as ``PPOConfig.data``, so the keys stay ``data.*``.
+section whole); :mod:`mmrl.config` embeds it as ``PPOConfig.data``, so the keys stay ``data.*``.
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmrl.errors import UserInputError
-from mmrl.trainer.config import (
+from mmrl.config import (
     CHOICES,
     SAMPLING_KEYS,
     PPOConfig,
     split_dataset_spec,
     split_function_spec,
 )
+from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")

@@ -28,8 +28,8 @@ from typing import Any
 
 from mmrl.checkpoint.state import missing_state_files
 from mmrl.checkpoint.tracker import TRAINER_STATE_FILE, find_last_checkpoint
+from mmrl.config import PPOConfig
 from mmrl.errors import UserInputError
-from mmrl.trainer.config import PPOConfig
 
 SAMPLE_ROWS = 4  # rows per data file rendered and processed in full (media decoded) before the run
 

@@ -4,7 +4,7 @@
 sync → log → checkpoint. What a step does (on-policy shortcut, reference, critic, temperature) is
 decided once per step (:class:`~mmrl.trainer.step_plan.StepPlan`) and passed to the workers as
 arguments. Every phase is a named method; the models live in the workers
-(``mmrl.workers.fsdp_workers``) and the maths in ``mmrl.trainer.core_algos``.
+(``mmrl.workers.fsdp_workers``) and the maths in ``mmrl.core_algos``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl import core_algos
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
     CheckpointSaveError,
@@ -29,6 +30,7 @@ from mmrl.checkpoint.tracker import (
     save_trainer_state,
 )
 from mmrl.columns import check_batch
+from mmrl.config import PPOConfig
 from mmrl.data.collate import collate_prompts
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.loader import PromptLoader
@@ -36,8 +38,6 @@ from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
-from mmrl.trainer import core_algos
-from mmrl.trainer.config import PPOConfig
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmrl.trainer.config import PPOConfig
+from mmrl.config import PPOConfig
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The policy: log-probabilities of responses, and the PPO-style update (the losses of
-:data:`mmrl.trainer.core_algos.POLICY_LOSSES`: PPO, GSPO, GSPO-token, CISPO, SAPO).
+:data:`mmrl.core_algos.POLICY_LOSSES`: PPO, GSPO, GSPO-token, CISPO, SAPO).
 
 Batch columns (:mod:`mmrl.columns`): the forward columns of :mod:`mmrl.workers.forward`; the update
 also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_probs`` (and
 ``ref_log_probs`` with the KL loss), all [B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
 
-The actor takes its config section (:class:`~mmrl.trainer.config.ActorConfig`: loss, clipping,
+The actor takes its config section (:class:`~mmrl.config.ActorConfig`: loss, clipping,
 aggregation, packing) and the algorithm section (the KL loss); a new loss knob is a field there and a
 line where the loss is called. ``padding_free`` runs every forward on packed rows, with
 ``share_prompts`` each distinct prompt of a micro-batch once, followed by its responses;
@@ -25,12 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
-from mmrl.models.token_scoring import token_scoring_head
-from mmrl.parallel.sequence import SequenceParallelGroups
-from mmrl.protocol import DataProto
-from mmrl.trainer.config import ActorConfig, AlgorithmConfig
-from mmrl.trainer.core_algos import (
+from mmrl.config import ActorConfig, AlgorithmConfig
+from mmrl.core_algos import (
     LOSS_AGG_MODES,
     aggregate_loss,
     entropy_from_logits,
@@ -40,6 +36,10 @@ from mmrl.trainer.core_algos import (
     log_probs_from_logits,
     policy_loss_kwargs,
 )
+from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
+from mmrl.models.token_scoring import token_scoring_head
+from mmrl.parallel.sequence import SequenceParallelGroups
+from mmrl.protocol import DataProto
 from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmrl.config import CriticConfig
+from mmrl.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
 from mmrl.models.inputs import scatter_response_tokens
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import CriticConfig
-from mmrl.trainer.core_algos import LOSS_AGG_MODES, aggregate_loss, compute_value_loss
 from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,

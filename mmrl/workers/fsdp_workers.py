@@ -33,6 +33,15 @@ import torch.distributed as dist
 
 from mmrl.checkpoint.state import adapter_info, load_train_state, save_train_state
 from mmrl.checkpoint.tracker import read_save_id
+from mmrl.config import (
+    SAMPLING_KEYS,
+    ActorConfig,
+    CriticConfig,
+    FSDPConfig,
+    LoraConfig,
+    ModelConfig,
+    PPOConfig,
+)
 from mmrl.data.processing import (
     MediaCache,
     MediaProcessor,
@@ -46,15 +55,6 @@ from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
 from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import (
-    SAMPLING_KEYS,
-    ActorConfig,
-    CriticConfig,
-    FSDPConfig,
-    LoraConfig,
-    ModelConfig,
-    PPOConfig,
-)
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.forward import add_position_ids

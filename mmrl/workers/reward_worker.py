@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.core_algos import overlong_penalty
 from mmrl.protocol import DataProto
-from mmrl.trainer.core_algos import overlong_penalty
 from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_reward_function
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
@@ -63,7 +63,7 @@ class RewardScorer:
         overlong_penalty_factor: float = 1.0,
     ):
         """``overlong_buffer_length`` > 0 adds DAPO's soft overlong punishment
-        (:func:`~mmrl.trainer.core_algos.overlong_penalty` over ``max_response_length``) to every
+        (:func:`~mmrl.core_algos.overlong_penalty` over ``max_response_length``) to every
         ``overall`` score, and reports it as the score ``overlong_penalty``."""
         from transformers import AutoTokenizer
 

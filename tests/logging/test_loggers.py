@@ -18,10 +18,10 @@ import pytest
 import torch
 from _trackers import markdown_rows, mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
 
+from mmrl.config import LOGGERS
 from mmrl.logging import LOGGER_NAMES, ConsoleLogger, Tracker, build_loggers
 from mmrl.logging.console import format_duration, format_value
 from mmrl.logging.loggers import flatten_config, generations_markdown
-from mmrl.trainer.config import LOGGERS
 
 STEP_METRICS = {
     "reward/overall": 0.63,

@@ -16,6 +16,7 @@ from _batches import TEMPERATURE, build_batch
 from _models import training_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmrl.core_algos import entropy_from_logits, log_probs_from_logits
 from mmrl.models.inputs import ResponseScoring, response_token_outputs
 from mmrl.models.token_scoring import (
     TokenScoring,
@@ -25,7 +26,6 @@ from mmrl.models.token_scoring import (
     scoring_tokens,
     token_scoring_head,
 )
-from mmrl.trainer.core_algos import entropy_from_logits, log_probs_from_logits
 from mmrl.workers.forward import forward_arguments
 
 ROWS = ({}, {"image": (56, 56)}, {}, {"image": (84, 56)})

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import yaml
 
+from mmrl.config import PPOConfig, split_dataset_spec, split_function_spec
 from mmrl.data.config import DataConfig
-from mmrl.trainer.config import PPOConfig, split_dataset_spec, split_function_spec
 from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.trainer.step_plan import StepPlan
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from _config_reads import read_keys, schema_leaves, unread_keys
 
-from mmrl.trainer.config import CHOICES, PPOConfig
+from mmrl.config import CHOICES, PPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # checking a value is not using it: the validation module does not count as a reader
@@ -144,8 +144,8 @@ def test_every_declared_choice_is_a_key_of_the_tree_with_a_valid_default():
 
 
 def test_choices_agree_with_the_code_that_implements_them():
+    from mmrl import config, core_algos
     from mmrl.logging.loggers import LOGGER_NAMES
-    from mmrl.trainer import config, core_algos
     from mmrl.workers import fsdp_engine
 
     implemented = {

@@ -1,4 +1,4 @@
-"""Tests for mmrl.trainer.core_algos against numbers worked out by hand in the comments."""
+"""Tests for mmrl.core_algos against numbers worked out by hand in the comments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.trainer import core_algos as ca
+from mmrl import core_algos as ca
 
 SQRT_1_3 = math.sqrt(1 / 3)  # 0.5773503
 

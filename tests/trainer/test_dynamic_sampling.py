@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.trainer.core_algos import get_adv_estimator
+from mmrl.core_algos import get_adv_estimator
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,

@@ -126,7 +126,7 @@ def test_sapo_on_policy_step_is_the_policy_gradient(training_batches):
     # on-policy r = 1: SAPO's loss is -A * f(1) = -A * 2 / tau and its gradient wrt logp is -A whatever
     # tau (f'(1) = 1): two temperatures give the same step, and pg_loss the token mean of -2 A / tau
     # with tau = tau_positive (1.0) where A >= 0 and tau_negative (1.05) where A < 0
-    from mmrl.trainer.core_algos import aggregate_loss
+    from mmrl.core_algos import aggregate_loss
 
     path, batch = training_batches["qwen2_5_vl"]
     sapo = {"loss_type": "sapo", "clip_ratio_low": None, "clip_ratio_high": None}

@@ -19,6 +19,7 @@ from _batches import policy_actor, value_critic
 from _models import training_model
 from PIL import Image
 
+from mmrl.core_algos import log_probs_from_logits
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
 from mmrl.models.loading import (
     decoder_layers,
@@ -30,7 +31,6 @@ from mmrl.models.loading import (
 )
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
-from mmrl.trainer.core_algos import log_probs_from_logits
 from mmrl.workers.fsdp_engine import (
     PhaseOffload,
     build_lr_scheduler,
@@ -729,7 +729,7 @@ def test_phase_offload_parks_state_between_phases_and_changes_no_result():
 
 
 def _critic_config(model_path: str, offload: bool, loss_avg_mode: str):
-    from mmrl.trainer.config import (
+    from mmrl.config import (
         ActorConfig,
         ActorModelConfig,
         CriticConfig,
@@ -788,7 +788,7 @@ def test_critic_role_offloads_between_phases_and_supports_every_loss_avg_mode(ti
     """worker.critic.offload.* park the critic between its phases without changing a number; every
     worker.critic.loss_avg_mode trains, its vf_loss the mode's aggregate of the clipped value loss
     (hand-checked below from the values the worker computed before the step)."""
-    from mmrl.trainer.core_algos import aggregate_loss, compute_value_loss
+    from mmrl.core_algos import aggregate_loss, compute_value_loss
 
     modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
     runs = [(False, "token_mean"), *((True, mode) for mode in modes)]

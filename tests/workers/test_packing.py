@@ -21,6 +21,7 @@ from _batches import (
 )
 from _models import training_model
 
+from mmrl.core_algos import log_probs_from_logits
 from mmrl.models.inputs import (
     build_packed_forward_inputs,
     concat_multi_modal_inputs,
@@ -38,7 +39,6 @@ from mmrl.parallel.packing import (
 )
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
-from mmrl.trainer.core_algos import log_probs_from_logits
 from mmrl.workers.forward import forward_arguments
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows
 from mmrl.workers.weight_sync import iter_full_state_dict

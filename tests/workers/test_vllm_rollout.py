@@ -32,6 +32,7 @@ import pytest
 import torch
 from _trainer_run import run_main, small_run_overrides
 
+from mmrl.config import RolloutConfig
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
@@ -40,7 +41,6 @@ from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.debris import CPU_SHM_PATTERN, unlink_cpu_shared_memory
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
-from mmrl.trainer.config import RolloutConfig
 from mmrl.workers.rollout import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -173,7 +173,7 @@ class ActorConfig:
     def clip_range(self) -> tuple[float, float] | None:
         """``(clip_ratio_low, clip_ratio_high)`` the loss runs with: null keys take ``loss_type``'s default
         (``core_algos.POLICY_LOSS_CLIP_DEFAULTS``); None for a loss without clip (sapo)."""
-        from mmrl.trainer.core_algos import policy_clip_range  # imports torch: only when asked
+        from mmrl.core_algos import policy_clip_range  # imports torch: only when asked
 
         return policy_clip_range(self.loss_type, self.clip_ratio_low, self.clip_ratio_high)
 
