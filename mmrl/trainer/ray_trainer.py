@@ -106,6 +106,21 @@ def build_filter(config: PPOConfig) -> FilterOptions | None:
     )
 
 
+def build_entropy_controller(config: PPOConfig) -> core_algos.EntropyController:
+    """The entropy bonus's weight per step: ``worker.actor.entropy_coeff``, steered by
+    ``worker.actor.adaptive_entropy`` when enabled."""
+    actor = config.worker.actor
+    adaptive = actor.adaptive_entropy
+    return core_algos.EntropyController(
+        actor.entropy_coeff,
+        enabled=adaptive.enabled,
+        target_entropy=adaptive.target_entropy,
+        delta=adaptive.delta_ent_coef,
+        low=adaptive.min_ent_coef,
+        high=adaptive.max_ent_coef,
+    )
+
+
 def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
@@ -202,6 +217,7 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
         )
+        self.entropy_ctrl = build_entropy_controller(config)
         self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
         self.global_step = 0
         self.tracker = None
@@ -294,6 +310,7 @@ class RayPPOTrainer:
                 core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
             ),
             **self._rollout_gap(batch),
+            **self._steer_entropy(batch),
             **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
             **self._memory_peaks(),  # after the byte count: the call's own bytes are not the step's
         }
@@ -422,6 +439,7 @@ class RayPPOTrainer:
                     batch,
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
+                    entropy_coeff=self.entropy_ctrl.coefficient,
                 )
                 metrics.update(self._worker_metrics(update))
             if plan.old_log_probs_from_update:
@@ -510,6 +528,7 @@ class RayPPOTrainer:
             "global_step": self.global_step,
             "loader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
+            "entropy_ctrl": self.entropy_ctrl.state_dict(),
         }
         save_trainer_state(tmp_dir, state)
         self.checkpoints.commit(
@@ -530,6 +549,8 @@ class RayPPOTrainer:
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
+        if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
+            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -577,6 +598,14 @@ class RayPPOTrainer:
             "update_actor": all_tokens,
             "old_log_prob": all_tokens,
         }
+
+    def _steer_entropy(self, batch: DataProto) -> dict[str, float]:
+        """The entropy coefficient this step trained with, then the controller's update with the step's
+        token-mean entropy (the actor's measure, ``worker.actor.entropy_top_k``) for the next step."""
+        metrics = self.entropy_ctrl.metrics()
+        entropy = core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
+        self.entropy_ctrl.update(float(entropy))
+        return metrics
 
     @staticmethod
     def _rollout_gap(batch: DataProto) -> dict[str, float]:

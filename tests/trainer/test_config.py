@@ -183,6 +183,25 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.loss_type=sapo", "worker.actor.clip_ratio_high=0.3"], "loss_type=sapo has no clip"),
         (["worker.actor.tau_negative=0"], "worker.actor.tau_negative=0.0 must be > 0"),
         (
+            ["worker.actor.loss_type=kl_cov", "worker.actor.clip_ratio_low=0.2"],
+            "loss_type=kl_cov has no ratio",
+        ),
+        (["worker.actor.kl_cov_ratio=0"], "worker.actor.kl_cov_ratio=0.0 must lie in (0, 1]"),
+        (["worker.actor.clip_cov_lb=5"], "clip_cov_lb=5.0 must be below clip_cov_ub=5.0"),
+        (["worker.actor.entropy_top_k=-1"], "worker.actor.entropy_top_k=-1 must be >= 0"),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.adaptive_entropy.max_ent_coef=-1"],
+            "need 0 <= min_ent_coef <= max_ent_coef",
+        ),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.entropy_coeff=0.1"],
+            "worker.actor.entropy_coeff=0.1 is the adaptive coefficient's start",
+        ),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.adaptive_entropy.delta_ent_coef=0"],
+            "worker.actor.adaptive_entropy.delta_ent_coef=0.0 must be > 0",
+        ),
+        (
             ["worker.reward.overlong_buffer_length=512"],
             "overlong_buffer_length=512 must lie in [0, data.max_response_length=512)",
         ),
@@ -215,7 +234,7 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=reinforce_plus_plus"],
-            "set algorithm.adv_estimator to one of ['grpo', 'rloo'] (found reinforce_plus_plus)",
+            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'] (found reinforce_plus_plus)",
         ),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=gae"],
@@ -250,6 +269,8 @@ def test_cross_field_rules(run_files, args, expected):
         ("gspo_token", (3e-4, 4e-4), "ratio clipped to [1 - 0.0003, 1 + 0.0004]"),
         ("cispo", (1.0, 4.0), "ratio clipped to [1 - 1, 1 + 4]"),
         ("sapo", None, "no clip (soft gate, tau_positive=1.0, tau_negative=1.05)"),
+        ("clip_cov", (0.2, 0.3), "ratio clipped to [1 - 0.2, 1 + 0.3]"),
+        ("kl_cov", None, "no ratio clip (|log-ratio| x 1 on the 0.002 of the tokens with the highest"),
     ],
 )
 def test_null_clip_ratios_resolve_to_the_loss_default_and_are_printed(
