@@ -317,6 +317,18 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
 
 
 @dataclass(frozen=True)
+class StageConfig:
+    """One stage of a multi-stage schedule (``trainer.stages``): the run's config with ``overrides``,
+    for ``steps`` steps, continuing from the previous stage's last checkpoint."""
+
+    name: str = ""  # shown on the progress line and in the logs; empty = its number
+    steps: int = 0  # training steps of this stage (> 0)
+    # key=value overrides of this stage, written as on the command line, e.g.
+    # [data.max_response_length=16384, worker.rollout.n=16, worker.actor.optim.lr=5.0e-7]
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     total_epochs: int = 15  # passes over the training prompts
     max_steps: int | None = None  # stop after this many steps (overrides total_epochs when smaller)
@@ -339,6 +351,10 @@ class TrainerConfig:
     find_last_checkpoint: bool = True  # resume from the latest checkpoint under save_checkpoint_path
     # online_filtering: generation rounds a step may take to fill its batch; -1 = no limit
     max_try_make_batch: int = 20
+    # multi-stage training (Skywork-OR1: 8k, then 16k, then 32k response tokens): the stages run one after
+    # the other in one command, each resuming from the last one's checkpoint; their steps replace
+    # max_steps; empty = one stage, this config
+    stages: list[StageConfig] = field(default_factory=list)
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property

@@ -285,7 +285,57 @@ def load_config(
     ]
     if errors:
         raise ConfigError(errors)
+    stage_configs(cfg, check_paths)  # every stage's config is valid too, before anything starts
     return cfg
+
+
+# keys a stage may not change: they hold the schedule together (one checkpoint folder, one step count)
+STAGE_FIXED_KEYS = (
+    "trainer.stages",
+    "trainer.max_steps",
+    "trainer.total_epochs",
+    "trainer.save_checkpoint_path",
+    "trainer.load_checkpoint_path",
+    "trainer.find_last_checkpoint",
+    "trainer.project_name",
+    "trainer.experiment_name",
+)
+
+
+def stage_configs(cfg: PPOConfig, check_paths: bool = True) -> list[PPOConfig]:
+    """The config of each stage of ``trainer.stages`` (empty without a schedule): ``cfg`` with the
+    stage's overrides, ``trainer.max_steps`` at the stage's last step, and, after the first stage,
+    ``find_last_checkpoint`` on (it continues from the previous stage's checkpoint) and no validation
+    at its start (the previous stage validated at its end). Raises :class:`ConfigError` naming the
+    stage and the key."""
+    import tempfile
+
+    if not cfg.trainer.stages:
+        return []
+    errors, configs, last_step = [], [], 0
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as base:
+        base.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        base.flush()
+        for index, stage in enumerate(cfg.trainer.stages):
+            where = f"trainer.stages[{index}]" + (f" ({stage.name})" if stage.name else "")
+            if stage.steps <= 0:
+                errors.append(f"{where}.steps={stage.steps} must be > 0 (training steps of the stage)")
+            fixed = [o for o in stage.overrides if o.split("=", 1)[0].strip() in STAGE_FIXED_KEYS]
+            if fixed:
+                errors.append(f"{where}: a stage cannot change {fixed} (the schedule's own keys)")
+                continue
+            last_step += max(stage.steps, 0)
+            forced = [f"trainer.max_steps={max(last_step, 1)}", "trainer.stages=[]"]
+            if index > 0:
+                forced += ["trainer.find_last_checkpoint=true", "trainer.val_before_train=false"]
+            try:
+                args = [f"config={base.name}", *stage.overrides, *forced]
+                configs.append(load_config(args, check_paths=check_paths))
+            except ConfigError as err:
+                errors += [f"{where}: {e.replace('the command line', 'its overrides')}" for e in err.errors]
+    if errors:
+        raise ConfigError(errors)
+    return configs
 
 
 def config_to_yaml(cfg: PPOConfig) -> str:

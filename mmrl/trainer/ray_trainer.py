@@ -47,6 +47,7 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
@@ -137,14 +138,17 @@ def placement_line(node_ids: list[str]) -> str:
 
 
 class RayPPOTrainer:
-    """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
+    """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``; with a
+    ``stage`` of a multi-stage schedule (:mod:`mmrl.trainer.stages`), its config is the stage's, the
+    learning-rate schedule spans the whole schedule and the stage shows in metrics and progress line."""
 
-    def __init__(self, config: PPOConfig):
+    def __init__(self, config: PPOConfig, stage: Stage | None = None):
         from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
         self.config = config
+        self.stage = stage
         model = config.worker.actor.model
         trainer = config.trainer
         # Processes first: the reward workers and the training ranks start (and import torch and
@@ -210,7 +214,8 @@ class RayPPOTrainer:
         self.total_steps = total_training_steps(config, len(train_set))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
 
-        worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
+        schedule_steps = self.total_steps if stage is None else stage.schedule_steps
+        worker_kwargs = {"config": config, "total_training_steps": schedule_steps}
         self.actor.start(kwargs=worker_kwargs)
         print(placement_line(self.actor.node_ids), flush=True)
         algo = config.algorithm
@@ -250,6 +255,8 @@ class RayPPOTrainer:
         while self.global_step < self.total_steps:
             metrics = self.train_step(batches)
             self.global_step += 1
+            if self.stage is not None:
+                metrics["trainer/stage"] = self.stage.index + 1
             if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
                 metrics.update(self.validate() if self.val_loader is not None else {})
             self.tracker.log(metrics, self.global_step)
@@ -565,6 +572,7 @@ class RayPPOTrainer:
             asdict(self.config),
             self.total_steps,
             start_step=self.global_step,
+            label=self.stage.label if self.stage is not None else "",
         )
 
     def _training_batches(self) -> Iterator[DataProto]:
@@ -633,10 +641,13 @@ class RayPPOTrainer:
         if self.tracker is not None:
             self.tracker.finish()
         self.rewards.shutdown()
+        if self.stage is not None:  # the next stage builds workers of its own
+            self.actor.shutdown()
 
 
 def run(config: PPOConfig) -> int:
-    """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    """Start Ray, train (every stage of ``trainer.stages`` in turn), and turn worker or reward failures
+    into a message and exit code 1."""
     from mmrl.parallel.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
@@ -648,12 +659,24 @@ def run(config: PPOConfig) -> int:
         include_dashboard=ray_cfg.include_dashboard,
         object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
     )
-    trainer = RayPPOTrainer(config)
-    try:
-        trainer.fit()
-    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
-        print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        trainer.shutdown()
+    stages = plan_stages(config)
+    if stages:
+        trainer = config.trainer
+        latest = (
+            CheckpointLayout(trainer.checkpoint_dir).latest_step() if trainer.find_last_checkpoint else None
+        )
+        runs = [(stage.config, stage) for stage in stages[first_stage_to_run(stages, latest) :]]
+    else:
+        runs = [(config, None)]
+    for run_config, stage in runs:
+        if stage is not None:
+            print(stage.describe(), flush=True)
+        trainer = RayPPOTrainer(run_config, stage)
+        try:
+            trainer.fit()
+        except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
+            print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            trainer.shutdown()
     return 0

@@ -752,3 +752,48 @@ def test_val_only_needs_validation_files(run_files):
     ]
     args = valid_args(run_files, "trainer.val_only=true", f"data.val_files={run_files['data']}")
     assert load_config(args).trainer.val_only
+
+
+STAGES = (
+    "trainer.stages=[{name: 8k, steps: 3, overrides: [data.max_response_length=8192]},"
+    " {name: 16k, steps: 2, overrides: [data.max_response_length=16384, worker.rollout.n=16,"
+    " worker.rollout.temperature=0.8, worker.actor.optim.lr=5.0e-7]}]"
+)
+
+
+def test_stages_are_the_config_with_their_overrides_over_one_step_count(run_files):
+    from mmrl.trainer.stages import first_stage_to_run, plan_stages
+
+    cfg = load_config(valid_args(run_files, STAGES, "trainer.find_last_checkpoint=false"))
+    first, second = plan_stages(cfg)
+    assert (first.first_step, first.last_step, second.first_step, second.last_step) == (0, 3, 3, 5)
+    assert first.schedule_steps == second.schedule_steps == 5
+    assert (first.label, second.label) == ("stage 1/2 8k", "stage 2/2 16k")
+    assert second.describe() == (
+        "mmrl: stage 2/2 16k: steps 4-5 with data.max_response_length=16384, worker.rollout.n=16, "
+        "worker.rollout.temperature=0.8, worker.actor.optim.lr=5.0e-7"
+    )
+    one, two = first.config, second.config
+    assert (one.data.max_response_length, two.data.max_response_length) == (8192, 16384)
+    assert (one.worker.rollout.n, two.worker.rollout.n) == (cfg.worker.rollout.n, 16)
+    assert (two.worker.rollout.temperature, two.worker.actor.optim.lr) == (0.8, 5e-7)
+    assert (one.trainer.max_steps, two.trainer.max_steps) == (3, 5)  # where each stage ends
+    assert one.trainer.stages == two.trainer.stages == []
+    # the first stage keeps the run's choices; the next ones continue from its checkpoint, unvalidated
+    assert not one.trainer.find_last_checkpoint and two.trainer.find_last_checkpoint
+    assert (one.trainer.val_before_train, two.trainer.val_before_train) == (True, False)
+    # a run resumes in the stage its newest checkpoint falls in
+    stages = [first, second]
+    assert [first_stage_to_run(stages, step) for step in (None, 0, 2, 3, 4, 5)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_stage_errors_name_the_stage_and_the_key(run_files):
+    stages = (
+        "trainer.stages=[{name: a, steps: 0, overrides: [trainer.save_checkpoint_path=/x]},"
+        " {steps: 2, overrides: [worker.rollout.n=1, worker.rollout.temprature=1]}]"
+    )
+    errors = errors_of(valid_args(run_files, stages))
+    assert "trainer.stages[0] (a).steps=0 must be > 0 (training steps of the stage)" in errors
+    assert "trainer.stages[0] (a): a stage cannot change ['trainer.save_checkpoint_path=/x']" in errors[1]
+    assert any(e.startswith("trainer.stages[1]: ") and "set worker.rollout.n >= 2" in e for e in errors)
+    assert any("unknown key 'worker.rollout.temprature' in its overrides" in e for e in errors), errors

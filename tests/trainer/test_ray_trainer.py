@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -83,6 +84,14 @@ def trainer_overrides(model_path: Path, data_dir: Path, save_dir: Path) -> list[
         "algorithm.disable_kl=false",
         "algorithm.use_kl_loss=true",
         "algorithm.kl_coef=0.01",
+        # adaptive entropy control over the top-20 entropy, always below its target: the coefficient
+        # rises 0.001 a step (0.001, 0.002, ...), so a resume that lost its state would show it
+        "worker.actor.entropy_coeff=0.001",
+        "worker.actor.entropy_top_k=20",
+        "worker.actor.adaptive_entropy.enabled=true",
+        "worker.actor.adaptive_entropy.target_entropy=100",
+        "worker.actor.adaptive_entropy.delta_ent_coef=0.001",
+        "worker.actor.adaptive_entropy.max_ent_coef=0.01",
         f"worker.actor.model.model_path={model_path}",
         "worker.actor.model.enable_gradient_checkpointing=false",
         f"worker.actor.global_batch_size={ROLLOUT_BATCH_SIZE}",
@@ -382,6 +391,11 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
         assert step_metrics["timing_s/step"] > 0
         assert 0 < step_metrics["timing_s/sync"] < step_metrics["timing_s/step"]
         assert ("val/reward/overall" in step_metrics) == (step % 2 == 0)  # val_freq=2 and the last step
+    # the entropy bonus's coefficient rose by delta_ent_coef a step (adaptive control, below the target)
+    assert [metrics[step]["actor/entropy_coeff"] for step in (1, 2, 3, 4)] == pytest.approx(
+        [0.001, 0.002, 0.003, 0.004]
+    )
+    assert all(0 < metrics[step]["actor/entropy"] <= math.log(20) for step in (1, 2, 3, 4))  # top-20
     # the policy moved: greedy validation answers differ after training
     assert metrics[4]["val/reward/fingerprint"] != metrics[0]["val/reward/fingerprint"]
 
@@ -402,6 +416,7 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
     assert sorted(path.name for path in step_dir.iterdir()) == ["actor", "trainer_state.json"]
     trainer_state = json.loads((step_dir / "trainer_state.json").read_text())
     assert trainer_state["global_step"] == 4
+    assert trainer_state["entropy_ctrl"] == {"value": pytest.approx(0.005), "active": True}
     assert trainer_state["loader"] == {"epoch": 0, "batch_index": 4}  # 4 of the epoch's 8 batches
     state_info = json.loads((step_dir / "actor" / "mmrl_state.json").read_text())
     assert state_info["world_size"] == WORLD_SIZE and state_info["has_optimizer"]
@@ -525,7 +540,10 @@ def check_against_uninterrupted(lines: Sequence[dict], expected: dict[int, dict[
     """Every metrics line of the chaos run (killed segments and resumes alike) equals the uninterrupted
     run's for its step, timings aside; a resume's validation-only line is compared where A validated."""
     for line in lines:
-        step, found = line["step"], deterministic_part({k: v for k, v in line.items() if k != "step"})
+        if "trainer/stage" in line:  # run A is one stage; the chaos run is two, steps 1-2 and 3-4
+            assert line["trainer/stage"] == (1 if line["step"] <= 2 else 2), line["step"]
+        skipped = ("step", "trainer/stage")
+        step, found = line["step"], deterministic_part({k: v for k, v in line.items() if k not in skipped})
         if set(found) == set(val_part(found)):
             if val_part(expected[step]):
                 assert found == val_part(expected[step]), f"validation at step {step}"
@@ -540,7 +558,9 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     """Run A's config, saving every step, SIGKILLed (the driver, then what is left of its session, as a
     crashed machine loses it) in each phase — rollout, reward, update, weight sync, the middle of a
     checkpoint write — and once at a random moment, resumed after every kill: each step's metrics
-    equal run A's exactly, timings aside."""
+    equal run A's exactly, timings aside. It runs as a two-stage schedule (steps 1-2, then 3-4 with
+    workers rebuilt from the second stage's config, which changes nothing that shows in the numbers):
+    kills in step 3 resume at the stage boundary, kills in step 4 mid-stage."""
     import random
 
     assert_succeeded(run_a)
@@ -550,6 +570,7 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "trainer.save_freq=1",
         "trainer.val_before_train=false",
+        "trainer.stages=[{name: first, steps: 2}, {name: second, steps: 2, overrides: [worker.reward.timeout_s=300]}]",
     ]
     config_file = write_config(e2e_dir / "run_chaos.yaml", overrides)
     seconds = {}
@@ -593,6 +614,11 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     check_against_uninterrupted(lines, expected)
     trained_steps = {line["step"] for line in lines if "actor/pg_loss" in line}
     assert trained_steps == set(range(1, TOTAL_STEPS + 1))
+    assert {line["trainer/stage"] for line in lines if "actor/pg_loss" in line} == {1, 2}
+    # the run killed in step 4's weight sync resumed from step 3, inside the second stage
+    assert "mmrl: stage 2/2 second: steps 3-4 with worker.reward.timeout_s=300" in read_log(
+        e2e_dir / "run_chaos_4_sync.log"
+    )
     assert {line["step"] for line in lines if "val/reward/overall" in line} == {2, 4}  # val_freq=2
 
 
