@@ -45,6 +45,10 @@ class AlgorithmConfig:
     filter_key: str = "overall"  # reward score key the filter reads (`overall` = the reward)
     filter_low: float = 0.01  # keep a group only when its mean score is >= this ...
     filter_high: float = 0.99  # ... and <= this
+    # when trainer.max_try_make_batch rounds cannot fill a step: stop (the run ends with a message) |
+    # train (the step trains on the groups kept, topped up with groups it dropped: a policy that has
+    # settled on one answer keeps training, and an entropy bonus can bring it back)
+    unfilled_step: str = "stop"
 
     @property
     def use_reference(self) -> bool:
@@ -405,6 +409,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (AlgorithmConfig, "adv_estimator"): ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "remax", "gae"),
     (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
     (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
+    (AlgorithmConfig, "unfilled_step"): ("stop", "train"),
     (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov"),
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,

@@ -413,14 +413,13 @@ def _check_same_kind(directory: Path, adapter: dict[str, Any] | None, model: nn.
 
 def _keep_peak_lrs(optimizer: torch.optim.Optimizer, lr_scheduler: Any | None, peak_lrs: list[float]) -> None:
     """Put the peak rates ``optimizer`` was built with back after a load overwrote them (the optimizer
-    state's ``param_groups``, the scheduler's ``base_lrs``); the current rate follows the scheduler's
-    factor at its restored step."""
-    for index, (group, peak) in enumerate(zip(optimizer.param_groups, peak_lrs)):
+    state's ``param_groups``, the scheduler's ``base_lrs``): every rate is scaled by new peak / saved
+    peak, so the scheduler's position (warm-up, decay) is kept. Same peak: nothing changes."""
+    for group, peak in zip(optimizer.param_groups, peak_lrs):
+        saved_peak = group.get("initial_lr", peak)
+        if saved_peak != peak and saved_peak > 0:
+            group["lr"] = group["lr"] * peak / saved_peak
         group["initial_lr"] = peak
-        factor = 1.0
-        if lr_scheduler is not None and hasattr(lr_scheduler, "lr_lambdas"):
-            factor = lr_scheduler.lr_lambdas[index](lr_scheduler.last_epoch)
-        group["lr"] = peak * factor
     if lr_scheduler is not None:
         lr_scheduler.base_lrs = list(peak_lrs)
         lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -104,6 +104,7 @@ def build_filter(config: PPOConfig) -> FilterOptions | None:
         high=algo.filter_high,
         groups_per_step=config.data.rollout_batch_size,
         max_rounds=config.trainer.max_try_make_batch,
+        train_unfilled=algo.unfilled_step == "train",
     )
 
 
@@ -347,15 +348,19 @@ class RayPPOTrainer:
     ) -> tuple[DataProto, DataProto, dict[str, float]]:
         """DAPO dynamic sampling: generate and score a mini-batch of prompts a round, keep the groups
         :func:`kept_groups` accepts, until ``options.groups_per_step`` are kept; returns exactly that
-        many groups (the first kept, in generation order) with their scores. Raises
-        :class:`DynamicSamplingError` after ``options.max_rounds`` rounds."""
-        kept_batches, kept_scores = [], []
+        many groups (the first kept, in generation order) with their scores. After
+        ``options.max_rounds`` rounds, raises :class:`DynamicSamplingError` or, with
+        ``options.train_unfilled``, tops the step up with the groups it dropped (first dropped first)."""
+        kept_parts, dropped_parts = [], []  # (batch, scores) of each round's kept and dropped rows
         kept = dropped = responses = response_tokens = 0
         for round_index in itertools.count():
             if kept >= options.groups_per_step:
                 break
             if not options.may_start(round_index):
-                raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
+                if not options.train_unfilled:
+                    raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
+                logger.warning(options.top_up_message(round_index, kept))
+                break
             batch = self._generate(next(prompts), round_index)
             scores = self.rewards.collect(self.rewards.launch(batch))
             uids = batch.non_tensor_batch["uid"]
@@ -365,16 +370,19 @@ class RayPPOTrainer:
             kept, dropped = kept + kept_here, dropped + groups - kept_here
             responses += len(batch)
             response_tokens += int(batch.batch["response_mask"].sum())
-            rows = np.flatnonzero(keep)
-            kept_batches.append(batch[rows])
-            kept_scores.append(scores[rows])
-        batch, scores = DataProto.concat(kept_batches), DataProto.concat(kept_scores)
+            kept_parts.append((batch[np.flatnonzero(keep)], scores[np.flatnonzero(keep)]))
+            if options.train_unfilled:
+                dropped_parts.append((batch[np.flatnonzero(~keep)], scores[np.flatnonzero(~keep)]))
+        parts = kept_parts + dropped_parts  # the dropped ones only reach the step when it is not full
+        batch = DataProto.concat([part[0] for part in parts])
+        scores = DataProto.concat([part[1] for part in parts])
         rows = first_groups(batch.non_tensor_batch["uid"], options.groups_per_step)
         metrics = {
-            "rollout/kept_groups": options.groups_per_step,
+            "rollout/kept_groups": min(kept, options.groups_per_step),
             # dropped = failed the filter + passed it after the step was full (surplus, trimmed away)
-            "rollout/dropped_groups": dropped + kept - options.groups_per_step,
-            "rollout/surplus_groups": kept - options.groups_per_step,
+            "rollout/dropped_groups": dropped + max(kept - options.groups_per_step, 0),
+            "rollout/surplus_groups": max(kept - options.groups_per_step, 0),
+            "rollout/unfilled_groups": max(options.groups_per_step - kept, 0),  # topped up with dropped ones
             "rollout/rounds": round_index,
             "rollout/generated_responses": responses,
             "rollout/generated_response_tokens": response_tokens,

@@ -16,6 +16,7 @@ left can be found by session id (Ray's workers have their own process groups but
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -1106,14 +1107,15 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     """DAPO dynamic sampling on a coarse 0/1 reward (about a third of the groups score all 0): 2 prompts a
     round until 4 useful groups are kept. Every update trains on exactly 4 groups, none of them with
     zero advantage; the dropped and kept groups add up to those generated. The live trainer then
-    gives up after trainer.max_try_make_batch rounds when no group can pass. A second trainer resumed
+    gives up after trainer.max_try_make_batch rounds when no group can pass, or with
+    algorithm.unfilled_step=train trains on groups it dropped. A second trainer resumed
     from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps."""
     import ray
     from _trainer_run import small_run_overrides
 
     from mmrl.single_controller import init_ray
     from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions
-    from mmrl.trainer.ray_trainer import RayPPOTrainer, local_cluster_cpus
+    from mmrl.trainer.ray_trainer import RayPPOTrainer, build_filter, local_cluster_cpus
 
     def overrides(save_dir: Path, *extra: str) -> list[str]:
         return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
@@ -1130,7 +1132,9 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         ]
 
     # no group can have a mean score in [2, 2]: a step gives up after max_rounds rounds
-    hopeless = FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
+    hopeless = build_filter(load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=stop")))
+    hopeless = dataclasses.replace(hopeless, low=2.0, high=2.0, max_rounds=2)
+    assert hopeless == FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
     resume = f"trainer.load_checkpoint_path={tmp_path / 'a' / 'global_step_2'}"
     config = load_config(overrides(tmp_path / "a"))
     init_ray(num_cpus=local_cluster_cpus(config), object_store_memory_bytes=300_000_000)
@@ -1144,6 +1148,15 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                         DynamicSamplingError, match=r"in 2 rounds \(trainer.max_try_make_batch=2\)"
                     ):
                         trainer._filtered_rollout(trainer._training_batches(), hopeless)
+                    # algorithm.unfilled_step=train: the step trains on the groups it dropped instead
+                    top_up = build_filter(
+                        load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=train"))
+                    )
+                    top_up = dataclasses.replace(top_up, low=2.0, high=2.0, max_rounds=2)
+                    batch, scores, metrics = trainer._filtered_rollout(trainer._training_batches(), top_up)
+                    assert len(set(batch.non_tensor_batch["uid"])) == 4 and len(batch) == len(scores) == 16
+                    assert (metrics["rollout/kept_groups"], metrics["rollout/unfilled_groups"]) == (0, 4)
+                    assert (metrics["rollout/rounds"], metrics["rollout/dropped_groups"]) == (2, 4)
             finally:
                 trainer.shutdown()
                 trainer.actor.shutdown()
