@@ -61,8 +61,9 @@ RECIPES: dict[str, list[str]] = {
         "worker.actor.clip_ratio_high=0.2",
         *NO_ENTROPY_CONTROL,
     ],
-    "dapo": [  # stop 20's recipe: dynamic sampling and clip-higher, no entropy bonus
+    "dapo": [  # stop 20's recipe: dynamic sampling (stops when a step cannot be filled), clip-higher
         "algorithm.online_filtering=true",
+        "algorithm.unfilled_step=stop",
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.28",
         *NO_ENTROPY_CONTROL,
