@@ -81,6 +81,37 @@ def test_top_k_entropy_bonus_chunked_equals_unchunked(training_batches):
         torch.testing.assert_close(chunked["state"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_the_entropy_term_of_a_step_is_minus_the_coefficient_the_driver_hands_it(training_batches):
+    # advantages 0 and no KL loss: the whole loss is -c * token_mean(entropy), so a plain SGD step (lr 1,
+    # no clipping) moves every weight by c * d mean H / d w: nothing at c = 0, twice as far at 2c. The
+    # coefficient comes with the update (the driver's EntropyController), not from the config.
+    path, batch = training_batches["qwen2_5_vl"]
+    batch = _with_zero_advantages(batch)
+    quiet = {"use_kl_loss": False, "max_grad_norm": 1e9, "entropy_coeff": 0.5, "entropy_top_k": 5}
+    initial = dict(iter_full_state_dict(training_model(path)))
+    moves = {}
+    for coefficient in (0.0, 1.0, 2.0):  # large: a weight change far above float32 rounding of the weight
+        model = training_model(path)
+        actor = policy_actor(
+            model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **{**ACTOR_SETTINGS, **quiet}
+        )
+        metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE, entropy_coeff=coefficient).metrics
+        assert metrics["pg_loss"] == 0.0
+        moves[coefficient] = {
+            name: tensor.detach() - initial[name] for name, tensor in iter_full_state_dict(model)
+        }
+    assert all(not move.any() for move in moves[0.0].values())  # the config's 0.5 is not used
+    assert any(move.abs().max() > 0 for move in moves[1.0].values())
+    for name, move in moves[2.0].items():
+        torch.testing.assert_close(move, 2 * moves[1.0][name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def _with_zero_advantages(batch: DataProto) -> DataProto:
+    tensors = dict(batch.batch.items())
+    tensors["advantages"] = torch.zeros_like(tensors["advantages"])
+    return DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch))
+
+
 def test_chunked_scoring_needs_a_model_prepared_for_it(tiny_vl_path):
     from mmrl.models.loading import load_model
 
