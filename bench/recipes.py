@@ -1,8 +1,9 @@
-"""Plain GRPO against the small-model recipe (DAPO dynamic sampling + clip-higher, KL loss kept, no
-entropy bonus) on the spatial demo task, over seeds.
+"""Plain GRPO, stop 20's recipe (DAPO) and the small-model recipe of issue 26 on the spatial demo task,
+over seeds.
 
-    python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain recipe]
+    python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain dapo entropy]
         [--threshold 0.8] [--val_every 10] [--ranks 1] [--force]
+    python bench/recipes.py --variant NAME --override key=value ... [--seeds ...]   # a variant to try
 
 Every run starts from the warm-up of ``make assets-spatial`` (a tiny random Qwen2.5-VL that answers
 "left" or "right" whatever the image, and has learnt the colour task on the side, which opens its image
@@ -10,11 +11,14 @@ path: spatial validation accuracy 0.31 at step 0) and trains on
 ``examples/tiny_cpu_spatial.yaml`` with the recipe's overrides:
 
 - ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus;
-- ``recipe``: the example config as it stands: online filtering and clip_ratio_high 0.28 (its entropy
-  bonus is 0: at 0.001 it broke the answer format on seed 1).
+- ``dapo``: stop 20's recipe: online filtering that ends the run when ``trainer.max_try_make_batch``
+  rounds cannot fill a step, clip_ratio_high 0.28, no entropy bonus;
+- ``entropy``: the example config as it stands (issue 26): the same filtering, but a step that cannot be
+  filled trains on the groups it dropped (``algorithm.unfilled_step: train``), and adaptive entropy
+  control over the top-8 entropy (``worker.actor.adaptive_entropy``, ``entropy_top_k: 8``).
 
-Both keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, so the
-recipe's parts are the only difference.
+All keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, and
+measure the entropy alike (the example's ``entropy_top_k``; without a bonus it is only the measure).
 
 A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
 and ``data.seed`` (the prompt order); the warm-up model is the same for every seed. Each run's summary
@@ -23,12 +27,13 @@ goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exi
 
 Per run: validation accuracy (greedy, the 64 validation images) after every ``--val_every`` steps
 against the response tokens generated so far (filtered rounds included), the mean fraction of
-zero-advantage groups in the updates, and the wall time. A seed "learns" when its final accuracy is at
-least ``--threshold`` (default 0.8: a policy that ignores the image scores 0.5 on the balanced
-validation set however it answers, so 0.8 needs the image on at least 60 % of the images beyond a
-guess). The table reports per recipe: seeds that learn, mean final accuracy, mean
-zero-advantage fraction, and accuracy at fixed budgets of generated response tokens (the learning
-curve per rollout token, from the logged ``rollout/generated_response_tokens``).
+zero-advantage groups in the updates, the entropy of the last 10 steps, whether the run stopped before
+its last step, and the wall time. A seed "learns" when its final accuracy is at least ``--threshold``
+(default 0.8: a policy that ignores the image scores 0.5 on the balanced validation set however it
+answers, so 0.8 needs the image on at least 60 % of the images beyond a guess) and it did not stop
+early. The table reports per recipe: seeds that learn, runs stopped early, mean final accuracy, the
+entropy at the end, the zero-advantage fraction, and the response tokens generated to reach the
+threshold; then every seed's curve.
 """
 
 from __future__ import annotations

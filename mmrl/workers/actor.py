@@ -7,9 +7,11 @@ also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_pr
 
 The actor takes its config section (:class:`~mmrl.config.ActorConfig`: loss, clipping,
 aggregation, packing) and the algorithm section (the KL loss). The policy loss receives the section
-itself (its :class:`~mmrl.config.PolicyLossConfig` part), so a new loss knob is a field there and a line
-in the loss; nothing here copies knobs. The entropy bonus's weight comes with each update (the driver's
-:class:`~mmrl.core_algos.EntropyController` may change it every step). ``padding_free`` runs every forward on packed rows, with
+itself (its :class:`~mmrl.config.PolicyLossConfig` part), so a new loss knob is a field there and a
+line in the loss; nothing here copies knobs. The entropy bonus's weight comes with each update (the
+driver's :class:`~mmrl.core_algos.EntropyController` may change it every step).
+
+``padding_free`` runs every forward on packed rows, with
 ``share_prompts`` each distinct prompt of a micro-batch once, followed by its responses;
 micro-batches hold ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch`` as many rows as
 fit in that many packed tokens. Log-probs and entropies are computed on the valid response tokens
