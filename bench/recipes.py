@@ -22,8 +22,9 @@ measure the entropy alike (the example's ``entropy_top_k``; without a bonus it i
 
 A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
 and ``data.seed`` (the prompt order); the warm-up model is the same for every seed. Each run's summary
-goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exists is not run again
-(``--force`` reruns), so an interrupted study resumes where it stopped.
+goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exists (with the same
+overrides and the same example config) is not run again (``--force`` reruns), so an interrupted study
+resumes where it stopped.
 
 Per run: validation accuracy (greedy, the 64 validation images) after every ``--val_every`` steps
 against the response tokens generated so far (filtered rounds included), the mean fraction of
@@ -39,6 +40,7 @@ threshold; then every seed's curve.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -75,6 +77,11 @@ RECIPES: dict[str, list[str]] = {
     ],
     "entropy": [],  # examples/tiny_cpu_spatial.yaml as it stands: the recipe of issue 26
 }
+
+
+def config_sha() -> str:
+    """The example config's hash: a result of another version of it is run again."""
+    return hashlib.sha256(CONFIG.read_bytes()).hexdigest()[:16]
 
 
 def recipe_overrides(recipe: str, args: argparse.Namespace) -> list[str]:
@@ -134,7 +141,8 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
     out_dir = RESULTS / "runs" / f"{recipe}_seed{seed}"
     if result_file.is_file() and not args.force:
         done = json.loads(result_file.read_text())
-        if done["overrides"] == run_overrides(recipe, seed, args, out_dir):  # same steps, same settings
+        same = done["overrides"] == run_overrides(recipe, seed, args, out_dir)  # same steps, same settings
+        if same and done.get("config_sha") == config_sha():  # ... and the example config as it was
             return done
     log = out_dir / "logs" / "metrics.jsonl"
     log.unlink(missing_ok=True)
@@ -156,6 +164,7 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
         "returncode": process.returncode,
         "wall_s": wall_s,
         "overrides": run_overrides(recipe, seed, args, out_dir),
+        "config_sha": config_sha(),
         **summarize(rows, args.threshold),
     }
     if process.returncode != 0:
