@@ -13,8 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# the data section lives with the data layer; split_dataset_spec is re-exported for config_loader
-from mmrl.data.config import DataConfig, split_dataset_spec  # noqa: F401
+# the data section lives with the data layer; its spec helpers are re-exported for config_loader
+from mmrl.data.config import (  # noqa: F401
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
+    DataConfig,
+    split_dataset_spec,
+    unsupported_data_file,
+)
 
 
 def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str]:

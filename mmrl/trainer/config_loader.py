@@ -21,15 +21,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mmrl.config import (
     CHOICES,
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
     SAMPLING_KEYS,
     PPOConfig,
     split_dataset_spec,
     split_function_spec,
+    unsupported_data_file,
 )
 from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
@@ -326,10 +328,13 @@ def _check_dataset(errors: list[str], key: str, value: str) -> None:
     for spec in filter(None, (s.strip() for s in value.split(","))):
         path, _ = split_dataset_spec(spec)
         if os.path.exists(path):
+            problem = unsupported_data_file(path)
+            if problem:
+                errors.append(f"{key}: {problem}")
             continue
         if HUB_ID.match(path) and not path.endswith(DATA_FILE_SUFFIXES):
             continue  # a hub dataset id: only the loader can tell whether it is reachable
-        errors.append(f"{key}: '{path}' does not exist (a jsonl/json/parquet file or a `datasets` folder)")
+        errors.append(f"{key}: '{path}' does not exist ({DATA_FORMATS})")
 
 
 def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> str | None:

@@ -600,10 +600,19 @@ class RayPPOTrainer:
             )
         ]
 
-    def shutdown(self) -> None:
-        if self.tracker is not None:
-            self.tracker.finish()
-        self.rewards.shutdown()
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop the reward workers and disconnect from Ray, then close the loggers (``failed``: marked
+        failed where the tracker can show it). Ray prints the log lines its deduplication held back
+        ("... [repeated 4x across cluster]") when the driver disconnects: disconnecting first keeps
+        them above the console's final line, so the last thing a run prints is mmrl's."""
+        import ray
+
+        try:
+            self.rewards.shutdown()
+        finally:
+            ray.shutdown()
+            if self.tracker is not None:
+                self.tracker.finish(failed)
 
 
 def run(config: PPOConfig) -> int:
@@ -620,11 +629,17 @@ def run(config: PPOConfig) -> int:
         object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
     )
     trainer = RayPPOTrainer(config)
+    failed = True  # until fit returns: any exception, caught here or by main, fails the run
     try:
         trainer.fit()
+        failed = False
     except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
-        print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
-        return 1
+        stopped = err
+    else:
+        stopped = None
     finally:
-        trainer.shutdown()
+        trainer.shutdown(failed=failed)  # Ray's held-back lines come out here, before mmrl's last words
+    if stopped is not None:
+        print(f"mmrl: training stopped: {stopped}", file=sys.stderr, flush=True)
+        return 1
     return 0
