@@ -296,7 +296,10 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # any of LOGGERS
     nnodes: int = 1  # machines
     n_gpus_per_node: int = 8  # training processes per machine (GPUs; CPU processes on a CPU machine)
-    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    device: str = "auto"  # auto (GPUs when the Ray cluster has any) | cuda | cpu
+    # CPUs Ray reserves per training process, also its torch threads (media decoding and processing);
+    # null = on GPU nodes the node's CPUs (less the reward workers') shared by its processes, 0.5 on CPUs
+    cpus_per_worker: float | None = None
     seed: int = 1  # seed of model init, dropout and sampling RNGs
     critic_warmup: int = 0  # steps that update the critic only
     val_freq: int = -1  # validate every this many steps; -1 = never during training

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -47,6 +48,7 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.placement import plan_placement
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
@@ -110,9 +112,9 @@ def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
     per device holds every model role, the critic's included."""
-    workers = config.trainer.world_size
+    workers = config.trainer.world_size * max(1.0, config.trainer.cpus_per_worker or 1.0)
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
-    return max(os.cpu_count() or 1, int(workers + rewards + 1))
+    return max(os.cpu_count() or 1, math.ceil(workers + rewards + 1))
 
 
 def placement_line(node_ids: list[str]) -> str:
@@ -125,7 +127,7 @@ class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
 
     def __init__(self, config: PPOConfig):
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
+        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
@@ -152,9 +154,15 @@ class RayPPOTrainer:
             overlong_buffer_length=reward.overlong_buffer_length,
             overlong_penalty_factor=reward.overlong_penalty_factor,
         )
-        use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
+        # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
+        placement = plan_placement(trainer, reward.num_workers * reward.num_cpus, alive_node_resources())
+        if placement.note:
+            print(placement.note, flush=True)
         pool = ResourcePool(
-            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+            trainer.nnodes,
+            trainer.n_gpus_per_node,
+            placement.use_gpu,
+            cpus_per_proc=placement.cpus_per_worker,
         )
         # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
         # their rows by its own sequence-parallel size
@@ -195,7 +203,11 @@ class RayPPOTrainer:
         self.total_steps = total_training_steps(config, len(train_set))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
 
-        worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
+        worker_kwargs = {
+            "config": config,
+            "total_training_steps": self.total_steps,
+            "cpu_threads": placement.worker_threads,
+        }
         self.actor.start(kwargs=worker_kwargs)
         print(placement_line(self.actor.node_ids), flush=True)
         algo = config.algorithm
