@@ -231,7 +231,9 @@ class RolloutConfig:
     dtype: str = "auto"  # engine dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; 1 = one engine per training process
-    gpu_memory_utilization: float = 0.6  # vLLM: fraction of GPU memory for weights + KV cache
+    # vLLM: share of the GPU's *total* memory the engine takes while awake (weights, activations, the KV
+    # cache in the rest); it must be free when the engine starts (trainer memory is not subtracted)
+    gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache size in GiB (its default takes 90% of RAM)
     max_model_len: int | None = None  # vLLM context; null = max_prompt_length + max_response_length
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget per step

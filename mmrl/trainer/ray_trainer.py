@@ -574,10 +574,12 @@ class RayPPOTrainer:
         return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
 
     def _memory_peaks(self) -> dict[str, float]:
-        """Peak memory per phase since the last step, the largest over the ranks (GiB: the device's
-        allocator on GPUs, the process's resident set on CPUs; mmrl.workers.memory)."""
-        per_rank = self.actor.call("take_memory_peaks")
-        return {key: max(peaks.get(key, 0.0) for peaks in per_rank) for key in set().union(*per_rank)}
+        """Memory per phase since the last step over the ranks (GiB; mmrl.workers.memory): the largest
+        peak (GPUs: tensors, and what torch reserved; CPUs: the resident set) and the smallest device
+        free memory of any rank."""
+        from mmrl.workers.memory import combine_rank_peaks
+
+        return combine_rank_peaks(self.actor.call("take_memory_peaks"))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:

@@ -363,7 +363,8 @@ class HybridWorker:
         self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
-        # last: a vLLM engine sizes its cache by the memory free when it starts
+        # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
+        # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
         self.critic = self._build_critic(total_training_steps) if config.use_critic else None
 
     # ---- builders -----------------------------------------------------------------------------
