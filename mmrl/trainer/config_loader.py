@@ -498,6 +498,9 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
             )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
         errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
+    cpus = cfg.trainer.cpus_per_worker
+    if cpus is not None and cpus <= 0:
+        errors.append(f"trainer.cpus_per_worker={cpus} must be > 0 (CPUs per training process), or null")
     min_pixels, max_pixels = cfg.data.min_pixels, cfg.data.max_pixels
     for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
         if value is not None and value <= 0:
