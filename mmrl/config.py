@@ -247,6 +247,16 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class RewardSourceConfig:
+    """What every reward source's section shares (``mmrl.rewards.source``): its part in the reward."""
+
+    weight: float = 1.0  # weight of the source's `overall` in the reward (weighted sum); 0 = logged only
+    failure_score: float = 0.0  # score of a sample the source could not score (counted as <source>/failed)
+    # stop the run when more than this fraction of one batch's samples failed in this source; 1 = never
+    max_failed_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     reward_function: str = ""  # `path/to/file.py:function` (function defaults to `main`)
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments

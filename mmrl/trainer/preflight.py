@@ -124,7 +124,7 @@ def check_models(config: PPOConfig) -> tuple[Any, Any | None]:
 
 def check_reward(config: PPOConfig) -> None:
     """Import the reward file and check the function, as each reward worker does at start."""
-    from mmrl.workers.reward import load_reward_function
+    from mmrl.rewards.rule import load_reward_function
 
     reward = config.worker.reward
     load_reward_function(reward.reward_function, reward.reward_function_kwargs)

@@ -38,6 +38,7 @@ from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
+from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -48,7 +49,6 @@ from mmrl.trainer.dynamic_sampling import (
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from mmrl.trainer.step_plan import StepPlan
-from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)

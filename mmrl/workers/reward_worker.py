@@ -17,7 +17,7 @@ import torch
 
 from mmrl.core_algos import overlong_penalty
 from mmrl.protocol import DataProto
-from mmrl.workers.reward import RewardFunctionError, build_reward_inputs, load_reward_function
+from mmrl.rewards.rule import RewardFunctionError, build_reward_inputs, load_reward_function
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
 MODEL_INPUT_COLUMNS = ("prompt_media", "multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmrl.workers.reward import (
+from mmrl.rewards.rule import (
     RewardFunction,
     RewardFunctionError,
     build_reward_inputs,
