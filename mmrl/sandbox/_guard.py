@@ -20,7 +20,14 @@ import runpy
 import sys
 
 _REFUSED_PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn")
-_REFUSED_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.startfile", "pty.spawn", "_posixsubprocess.fork_exec"}
+_REFUSED_EVENTS = {
+    "os.fork",
+    "os.forkpty",
+    "os.system",
+    "os.startfile",
+    "pty.spawn",
+    "_posixsubprocess.fork_exec",
+}
 _WRITE_EVENTS = {
     "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate",
     "os.chmod", "os.chown", "os.utime", "os.setxattr", "os.removexattr", "shutil.rmtree",

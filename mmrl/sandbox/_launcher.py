@@ -28,6 +28,7 @@ and files outside its folder. Code that escapes the interpreter (a C extension) 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -112,10 +113,8 @@ def _on_stop(signum, frame) -> None:
 
 def _kill_victim() -> None:
     for pid in _victim:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(-pid, signal.SIGKILL) if pid < 0 else os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _wait_with_deadline(pid: int, wall_s: float) -> bool:
@@ -188,10 +187,8 @@ def _run_in_namespaces(spec: dict) -> dict:
 
 
 def _write_quietly(fd: int, data: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.write(fd, data)
-    except OSError:
-        pass
 
 
 def _expect(stream, word: bytes | None) -> bytes:
@@ -444,10 +441,8 @@ def _kill_namespace_leftovers(namespace_inode: int) -> int:
         except OSError:
             continue
     for pid in leftovers:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return len(leftovers)
 
 
@@ -463,10 +458,8 @@ def _kill_session_leftovers(session: int) -> int:
         if int(fields[2]) == session or int(fields[3]) == session:  # process group, session
             leftovers.append(pid)
     for pid in leftovers:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return len(leftovers)
 
 

@@ -27,6 +27,7 @@ environment            only ``env`` (PATH, LANG, ...) is passed   same
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -230,7 +231,11 @@ class Sandbox:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _spec(self, program: Program, limits: SandboxLimits, folder: str, status_fd: int) -> dict:
-        argv = [self.python, "-I", "-B", *program.argv] if program.argv[0].endswith(".py") else list(program.argv)
+        argv = (
+            [self.python, "-I", "-B", *program.argv]
+            if program.argv[0].endswith(".py")
+            else list(program.argv)
+        )
         spec = {
             "isolation": self.isolation,
             "limits": limits.as_launcher_limits(),
@@ -354,7 +359,9 @@ def _result(status, stdout, stderr_tail, limits, over_output, backstop, returnco
         outcome = "output_limit"
     elif outcome in ("setup_error", None, "stopped") or backstop:
         error = report.get("error") or (
-            "the launcher did not finish in time" if backstop else f"the launcher ended with code {returncode}"
+            "the launcher did not finish in time"
+            if backstop
+            else f"the launcher ended with code {returncode}"
         )
         return RunResult("sandbox_error", stderr=text(bytes(stderr_tail)), limits=limits, error=error)
     return RunResult(
@@ -372,10 +379,8 @@ def _result(status, stdout, stderr_tail, limits, over_output, backstop, returnco
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 _SUPPORTED: dict[tuple[str, str], str | None] = {}
@@ -389,7 +394,9 @@ def _check_supported(sandbox: Sandbox) -> None:
         if key not in _SUPPORTED:
             probe = replace(SandboxLimits(), wall_time_s=30.0, cpu_time_s=10.0)
             result = sandbox._run(sandbox.python_program("print('ok')"), probe)
-            _SUPPORTED[key] = None if result.ok and result.stdout.strip() == "ok" else (result.reason or "no output")
+            _SUPPORTED[key] = (
+                None if result.ok and result.stdout.strip() == "ok" else (result.reason or "no output")
+            )
     problem = _SUPPORTED[key]
     if problem is not None:
         hint = (
