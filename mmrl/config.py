@@ -257,6 +257,37 @@ class RewardSourceConfig:
 
 
 @dataclass(frozen=True)
+class SandboxConfig:
+    """Where model-written code runs (``mmrl.sandbox``): isolation and the limits of one run."""
+
+    # namespaces: user+mount+pid+net namespaces, read-only chroot, no capabilities (kernel-enforced);
+    # process: rlimits + a Python audit hook, for kernels that refuse user namespaces (weaker)
+    isolation: str = "namespaces"
+    max_concurrency: int = 4  # runs at once per reward worker
+    cpu_time_s: float = 5.0  # CPU seconds of one run (all its threads), rounded up to whole seconds
+    wall_time_s: float = 10.0  # wall-clock seconds of one run, idle or not
+    memory_bytes: int = 1 << 30  # address space of each of its processes
+    file_size_bytes: int = 16 << 20  # largest file it may write
+    disk_bytes: int = 64 << 20  # size of its private /sandbox and /tmp (tmpfs, each; namespaces)
+    max_processes: int = 16  # processes + threads at once (namespaces)
+    max_open_files: int = 64  # file descriptors per process
+    max_output_bytes: int = 1 << 20  # stdout + stderr; the run is stopped beyond it
+    python: str | None = None  # interpreter the code runs with; null = the reward worker's
+    read_only_paths: list[str] = field(default_factory=list)  # more host paths it may read (namespaces)
+
+
+@dataclass(frozen=True)
+class CodeConfig(RewardSourceConfig):
+    """Code execution as a reward (source `code`): the response's program against the row's tests."""
+
+    enable: bool = False  # run each response's last ```python block against its row's test cases
+    test_cases_key: str = "ground_truth"  # reward-input key (dataset column) holding the test cases
+    score: str = "pass_rate"  # the source's overall: pass_rate (fraction of cases) | all_passed (0/1)
+    max_test_cases: int = 0  # run at most the first N cases of a row; 0 = all
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     reward_function: str = ""  # `path/to/file.py:function` (function defaults to `main`)
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments
@@ -269,6 +300,7 @@ class RewardConfig:
     # tokens, then falling linearly to -overlong_penalty_factor at max_response_length; 0 = off
     overlong_buffer_length: int = 0
     overlong_penalty_factor: float = 1.0  # the punishment of a response that reaches max_response_length
+    code: CodeConfig = field(default_factory=CodeConfig)  # sandboxed code execution (source `code`)
 
 
 @dataclass(frozen=True)
@@ -376,6 +408,8 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (RolloutConfig, "name"): ("vllm", "hf"),
     (RolloutConfig, "dtype"): DTYPES,
     (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE
+    (CodeConfig, "score"): ("pass_rate", "all_passed"),
+    (SandboxConfig, "isolation"): ("namespaces", "process"),
     (TrainerConfig, "logger"): LOGGERS,  # a list: each entry one of these
     (TrainerConfig, "device"): ("auto", "cuda", "cpu"),
 }
