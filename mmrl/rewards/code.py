@@ -64,12 +64,12 @@ _PYTHON_TAGS = ("", "python", "py", "python3")
 _TOLERANCE = 1e-6
 
 
-class TestCaseError(ValueError):
+class MalformedTestsError(ValueError):
     """A row's test cases are malformed; the message says what was expected."""
 
 
 @dataclass(frozen=True)
-class TestSuite:
+class CodeTests:
     """A row's test cases. ``kind``: stdio | call | assert."""
 
     kind: str
@@ -82,7 +82,7 @@ class TestSuite:
     def __len__(self) -> int:
         return len(self.asserts) if self.kind == "assert" else len(self.inputs)
 
-    def first(self, count: int) -> TestSuite:
+    def first(self, count: int) -> CodeTests:
         """The first ``count`` cases (all when ``count`` is 0)."""
         if count <= 0 or count >= len(self):
             return self
@@ -148,19 +148,19 @@ def extract_code(response: str) -> str | None:
     return python_blocks[-1] if python_blocks else None
 
 
-def parse_test_cases(value: Any) -> TestSuite:
-    """A row's test cases (any format of the module docstring) as a :class:`TestSuite`."""
+def parse_test_cases(value: Any) -> CodeTests:
+    """A row's test cases (any format of the module docstring) as a :class:`CodeTests`."""
     if isinstance(value, (str, bytes)):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise TestCaseError(f"test cases are not valid JSON ({err})") from err
+            raise MalformedTestsError(f"test cases are not valid JSON ({err})") from err
     if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
         return _assert_suite({"asserts": value})
     if isinstance(value, list):
         return _suite_from_list(value)
     if not isinstance(value, Mapping):
-        raise TestCaseError(f"test cases must be a JSON object or list, got {type(value).__name__}")
+        raise MalformedTestsError(f"test cases must be a JSON object or list, got {type(value).__name__}")
     if "asserts" in value:
         return _assert_suite(value)
     inputs, outputs = value.get("inputs"), value.get("outputs")
@@ -170,25 +170,25 @@ def parse_test_cases(value: Any) -> TestSuite:
         or len(inputs) != len(outputs)
         or not inputs
     ):
-        raise TestCaseError(
+        raise MalformedTestsError(
             'test cases need "inputs" and "outputs": two non-empty lists of the same length '
             f"(found keys {sorted(value)})"
         )
     fn_name = value.get("fn_name") or ""
     if fn_name:
-        return TestSuite(
+        return CodeTests(
             "call", inputs=[_call_arguments(item) for item in inputs], outputs=outputs, fn_name=fn_name
         )
-    return TestSuite(
+    return CodeTests(
         "stdio", inputs=[_text(item) for item in inputs], outputs=[_text(item) for item in outputs]
     )
 
 
-def _suite_from_list(items: list) -> TestSuite:
+def _suite_from_list(items: list) -> CodeTests:
     if not items or not all(
         isinstance(item, Mapping) and "input" in item and "output" in item for item in items
     ):
-        raise TestCaseError(
+        raise MalformedTestsError(
             'a list of test cases holds {"input": ..., "output": ...} objects (or assert lines)'
         )
     kinds = {item.get("testtype", "stdin") for item in items}
@@ -201,7 +201,7 @@ def _suite_from_list(items: list) -> TestSuite:
         outputs = [_json_value(item["output"]) for item in items]  # LiveCodeBench writes them as JSON
         inputs = [item["input"] for item in items]
         return parse_test_cases({"fn_name": names.pop(), "inputs": inputs, "outputs": outputs})
-    raise TestCaseError(
+    raise MalformedTestsError(
         f'test cases mix or misname their "testtype" ({sorted(map(str, kinds))}); functional ones need "fn_name"'
     )
 
@@ -212,14 +212,14 @@ def _json_value(item: Any) -> Any:
     try:
         return json.loads(item)
     except json.JSONDecodeError as err:
-        raise TestCaseError(f"functional output {item[:80]!r} is not JSON ({err})") from err
+        raise MalformedTestsError(f"functional output {item[:80]!r} is not JSON ({err})") from err
 
 
-def _assert_suite(value: Mapping) -> TestSuite:
+def _assert_suite(value: Mapping) -> CodeTests:
     asserts = value["asserts"]
     if not isinstance(asserts, list) or not asserts or not all(isinstance(item, str) for item in asserts):
-        raise TestCaseError('"asserts" must be a non-empty list of assert statements (strings)')
-    return TestSuite("assert", asserts=list(asserts), setup=str(value.get("setup") or ""))
+        raise MalformedTestsError('"asserts" must be a non-empty list of assert statements (strings)')
+    return CodeTests("assert", asserts=list(asserts), setup=str(value.get("setup") or ""))
 
 
 def _call_arguments(item: Any) -> list:
@@ -229,7 +229,9 @@ def _call_arguments(item: Any) -> list:
         try:
             return [json.loads(line) for line in item.splitlines() if line.strip()]
         except json.JSONDecodeError as err:
-            raise TestCaseError(f"call input {item[:80]!r} is not one JSON value per line ({err})") from err
+            raise MalformedTestsError(
+                f"call input {item[:80]!r} is not one JSON value per line ({err})"
+            ) from err
     return [item]
 
 
@@ -340,7 +342,7 @@ for _index, _case in enumerate(_suite["cases"]):
 """
 
 
-def harness_program(code: str, suite: TestSuite, nonce: str) -> Program:
+def harness_program(code: str, suite: CodeTests, nonce: str) -> Program:
     """One program running every call or assert case of ``suite`` against ``code``."""
     cases = suite.inputs if suite.kind == "call" else suite.asserts
     description = {"kind": suite.kind, "fn_name": suite.fn_name, "setup": suite.setup, "cases": cases}
@@ -381,7 +383,7 @@ def grade_stdio(run: RunResult, expected: str) -> CaseResult:
     return CaseResult("wrong_answer", f"expected {_preview(expected)}, got {_preview(run.stdout)}")
 
 
-def grade_harness(run: RunResult, suite: TestSuite, nonce: str) -> list[CaseResult]:
+def grade_harness(run: RunResult, suite: CodeTests, nonce: str) -> list[CaseResult]:
     """Per-case results of a harness run: its nonce-tagged lines, else the run's failure for the rest."""
     reported: dict[int, dict] = {}
     for line in run.stdout.splitlines():
@@ -412,7 +414,7 @@ def grade_harness(run: RunResult, suite: TestSuite, nonce: str) -> list[CaseResu
     return results
 
 
-def _preview(text: str, limit: int = 60) -> str:
+def _preview(text: str, limit: int = 160) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
@@ -428,7 +430,7 @@ class CodeGrader:
         self.limits = limits or sandbox.limits
         self.max_test_cases = max_test_cases
 
-    def grade(self, responses: Sequence[str], suites: Sequence[TestSuite]) -> list[GradeResult]:
+    def grade(self, responses: Sequence[str], suites: Sequence[CodeTests]) -> list[GradeResult]:
         """One :class:`GradeResult` per response, in order."""
         jobs: list[tuple[int, Program, SandboxLimits]] = []  # (sample, program, limits)
         nonces: dict[int, str] = {}
@@ -491,10 +493,10 @@ class CodeSource:
         self.last_grades: list[GradeResult | None] = []  # of the last batch, with the reasons
 
     def score(self, inputs: Sequence[Mapping[str, Any]]) -> list[SourceResult]:
-        suites: list[TestSuite | SampleFailure] = [
+        suites: list[CodeTests | SampleFailure] = [
             self._suite(sample, index) for index, sample in enumerate(inputs)
         ]
-        runnable = [index for index, suite in enumerate(suites) if isinstance(suite, TestSuite)]
+        runnable = [index for index, suite in enumerate(suites) if isinstance(suite, CodeTests)]
         grades = self.grader.grade(
             [str(inputs[i]["response"]) for i in runnable], [suites[i] for i in runnable]
         )
@@ -506,14 +508,14 @@ class CodeSource:
             results[index] = SampleFailure(broken[0].reason) if broken else grade.scores(self.score_name)
         return results
 
-    def _suite(self, sample: Mapping[str, Any], index: int) -> TestSuite | SampleFailure:
+    def _suite(self, sample: Mapping[str, Any], index: int) -> CodeTests | SampleFailure:
         if self.test_cases_key not in sample:
             return SampleFailure(
                 f"the row has no {self.test_cases_key!r} (worker.reward.code.test_cases_key)"
             )
         try:
             return parse_test_cases(sample[self.test_cases_key])
-        except TestCaseError as err:
+        except MalformedTestsError as err:
             return SampleFailure(f"the row's {self.test_cases_key!r}: {err}")
 
     def close(self) -> None:

@@ -274,6 +274,7 @@ def _build_root(spec: dict) -> bool:
         proc_mounted = True
     except SetupError:
         proc_mounted = False
+    _forbid_nested_namespaces(NEW_ROOT + "/proc" if proc_mounted else "/proc")
     for folder, mode in ((WORK_DIR, "755"), ("/tmp", "1777")):
         os.makedirs(NEW_ROOT + folder, exist_ok=True)
         options = f"size={disk},mode={mode}"
@@ -297,6 +298,16 @@ def _open_source(path: str) -> tuple[str, str | None, int | None]:
         return path, None, os.open(path, os.O_PATH)
     except OSError as err:
         raise SetupError(f"opening read-only path {path}: {err}") from err
+
+
+def _forbid_nested_namespaces(proc: str) -> None:
+    """Per user namespace limits: the program may create no namespace of its own (none is needed)."""
+    for kind in ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time"):
+        try:
+            with open(f"{proc}/sys/user/max_{kind}_namespaces", "w") as limit:
+                limit.write("0")
+        except OSError:
+            continue  # an older kernel without that limit: the locked mounts and no capabilities remain
 
 
 def _bind_read_only(source: str, link: str | None, fd: int | None) -> None:

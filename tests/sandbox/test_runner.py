@@ -1,0 +1,121 @@
+"""The sandbox runner: what a program sees, each limit's enforcement, the concurrency bound, cleanup,
+the fallback isolation, and the messages for settings that cannot work. Real sandboxed subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+
+import pytest
+
+from mmrl.sandbox import Sandbox, SandboxError, SandboxLimits
+from mmrl.sandbox.runner import PROGRAM_ENV
+
+FAST = SandboxLimits(cpu_time_s=1.0, wall_time_s=8.0, memory_bytes=256 << 20)
+
+WHAT_IT_SEES = r"""
+import json, os, socket, sys
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+print(json.dumps({
+    "stdin": sys.stdin.read(), "helper": open("helper.txt").read(), "cwd": os.getcwd(),
+    "env": dict(os.environ), "uid": os.getuid(), "pid": os.getpid(), "hostname": socket.gethostname(),
+    "cap_eff": status["CapEff"].strip(), "no_new_privs": status["NoNewPrivs"].strip(),
+    "root": sorted(os.listdir("/")), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return Sandbox(FAST, max_concurrency=4)
+
+
+def test_a_program_sees_its_stdin_files_and_nothing_of_the_host(sandbox):
+    result = sandbox.run(sandbox.python_program(WHAT_IT_SEES, stdin="line 1\n", files={"helper.txt": "help"}))
+    assert result.ok and result.reason is None, result.stderr
+    seen = json.loads(result.stdout)
+    assert (seen["stdin"], seen["helper"], seen["cwd"]) == ("line 1\n", "help", "/sandbox")
+    assert seen["env"] == PROGRAM_ENV  # nothing of the parent's environment
+    assert seen["uid"] == 0 and seen["cap_eff"] == "0000000000000000" and seen["no_new_privs"] == "1"
+    assert seen["hostname"] == "sandbox"
+    assert seen["pid"] == 2 and seen["pids"] == [1, 2]  # its own pid namespace: init and itself
+    assert {"sandbox", "tmp", "usr", "proc", "dev"} <= set(seen["root"]) and "home" not in seen["root"]
+    assert result.leftover_processes == 0 and result.cpu_s > 0 and result.max_rss_bytes > 0
+
+
+def test_cpu_time_limit_stops_a_spin_even_when_it_ignores_sigxcpu(sandbox):
+    spin = "while True:\n    pass\n"
+    stubborn = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + spin
+    plain, ignoring = sandbox.run_many([sandbox.python_program(spin), sandbox.python_program(stubborn)])
+    assert (plain.outcome, plain.signal) == ("signaled", signal.SIGXCPU)  # soft limit, 1 s
+    assert (ignoring.outcome, ignoring.signal) == ("signaled", signal.SIGKILL)  # hard limit, 2 s
+    for result in (plain, ignoring):
+        assert result.reason == "CPU time limit (1 s) exceeded"
+
+
+def test_at_most_max_concurrency_runs_at_once():
+    sandbox = Sandbox(FAST, max_concurrency=2)
+    program = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint(start, time.time())\n"
+    results = sandbox.run_many([sandbox.python_program(program)] * 4)
+    spans = [tuple(map(float, result.stdout.split())) for result in results]
+    at_most = max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
+    assert at_most == 2, spans
+
+
+def test_temporary_folders_are_removed(sandbox, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sandbox.run(sandbox.python_program("open('scratch', 'w').write('x' * 1000)"))
+    sandbox.run(sandbox.python_program("import time\ntime.sleep(60)"), SandboxLimits(wall_time_s=0.5))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _process_python() -> str:
+    """As root, an interpreter `nobody` can run (so the fallback drops to nobody), else this one."""
+    if os.geteuid() == 0 and os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3"
+    return sys.executable
+
+
+PROCESS_HOSTILE = {
+    "socket": "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+    "fork": "import os\nos.fork()",
+    "subprocess": "import subprocess\nsubprocess.run(['/bin/true'])",
+    "read_outside": "open('/etc/hostname').read()",
+    "write_outside": "open('/tmp/mmrl-sandbox-escape', 'w')",
+    "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+    "ctypes": "import ctypes\nctypes.CDLL(None).getpid()",
+}
+
+
+def test_process_isolation_refuses_what_the_audit_hook_guards():
+    sandbox = Sandbox(FAST, isolation="process", python=_process_python(), max_concurrency=4)
+    programs = [sandbox.python_program(source) for source in PROCESS_HOSTILE.values()]
+    own = "open('mine', 'w').write('x'); print(open('mine').read(), sorted(__import__('os').environ))"
+    programs += [sandbox.python_program(own), sandbox.python_program("import time\ntime.sleep(60)")]
+    results = sandbox.run_many(programs, SandboxLimits(wall_time_s=1.0, cpu_time_s=1.0))
+    for name, result in zip(PROCESS_HOSTILE, results):
+        assert result.exit_code == 1 and "PermissionError: sandbox:" in result.reason, (name, result.reason)
+    assert results[-2].ok and results[-2].stdout.startswith("x ") and "MMRL" not in results[-2].stdout
+    assert results[-1].reason == "wall time limit (1 s) exceeded" and results[-1].leftover_processes == 0
+    assert not os.path.exists("/tmp/mmrl-sandbox-escape")
+    assert sandbox.runs_as_nobody == (_process_python() != sys.executable)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"isolation": "docker"}, "isolation 'docker' is not one of ['namespaces', 'process']"),
+        ({"max_concurrency": 0}, "max_concurrency must be at least 1"),
+        ({"python": "/no/python"}, "python '/no/python' is not a file"),
+        ({"read_only_paths": ["/no/such/data"]}, "read_only_paths: '/no/such/data' does not exist"),
+        ({"read_only_paths": ["/proc"]}, "would hide the sandbox's own /proc"),
+        ({"python": "/bin/false"}, "cannot run a trivial program here: exit code 1. The kernel must allow"),
+    ],
+)
+def test_settings_that_cannot_work_are_named(kwargs, message):
+    with pytest.raises(SandboxError) as err:
+        Sandbox(FAST, **kwargs)
+    assert message in str(err.value)
