@@ -92,6 +92,10 @@ def main() -> None:
     with open(sys.argv[1]) as spec_file:
         spec = json.load(spec_file)
     signal.signal(signal.SIGTERM, _on_stop)
+    # the run dies with the process that started it (a reward worker killed mid-batch leaves nothing)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != spec["parent_pid"]:
+        return  # that process is already gone
     status_fd = spec["status_fd"]
     started = time.monotonic()
     try:
@@ -215,6 +219,7 @@ def _write_id_maps(child: int) -> None:
 
 
 def _namespace_child(spec: dict, to_parent: int, go: int, status_w: int) -> None:
+    launcher = os.getppid()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     _check(_libc.unshare(flags), "unshare(user, mount, pid, net, ipc, uts namespaces)")
@@ -226,6 +231,10 @@ def _namespace_child(spec: dict, to_parent: int, go: int, status_w: int) -> None
         raise SetupError("the launcher did not write the id maps")
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)  # now `nobody` (or the caller) outside, with capabilities inside only
+    # a change of credentials clears the parent-death signal: set it again, then check the launcher lives
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != launcher:
+        raise SetupError("the launcher died")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "making mounts private")
     init = os.fork()
     if init == 0:
@@ -392,6 +401,7 @@ def _exec_program(spec: dict, in_namespaces: bool) -> None:
                 os.setresgid(NOBODY, NOBODY, NOBODY)
                 os.setresuid(NOBODY, NOBODY, NOBODY)
             _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # after the uid change
             os.chdir(spec["work_dir"])
         os.closerange(3, 65536)
         argv = spec["argv"]

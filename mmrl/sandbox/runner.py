@@ -241,6 +241,7 @@ class Sandbox:
             "limits": limits.as_launcher_limits(),
             "env": dict(PROGRAM_ENV),
             "status_fd": status_fd,
+            "parent_pid": os.getpid(),
             "files": dict(program.files),
             "read_only_paths": list(self.read_only_paths),
         }

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from _sandboxed import foreign_processes
 
 from mmrl.rewards.code import CodeGrader, CodeTests
 from mmrl.sandbox import Sandbox, SandboxLimits
@@ -155,20 +156,6 @@ EXPECTED = {
 }
 
 
-def _foreign_processes() -> set[int]:
-    """Processes in another user namespace than ours (every sandboxed process is)."""
-    ours = os.stat("/proc/self/ns/user").st_ino
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}/ns/user").st_ino != ours:
-                    found.add(int(name))
-            except OSError:
-                continue
-    return found
-
-
 class Listener:
     """A TCP server on 127.0.0.1 that counts the connections it accepts."""
 
@@ -218,13 +205,13 @@ def hostile_batch(tmp_path_factory):
     names = list(HOSTILE)
     responses = [f"Here you go:\n```python\n{HOSTILE[name][0].format(**values)}```" for name in names]
     suites = [CodeTests("stdio", inputs=[""], outputs=[HOSTILE[name][1].format(**values)]) for name in names]
-    before = _foreign_processes()
+    before = foreign_processes()
     grader = CodeGrader(Sandbox(LIMITS, max_concurrency=CONCURRENCY))
     try:
         started = time.monotonic()
         grades = grader.grade(responses, suites)
         elapsed = time.monotonic() - started
-        outlived = _foreign_processes() - before
+        outlived = foreign_processes() - before
         after = grader.grade(["```python\nprint(input()[::-1])\n```"], [CodeTests("stdio", ["abc"], ["cba"])])
     finally:
         os.environ.pop(SECRET_ENV)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
+from _sandboxed import foreign_processes
 
 from mmrl.sandbox import Sandbox, SandboxError, SandboxLimits
 from mmrl.sandbox.runner import PROGRAM_ENV
@@ -70,6 +73,37 @@ def test_temporary_folders_are_removed(sandbox, monkeypatch, tmp_path):
     sandbox.run(sandbox.python_program("open('scratch', 'w').write('x' * 1000)"))
     sandbox.run(sandbox.python_program("import time\ntime.sleep(60)"), SandboxLimits(wall_time_s=0.5))
     assert list(tmp_path.iterdir()) == []
+
+
+WORKER = """
+from mmrl.sandbox import Sandbox, SandboxLimits
+sandbox = Sandbox(SandboxLimits(wall_time_s=60, cpu_time_s=60))
+print("started", flush=True)
+sandbox.run(sandbox.python_program("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)"))
+"""
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_run_dies_with_the_process_that_started_it():
+    before = foreign_processes()
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "started\n"
+        # init, the program and its setsid child: all in the run's namespaces
+        assert _wait_for(lambda: len(foreign_processes() - before) >= 3, 20.0)
+    finally:
+        worker.kill()
+        worker.wait()
+        worker.stdout.close()
+    assert _wait_for(lambda: not foreign_processes() - before, 5.0), foreign_processes() - before
 
 
 def _process_python() -> str:
