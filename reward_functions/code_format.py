@@ -26,7 +26,7 @@ _PYTHON_BLOCK = re.compile(r"```[ \t]*(python|py|python3)?[^\n]*\n.*?```", re.DO
 def format_score(response: str) -> float:
     """1.0 when thinking (if any) is closed and a fenced Python block follows it."""
     if "<think>" in response:
-        head, closed, response = response.partition("</think>")
+        _, closed, response = response.partition("</think>")
         if not closed:
             return 0.0
     return 1.0 if _PYTHON_BLOCK.search(response) else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -22,6 +23,8 @@ from mmrl.rewards.code import (
 )
 from mmrl.rewards.source import SampleFailure, check_source_results
 from mmrl.sandbox import Sandbox, SandboxLimits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(
@@ -222,3 +225,21 @@ def test_config_checks_name_the_sandbox_keys(tmp_path):
     assert "worker.reward.code.sandbox.isolation='chroot' is not one of" in errors_with(
         sandbox=SandboxConfig(isolation="chroot")
     )
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("<think>plan</think>```python\nprint(1)\n```", 1.0),
+        ("```py\nprint(1)\n```", 1.0),  # no thinking at all is fine
+        ("<think>```python\nprint(1)\n```", 0.0),  # thinking never closed
+        ("<think>plan</think>print(1)", 0.0),  # no fenced block
+    ],
+)
+def test_shipped_code_format_reward(response, score):
+    from mmrl.rewards.rule import load_reward_function
+
+    reward = load_reward_function(os.path.join(REPO, "reward_functions", "code_format.py:compute_score"))
+    assert reward([{"response": response, "response_length": 1, "ground_truth": ""}]) == [
+        {"overall": score, "format": score}
+    ]
