@@ -543,9 +543,7 @@ def build_sandbox(config: SandboxConfig) -> Sandbox:
     )
 
 
-def build_code_source(code: CodeConfig) -> CodeSource | None:
-    """The ``code`` source of ``worker.reward.code``, or None when it is not enabled."""
-    if not code.enable:
-        return None
+def build_code_source(code: CodeConfig) -> CodeSource:
+    """The ``code`` source of ``worker.reward.code`` (built where it runs: in a reward worker)."""
     grader = CodeGrader(build_sandbox(code.sandbox), max_test_cases=code.max_test_cases)
     return CodeSource(grader, test_cases_key=code.test_cases_key, score=code.score)

@@ -127,7 +127,8 @@ def check_reward(config: PPOConfig) -> None:
     from mmrl.rewards.rule import load_reward_function
 
     reward = config.worker.reward
-    load_reward_function(reward.reward_function, reward.reward_function_kwargs)
+    if reward.reward_function:  # optional when a judge or a reward model scores
+        load_reward_function(reward.reward_function, reward.reward_function_kwargs)
 
 
 # ---- data -----------------------------------------------------------------------------------------

