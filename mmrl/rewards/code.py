@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mmrl.rewards.source import RewardSourceError, SampleFailure, SourceResult
-from mmrl.sandbox import Program, RunResult, Sandbox, SandboxLimits
+from mmrl.sandbox import Program, RunResult, Sandbox, SandboxError, SandboxLimits
 
 if TYPE_CHECKING:
     from mmrl.config import CodeConfig, SandboxConfig
@@ -534,13 +534,16 @@ def build_sandbox(config: SandboxConfig) -> Sandbox:
         max_open_files=config.max_open_files,
         max_output_bytes=config.max_output_bytes,
     )
-    return Sandbox(
-        limits,
-        isolation=config.isolation,
-        max_concurrency=config.max_concurrency,
-        python=config.python,
-        read_only_paths=config.read_only_paths,
-    )
+    try:
+        return Sandbox(
+            limits,
+            isolation=config.isolation,
+            max_concurrency=config.max_concurrency,
+            python=config.python,
+            read_only_paths=config.read_only_paths,
+        )
+    except SandboxError as err:
+        raise SandboxError(f"worker.reward.code.sandbox: {err}") from None
 
 
 def build_code_source(code: CodeConfig) -> CodeSource:
