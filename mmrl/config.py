@@ -266,10 +266,10 @@ class SandboxConfig:
     max_concurrency: int = 4  # runs at once per reward worker
     cpu_time_s: float = 5.0  # CPU seconds of one run (all its threads), rounded up to whole seconds
     wall_time_s: float = 10.0  # wall-clock seconds of one run, idle or not
-    memory_bytes: int = 1 << 30  # address space of each of its processes
+    memory_bytes: int = 1 << 30  # address space of each of its processes (a run: max_processes x this)
     file_size_bytes: int = 16 << 20  # largest file it may write
     disk_bytes: int = 64 << 20  # size of its private /sandbox and /tmp (tmpfs, each; namespaces)
-    max_processes: int = 16  # processes + threads at once (namespaces)
+    max_processes: int = 8  # processes + threads at once (namespaces)
     max_open_files: int = 64  # file descriptors per process
     max_output_bytes: int = 1 << 20  # stdout + stderr; the run is stopped beyond it
     python: str | None = None  # interpreter the code runs with; null = the reward worker's

@@ -10,7 +10,7 @@ in a fresh interpreter, and must not import mmrl (the sandbox may not see it).
 cooperation)::
 
     launcher (host)            waits with the wall-time deadline; on timeout or SIGTERM kills `init`
-    └─ ns-child                unshare(user, mount, pid, net, ipc, uts); uid 0 inside = nobody
+    └─ ns-child                unshare(user, mount, pid, net, ipc, uts, cgroup); uid 0 = nobody
        │                       (65534) outside when the launcher is root, else the caller's uid
        └─ init (pid 1)         builds a read-only root on a tmpfs and chroots into it; reaps orphans
           └─ program           own session, rlimits, every capability dropped, no_new_privs, exec
@@ -41,6 +41,7 @@ import sys
 import time
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -221,8 +222,16 @@ def _write_id_maps(child: int) -> None:
 def _namespace_child(spec: dict, to_parent: int, go: int, status_w: int) -> None:
     launcher = os.getppid()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
-    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-    _check(_libc.unshare(flags), "unshare(user, mount, pid, net, ipc, uts namespaces)")
+    flags = (
+        CLONE_NEWUSER
+        | CLONE_NEWNS
+        | CLONE_NEWPID
+        | CLONE_NEWNET
+        | CLONE_NEWIPC
+        | CLONE_NEWUTS
+        | CLONE_NEWCGROUP
+    )
+    _check(_libc.unshare(flags), "unshare(user, mount, pid, net, ipc, uts, cgroup namespaces)")
     # Opened in the new mount namespace (a bind mount's source must be of it) but still with the
     # caller's uid: as `nobody`, the path to e.g. /root/.pyenv could not be traversed.
     spec["sources"] = [_open_source(path) for path in spec["read_only_paths"]]

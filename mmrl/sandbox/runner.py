@@ -75,10 +75,10 @@ class SandboxLimits:
 
     cpu_time_s: float = 5.0  # CPU time of the program (all its threads and children), whole seconds
     wall_time_s: float = 10.0  # wall-clock time from start to end, however idle
-    memory_bytes: int = 1 << 30  # address space of each process
+    memory_bytes: int = 1 << 30  # address space of each process (a run: at most max_processes x this)
     file_size_bytes: int = 16 << 20  # largest file the program may write
     disk_bytes: int = 64 << 20  # tmpfs size of /sandbox and of /tmp each (namespaces)
-    max_processes: int = 16  # processes and threads at once (namespaces)
+    max_processes: int = 8  # processes and threads at once (namespaces)
     max_open_files: int = 64  # file descriptors per process
     max_output_bytes: int = 1 << 20  # stdout + stderr; the run is stopped beyond it
 
