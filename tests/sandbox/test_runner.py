@@ -52,7 +52,9 @@ def test_a_program_sees_its_stdin_files_and_nothing_of_the_host(sandbox):
 def test_cpu_time_limit_stops_a_spin_even_when_it_ignores_sigxcpu(sandbox):
     spin = "while True:\n    pass\n"
     stubborn = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + spin
-    plain, ignoring = sandbox.run_many([sandbox.python_program(spin), sandbox.python_program(stubborn)])
+    patient = SandboxLimits(cpu_time_s=1.0, wall_time_s=30.0)  # CPU, not wall time, must end them
+    programs = [sandbox.python_program(spin), sandbox.python_program(stubborn)]
+    plain, ignoring = sandbox.run_many(programs, patient)
     assert (plain.outcome, plain.signal) == ("signaled", signal.SIGXCPU)  # soft limit, 1 s
     assert (ignoring.outcome, ignoring.signal) == ("signaled", signal.SIGKILL)  # hard limit, 2 s
     for result in (plain, ignoring):
@@ -61,7 +63,7 @@ def test_cpu_time_limit_stops_a_spin_even_when_it_ignores_sigxcpu(sandbox):
 
 def test_at_most_max_concurrency_runs_at_once():
     sandbox = Sandbox(FAST, max_concurrency=2)
-    program = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint(start, time.time())\n"
+    program = "import time\nstart = time.time()\ntime.sleep(0.8)\nprint(start, time.time())\n"
     results = sandbox.run_many([sandbox.python_program(program)] * 4)
     spans = [tuple(map(float, result.stdout.split())) for result in results]
     at_most = max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
