@@ -359,11 +359,9 @@ def _result(status, stdout, stderr_tail, limits, over_output, backstop, returnco
     if over_output:
         outcome = "output_limit"
     elif outcome in ("setup_error", None, "stopped") or backstop:
-        error = report.get("error") or (
-            "the launcher did not finish in time"
-            if backstop
-            else f"the launcher ended with code {returncode}"
-        )
+        lines = [line for line in text(bytes(stderr_tail)).splitlines() if line.strip()]
+        ended = f"the launcher ended with code {returncode}" + (f": {lines[-1][:200]}" if lines else "")
+        error = report.get("error") or ("the launcher did not finish in time" if backstop else ended)
         return RunResult("sandbox_error", stderr=text(bytes(stderr_tail)), limits=limits, error=error)
     return RunResult(
         outcome=outcome,
