@@ -108,6 +108,39 @@ def test_a_run_dies_with_the_process_that_started_it():
     assert _wait_for(lambda: not foreign_processes() - before, 5.0), foreign_processes() - before
 
 
+UNPRIVILEGED = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from mmrl.sandbox import Sandbox, SandboxLimits
+sandbox = Sandbox(SandboxLimits(cpu_time_s=1.0, wall_time_s=5.0), max_concurrency=2)
+programs = ["import os\\nprint(os.getuid(), os.getpid())", "open('/usr/written', 'w')",
+            "import socket\\nsocket.create_connection(('127.0.0.1', 9))"]
+results = sandbox.run_many([sandbox.python_program(p) for p in programs])
+print(json.dumps([os.getuid()] + [(r.stdout, r.reason) for r in results]))
+"""
+
+
+def test_an_unprivileged_caller_gets_the_same_isolation():
+    """Run by a user without privileges (here: `nobody` when the tests run as root), the sandbox maps
+    that user to uid 0 of its namespace and isolates the same way."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-I", "-c", UNPRIVILEGED, repo]
+    if os.geteuid() == 0:  # the venv's interpreter may live under /root, which nobody cannot enter
+        command = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            _process_python(),
+            *command[1:],
+        ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/", env={})
+    assert done.returncode == 0, done.stderr[-2000:]
+    caller, sees, write, connect = json.loads(done.stdout)
+    assert caller != 0 and sees == ["0 2\n", None]
+    assert "Read-only file system" in write[1] and "Network is unreachable" in connect[1]
+
+
 def _process_python() -> str:
     """As root, an interpreter `nobody` can run (so the fallback drops to nobody), else this one."""
     if os.geteuid() == 0 and os.access("/usr/bin/python3", os.X_OK):
