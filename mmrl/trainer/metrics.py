@@ -13,7 +13,7 @@ the meaning is the same, so its users' dashboards and comparisons carry over.
 - `throughput/<phase>_tokens_per_s`, and for the whole step `throughput/tokens_per_s` and
   `throughput/tokens_per_s_per_device` (`compute_timing_metrics`).
 - `actor/...`, `critic/...` losses, KL, entropy, grad norm and learning rate: written by the workers.
-- `reward/<key>`: mean of every score key the reward function returns (`mmrl.workers.reward`).
+- `reward/<key>`: mean of every score key the reward function returns (`mmrl.rewards`).
 - `val/...`: the same names computed on the validation set, written by the trainer.
 
 All functions return plain Python floats, ready for any logger.

@@ -38,6 +38,8 @@ from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
+from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
+from mmrl.rewards.source import RewardSourceError
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -48,7 +50,6 @@ from mmrl.trainer.dynamic_sampling import (
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from mmrl.trainer.step_plan import StepPlan
-from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
 
     def __init__(self, config: PPOConfig):
+        from mmrl.rewards.judge_server import serve_judge
         from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
@@ -136,21 +138,17 @@ class RayPPOTrainer:
         # transformers) while this process loads the tokenizer and reads the datasets.
         reward = config.worker.reward
         self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
+        self.judge_server = serve_judge(reward.judge) if reward.judge.enable else None
         self.rewards = RewardWorkers(
             reward.num_workers,
             reward.num_cpus,
             reward.timeout_s,
             transfers=self.transfers,
-            tokenizer_path=model.tokenizer_or_model_path,
-            tokenizer_key=model.tokenizer_key,
-            reward_function=reward.reward_function,
-            reward_function_kwargs=dict(reward.reward_function_kwargs),
-            reward_type=reward.reward_type,
-            skip_special_tokens=reward.skip_special_tokens,
-            trust_remote_code=model.trust_remote_code,
-            max_response_length=config.data.max_response_length,
-            overlong_buffer_length=reward.overlong_buffer_length,
-            overlong_penalty_factor=reward.overlong_penalty_factor,
+            num_gpus=reward.num_gpus,
+            send_media=reward.judge.enable or bool(reward.reward_model.model_path),
+            config=config,
+            judge_url=self.judge_server.base_url if self.judge_server else None,
+            judge_model=self.judge_server.model if self.judge_server else None,
         )
         use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
         pool = ResourcePool(
@@ -285,6 +283,7 @@ class RayPPOTrainer:
             ),
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
+            **self.rewards.take_metrics(),  # each source's seconds, when there are several
             **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
             **kl_metrics,
             **update_metrics,
@@ -604,6 +603,8 @@ class RayPPOTrainer:
         if self.tracker is not None:
             self.tracker.finish()
         self.rewards.shutdown()
+        if self.judge_server is not None:
+            self.judge_server.stop()
 
 
 def run(config: PPOConfig) -> int:
@@ -622,7 +623,13 @@ def run(config: PPOConfig) -> int:
     trainer = RayPPOTrainer(config)
     try:
         trainer.fit()
-    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
+    except (
+        WorkerGroupError,
+        RewardFunctionError,
+        RewardSourceError,
+        DynamicSamplingError,
+        CheckpointSaveError,
+    ) as err:
         print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
