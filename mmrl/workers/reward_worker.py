@@ -25,7 +25,13 @@ from mmrl.rewards.rule import RewardFunctionError, build_reward_inputs, load_rew
 from mmrl.rewards.source import RewardSourceError
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
-MODEL_INPUT_COLUMNS = ("prompt_media", "multi_modal_inputs", "multi_modal_data", "raw_prompt_ids")
+MODEL_INPUT_COLUMNS = (
+    "prompt_media",
+    "multi_modal_inputs",
+    "multi_modal_data",
+    "raw_prompt_ids",
+    "trajectory_media",
+)
 _CHAINED_LINE = "\n\nThe above exception was the direct cause of the following exception:"
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the process names in remote tracebacks
 PROGRESS_GROUP = "progress"
@@ -56,12 +62,23 @@ def resolved_media(batch: DataProto) -> list[Any]:
 
 
 def scores_to_token_level(overall: list[float], response_mask: torch.Tensor) -> torch.Tensor:
-    """Outcome scores → ``[B, R]`` rewards, each on the response's last valid token."""
+    """Outcome scores → ``[B, R]`` rewards, each on the response's last model token (the last 1 of
+    ``response_mask``: a trajectory's mask has holes; position 0 for an empty response)."""
     token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(-1).long()
-    last = (lengths - 1).clamp(min=0)
+    width = response_mask.shape[-1]
+    # argmax finds the first maximum: over the reversed mask that is the last 1
+    last = width - 1 - response_mask.flip(-1).long().argmax(-1)
+    last = torch.where(response_mask.bool().any(-1), last, torch.zeros_like(last))
     token_level[torch.arange(len(overall)), last] = torch.tensor(overall, dtype=torch.float32)
     return token_level
+
+
+def response_lengths(batch: DataProto) -> torch.Tensor:
+    """``[B]`` valid response tokens: the model's, and a trajectory's observation tokens too (what
+    counts against ``max_response_length``)."""
+    if "response_turns" in batch.batch.keys():
+        return (batch.batch["response_turns"] >= 0).sum(-1)
+    return batch.batch["response_mask"].sum(-1)
 
 
 class RewardScorer:
@@ -102,7 +119,8 @@ class RewardScorer:
 
     def score(self, batch: DataProto) -> DataProto:
         response_mask = batch.batch["response_mask"]
-        lengths = response_mask.sum(-1).tolist()
+        valid_lengths = response_lengths(batch)
+        lengths = valid_lengths.tolist()
         responses = [row[:length].tolist() for row, length in zip(batch.batch["responses"], lengths)]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=self.skip_special_tokens)
         columns = {k: v for k, v in batch.non_tensor_batch.items() if k not in MODEL_INPUT_COLUMNS}
@@ -113,7 +131,7 @@ class RewardScorer:
                 sample["media"] = media
         scores = self.reward.score(inputs)
         if self.overlong_buffer_length > 0:
-            scores = self._punish_overlong(scores, response_mask.sum(-1))
+            scores = self._punish_overlong(scores, valid_lengths)
         token_level = scores_to_token_level([s["overall"] for s in scores], response_mask)
         meta = {}
         if len(self.reward.names) > 1:  # a rule-only run returns exactly what it did before sources
@@ -206,7 +224,9 @@ class RewardWorkers:
         scoring_columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS]
         if self.send_media and PROMPT_MEDIA in batch.non_tensor_batch:
             scoring_columns.append(PROMPT_MEDIA)  # refs: the workers fetch the bytes from the object store
-        light = batch.select(batch_keys=["responses", "response_mask"], non_tensor_keys=scoring_columns)
+        tensors = ["responses", "response_mask"]
+        tensors += ["response_turns"] if "response_turns" in batch.batch.keys() else []  # trajectories
+        light = batch.select(batch_keys=tensors, non_tensor_keys=scoring_columns)
         padded, pad_size = light.pad_to_divisor(len(self.actors))
         shards = padded.chunk(len(self.actors))
         if self.transfers is not None:
