@@ -43,13 +43,16 @@ def _describe(nodes: list[dict[str, float]]) -> str:
     return "; ".join(f"{node.get('CPU', 0):g} CPU, {node.get('GPU', 0):g} GPU" for node in nodes) or "none"
 
 
-def plan_placement(trainer: TrainerConfig, reward_cpus: float, nodes: list[dict[str, float]]) -> Placement:
+def plan_placement(
+    trainer: TrainerConfig, reward_cpus: float, nodes: list[dict[str, float]], reward_gpus: float = 0.0
+) -> Placement:
     """The placement of ``trainer.world_size`` training processes on a cluster whose alive nodes have
-    ``nodes`` resources (``{"CPU": 16.0, "GPU": 8.0, ...}`` each); ``reward_cpus`` = the reward workers'
-    CPUs. Raises :class:`PlacementError` when GPUs are asked for and the cluster lacks them."""
-    gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    ``nodes`` resources (``{"CPU": 16.0, "GPU": 8.0, ...}`` each); ``reward_cpus`` / ``reward_gpus`` =
+    what the reward workers and a served judge take. Raises :class:`PlacementError` when GPUs are asked
+    for and the cluster lacks them."""
+    gpus = sum(node.get("GPU", 0.0) for node in nodes) - reward_gpus
     asked = trainer.world_size
-    use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and gpus > 0)
+    use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and gpus + reward_gpus > 0)
     note = None
     if trainer.device == "auto" and not use_gpu:
         note = f"mmrl: the Ray cluster has no GPUs (nodes: {_describe(nodes)}): training on CPUs"
@@ -59,9 +62,10 @@ def plan_placement(trainer: TrainerConfig, reward_cpus: float, nodes: list[dict[
             if trainer.device == "cuda"
             else "trainer.device=auto and the cluster has GPUs"
         )
+        besides = f" besides the {reward_gpus:g} of the reward workers" if reward_gpus else ""
         raise PlacementError(
             f"{how}: trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node} = "
-            f"{asked} GPUs asked for, but the Ray cluster has {gpus:g} (nodes: {_describe(nodes)}). Lower "
+            f"{asked} GPUs asked for, but the Ray cluster has {gpus:g}{besides} (nodes: {_describe(nodes)}). Lower "
             "trainer.n_gpus_per_node / trainer.nnodes, add GPU nodes (`ray start --address=<head>:6379` on "
             "each), or set trainer.device=cpu"
         )

@@ -12,7 +12,7 @@ with code 2). It is the same code the trainer and the workers run later, so a pr
 - model: the actor's (and critic's) folder has a readable ``config.json`` of a model family mmrl
   knows, and a tokenizer (config, tokenizer and processor files only, never the weights);
 - reward: the reward file imports, defines the function, and the function takes the reward inputs and
-  ``reward_function_kwargs``;
+  ``reward_function_kwargs``; with ``worker.reward.code.enable`` the code sandbox runs a trivial program;
 - data: every data file parses (file and line named), every row has ``data.prompt_key`` and
   ``data.answer_key``, the first :data:`SAMPLE_ROWS` rows of each file go through the format prompt,
   the chat template, media decoding and the processor exactly as in training, and enough prompts fit
@@ -130,10 +130,15 @@ def check_models(config: PPOConfig) -> tuple[Any, Any | None]:
 
 def check_reward(config: PPOConfig) -> None:
     """Import the reward file and check the function, as each reward worker does at start."""
-    from mmrl.workers.reward import load_reward_function
+    from mmrl.rewards.rule import load_reward_function
 
     reward = config.worker.reward
-    load_reward_function(reward.reward_function, reward.reward_function_kwargs)
+    if reward.reward_function:  # optional when a judge or a reward model scores
+        load_reward_function(reward.reward_function, reward.reward_function_kwargs)
+    if reward.code.enable:  # the sandbox runs a trivial program here, or says why it cannot
+        from mmrl.rewards.code import build_sandbox
+
+        build_sandbox(reward.code.sandbox)
 
 
 # ---- data -----------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
+from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
+from mmrl.rewards.source import RewardSourceError
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -50,7 +52,6 @@ from mmrl.trainer.dynamic_sampling import (
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from mmrl.trainer.placement import plan_placement
 from mmrl.trainer.step_plan import StepPlan
-from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
 
     def __init__(self, config: PPOConfig):
+        from mmrl.rewards.judge_server import serve_judge
         from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
@@ -138,24 +140,26 @@ class RayPPOTrainer:
         # transformers) while this process loads the tokenizer and reads the datasets.
         reward = config.worker.reward
         self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
+        self.judge_server = serve_judge(reward.judge) if reward.judge.enable else None
         self.rewards = RewardWorkers(
             reward.num_workers,
             reward.num_cpus,
             reward.timeout_s,
             transfers=self.transfers,
-            tokenizer_path=model.tokenizer_or_model_path,
-            tokenizer_key=model.tokenizer_key,
-            reward_function=reward.reward_function,
-            reward_function_kwargs=dict(reward.reward_function_kwargs),
-            reward_type=reward.reward_type,
-            skip_special_tokens=reward.skip_special_tokens,
-            trust_remote_code=model.trust_remote_code,
-            max_response_length=config.data.max_response_length,
-            overlong_buffer_length=reward.overlong_buffer_length,
-            overlong_penalty_factor=reward.overlong_penalty_factor,
+            num_gpus=reward.num_gpus,
+            send_media=reward.judge.enable or bool(reward.reward_model.model_path),
+            config=config,
+            judge_url=self.judge_server.base_url if self.judge_server else None,
+            judge_model=self.judge_server.model if self.judge_server else None,
         )
         # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
-        placement = plan_placement(trainer, reward.num_workers * reward.num_cpus, alive_node_resources())
+        served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
+        placement = plan_placement(
+            trainer,
+            reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
+            nodes=alive_node_resources(),
+            reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+        )
         if placement.note:
             print(placement.note, flush=True)
         pool = ResourcePool(
@@ -297,6 +301,7 @@ class RayPPOTrainer:
             ),
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
+            **self.rewards.take_metrics(),  # each source's seconds, when there are several
             **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
             **kl_metrics,
             **update_metrics,
@@ -615,14 +620,17 @@ class RayPPOTrainer:
         ]
 
     def shutdown(self, failed: bool = False) -> None:
-        """Stop the reward workers and disconnect from Ray, then close the loggers (``failed``: marked
-        failed where the tracker can show it). Ray prints the log lines its deduplication held back
-        ("... [repeated 4x across cluster]") when the driver disconnects: disconnecting first keeps
-        them above the console's final line, so the last thing a run prints is mmrl's."""
+        """Stop the reward workers and the judge server and disconnect from Ray, then close the loggers
+        (``failed``: marked failed where the tracker can show it). Ray prints the log lines its
+        deduplication held back ("... [repeated 4x across cluster]") when the driver disconnects:
+        disconnecting first keeps them above the console's final line, so the last thing a run prints
+        is mmrl's."""
         import ray
 
         try:
             self.rewards.shutdown()
+            if self.judge_server is not None:
+                self.judge_server.stop()
         finally:
             ray.shutdown()
             if self.tracker is not None:
@@ -647,7 +655,13 @@ def run(config: PPOConfig) -> int:
     try:
         trainer.fit()
         failed = False
-    except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
+    except (
+        WorkerGroupError,
+        RewardFunctionError,
+        RewardSourceError,
+        DynamicSamplingError,
+        CheckpointSaveError,
+    ) as err:
         stopped = err
     else:
         stopped = None

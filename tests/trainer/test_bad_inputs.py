@@ -266,6 +266,9 @@ CASES: list[tuple[str, Build, str, str]] = [
      "32 of 32 prompts are longer than data.max_prompt_length=20", "data.filter_overlong_prompts=true"),
     ("fewer prompts than a step draws", lambda i, m: i.args("data.rollout_batch_size=64", "worker.actor.global_batch_size=64"),
      "data.train_files: 32 usable prompts, fewer than 64", "lower data.rollout_batch_size"),
+    ("code sandbox that cannot run here", lambda i, m: i.args("worker.reward.code.enable=true", "worker.reward.code.sandbox.python=/bin/false"),
+     "worker.reward.code.sandbox: the code sandbox (isolation=namespaces, python=/bin/false) cannot run a trivial program here",
+     "or set isolation: process"),
 ]  # fmt: skip
 
 

@@ -62,6 +62,16 @@ def test_asking_for_more_gpus_than_the_cluster_has_stops_with_a_message(device):
     assert "(nodes: 16 CPU, 0 GPU" in str(error.value) and "set trainer.device=cpu" in str(error.value)
 
 
+def test_gpus_of_the_reward_workers_are_not_the_trainings():
+    """A reward model on 2 GPUs of the 8 leaves 6: 8 training processes do not fit."""
+    with pytest.raises(
+        PlacementError, match=r"8 GPUs asked for, but the Ray cluster has 6 besides the 2 of the reward"
+    ):
+        plan_placement(trainer(), reward_cpus=2.0, nodes=[GPU_NODE], reward_gpus=2.0)
+    placement = plan_placement(trainer(n_gpus_per_node=6), reward_cpus=2.0, nodes=[GPU_NODE], reward_gpus=2.0)
+    assert placement == Placement(use_gpu=True, cpus_per_worker=15.0, worker_threads=15)  # (96 - 2) // 6
+
+
 def test_cpu_device_on_a_gpu_cluster_and_cpus_per_worker_set():
     placement = plan_placement(trainer(device="cpu", cpus_per_worker=2.5), reward_cpus=1.0, nodes=[GPU_NODE])
     assert placement == Placement(use_gpu=False, cpus_per_worker=2.5, worker_threads=2)
