@@ -619,26 +619,27 @@ class RayPPOTrainer:
             )
         ]
 
-    def shutdown(self, failed: bool = False) -> None:
-        """Stop the reward workers and the judge server and disconnect from Ray, then close the loggers
-        (``failed``: marked failed where the tracker can show it). Ray prints the log lines its
-        deduplication held back ("... [repeated 4x across cluster]") when the driver disconnects:
-        disconnecting first keeps them above the console's final line, so the last thing a run prints
-        is mmrl's."""
-        import ray
+    def stop_workers(self) -> None:
+        """Stop the reward workers and the judge server (the training ranks go with the Ray cluster)."""
+        self.rewards.shutdown()
+        if self.judge_server is not None:
+            self.judge_server.stop()
 
-        try:
-            self.rewards.shutdown()
-            if self.judge_server is not None:
-                self.judge_server.stop()
-        finally:
-            ray.shutdown()
-            if self.tracker is not None:
-                self.tracker.finish(failed)
+    def finish_tracking(self, failed: bool = False) -> None:
+        """Close the loggers; ``failed``: training stopped with an error, marked where a tracker can
+        show it (wandb, MLflow) and in the console's last line."""
+        if self.tracker is not None:
+            self.tracker.finish(failed)
+
+    def shutdown(self, failed: bool = False) -> None:
+        self.finish_tracking(failed)
+        self.stop_workers()
 
 
 def run(config: PPOConfig) -> int:
     """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    import ray
+
     from mmrl.parallel.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
@@ -666,7 +667,13 @@ def run(config: PPOConfig) -> int:
     else:
         stopped = None
     finally:
-        trainer.shutdown(failed=failed)  # Ray's held-back lines come out here, before mmrl's last words
+        try:
+            trainer.stop_workers()
+        finally:
+            # Ray prints the log lines its deduplication held back ("... [repeated 4x across cluster]")
+            # when the driver leaves it: leaving first keeps them above the loggers' and mmrl's last lines
+            ray.shutdown()
+            trainer.finish_tracking(failed)
     if stopped is not None:
         print(f"mmrl: training stopped: {stopped}", file=sys.stderr, flush=True)
         return 1
