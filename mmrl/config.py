@@ -13,8 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# the data section lives with the data layer; split_dataset_spec is re-exported for config_loader
-from mmrl.data.config import DataConfig, split_dataset_spec  # noqa: F401
+# the data section lives with the data layer; its spec helpers are re-exported for config_loader
+from mmrl.data.config import (  # noqa: F401
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
+    DataConfig,
+    split_dataset_spec,
+    unsupported_data_file,
+)
 
 
 def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str]:
@@ -225,7 +231,9 @@ class RolloutConfig:
     dtype: str = "auto"  # engine dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; 1 = one engine per training process
-    gpu_memory_utilization: float = 0.6  # vLLM: fraction of GPU memory for weights + KV cache
+    # vLLM: share of the GPU's *total* memory the engine takes while awake (weights, activations, the KV
+    # cache in the rest); it must be free when the engine starts (trainer memory is not subtracted)
+    gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache size in GiB (its default takes 90% of RAM)
     max_model_len: int | None = None  # vLLM context; null = max_prompt_length + max_response_length
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget per step
@@ -398,7 +406,10 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # any of LOGGERS
     nnodes: int = 1  # machines
     n_gpus_per_node: int = 8  # training processes per machine (GPUs; CPU processes on a CPU machine)
-    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    device: str = "auto"  # auto (GPUs when the Ray cluster has any) | cuda | cpu
+    # CPUs Ray reserves per training process, also its torch threads (media decoding and processing);
+    # null = on GPU nodes the node's CPUs (less the reward workers') shared by its processes, 0.5 on CPUs
+    cpus_per_worker: float | None = None
     seed: int = 1  # seed of model init, dropout and sampling RNGs
     critic_warmup: int = 0  # steps that update the critic only
     val_freq: int = -1  # validate every this many steps; -1 = never during training

@@ -21,15 +21,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mmrl.config import (
     CHOICES,
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
     SAMPLING_KEYS,
     PPOConfig,
     split_dataset_spec,
     split_function_spec,
+    unsupported_data_file,
 )
 from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
@@ -336,10 +338,13 @@ def _check_dataset(errors: list[str], key: str, value: str) -> None:
     for spec in filter(None, (s.strip() for s in value.split(","))):
         path, _ = split_dataset_spec(spec)
         if os.path.exists(path):
+            problem = unsupported_data_file(path)
+            if problem:
+                errors.append(f"{key}: {problem}")
             continue
         if HUB_ID.match(path) and not path.endswith(DATA_FILE_SUFFIXES):
             continue  # a hub dataset id: only the loader can tell whether it is reachable
-        errors.append(f"{key}: '{path}' does not exist (a jsonl/json/parquet file or a `datasets` folder)")
+        errors.append(f"{key}: '{path}' does not exist ({DATA_FORMATS})")
 
 
 def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> str | None:
@@ -503,6 +508,9 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
             )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
         errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
+    cpus = cfg.trainer.cpus_per_worker
+    if cpus is not None and cpus <= 0:
+        errors.append(f"trainer.cpus_per_worker={cpus} must be > 0 (CPUs per training process), or null")
     min_pixels, max_pixels = cfg.data.min_pixels, cfg.data.max_pixels
     for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
         if value is not None and value <= 0:

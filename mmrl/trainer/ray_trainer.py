@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -49,6 +50,7 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.placement import plan_placement
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.rollout import GenerationMode
 
@@ -111,9 +113,9 @@ def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
     per device holds every model role, the critic's included."""
-    workers = config.trainer.world_size
+    workers = config.trainer.world_size * max(1.0, config.trainer.cpus_per_worker or 1.0)
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
-    return max(os.cpu_count() or 1, int(workers + rewards + 1))
+    return max(os.cpu_count() or 1, math.ceil(workers + rewards + 1))
 
 
 def placement_line(node_ids: list[str]) -> str:
@@ -127,7 +129,7 @@ class RayPPOTrainer:
 
     def __init__(self, config: PPOConfig):
         from mmrl.rewards.judge_server import serve_judge
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
+        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
@@ -150,9 +152,21 @@ class RayPPOTrainer:
             judge_url=self.judge_server.base_url if self.judge_server else None,
             judge_model=self.judge_server.model if self.judge_server else None,
         )
-        use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
+        # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
+        served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
+        placement = plan_placement(
+            trainer,
+            reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
+            nodes=alive_node_resources(),
+            reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+        )
+        if placement.note:
+            print(placement.note, flush=True)
         pool = ResourcePool(
-            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+            trainer.nnodes,
+            trainer.n_gpus_per_node,
+            placement.use_gpu,
+            cpus_per_proc=placement.cpus_per_worker,
         )
         # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
         # their rows by its own sequence-parallel size
@@ -193,7 +207,11 @@ class RayPPOTrainer:
         self.total_steps = total_training_steps(config, len(train_set))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
 
-        worker_kwargs = {"config": config, "total_training_steps": self.total_steps}
+        worker_kwargs = {
+            "config": config,
+            "total_training_steps": self.total_steps,
+            "cpu_threads": placement.worker_threads,
+        }
         self.actor.start(kwargs=worker_kwargs)
         print(placement_line(self.actor.node_ids), flush=True)
         algo = config.algorithm
@@ -561,10 +579,12 @@ class RayPPOTrainer:
         return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
 
     def _memory_peaks(self) -> dict[str, float]:
-        """Peak memory per phase since the last step, the largest over the ranks (GiB: the device's
-        allocator on GPUs, the process's resident set on CPUs; mmrl.workers.memory)."""
-        per_rank = self.actor.call("take_memory_peaks")
-        return {key: max(peaks.get(key, 0.0) for peaks in per_rank) for key in set().union(*per_rank)}
+        """Memory per phase since the last step over the ranks (GiB; mmrl.workers.memory): the largest
+        peak (GPUs: tensors, and what torch reserved; CPUs: the resident set) and the smallest device
+        free memory of any rank."""
+        from mmrl.workers.memory import combine_rank_peaks
+
+        return combine_rank_peaks(self.actor.call("take_memory_peaks"))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:
@@ -599,16 +619,27 @@ class RayPPOTrainer:
             )
         ]
 
-    def shutdown(self) -> None:
-        if self.tracker is not None:
-            self.tracker.finish()
+    def stop_workers(self) -> None:
+        """Stop the reward workers and the judge server (the training ranks go with the Ray cluster)."""
         self.rewards.shutdown()
         if self.judge_server is not None:
             self.judge_server.stop()
 
+    def finish_tracking(self, failed: bool = False) -> None:
+        """Close the loggers; ``failed``: training stopped with an error, marked where a tracker can
+        show it (wandb, MLflow) and in the console's last line."""
+        if self.tracker is not None:
+            self.tracker.finish(failed)
+
+    def shutdown(self, failed: bool = False) -> None:
+        self.finish_tracking(failed)
+        self.stop_workers()
+
 
 def run(config: PPOConfig) -> int:
     """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    import ray
+
     from mmrl.parallel.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
@@ -621,8 +652,10 @@ def run(config: PPOConfig) -> int:
         object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
     )
     trainer = RayPPOTrainer(config)
+    failed = True  # until fit returns: any exception, caught here or by main, fails the run
     try:
         trainer.fit()
+        failed = False
     except (
         WorkerGroupError,
         RewardFunctionError,
@@ -630,8 +663,18 @@ def run(config: PPOConfig) -> int:
         DynamicSamplingError,
         CheckpointSaveError,
     ) as err:
-        print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
-        return 1
+        stopped = err
+    else:
+        stopped = None
     finally:
-        trainer.shutdown()
+        try:
+            trainer.stop_workers()
+        finally:
+            # Ray prints the log lines its deduplication held back ("... [repeated 4x across cluster]")
+            # when the driver leaves it: leaving first keeps them above the loggers' and mmrl's last lines
+            ray.shutdown()
+            trainer.finish_tracking(failed)
+    if stopped is not None:
+        print(f"mmrl: training stopped: {stopped}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -119,6 +119,35 @@ def test_sharded_attention_equals_attention_per_sequence(ulysses_size, ring_size
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=2e-6)
 
 
+def test_cuda_flash_backward_gets_the_arguments_of_torchs_context_parallel_attention():
+    """The CUDA block backward passes what torch's context-parallel ring attention passes: the dense
+    forward's undefined ``cum_seq_q``/``cum_seq_k`` (None; a defined empty tensor would select the
+    varlen kernel, which rejects 4-D inputs) and the block lengths. Checked on meta tensors, which run
+    the ops' shape functions with no GPU; ``bench/gpu_check.py`` runs the kernels on one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mmrl.parallel.ring_attention import cuda_flash_backward, cuda_flash_forward
+
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    calls = []
+
+    class RecordCalls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.empty(HEADS, 6, HEAD_DIM, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(HEADS, 10, HEAD_DIM, device="meta", dtype=torch.bfloat16)
+    dense = torch.ops.aten._scaled_dot_product_flash_attention(q[None], k[None], v[None], 0.0, False)
+    out, lse = cuda_flash_forward(q, k, v, False, 0.5)
+    with RecordCalls():
+        dq, dk, dv = cuda_flash_backward(out, q, k, v, out, lse, False, 0.5)
+    (args,) = [args for func, args in calls if func is flash_backward]
+    assert args[6:10] == tuple(dense[2:6]) == (None, None, 6, 10)  # cum_seq_q, cum_seq_k, max_q, max_k
+    assert (args[12].dtype, args[13].dtype) == (dense[6].dtype, dense[7].dtype)  # philox seed, offset
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
 # ---------------------------------------------------------------- the model under FSDP2
 
 
