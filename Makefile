@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
 
-.PHONY: install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial bench-recipes bench bench-scale test test-fast quality style clean
+GPU_PYTHON ?= python
+
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial bench-recipes bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -77,6 +79,11 @@ bench: assets
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
 	RAY_AUTH_MODE=disabled $(PY) bench/colocated_critic.py
 	@$(PY) bench/report.py
+
+# On a GPU machine, in the environment of README's GPU install: the CUDA-only paths on one GPU (minutes),
+# a table, exit 1 on any mismatch; no Ray or vLLM needed. ARGS="--dry" checks the script on a CPU.
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 # the real job's costs at Qwen2.5-VL-3B's widths and vocabulary (README, Benchmarks): ~1 h on this machine
 bench-scale: install

@@ -141,7 +141,7 @@ class WorkerStep:
             import torch
 
             torch.set_num_threads(threads)
-        self.scorer = RewardScorer(job.model, self.config.worker.reward.reward_function)
+        self.scorer = RewardScorer(self.config)
         self._mixed_rollout = None
 
     def step(self, index: int) -> dict:

@@ -164,8 +164,11 @@ def run(args: argparse.Namespace) -> dict:
     from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
 
     device = torch.device("cpu" if args.smoke else "cuda")
-    _init_one_rank_group("gloo" if args.smoke else "nccl")
+    if not dist.is_initialized():  # bench/gpu_check.py runs this in its own one-rank group
+        _init_one_rank_group("gloo" if args.smoke else "nccl")
     config = build_config(args.model)
+    if getattr(args, "layers", None):  # fewer decoder layers at the same widths (bench/gpu_check.py --layers)
+        config.text_config.num_hidden_layers = args.layers
     start = time.perf_counter()
     with device:
         model = Qwen2_5_VLForConditionalGeneration._from_config(
@@ -188,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
         max_response_length=args.response_length,
     )
 
-    text = TEXT_CONFIGS[args.model]
+    text = dict(TEXT_CONFIGS[args.model], num_hidden_layers=config.text_config.num_hidden_layers)
     batch = random_batch(args.rows, args.prompt_length, args.response_length, text["vocab_size"])
     log_probs, _ = actor.compute_log_probs(batch, args.micro_batch, temperature=1.0)
     batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": log_probs}))
@@ -197,11 +200,14 @@ def run(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    update_metrics: dict[str, float] = {}
+
     def timed_update() -> float:
         synchronize()
         begin = time.perf_counter()
-        actor.update_policy(batch, args.rows, args.micro_batch, ppo_epochs=1, temperature=1.0)
+        update = actor.update_policy(batch, args.rows, args.micro_batch, ppo_epochs=1, temperature=1.0)
         synchronize()
+        update_metrics.update(update.metrics)
         return time.perf_counter() - begin
 
     timed_update()  # warm-up: allocator, kernels, optimizer states
@@ -229,6 +235,9 @@ def run(args: argparse.Namespace) -> dict:
         "peak_tflops": peak,
         "mfu": flops / seconds / (peak * 1e12) if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 1024**3 if device.type == "cuda" else None,
+        "device_free_gib": torch.cuda.mem_get_info()[0] / 1024**3 if device.type == "cuda" else None,
+        "metrics": update_metrics,
     }
 
 

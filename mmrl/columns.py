@@ -10,6 +10,27 @@ Besides these, a prompt batch carries the data file's own columns (``data_source
 row holds) as object columns: they are passed through to the reward function untouched and are not
 listed (:data:`PASS_THROUGH` says so).
 
+**Trajectories** (multi-turn rollouts, :mod:`mmrl.agent`). A rollout may be a trajectory: model turns
+and tool/environment observation turns, kept as token ids. Everything downstream sees a trajectory as
+*a response with holes in its mask*:
+
+- ``responses`` [B, R] holds every token after the prompt: the model's and the observations';
+- ``attention_mask`` is 1 on all of them (the trajectory's valid tokens stay contiguous and
+  right-padded, so packing, token budgets, balancing, shared prompts and sequence parallelism see an
+  ordinary row), while ``response_mask`` is 1 only on the model's own tokens: log-probs, entropy,
+  KL, advantages and the loss count those alone;
+- ``response_turns`` [B, R] says which turn each token belongs to: model turns are odd (1, 3, ...),
+  observation turns even (2, 4, ...), an opening observation of an environment (before the model's
+  first turn) 0, padding -1; turn 0 is also the prompt's;
+- ``trajectory_media`` carries the media the observations returned, in compact form, each item with
+  its turn (:class:`mmrl.data.processing.TrajectoryMedia`); on the workers the row's
+  ``multi_modal_inputs`` is then a :class:`TrajectoryInputs`: the prompt's and the observations'
+  processor outputs joined in row order, as every forward takes them;
+- ``turn_rewards`` (environments' per-turn rewards) and ``trajectory`` (what happened in each turn)
+  are object columns for the reward function, the metrics and the generations log.
+
+Single-turn rollouts carry none of these four columns and are unchanged.
+
 ``meta_info`` carries no modes: how a phase runs (validation or training sampling, temperature,
 on-policy update) is an explicit argument of the worker method. The only key left is ``metrics``,
 the scalars a worker returns (merged over ranks by the worker group).
@@ -17,11 +38,24 @@ the scalars a worker returns (merged over ranks by the worker group).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["COLUMNS", "Column", "check_batch", "column"]
+__all__ = [
+    "COLUMNS",
+    "Column",
+    "TrajectoryInputs",
+    "check_batch",
+    "column",
+    "concat_multi_modal_inputs",
+    "prompt_inputs",
+    "response_inputs",
+    "media_segments",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +96,8 @@ _SPECS = (
     Column("multi_modal_data", "attach_media", ("generate",), None, "[B]",
            "decoded media of the prompt (PIL images, frames, waveforms) for the rollout engine"),
     Column("multi_modal_inputs", "attach_media", ("generate", "log_probs", "update"), None, "[B]",
-           "the processor's media tensors of the prompt (pixel_values, grids, audio features)"),
+           "the processor's media tensors of the prompt (pixel_values, grids, audio features); of a "
+           "trajectory with observation media a TrajectoryInputs (prompt's and observations' joined)"),
     Column("ground_truth", "data", ("reward",), None, "[B]", "the answer handed to the reward function"),
     Column("uid", "data", ("advantages", "remax_baseline", "dynamic_sampling", "metrics"), None, "[B]",
            "one id per prompt, shared by its n responses (grouping is by uid, never by position)"),
@@ -72,9 +107,21 @@ _SPECS = (
     Column("responses", "generate", ("reward", "log_probs", "update", "metrics"), _LONG, "[B, R]",
            "sampled ids, pad_token_id after EOS"),
     Column("response_mask", "generate", ("reward", "advantages", "update", "metrics"), _LONG, "[B, R]",
-           "1 up to and including EOS"),
+           "1 on the model's own tokens, up to and including EOS (a trajectory: 0 on observation tokens)"),
     Column("truncated", "generate", ("update",), _LONG, "[B]",
            "1 where the response was cut at the maximum length without EOS (actor.mask_truncated_responses)"),
+    # ---- generate, multi-turn only: mmrl.agent (assemble_trajectory_batch); see the module docstring
+    Column("response_turns", "generate", ("reward", "log_probs", "update", "metrics", "logging"), _LONG,
+           "[B, R]", "turn of each response token: model turns odd, observation turns even, an opening "
+           "observation 0, padding -1"),
+    Column("trajectory_media", "generate", ("log_probs", "update"), None, "[B]",
+           "the observations' media in compact form (mmrl.data.processing.TrajectoryMedia, each item with "
+           "its turn and place); None where the observations returned none"),
+    Column("turn_rewards", "generate", ("reward",), None, "[B]",
+           "environment rewards, one float per observation turn ([] for tools), for the reward function"),
+    Column("trajectory", "generate", ("metrics", "logging"), None, "[B]",
+           "what happened in each turn (mmrl.agent.trajectory.TrajectoryRecord): tool calls, errors, "
+           "seconds, observation tokens, media returned, and how the trajectory ended"),
     Column("rollout_log_probs", "generate", ("metrics",), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
@@ -106,6 +153,97 @@ _SPECS = (
 COLUMNS: dict[str, Column] = {spec.name: spec for spec in _SPECS}
 PASS_THROUGH = "the data file's other columns: object columns handed to the reward function"
 METRICS_META_KEY = "metrics"  # the one meta_info key: scalars a worker returns
+
+
+def concat_multi_modal_inputs(
+    multi_modal_inputs: Sequence[dict[str, Any]], device: torch.device | str | None = None
+) -> dict[str, Any]:
+    """Join the rows' processor outputs along dim 0, in row order (``{}`` rows contribute nothing).
+
+    ``pixel_values`` [N_patches, D], ``image_grid_thw`` [n_images, 3] and the video keys simply
+    concatenate. Tensors whose later dims differ between rows (audio ``input_features`` [n, mel, frames]
+    and ``feature_attention_mask`` [n, frames] of clips of different lengths) are right-padded with
+    zeros first. Non-tensor values (``use_audio_in_video``) must agree between rows and are kept once.
+    """
+    pieces: dict[str, list[Any]] = {}
+    for row in multi_modal_inputs:
+        for key, value in (row or {}).items():
+            pieces.setdefault(key, []).append(value)
+    joined: dict[str, Any] = {}
+    for key, values in pieces.items():
+        if not isinstance(values[0], (torch.Tensor, list, tuple)):
+            if any(value != values[0] for value in values):
+                raise ValueError(
+                    f"multi_modal_inputs[{key!r}] differs between rows of one micro-batch: {values}"
+                )
+            joined[key] = values[0]
+            continue
+        tensors = [torch.as_tensor(value) for value in values]
+        tensors = [tensor.reshape(1) if tensor.dim() == 0 else tensor for tensor in tensors]
+        joined[key] = torch.cat(_pad_trailing_dims(tensors))
+        if device is not None:
+            joined[key] = joined[key].to(device)
+    return joined
+
+
+def _pad_trailing_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero-pad every dim after the first to the largest size among ``tensors``."""
+    max_shape = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors))]
+    padded = []
+    for tensor in tensors:
+        if list(tensor.shape[1:]) == max_shape:
+            padded.append(tensor)
+            continue
+        pad: list[int] = []  # F.pad order: last dim first, (left, right) per dim
+        for size, target in zip(reversed(tensor.shape[1:]), reversed(max_shape)):
+            pad += [0, target - size]
+        padded.append(nn.functional.pad(tensor, pad))
+    return padded
+
+
+class TrajectoryInputs(dict):
+    """``multi_modal_inputs`` of a trajectory row whose observations returned media: the processor
+    outputs of the prompt and of every observation joined in row order (the dict itself, what a
+    forward over the whole row takes), with the parts kept apart for the passes that need them:
+
+    - ``prompt``: the prompt's outputs alone (shared by the n rows of a prompt: rows with the same
+      prompt are grouped by it, and a shared-prompt pass feeds it once);
+    - ``response``: the observations' outputs joined (what follows the prompt in a shared-prompt pass);
+    - ``segments``: ``(turn, outputs)`` of the prompt (turn 0) and of each observation that returned
+      media, in row order (the media alignment check names the turn of a mismatch).
+    """
+
+    def __init__(
+        self,
+        joined: dict[str, Any],
+        prompt: dict[str, Any],
+        response: dict[str, Any],
+        segments: tuple[tuple[int, dict[str, Any]], ...],
+    ):
+        super().__init__(joined)
+        self.prompt, self.response, self.segments = prompt, response, segments
+
+    def __reduce__(self):  # the parts travel with the joined dict
+        return (TrajectoryInputs, (dict(self), self.prompt, self.response, self.segments))
+
+
+def prompt_inputs(row_media: dict[str, Any] | None) -> dict[str, Any]:
+    """The prompt's processor outputs of a row's ``multi_modal_inputs`` (a trajectory's prompt part)."""
+    if isinstance(row_media, TrajectoryInputs):
+        return row_media.prompt
+    return row_media or {}
+
+
+def response_inputs(row_media: dict[str, Any] | None) -> dict[str, Any]:
+    """The processor outputs of media inside the response (a trajectory's observations); ``{}`` else."""
+    return row_media.response if isinstance(row_media, TrajectoryInputs) else {}
+
+
+def media_segments(row_media: dict[str, Any] | None) -> tuple[tuple[int, dict[str, Any]], ...]:
+    """``(turn, outputs)`` of each part of a row's media in row order: the prompt's is turn 0."""
+    if isinstance(row_media, TrajectoryInputs):
+        return row_media.segments
+    return ((0, row_media or {}),)
 
 
 def column(name: str) -> str:

@@ -13,8 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# the data section lives with the data layer; split_dataset_spec is re-exported for config_loader
-from mmrl.data.config import DataConfig, split_dataset_spec  # noqa: F401
+# the data section lives with the data layer; its spec helpers are re-exported for config_loader
+from mmrl.data.config import (  # noqa: F401
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
+    DataConfig,
+    split_dataset_spec,
+    unsupported_data_file,
+)
 
 
 def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str]:
@@ -264,7 +270,9 @@ class RolloutConfig:
     dtype: str = "auto"  # engine dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism; 1 = one engine per training process
-    gpu_memory_utilization: float = 0.6  # vLLM: fraction of GPU memory for weights + KV cache
+    # vLLM: share of the GPU's *total* memory the engine takes while awake (weights, activations, the KV
+    # cache in the rest); it must be free when the engine starts (trainer memory is not subtracted)
+    gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache size in GiB (its default takes 90% of RAM)
     max_model_len: int | None = None  # vLLM context; null = max_prompt_length + max_response_length
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget per step
@@ -286,6 +294,105 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class RewardSourceConfig:
+    """What every reward source's section shares (``mmrl.rewards.source``): its part in the reward."""
+
+    weight: float = 1.0  # weight of the source's `overall` in the reward (weighted sum); 0 = logged only
+    failure_score: float = 0.0  # score of a sample the source could not score (counted as <source>/failed)
+    # stop the run when more than this fraction of one batch's samples failed in this source; 1 = never
+    max_failed_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Where model-written code runs (``mmrl.sandbox``): isolation and the limits of one run."""
+
+    # namespaces: user+mount+pid+net namespaces, read-only chroot, no capabilities (kernel-enforced);
+    # process: rlimits + a Python audit hook, for kernels that refuse user namespaces (weaker)
+    isolation: str = "namespaces"
+    max_concurrency: int = 4  # runs at once per reward worker
+    cpu_time_s: float = 5.0  # CPU seconds of one run (all its threads), rounded up to whole seconds
+    wall_time_s: float = 10.0  # wall-clock seconds of one run, idle or not
+    memory_bytes: int = 1 << 30  # address space of each of its processes (a run: max_processes x this)
+    file_size_bytes: int = 16 << 20  # largest file it may write
+    disk_bytes: int = 64 << 20  # size of its private /sandbox and /tmp (tmpfs, each; namespaces)
+    max_processes: int = 8  # processes + threads at once (namespaces)
+    max_open_files: int = 64  # file descriptors per process
+    max_output_bytes: int = 1 << 20  # stdout + stderr; the run is stopped beyond it
+    python: str | None = None  # interpreter the code runs with; null = the reward worker's
+    read_only_paths: list[str] = field(default_factory=list)  # more host paths it may read (namespaces)
+
+
+@dataclass(frozen=True)
+class CodeConfig(RewardSourceConfig):
+    """Code execution as a reward (source `code`): the response's program against the row's tests."""
+
+    enable: bool = False  # run each response's last ```python block against its row's test cases
+    test_cases_key: str = "ground_truth"  # reward-input key (dataset column) holding the test cases
+    score: str = "pass_rate"  # the source's overall: pass_rate (fraction of cases) | all_passed (0/1)
+    max_test_cases: int = 0  # run at most the first N cases of a row; 0 = all
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass(frozen=True)
+class JudgeServeConfig:
+    """A judge model mmrl serves itself: vLLM's OpenAI-compatible server in a Ray actor of the run."""
+
+    model_path: str | None = None  # Hugging Face folder of the judge to serve; null = use judge.base_url
+    num_gpus: float = 0.0  # GPUs of the server's Ray actor (its own devices); 0 on a CPU cluster
+    num_cpus: float = 1.0  # CPUs reserved for the server's Ray actor
+    gpu_memory_utilization: float = 0.3  # vLLM: fraction of the GPU for weights + KV cache
+    cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache in GiB
+    max_model_len: int = 4096  # vLLM context of the judge (prompt with media + answer), tokens
+    enforce_eager: bool = True  # vLLM: no graph capture/compilation (starts ~40 s faster on CPU)
+    startup_timeout_s: float = 300.0  # seconds the server may take to answer its health check
+
+
+@dataclass(frozen=True)
+class JudgeConfig(RewardSourceConfig):
+    """A generative judge that sees the sample's media, reached over an OpenAI-compatible API."""
+
+    enable: bool = False  # score responses with the judge (source `judge`)
+    base_url: str = ""  # OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (unless serve.model_path)
+    api_key_env: str = ""  # environment variable holding the API key (never printed); "" = no key
+    model: str = ""  # model name in the requests; "" with serve.model_path = the served folder
+    # Jinja file of the judge's prompt: `question`, `response`, `ground_truth` and the row's columns;
+    # <image>/<video> markers place the sample's images / video frames; null = mmrl's yes/no prompt
+    prompt_template: str | None = None
+    parser: str = "yes_no"  # how the answer becomes a score: yes_no | number | rubric
+    number_max: float = 10.0  # number parser: the answer's last number n scores n / number_max, in [0, 1]
+    unparseable_score: float = 0.0  # score of an answer the parser cannot read (counted: judge/unparseable)
+    max_tokens: int = 64  # tokens the judge may answer with
+    temperature: float = 0.0  # judge sampling temperature
+    video_frames: int = 4  # frames of each video shown to the judge, evenly spaced
+    max_concurrency: int = 8  # requests in flight per reward worker
+    timeout_s: float = 60.0  # seconds one request may take before it is retried
+    max_retries: int = 4  # retries of a request after a timeout, a lost connection, HTTP 429 or 5xx
+    backoff_s: float = 1.0  # wait before the first retry, doubled each time (HTTP Retry-After wins)
+    cache: bool = True  # answers kept by request (re-scoring and resumed runs do not ask again)
+    cache_path: str | None = None  # sqlite file of the cache; null = <checkpoint folder>/judge_cache.sqlite
+    serve: JudgeServeConfig = field(default_factory=JudgeServeConfig)
+
+
+@dataclass(frozen=True)
+class RewardModelConfig(RewardSourceConfig):
+    """A discriminative reward model scoring prompt + response in the reward workers (source `reward_model`)."""
+
+    # Hugging Face folder: a sequence-classification model (one label), or with head=yes_token any
+    # causal or vision-language LM (score = logit(yes) - logit(no) after the prompt); null = off
+    model_path: str | None = None
+    head: str = "classification"  # classification | yes_token
+    # Jinja file of the text the model reads: `question`, `response`, `ground_truth` and the row's
+    # columns; null = the question as the user turn and the response as the assistant turn
+    prompt_template: str | None = None
+    normalize: str = "none"  # none | sigmoid | batch_zscore (the batch's scores to mean 0, std 1)
+    batch_size: int = 16  # responses per forward pass
+    max_length: int = 2048  # tokens per input; longer inputs keep their end (the response)
+    device: str = "auto"  # auto (the reward worker's GPU when it has one) | cuda | cpu
+    offload: bool = True  # on a GPU: move the model to CPU memory between batches
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     reward_function: str = ""  # `path/to/file.py:function` (function defaults to `main`)
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments
@@ -298,6 +405,15 @@ class RewardConfig:
     # tokens, then falling linearly to -overlong_penalty_factor at max_response_length; 0 = off
     overlong_buffer_length: int = 0
     overlong_penalty_factor: float = 1.0  # the punishment of a response that reaches max_response_length
+    # the rule file's part among several sources (source `rule`); alone, its keys are logged unprefixed
+    rule: RewardSourceConfig = field(default_factory=RewardSourceConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)  # sandboxed code execution (source `code`)
+    # several sources: weighted_sum (overall = sum of weight x each source's overall) | rule_function (the
+    # rule file runs last, each input holding `source_scores` {source: scores}, and its overall is the reward)
+    combine: str = "weighted_sum"
+    num_gpus: float = 0.0  # GPUs per reward worker (for a reward model); 0 = CPU
 
 
 @dataclass(frozen=True)
@@ -341,7 +457,10 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # any of LOGGERS
     nnodes: int = 1  # machines
     n_gpus_per_node: int = 8  # training processes per machine (GPUs; CPU processes on a CPU machine)
-    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    device: str = "auto"  # auto (GPUs when the Ray cluster has any) | cuda | cpu
+    # CPUs Ray reserves per training process, also its torch threads (media decoding and processing);
+    # null = on GPU nodes the node's CPUs (less the reward workers') shared by its processes, 0.5 on CPUs
+    cpus_per_worker: float | None = None
     seed: int = 1  # seed of model init, dropout and sampling RNGs
     critic_warmup: int = 0  # steps that update the critic only
     val_freq: int = -1  # validate every this many steps; -1 = never during training
@@ -422,6 +541,13 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (RolloutConfig, "name"): ("vllm", "hf"),
     (RolloutConfig, "dtype"): DTYPES,
     (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE
+    (CodeConfig, "score"): ("pass_rate", "all_passed"),
+    (SandboxConfig, "isolation"): ("namespaces", "process"),
+    (RewardConfig, "combine"): ("weighted_sum", "rule_function"),
+    (JudgeConfig, "parser"): ("yes_no", "number", "rubric"),
+    (RewardModelConfig, "head"): ("classification", "yes_token"),
+    (RewardModelConfig, "normalize"): ("none", "sigmoid", "batch_zscore"),
+    (RewardModelConfig, "device"): ("auto", "cuda", "cpu"),
     (TrainerConfig, "logger"): LOGGERS,  # a list: each entry one of these
     (TrainerConfig, "device"): ("auto", "cuda", "cpu"),
 }

@@ -161,3 +161,76 @@ def add_training_columns(batch: DataProto, model_path, seed: int = 1) -> DataPro
         "returns": torch.randn(shape[0], 1, generator=generator) * mask,
     }
     return batch.union(DataProto.from_dict(tensors=columns))
+
+
+# ---------------------------------------------------------------- multi-turn trajectories
+
+# what the chat template appends after a model turn's <|im_end|>: the tool's answer as a user turn
+OBSERVATION_OPEN = "\n<|im_start|>user\n<tool_response>\n"
+OBSERVATION_CLOSE = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode_observation(processor, seed: int, image: tuple[int, int] | None = None, video_frames=None) -> dict:
+    """An observation turn through the processor as the agent loop renders one: text, and an image
+    or a video (Qwen2.5-VL placeholders), expanded by the processor."""
+    rng = np.random.default_rng(seed)
+    text, media = "seen", {}
+    if image is not None:
+        text = "<|vision_start|><|image_pad|><|vision_end|>" + text
+        media["images"] = [Image.fromarray(rng.integers(0, 256, (image[1], image[0], 3), dtype=np.uint8))]
+    if video_frames is not None:
+        text = "<|vision_start|><|video_pad|><|vision_end|>" + text
+        media["videos"] = [rng.integers(0, 256, (video_frames, 56, 56, 3), dtype=np.uint8)]
+    return dict(processor(text=[OBSERVATION_OPEN + text + OBSERVATION_CLOSE], return_tensors="pt", **media))
+
+
+def build_trajectory_batch(processor, rows, seed: int = 0) -> DataProto:
+    """Trajectories as the agent loop hands them over. ``rows``: ``(prompt spec, prompt seed, turns)``
+    with the prompt spec as :func:`encode_prompt` takes it (rows with the same seed share a prompt)
+    and turns ``("model", n)`` (n random text tokens, then EOS) or ``("observation", spec)`` (spec as
+    :func:`encode_observation` takes it)."""
+    from mmrl.agent.trajectory import Trajectory, Turn, assemble_trajectory_batch
+
+    generator = torch.Generator().manual_seed(seed)
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = processor.tokenizer.pad_token_id
+    prompts, trajectories = [], []
+    for row, (spec, prompt_seed, turns) in enumerate(rows):
+        prompts.append(encode_prompt(processor, prompt_seed, **spec))
+        trajectory = Trajectory()
+        for kind, turn_spec in turns:
+            if kind == "model":
+                tokens = torch.randint(50, 300, (turn_spec,), generator=generator).tolist() + [eos]
+                log_probs = (-torch.rand(len(tokens), generator=generator)).tolist()
+                trajectory.turns.append(Turn(trajectory.next_turn, tokens, True, log_probs))
+                continue
+            encoded = encode_observation(
+                processor, seed * 100 + row * 10 + len(trajectory.turns), **turn_spec
+            )
+            inputs = {key: value for key, value in encoded.items() if key not in TOKEN_KEYS}
+            types = encoded["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in encoded else None
+            trajectory.turns.append(
+                Turn(
+                    trajectory.next_turn,
+                    encoded["input_ids"][0].tolist(),
+                    False,
+                    token_types=types,
+                    inputs=inputs,
+                )
+            )
+        trajectories.append(trajectory)
+    prompt_width = max(item["input_ids"].shape[1] for item in prompts)
+    tensors = {
+        key: torch.full((len(rows), prompt_width), pad_id if key == "input_ids" else 0) for key in TOKEN_KEYS
+    }
+    for row, item in enumerate(prompts):
+        length = item["input_ids"].shape[1]
+        for key in TOKEN_KEYS:
+            tensors[key][row, prompt_width - length :] = item[key][0] if key in item else 0
+    media = [{key: value for key, value in item.items() if key not in TOKEN_KEYS} for item in prompts]
+    uids = [f"p{prompt_seed}" for _, prompt_seed, _ in rows]
+    prompt_batch = DataProto.from_dict(
+        tensors=tensors, non_tensors={"multi_modal_inputs": media, "uid": uids}
+    )
+    width = max(trajectory.length for trajectory in trajectories) + 2
+    return assemble_trajectory_batch(prompt_batch, trajectories, width, pad_id)

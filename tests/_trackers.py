@@ -90,14 +90,33 @@ def _wandb_records(path: Path) -> Iterator[bytes]:
                 yield b"".join(parts)
 
 
+def _offline_run_log(log_dir: Path) -> tuple[Path, Path]:
+    run_dirs = sorted((log_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1, f"expected one offline run in {log_dir / 'wandb'}, found {run_dirs}"
+    (transaction_log,) = run_dirs[0].glob("run-*.wandb")
+    return run_dirs[0], transaction_log
+
+
+def wandb_offline_exit_code(log_dir: Path) -> int | None:
+    """The exit code the one offline run under ``log_dir/wandb`` ended with (its `exit` record; the W&B
+    app shows a non-zero one as Failed), None when the run recorded no end."""
+    from wandb.proto import wandb_internal_pb2
+
+    _, transaction_log = _offline_run_log(log_dir)
+    for raw in _wandb_records(transaction_log):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "exit":
+            return record.exit.exit_code
+    return None
+
+
 def wandb_offline_run(log_dir: Path) -> tuple[dict[str, dict[int, Any]], dict[int, dict[str, Any]]]:
     """The one offline run under ``log_dir/wandb``: (history as {key: {step: value}}, the
     `val/generations` tables as {step: {"columns": [...], "data": [[...]]}})."""
     from wandb.proto import wandb_internal_pb2
 
-    run_dirs = sorted((log_dir / "wandb").glob("offline-run-*"))
-    assert len(run_dirs) == 1, f"expected one offline run in {log_dir / 'wandb'}, found {run_dirs}"
-    (transaction_log,) = run_dirs[0].glob("run-*.wandb")
+    run_dir, transaction_log = _offline_run_log(log_dir)
     history: dict[str, dict[int, Any]] = {}
     tables: dict[int, dict[str, Any]] = {}
     for raw in _wandb_records(transaction_log):
@@ -114,16 +133,14 @@ def wandb_offline_run(log_dir: Path) -> tuple[dict[str, dict[int, Any]], dict[in
             elif not key.startswith(("_", "val/generations/")):
                 history.setdefault(key, {})[step] = json.loads(item.value_json)
         if table_path is not None:
-            tables[step] = json.loads((run_dirs[0] / "files" / table_path).read_text())
+            tables[step] = json.loads((run_dir / "files" / table_path).read_text())
     return history, tables
 
 
 # ------------------------------------------------------------------------------------ MLflow file store
 
 
-def mlflow_run(log_dir: Path) -> tuple[dict[str, str], dict[str, dict[int, float]], dict[int, dict]]:
-    """The one run in the file store ``log_dir/mlruns``: (params, metrics as {key: {step: value}}, the
-    generations tables as {step: {"columns": [...], "data": [[...]]}})."""
+def _mlflow_only_run(log_dir: Path):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=(log_dir / "mlruns").resolve().as_uri())
@@ -133,7 +150,18 @@ def mlflow_run(log_dir: Path) -> tuple[dict[str, str], dict[str, dict[int, float
         for run in client.search_runs([experiment.experiment_id])
     ]
     assert len(runs) == 1, f"expected one MLflow run in {log_dir / 'mlruns'}, found {len(runs)}"
-    run = runs[0]
+    return client, runs[0]
+
+
+def mlflow_run_status(log_dir: Path) -> str:
+    """The status (FINISHED, FAILED, RUNNING, ...) of the one run in the file store ``log_dir/mlruns``."""
+    return _mlflow_only_run(log_dir)[1].info.status
+
+
+def mlflow_run(log_dir: Path) -> tuple[dict[str, str], dict[str, dict[int, float]], dict[int, dict]]:
+    """The one run in the file store ``log_dir/mlruns``: (params, metrics as {key: {step: value}}, the
+    generations tables as {step: {"columns": [...], "data": [[...]]}})."""
+    client, run = _mlflow_only_run(log_dir)
     metrics = {
         key: {point.step: point.value for point in client.get_metric_history(run.info.run_id, key)}
         for key in run.data.metrics

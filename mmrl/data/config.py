@@ -6,7 +6,23 @@ section whole); :mod:`mmrl.config` embeds it as ``PPOConfig.data``, so the keys 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+# The data files mmrl reads (mmrl.data.dataset.load_rows), by suffix; folders and hub ids besides.
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow")
+DATA_FORMATS = (
+    "a .jsonl, .json, .csv, .parquet or .arrow file, a `datasets` save_to_disk folder, a folder of such "
+    "files, or a hub dataset id (owner/name); each may end in @split"
+)
+
+
+def unsupported_data_file(path: str) -> str | None:
+    """Why the existing file ``path`` is no data file mmrl reads (its suffix), or None when it is one."""
+    if not os.path.isfile(path) or path.endswith(DATA_FILE_SUFFIXES):
+        return None
+    suffix = os.path.splitext(path)[1] or "no suffix"
+    return f"'{path}' ({suffix}) is not a data format mmrl reads: give {DATA_FORMATS}"
 
 
 def split_dataset_spec(spec: str) -> tuple[str, str | None]:
@@ -19,9 +35,7 @@ def split_dataset_spec(spec: str) -> tuple[str, str | None]:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_files: str = (
-        ""  # jsonl/json/parquet file or a `datasets` folder, optional `@split`; comma-separated list
-    )
+    train_files: str = ""  # jsonl/json/csv/parquet/arrow file, `datasets` folder or hub id, optional `@split`; comma-separated
     val_files: str = ""  # same forms as train_files; empty = no validation
     prompt_key: str = "problem"  # column with the prompt text (may hold <image>/<video>/<audio> markers)
     answer_key: str = "answer"  # column with the ground truth handed to the reward function

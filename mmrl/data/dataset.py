@@ -35,7 +35,13 @@ from typing import Any
 import torch
 from jinja2 import StrictUndefined, Template, TemplateError, TemplateSyntaxError
 
-from mmrl.data.config import DataConfig, split_dataset_spec
+from mmrl.data.config import (
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
+    DataConfig,
+    split_dataset_spec,
+    unsupported_data_file,
+)
 from mmrl.data.media import MediaError, image_size
 from mmrl.data.processing import (
     TOKEN_COLUMNS,
@@ -86,10 +92,13 @@ def _read_json_lines(path: str) -> list[dict[str, Any]]:
 
 
 def _read_json_list(path: str) -> list[dict[str, Any]]:
+    """A .json file: one JSON list of row objects, or JSON lines (which ``datasets`` reads from .json)."""
     with open(path, encoding="utf-8") as handle:
         try:
             table = json.load(handle)
         except json.JSONDecodeError as err:
+            if err.msg == "Extra data":  # a second value after the first: one object per line
+                return _read_json_lines(path)
             raise DataError(
                 f"{path} line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); a .json data file "
                 "holds one JSON list of row objects (use .jsonl for one object per line)"
@@ -114,14 +123,56 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
         ) from None
 
 
+def _read_csv(path: str) -> list[dict[str, Any]]:
+    import pyarrow.csv
+
+    try:
+        return pyarrow.csv.read_csv(path).to_pylist()
+    except Exception as err:  # pyarrow raises ArrowInvalid for a ragged or undecodable file
+        raise DataError(
+            f"{path}: not a readable CSV file ({type(err).__name__}: {str(err).splitlines()[0]}); every "
+            "line needs the header's number of comma-separated fields"
+        ) from None
+
+
+def _read_arrow(path: str) -> list[dict[str, Any]]:
+    """An Arrow IPC file: the stream format ``datasets`` writes (``data-*.arrow``) or the file format
+    (Feather v2, ``pyarrow.feather.write_feather``)."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid as err:
+        raise DataError(
+            f"{path}: not a readable Arrow file ({str(err).splitlines()[0]}); write it with "
+            "datasets.Dataset.save_to_disk or pyarrow.feather.write_feather, or give a .jsonl file"
+        ) from None
+    return table.to_pylist()
+
+
+FILE_READERS = {
+    ".jsonl": _read_json_lines,
+    ".json": _read_json_list,
+    ".csv": _read_csv,
+    ".parquet": _read_parquet,
+    ".arrow": _read_arrow,
+}
+assert tuple(FILE_READERS) == DATA_FILE_SUFFIXES, "mmrl.data.config lists the formats read here"
+
+
 def load_rows(spec: str, media_dir: str | None = None) -> Rows:
-    """Read ``path[@split]``: a .jsonl/.json/.parquet file, a ``datasets.save_to_disk`` folder, or a
-    folder of data files; anything else that looks like ``owner/name`` goes to ``datasets.load_dataset``.
-    A file that cannot be read or parsed raises :class:`DataError` naming it (and the line)."""
+    """Read ``path[@split]``: a file of one of the :data:`FILE_READERS` formats, a
+    ``datasets.save_to_disk`` folder, or a folder of data files; an ``owner/name`` that is no local
+    path goes to ``datasets.load_dataset`` (the hub). A file that cannot be read or parsed, or whose
+    format mmrl does not read, raises :class:`DataError` naming it (and the line)."""
     path, split = split_dataset_spec(spec)
     base_dir = media_dir or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else path)
-    readers = {".jsonl": _read_json_lines, ".json": _read_json_list, ".parquet": _read_parquet}
-    reader = next((read for suffix, read in readers.items() if path.endswith(suffix)), None)
+    reader = next((read for suffix, read in FILE_READERS.items() if path.endswith(suffix)), None)
     if reader is not None:
         try:
             return Rows(spec, base_dir, reader(path))
@@ -129,15 +180,34 @@ def load_rows(spec: str, media_dir: str | None = None) -> Rows:
             raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
         except OSError as err:  # missing, a folder, no permission
             raise DataError(f"{path}: cannot read the data file ({err.strerror or err})") from None
+    problem = unsupported_data_file(path)
+    if problem:
+        raise DataError(problem)
+    return Rows(spec, base_dir, _load_with_datasets(path, split))
+
+
+def _load_with_datasets(path: str, split: str | None) -> Any:
+    """A ``save_to_disk`` folder, a folder of data files or a hub id, through the ``datasets`` library."""
     import datasets
 
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
-        table = datasets.load_from_disk(path)[split or "train"]
-    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
-        table = datasets.load_from_disk(path)
-    else:
-        table = datasets.load_dataset(path, split=split or "train")
-    return Rows(spec, base_dir, table)
+    split_name = split or "train"
+    try:
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            folders = datasets.load_from_disk(path)
+            if split_name not in folders:
+                raise DataError(f"{path}: no split '{split_name}' in this dataset; it has {sorted(folders)}")
+            return folders[split_name]
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+            return datasets.load_from_disk(path)
+        return datasets.load_dataset(path, split=split_name)
+    except DataError:
+        raise
+    except Exception as err:  # FileNotFoundError, DatasetNotFoundError, ValueError (unknown split), ...
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise DataError(
+            f"{path}{'@' + split if split else ''}: the datasets library could not load it "
+            f"({type(err).__name__}: {first_line}); give {DATA_FORMATS}"
+        ) from None
 
 
 def split_by_markers(text: str) -> list[dict[str, str]]:

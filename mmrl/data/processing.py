@@ -37,18 +37,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.columns import TrajectoryInputs, concat_multi_modal_inputs
 from mmrl.data.config import DataConfig
 from mmrl.data.media import DecodedVideo, MediaError, load_audio, load_image, load_video
 from mmrl.errors import UserInputError
 from mmrl.protocol import DataProto
 
-__all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "DataError", "MediaCache", "MediaProcessor",
-           "PromptMedia", "attach_media", "compact_media_ref", "load_tokenizer_and_processor", "media_error",
-           "without_model_media"]  # fmt: skip
+__all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "TRAJECTORY_MEDIA", "DataError", "MediaCache",
+           "MediaProcessor", "PromptMedia", "TrajectoryMedia", "attach_media", "compact_media_ref",
+           "load_tokenizer_and_processor", "media_error", "without_model_media"]  # fmt: skip
 
 # processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids")
 PROMPT_MEDIA = "prompt_media"  # the compact column: a PromptMedia, a Ray ref to one, or None
+TRAJECTORY_MEDIA = "trajectory_media"  # multi-turn rollouts: a TrajectoryMedia, or None
 # what attach_media adds on a worker; never sent back to the driver (without_model_media)
 MODEL_MEDIA_COLUMNS = ("multi_modal_inputs", "multi_modal_data")
 
@@ -127,6 +129,23 @@ class PromptMedia:
     def encoded_bytes(self) -> int:
         """Bytes of the encoded files (decoded values the data held count as their array bytes)."""
         return sum(_value_bytes(value) for value in (*self.images, *self.videos, *self.audios))
+
+
+@dataclass(frozen=True, eq=False)
+class TrajectoryMedia:
+    """The media the observations of one trajectory returned, in compact form (column
+    ``trajectory_media``): for each observation turn that returned media, its turn and a
+    :class:`PromptMedia` whose ``prompt`` is the observation's rendered text (what the processor
+    expands), so that a worker reproduces the observation's processor outputs as the rollout saw them.
+    ``key`` identifies it in a worker's :class:`MediaCache` (the object is copied by every dispatch)."""
+
+    turns: tuple[int, ...]
+    observations: tuple[PromptMedia, ...]
+    key: str = ""
+
+    @property
+    def encoded_bytes(self) -> int:
+        return sum(media.encoded_bytes for media in self.observations)
 
 
 def _value_bytes(value: Any) -> int:
@@ -367,7 +386,8 @@ def attach_media(
     keys = [_media_key(value) for value in values]
     distinct = dict(zip(keys, values))
     if cache is not None:
-        cache.retain(set(distinct))
+        trajectories = batch.non_tensor_batch.get(TRAJECTORY_MEDIA, ())
+        cache.retain(set(distinct) | {media.key for media in trajectories if media is not None and media.key})
     entries = cache.entries if cache is not None else {}
     refs = [key for key in distinct if isinstance(key, str) and key not in entries]
     resolved = {}
@@ -389,10 +409,56 @@ def attach_media(
             cache.fetched_bytes += media.encoded_bytes if key in resolved and media is not None else 0
     rows = [results[key] for key in keys]
     columns: dict[str, list[Any]] = {"multi_modal_inputs": [inputs for inputs, _ in rows]}
+    if TRAJECTORY_MEDIA in batch.non_tensor_batch:  # trajectories: their observations' media join in
+        columns["multi_modal_inputs"] = _with_trajectory_media(
+            columns["multi_modal_inputs"], batch.non_tensor_batch[TRAJECTORY_MEDIA], processor, cache
+        )
     if rollout_media:
         columns["multi_modal_data"] = [data for _, data in rows]
     added = DataProto.from_dict(non_tensors=columns).non_tensor_batch  # 1-D object arrays
     return DataProto(batch.batch, {**batch.non_tensor_batch, **added}, batch.meta_info)
+
+
+def trajectory_inputs(
+    prompt: dict[str, Any], observations: Sequence[tuple[int, dict[str, Any]]]
+) -> dict[str, Any]:
+    """A trajectory row's ``multi_modal_inputs``: the prompt's processor outputs, or, when observations
+    returned media (``(turn, outputs)`` in row order), a :class:`~mmrl.columns.TrajectoryInputs`."""
+    observations = [(turn, inputs) for turn, inputs in observations if inputs]
+    if not observations:
+        return prompt
+    response = concat_multi_modal_inputs([inputs for _, inputs in observations])
+    return TrajectoryInputs(
+        concat_multi_modal_inputs([prompt, response]), prompt, response, ((0, prompt), *observations)
+    )
+
+
+def _with_trajectory_media(
+    prompts: list[dict[str, Any]],
+    trajectories: Sequence[Any],
+    processor: MediaProcessor,
+    cache: MediaCache | None,
+) -> list[dict[str, Any]]:
+    """Each row's ``multi_modal_inputs`` with its observations' media (``trajectory_media``) joined in."""
+    rows = []
+    for prompt, media in zip(prompts, trajectories):
+        if media is None:
+            rows.append(prompt)
+            continue
+        entry = cache.entries.get(media.key) if cache is not None and media.key else None
+        if entry is None:
+            observations = [
+                (turn, processor.model_media(observation)[0])
+                for turn, observation in zip(media.turns, media.observations)
+            ]
+            entry = (media, observations)
+            if cache is not None and media.key:
+                cache.entries[media.key] = entry
+                cache.processed += 1
+        elif cache is not None:
+            cache.reused += 1
+        rows.append(trajectory_inputs(prompt, entry[1]))
+    return rows
 
 
 def without_model_media(batch: DataProto) -> DataProto:

@@ -143,10 +143,11 @@ class ConsoleLogger:
             self._write(f"      prompt:   {_shorten(str(sample.get('prompt', '')), self.max_chars)}")
             self._write(f"      response: {_shorten(str(sample.get('response', '')), self.max_chars)}")
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         if self._last_step is not None:
             elapsed = format_duration(self._clock() - self._start_time)
-            self._write(f"finished at step {self._last_step} after {elapsed}")
+            ended = "stopped by an error" if failed else "finished"
+            self._write(f"{ended} at step {self._last_step} after {elapsed}")
 
 
 def _grouped_lines(metrics: dict[str, float]) -> list[str]:

@@ -62,7 +62,7 @@ class Backend(Protocol):
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, failed: bool = False) -> None: ...
 
 
 class Tracker:
@@ -85,13 +85,15 @@ class Tracker:
         for backend in self.backends.values():
             backend.log_generations(clean, step)
 
-    def finish(self) -> None:
-        """Close every backend (each is tried even if another fails); later calls do nothing."""
+    def finish(self, failed: bool = False) -> None:
+        """Close every backend (each is tried even if another fails); later calls do nothing.
+        ``failed``: training stopped with an error; the hosted trackers mark the run failed (wandb: exit
+        code 1, MLflow: status FAILED), the console says so."""
         backends, self.backends = self.backends, {}
         errors = []
         for name, backend in backends.items():
             try:
-                backend.finish()
+                backend.finish(failed)
             except Exception as error:  # the other backends must still close their files
                 errors.append((name, error))
         if errors:
@@ -193,7 +195,7 @@ class JsonlLogger:
             self._generations_file.write(line + "\n")
         self._generations_file.flush()
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self._metrics_file.close()
         if self._generations_file is not None:
             self._generations_file.close()
@@ -221,7 +223,7 @@ class TensorboardLogger:
         self._writer.add_text("val/generations", generations_markdown(samples), global_step=step)
         self._writer.flush()
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self._writer.close()
 
 
@@ -272,8 +274,8 @@ class WandbLogger:
         table = self._wandb.Table(columns=list(GENERATION_COLUMNS), data=rows)
         self._run.log({"val/generations": table}, step=step)
 
-    def finish(self) -> None:
-        self._run.finish()
+    def finish(self, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)  # a non-zero exit code: the run shows as failed
         # wandb 0.31's finish() can return before its service process (wandb-core) has written the
         # run's last records (seen offline); teardown waits for them and stops that process, which
         # wandb otherwise leaves to an exit hook that multiprocessing setups may skip.
@@ -325,8 +327,8 @@ class MlflowLogger:
         text = json.dumps(table, ensure_ascii=False, default=str)
         self._mlflow.log_text(text, artifact_file=f"generations/step_{step:08d}.json")
 
-    def finish(self) -> None:
-        self._mlflow.end_run()
+    def finish(self, failed: bool = False) -> None:
+        self._mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
 def _mlflow_key(key: str) -> str:
@@ -356,8 +358,8 @@ class SwanlabLogger:
             texts.append(self._swanlab.Text(text, caption=f"score {sample.get('score')}"))
         self._swanlab.log({"val/generations": texts}, step=step)
 
-    def finish(self) -> None:
-        self._swanlab.finish()
+    def finish(self, failed: bool = False) -> None:
+        self._swanlab.finish()  # not marked failed: swanlab is not installed here to check its API
 
 
 # ---------------------------------------------------------------------------------------------- values

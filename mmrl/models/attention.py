@@ -11,9 +11,10 @@ transformers v5 hands unknown forward keywords through the decoder layers to the
 ``AttentionMaskInterface`` and set on the text decoder only (:func:`enable_packed_attention`, where
 the model is built):
 
-- with ``packed_sequences``: flash-attn's ``flash_attn_varlen_func`` when the package is installed and
-  the tensors are fp16/bf16 on CUDA; otherwise torch sdpa run causally on each sequence in turn,
-  which is exact (a padded batch computes the same sums, with masked keys adding exp(-inf) = 0).
+- with ``packed_sequences``: flash-attn's ``flash_attn_varlen_func`` when the package is installed (and
+  loads: a broken install warns once and is not used) and the tensors are fp16/bf16 on CUDA; otherwise
+  torch sdpa run causally on each sequence in turn, which is exact (a padded batch computes the same
+  sums, with masked keys adding exp(-inf) = 0).
 - without it (the padded path): exactly transformers' own sdpa attention and sdpa mask;
 - with a :class:`SharedPrefixSequences` (a prompt once, followed by its n responses): each response
   attends to its prompt's keys and causally to its own;
@@ -25,12 +26,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from mmrl.parallel.sequence import ShardedSequences
+
+logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "mmrl_packed"
 
@@ -123,12 +127,29 @@ class SharedPrefixSequences(NamedTuple):
 
 @functools.cache
 def _flash_attn_varlen_func():
-    """flash-attn's varlen kernel, or None when the package is not installed (imported on first use)."""
+    """flash-attn's varlen kernel, or None when the package is not installed or does not load (imported
+    on first use, once per process). flash-attn is a compiled extension built against one torch and
+    CUDA: installed for another torch it fails to import (``ImportError: ... undefined symbol``), and
+    then attention falls back to the exact sdpa path with one warning instead of stopping the run."""
     if importlib.util.find_spec("flash_attn") is None:
         return None
-    from flash_attn import flash_attn_varlen_func
-
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except (ImportError, OSError) as err:  # OSError: a shared library that cannot be opened
+        logger.warning(
+            "flash-attn is installed but does not load (%s: %s); packed attention uses torch sdpa instead "
+            "(exact, slower). Reinstall it against this torch: pip install flash-attn --no-build-isolation "
+            "(README, Running a real job)",
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        return None
     return flash_attn_varlen_func
+
+
+def flash_attn_available() -> bool:
+    """Whether flash-attn's varlen kernel loads in this process (it serves fp16/bf16 CUDA tensors)."""
+    return _flash_attn_varlen_func() is not None
 
 
 def _can_use_flash_attn(query: torch.Tensor) -> bool:
@@ -318,6 +339,8 @@ def enable_packed_attention(model: nn.Module) -> None:
     forward computes what transformers' sdpa computes.
     """
     register_packed_attention()
+    if torch.cuda.is_available():
+        flash_attn_available()  # a broken flash-attn install warns here, where the model is built
     config = model.get_decoder().config
     if config._attn_implementation != PACKED_ATTENTION:
         config._attn_implementation = PACKED_ATTENTION

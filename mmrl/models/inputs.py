@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmrl.columns import concat_multi_modal_inputs, prompt_inputs, response_inputs
 from mmrl.models.attention import PackedSequences, SharedPrefixSequences
 from mmrl.models.families import family_of
 from mmrl.models.prepare import check_prepared
@@ -39,52 +40,6 @@ from mmrl.parallel.sequence import (
     gather_token_outputs,
     token_owners,
 )
-
-
-def concat_multi_modal_inputs(
-    multi_modal_inputs: Sequence[dict[str, Any]], device: torch.device | str | None = None
-) -> dict[str, Any]:
-    """Join the rows' processor outputs along dim 0, in row order (``{}`` rows contribute nothing).
-
-    ``pixel_values`` [N_patches, D], ``image_grid_thw`` [n_images, 3] and the video keys simply
-    concatenate. Tensors whose later dims differ between rows (audio ``input_features`` [n, mel, frames]
-    and ``feature_attention_mask`` [n, frames] of clips of different lengths) are right-padded with
-    zeros first. Non-tensor values (``use_audio_in_video``) must agree between rows and are kept once.
-    """
-    pieces: dict[str, list[Any]] = {}
-    for row in multi_modal_inputs:
-        for key, value in (row or {}).items():
-            pieces.setdefault(key, []).append(value)
-    joined: dict[str, Any] = {}
-    for key, values in pieces.items():
-        if not isinstance(values[0], (torch.Tensor, list, tuple)):
-            if any(value != values[0] for value in values):
-                raise ValueError(
-                    f"multi_modal_inputs[{key!r}] differs between rows of one micro-batch: {values}"
-                )
-            joined[key] = values[0]
-            continue
-        tensors = [torch.as_tensor(value) for value in values]
-        tensors = [tensor.reshape(1) if tensor.dim() == 0 else tensor for tensor in tensors]
-        joined[key] = torch.cat(_pad_trailing_dims(tensors))
-        if device is not None:
-            joined[key] = joined[key].to(device)
-    return joined
-
-
-def _pad_trailing_dims(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Zero-pad every dim after the first to the largest size among ``tensors``."""
-    max_shape = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors))]
-    padded = []
-    for tensor in tensors:
-        if list(tensor.shape[1:]) == max_shape:
-            padded.append(tensor)
-            continue
-        pad: list[int] = []  # F.pad order: last dim first, (left, right) per dim
-        for size, target in zip(reversed(tensor.shape[1:]), reversed(max_shape)):
-            pad += [0, target - size]
-        padded.append(nn.functional.pad(tensor, pad))
-    return padded
 
 
 def compute_position_ids(
@@ -164,8 +119,13 @@ def _same_media(first: dict[str, Any] | None, other: dict[str, Any] | None) -> b
 def prompt_groups(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
 ) -> list[int]:
-    """For each row, the first row with the same prompt: equal valid tokens and equal media."""
-    rows_media = list(multi_modal_inputs) if multi_modal_inputs is not None else [None] * len(prompt_ids)
+    """For each row, the first row with the same prompt: equal valid tokens and equal media (the
+    prompt's own: a trajectory's observation media are not the prompt's)."""
+    rows_media = (
+        [prompt_inputs(media) for media in multi_modal_inputs]
+        if multi_modal_inputs is not None
+        else [None] * len(prompt_ids)
+    )
     candidates: dict[bytes, list[int]] = {}
     first_of = []
     for row in range(len(prompt_ids)):
@@ -194,7 +154,9 @@ def sequence_position_ids(
     The model's ``get_rope_index`` numbers each distinct prompt once (:func:`prompt_groups`: the n
     responses of a prompt share it); a response is text, which every Qwen RoPE variant
     numbers on from the prompt's largest id + 1, one per token, on all axes. Equal to numbering each
-    whole row with ``get_rope_index`` (tests check it per media kind).
+    whole row with ``get_rope_index`` (tests check it per media kind). A trajectory whose observations
+    returned media (``multi_modal_inputs`` with a response part) is not text after its prompt: such a
+    row is numbered whole, by ``get_rope_index`` over its prompt and response with all its media.
     """
     prompt_length = input_ids.shape[1] - response_length
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]
@@ -203,7 +165,7 @@ def sequence_position_ids(
     firsts = sorted(set(group_of_row))
     family = family_of(model)
     prompt_media = concat_multi_modal_inputs(
-        [family.position_media(rows_media[row] or {}) for row in firsts], device=input_ids.device
+        [family.position_media(prompt_inputs(rows_media[row])) for row in firsts], device=input_ids.device
     )
     prompt_positions = compute_position_ids(
         model,
@@ -219,7 +181,30 @@ def sequence_position_ids(
     response_positions = (start.unsqueeze(-1) + offsets).expand(per_axis.shape[0], -1, -1)  # [A, G, R]
     group_index = torch.tensor([firsts.index(first) for first in group_of_row], device=input_ids.device)
     positions = torch.cat([per_axis, response_positions], dim=-1)[:, group_index]  # [A, B, L]
+    for row, media in enumerate(rows_media):
+        if response_inputs(media):  # media inside the response: the whole row through get_rope_index
+            positions[:, row : row + 1] = _row_positions(
+                model, input_ids[row : row + 1], attention_mask[row : row + 1], media, mm_token_type_ids, row
+            ).reshape(per_axis.shape[0], 1, -1)
     return model_layout(positions) if mrope else positions[0]
+
+
+def _row_positions(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    media: dict[str, Any],
+    mm_token_type_ids: torch.Tensor | None,
+    row: int,
+) -> torch.Tensor:
+    """Position ids of one padded row ``[1, L]`` with all its media: ``[3, 1, L]`` or ``[1, L]``."""
+    return compute_position_ids(
+        model,
+        input_ids,
+        attention_mask,
+        concat_multi_modal_inputs([family_of(model).position_media(media)], device=input_ids.device),
+        None if mm_token_type_ids is None else mm_token_type_ids[row : row + 1],
+    )
 
 
 def packed_position_ids(
@@ -347,8 +332,16 @@ def build_shared_prefix_inputs(
                 [torch.tensor([prompt_start + prompt_count - 1]), torch.arange(cursor, cursor + count - 1)]
             )
             cursor += count
+    # in packed order: each prompt's media, then the media inside its rows' responses (trajectories)
     media = concat_multi_modal_inputs(
-        [(multi_modal_inputs[first] or {}) for first in members] if multi_modal_inputs is not None else [],
+        [
+            part
+            for first, rows in members.items()
+            for part in [prompt_inputs(multi_modal_inputs[first])]
+            + [response_inputs(multi_modal_inputs[row]) for row in rows]
+        ]
+        if multi_modal_inputs is not None
+        else [],
         device=device,
     )
     inputs = {

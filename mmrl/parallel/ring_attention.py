@@ -21,8 +21,10 @@ No ``[T, T]`` score matrix is ever kept.
 
 Block kernels: on the CPU the flash-attention op that returns the log-sum-exp
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward); on CUDA with fp16/bf16
-torch's flash-attention op and its backward; otherwise (e.g. fp32 on CUDA) the same formulas in
-plain torch.
+torch's flash-attention op and its backward, called as torch's own context-parallel attention calls
+them (:func:`cuda_flash_backward`); otherwise (e.g. fp32 on CUDA) the same formulas in plain torch.
+``bench/gpu_check.py`` compares the CUDA kernels with the plain-torch formulas on one GPU. Key/value
+blocks move by grouped point-to-point calls (:func:`_shift`), which NCCL needs.
 """
 
 from __future__ import annotations
@@ -64,6 +66,32 @@ def _uses_cuda_flash(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def cuda_flash_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's flash-attention op on one dense block [H, L, D] (fp16/bf16 on CUDA): (out, lse)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q[None], k[None], v[None], 0.0, causal, False, scale=scale
+    )
+    return out[0], lse[0]
+
+
+def cuda_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """The flash-attention backward of one dense block, called with the arguments torch's own
+    context-parallel ring attention passes (``torch.distributed.tensor.experimental._context_parallel``:
+    the dense forward's outputs). For a dense [B, H, L, D] forward the op returns *undefined*
+    ``cum_seq_q``/``cum_seq_k`` (None in Python), and the backward picks the varlen kernel whenever
+    ``cum_seq_q`` is defined (``_flash_attention_backward``: ``cumulative_sequence_length_q.defined()``):
+    so they must be None, not an empty tensor, which is defined and selects the varlen kernel, which
+    rejects 4-D inputs. ``max_q``/``max_k`` are the block lengths; the philox seed/offset are only read
+    with dropout (here 0), so empty tensors of the forward's dtypes stand in for them."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # the forward's (seed, offset) layout
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout[None], q[None], k[None], v[None], out[None], lse[None], None, None,
+        q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale,
+    )  # fmt: skip
+    return tuple(grad[0] for grad in grads)
+
+
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query block [H, Lq, D] on key/value block [H, Lk, D]: (out [H, Lq, D], lse
     [H, Lq] float32). ``causal`` masks key j > query i (equal lengths)."""
@@ -73,10 +101,7 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
         )
         return out[0], lse[0]
     if _uses_cuda_flash(q):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q[None], k[None], v[None], 0.0, causal, False, scale=scale
-        )
-        return out[0], lse[0]
+        return cuda_flash_forward(q, k, v, causal, scale)
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -88,12 +113,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         )
         return tuple(grad[0] for grad in grads)
     if _uses_cuda_flash(q):
-        empty = torch.empty(0, device=q.device)
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout[None], q[None], k[None], v[None], out[None], lse[None], empty, empty,
-            q.shape[1], k.shape[1], 0.0, causal, empty, empty, scale=scale,
-        )  # fmt: skip
-        return tuple(grad[0] for grad in grads)
+        return cuda_flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
@@ -128,13 +148,23 @@ def block_pairs(layout: ShardLayout, ring_rank: int, source: int) -> list[BlockP
 
 def _shift(send: torch.Tensor, recv_numel: int, ring: tuple[int, ...], ring_rank: int, group):
     """Send ``send`` to the next ring rank and receive ``recv_numel`` elements from the previous one;
-    returns (receive buffer, wait)."""
+    returns a function that waits for both and gives the received buffer.
+
+    One grouped call (``batch_isend_irecv``) on every backend: with separate ``isend``/``irecv`` calls
+    NCCL runs each as its own kernel, and with two ring ranks (each rank's previous rank is its next)
+    both ranks' receives wait for sends that queue behind them: a hang. gloo buffers its sends, so
+    separate calls happen to work there; the grouped call behaves the same on both (gloo issues the
+    pair in turn)."""
     size = len(ring)
+    if size == 1:  # a ring of one (bench/gpu_check.py runs the ring on one device): what it sends arrives
+        return lambda: send
     recv = send.new_empty(recv_numel)
-    requests = [
-        dist.irecv(recv, src=ring[(ring_rank - 1) % size], group=group),
-        dist.isend(send.contiguous(), dst=ring[(ring_rank + 1) % size], group=group),
-    ]
+    requests = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.irecv, recv, ring[(ring_rank - 1) % size], group),
+            dist.P2POp(dist.isend, send.contiguous(), ring[(ring_rank + 1) % size], group),
+        ]
+    )
 
     def wait() -> torch.Tensor:
         for request in requests:

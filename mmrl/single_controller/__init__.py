@@ -7,6 +7,7 @@ from mmrl.single_controller.resource_pool import (
     DEFAULT_WORKER_ENV_VARS,
     ResourcePool,
     ResourcePoolError,
+    alive_node_resources,
     init_ray,
     nodes_that_fit,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "ResourcePoolError",
     "TransferCounter",
     "WorkerGroupError",
+    "alive_node_resources",
     "distributed_env",
     "init_ray",
     "merge_dp_outputs",

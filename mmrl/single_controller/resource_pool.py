@@ -25,7 +25,14 @@ from ray.util.placement_group import (
 
 from mmrl.parallel.debris import remove_ray_session_at_exit
 
-__all__ = ["DEFAULT_WORKER_ENV_VARS", "ResourcePool", "ResourcePoolError", "init_ray", "nodes_that_fit"]
+__all__ = [
+    "DEFAULT_WORKER_ENV_VARS",
+    "ResourcePool",
+    "ResourcePoolError",
+    "alive_node_resources",
+    "init_ray",
+    "nodes_that_fit",
+]
 
 # Set in every Ray worker process (before it imports anything) unless the caller overrides them.
 DEFAULT_WORKER_ENV_VARS = {
@@ -41,13 +48,15 @@ class ResourcePoolError(RuntimeError):
 def init_ray(
     address: str | None = None,
     num_cpus: int | None = None,
+    num_gpus: int | None = None,
     include_dashboard: bool = False,
     object_store_memory_bytes: int | None = None,
     runtime_env_vars: dict[str, str] | None = None,
 ) -> None:
     """Connect to Ray once per process; later calls are no-ops.
 
-    `address=None` starts a local cluster with `num_cpus` logical CPUs (None = all cores), no dashboard
+    `address=None` starts a local cluster with `num_cpus` logical CPUs (None = all cores) and `num_gpus`
+    GPUs (None = the machine's; a number makes them logical, as tests do on a CPU machine), no dashboard
     (it costs ~0.7 GB) and an object store of `object_store_memory_bytes` (None = Ray's default, 30% of
     memory). `address="auto"` or `"ip:port"` joins a cluster started with `ray start`; the local-cluster
     arguments are then ignored. `runtime_env_vars` (PYTHONPATH, OMP_NUM_THREADS, HF_HOME, ...) are set in
@@ -61,12 +70,18 @@ def init_ray(
     if address is None:
         options.update(
             num_cpus=num_cpus,
+            num_gpus=num_gpus,
             include_dashboard=include_dashboard,
             object_store_memory=object_store_memory_bytes,
         )
     ray.init(address=address, **options)
     if address is None:  # the cluster is this process's: nothing of it outlives the process
         remove_ray_session_at_exit()
+
+
+def alive_node_resources() -> list[dict[str, float]]:
+    """The resources (``{"CPU": 16.0, "GPU": 8.0, "memory": ...}``) of each alive node of the cluster."""
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive", True)]
 
 
 def nodes_that_fit(
@@ -173,7 +188,7 @@ class ResourcePool:
     def _check_cluster_can_hold(self) -> bool:
         """Raises when the cluster can never hold the groups; True when `nnodes > 1` distinct machines can
         each hold one group (then they are spread over machines)."""
-        alive = [node["Resources"] for node in ray.nodes() if node.get("Alive", True)]
+        alive = alive_node_resources()
         if nodes_that_fit(alive, self.bundle, self.procs_per_node) >= self.nnodes:
             machines = sum(
                 nodes_that_fit([resources], self.bundle, self.procs_per_node) > 0 for resources in alive

@@ -109,7 +109,7 @@ def distributed_env(
     among the ranks on its node, in rank order. On GPU every rank of a node sees all of that node's GPUs of
     the group, listed in local-rank order, so rank r's device is `cuda:LOCAL_RANK` as under torchrun (Ray
     would show each actor only its own GPU as cuda:0; Ray Train shares them the same way, for NCCL P2P and
-    CUDA IPC between ranks of a node).
+    CUDA IPC between ranks of a node). A CPU rank gets an empty `CUDA_VISIBLE_DEVICES`: it sees no GPU.
     """
     ranks_on_node: dict[str, list[int]] = {}
     for rank, node_id in enumerate(node_ids):
@@ -127,6 +127,8 @@ def distributed_env(
         }
         if gpu_ids[rank] is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu_ids[peer]) for peer in peers)
+        else:  # a CPU rank sees no GPU, even on a GPU machine (Ray leaves the variable alone without GPUs)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         envs.append(env)
     return envs
 

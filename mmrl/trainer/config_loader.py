@@ -21,15 +21,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mmrl.config import (
     CHOICES,
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
     SAMPLING_KEYS,
     PPOConfig,
     split_dataset_spec,
     split_function_spec,
+    unsupported_data_file,
 )
 from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
 GROUP_ESTIMATORS = (
     "grpo",
@@ -238,6 +240,16 @@ def _resolve_paths(cfg: DictConfig) -> None:
     if cfg.worker.reward.reward_function:
         path, name = split_function_spec(cfg.worker.reward.reward_function)
         cfg.worker.reward.reward_function = f"{os.path.abspath(path)}:{name}"
+    judge, reward_model = cfg.worker.reward.judge, cfg.worker.reward.reward_model
+    for section, key in (
+        (judge, "prompt_template"),
+        (judge, "cache_path"),
+        (reward_model, "prompt_template"),
+    ):
+        section[key] = _absolute(section[key])
+    for section in (judge.serve, reward_model):
+        if section.model_path and os.path.exists(section.model_path):
+            section.model_path = os.path.abspath(section.model_path)
     cfg.trainer.save_checkpoint_path = _absolute(cfg.trainer.save_checkpoint_path)
     cfg.trainer.load_checkpoint_path = _absolute(cfg.trainer.load_checkpoint_path)
 
@@ -385,10 +397,13 @@ def _check_dataset(errors: list[str], key: str, value: str) -> None:
     for spec in filter(None, (s.strip() for s in value.split(","))):
         path, _ = split_dataset_spec(spec)
         if os.path.exists(path):
+            problem = unsupported_data_file(path)
+            if problem:
+                errors.append(f"{key}: {problem}")
             continue
         if HUB_ID.match(path) and not path.endswith(DATA_FILE_SUFFIXES):
             continue  # a hub dataset id: only the loader can tell whether it is reachable
-        errors.append(f"{key}: '{path}' does not exist (a jsonl/json/parquet file or a `datasets` folder)")
+        errors.append(f"{key}: '{path}' does not exist ({DATA_FORMATS})")
 
 
 def _check_model_path(errors: list[str], key: str, value: str | None, required: bool) -> str | None:
@@ -552,6 +567,9 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
             )
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps <= 0:
         errors.append(f"trainer.max_steps={cfg.trainer.max_steps} must be > 0 (or null for total_epochs)")
+    cpus = cfg.trainer.cpus_per_worker
+    if cpus is not None and cpus <= 0:
+        errors.append(f"trainer.cpus_per_worker={cpus} must be > 0 (CPUs per training process), or null")
     min_pixels, max_pixels = cfg.data.min_pixels, cfg.data.max_pixels
     for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
         if value is not None and value <= 0:
@@ -806,18 +824,105 @@ def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
         if critic_folder is not None:
             _check_ulysses_heads(errors, cfg, "critic", critic_folder)
     reward = cfg.worker.reward.reward_function
-    if not reward:
+    judge, reward_model = cfg.worker.reward.judge, cfg.worker.reward.reward_model
+    code = cfg.worker.reward.code
+    if not reward and not judge.enable and not reward_model.model_path and not code.enable:
         errors.append(
-            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score)"
+            "worker.reward.reward_function is required (e.g. ./reward_functions/math.py:compute_score), "
+            "unless worker.reward.judge.enable=true, worker.reward.reward_model.model_path is set or "
+            "worker.reward.code.enable=true"
         )
-    else:
+    elif reward:
         path, _ = split_function_spec(reward)
         if not os.path.isfile(path):
             errors.append(f"worker.reward.reward_function: file '{path}' does not exist")
+    for key, template in (
+        ("worker.reward.judge.prompt_template", judge.prompt_template if judge.enable else None),
+        ("worker.reward.reward_model.prompt_template", reward_model.prompt_template),
+    ):
+        if template and not os.path.isfile(template):
+            errors.append(f"{key}: file '{template}' does not exist")
+    if judge.enable and judge.serve.model_path:
+        _check_model_path(errors, "worker.reward.judge.serve.model_path", judge.serve.model_path, False)
+    if reward_model.model_path:
+        _check_model_path(errors, "worker.reward.reward_model.model_path", reward_model.model_path, False)
     if cfg.trainer.load_checkpoint_path and not os.path.isdir(cfg.trainer.load_checkpoint_path):
         errors.append(
             f"trainer.load_checkpoint_path: folder '{cfg.trainer.load_checkpoint_path}' does not exist"
         )
+
+
+def _check_code(errors: list[str], cfg: PPOConfig, check_paths: bool) -> None:
+    """worker.reward.code: limits that let a program run, and the sandbox's paths (when enabled)."""
+    code = cfg.worker.reward.code
+    if not code.enable:
+        return
+    sandbox, prefix = code.sandbox, "worker.reward.code.sandbox."
+    for name in (
+        "max_concurrency",
+        "cpu_time_s",
+        "wall_time_s",
+        "memory_bytes",
+        "file_size_bytes",
+        "disk_bytes",
+    ):
+        if getattr(sandbox, name) <= 0:
+            errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be > 0")
+    for name, least in (("max_processes", 1), ("max_open_files", 8), ("max_output_bytes", 1)):
+        if getattr(sandbox, name) < least:
+            errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be >= {least}")
+    if code.max_test_cases < 0:
+        errors.append(
+            f"worker.reward.code.max_test_cases={code.max_test_cases} must be >= 0 (0 = every case)"
+        )
+    if not code.test_cases_key:
+        errors.append("worker.reward.code.test_cases_key is empty: name the column holding the test cases")
+    if not check_paths:
+        return
+    if sandbox.python is not None and not os.path.isfile(sandbox.python):
+        errors.append(f"{prefix}python: interpreter '{sandbox.python}' does not exist")
+    for path in sandbox.read_only_paths:
+        if not os.path.exists(path):
+            errors.append(f"{prefix}read_only_paths: '{path}' does not exist")
+
+
+def _check_reward_sources(errors: list[str], cfg: PPOConfig) -> None:
+    """The judge can be reached, the sources' numbers make sense, a combining rule file exists."""
+    reward = cfg.worker.reward
+    judge = reward.judge
+    if judge.enable and not judge.base_url and not judge.serve.model_path:
+        errors.append(
+            "worker.reward.judge.enable=true needs an endpoint: worker.reward.judge.base_url (e.g. "
+            "http://127.0.0.1:8000/v1), or worker.reward.judge.serve.model_path for mmrl to serve one"
+        )
+    if judge.enable and judge.base_url and not judge.serve.model_path and not judge.model:
+        errors.append(
+            "worker.reward.judge.model is required with base_url: the model name the endpoint serves"
+        )
+    if reward.combine == "rule_function" and not reward.reward_function:
+        errors.append(
+            "worker.reward.combine=rule_function combines in the rule file: set worker.reward.reward_function"
+        )
+    sections = {"rule": reward.rule, "judge": judge, "reward_model": reward.reward_model, "code": reward.code}
+    for name, section in sections.items():
+        if not 0 <= section.max_failed_fraction <= 1:
+            errors.append(
+                f"worker.reward.{name}.max_failed_fraction={section.max_failed_fraction} must lie in [0, 1]"
+            )
+    positive = {
+        "worker.reward.judge.number_max": judge.number_max,
+        "worker.reward.judge.max_tokens": judge.max_tokens,
+        "worker.reward.judge.video_frames": judge.video_frames,
+        "worker.reward.judge.max_concurrency": judge.max_concurrency,
+        "worker.reward.judge.timeout_s": judge.timeout_s,
+        "worker.reward.judge.serve.startup_timeout_s": judge.serve.startup_timeout_s,
+        "worker.reward.reward_model.batch_size": reward.reward_model.batch_size,
+        "worker.reward.reward_model.max_length": reward.reward_model.max_length,
+    }
+    errors.extend(f"{key}={value} must be > 0" for key, value in positive.items() if value <= 0)
+    for key, value in (("judge.max_retries", judge.max_retries), ("judge.backoff_s", judge.backoff_s)):
+        if value < 0:
+            errors.append(f"worker.reward.{key}={value} must be >= 0")
 
 
 def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
@@ -833,6 +938,8 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_policy_loss(errors, cfg)
     _check_entropy(errors, cfg)
     _check_overlong(errors, cfg)
+    _check_code(errors, cfg, check_paths)
+    _check_reward_sources(errors, cfg)
     _check_choices(errors, cfg)
     if check_paths:
         _check_paths(errors, cfg)

@@ -8,12 +8,13 @@ the meaning is the same, so its users' dashboards and comparisons carry over.
   `critic/advantages/...`, `critic/returns/...`, `critic/values/...`: over valid response tokens;
   `critic/vf_explained_var` (GAE only). Written by `compute_data_metrics`.
 - `response_length/{mean,max,min,clip_ratio}`, `prompt_length/{mean,max,min}`: in tokens, padding
-  excluded. Written by `compute_data_metrics`.
+  excluded; a multi-turn trajectory's response length counts its observation tokens too, and
+  `response_length/model_tokens/{mean,max,min}` the model's own. Written by `compute_data_metrics`.
 - `timing_s/<phase>`: wall-clock seconds of a phase (`timer`, `compute_timing_metrics`).
 - `throughput/<phase>_tokens_per_s`, and for the whole step `throughput/tokens_per_s` and
   `throughput/tokens_per_s_per_device` (`compute_timing_metrics`).
 - `actor/...`, `critic/...` losses, KL, entropy, grad norm and learning rate: written by the workers.
-- `reward/<key>`: mean of every score key the reward function returns (`mmrl.workers.reward`).
+- `reward/<key>`: mean of every score key the reward function returns (`mmrl.rewards`).
 - `val/...`: the same names computed on the validation set, written by the trainer.
 
 All functions return plain Python floats, ready for any logger.
@@ -69,7 +70,8 @@ def compute_data_metrics(
     response_width = batch.batch["responses"].shape[-1]
     response_mask = batch.batch["response_mask"].bool()  # [B, R]
     prompt_mask = batch.batch["attention_mask"][:, :-response_width]  # [B, P]
-    response_length = response_mask.sum(-1).float()  # [B]
+    # the response's valid tokens: the model's, and a trajectory's observation tokens (its mask's holes)
+    response_length = batch.batch["attention_mask"][:, -response_width:].sum(-1).float()  # [B]
     prompt_length = prompt_mask.sum(-1).float()  # [B]
     length_limit = response_width if max_response_length is None else max_response_length
 
@@ -82,6 +84,8 @@ def compute_data_metrics(
         "response_length/clip_ratio": (response_length >= length_limit).float().mean().item(),
         **_stats("prompt_length", prompt_length),
     }
+    if "response_turns" in batch.batch.keys():  # trajectories: how much of the response the model wrote
+        metrics.update(_stats("response_length/model_tokens", response_mask.sum(-1)))
     if use_critic:
         valid_values = batch.batch["values"][response_mask]
         valid_returns = batch.batch["returns"][response_mask]

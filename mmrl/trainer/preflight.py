@@ -5,12 +5,14 @@ and raises the first :class:`~mmrl.errors.UserInputError` found (the command lin
 with code 2). It is the same code the trainer and the workers run later, so a problem that slips past
 (a bad image in row 9,000 with ``filter_overlong_prompts=false``) fails there with the same message.
 
+- packages: torch, transformers, ray, vLLM (with the vllm rollout) and flash-attn are not older than
+  the releases mmrl calls (:mod:`mmrl.versions`; newer ones get a warning);
 - output: ``trainer.save_checkpoint_path`` is a folder or can be made one, and is writable;
   ``trainer.load_checkpoint_path`` is a complete ``global_step_N`` checkpoint;
 - model: the actor's (and critic's) folder has a readable ``config.json`` of a model family mmrl
   knows, and a tokenizer (config, tokenizer and processor files only, never the weights);
 - reward: the reward file imports, defines the function, and the function takes the reward inputs and
-  ``reward_function_kwargs``;
+  ``reward_function_kwargs``; with ``worker.reward.code.enable`` the code sandbox runs a trivial program;
 - data: every data file parses (file and line named), every row has ``data.prompt_key`` and
   ``data.answer_key``, the first :data:`SAMPLE_ROWS` rows of each file go through the format prompt,
   the chat template, media decoding and the processor exactly as in training, and enough prompts fit
@@ -24,12 +26,14 @@ samples) and videos without a decodable frame are errors. Imports no Ray.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from mmrl.checkpoint.state import missing_state_files
 from mmrl.checkpoint.tracker import TRAINER_STATE_FILE, find_last_checkpoint
 from mmrl.config import PPOConfig
 from mmrl.errors import UserInputError
+from mmrl.versions import check_versions, packages_of_run
 
 SAMPLE_ROWS = 4  # rows per data file rendered and processed in full (media decoded) before the run
 
@@ -42,6 +46,8 @@ def preflight(config: PPOConfig) -> None:
     """Raise the first user error among the run's inputs (see the module docstring); None when fine."""
     from mmrl.trainer.ray_trainer import prompts_per_round  # imports no Ray
 
+    for warning in check_versions(packages_of_run(config.worker.rollout.name)):  # too old: VersionError
+        print(f"mmrl: warning: {warning}", file=sys.stderr, flush=True)
     check_output_paths(config)
     tokenizer, processor = check_models(config)
     check_reward(config)
@@ -124,10 +130,15 @@ def check_models(config: PPOConfig) -> tuple[Any, Any | None]:
 
 def check_reward(config: PPOConfig) -> None:
     """Import the reward file and check the function, as each reward worker does at start."""
-    from mmrl.workers.reward import load_reward_function
+    from mmrl.rewards.rule import load_reward_function
 
     reward = config.worker.reward
-    load_reward_function(reward.reward_function, reward.reward_function_kwargs)
+    if reward.reward_function:  # optional when a judge or a reward model scores
+        load_reward_function(reward.reward_function, reward.reward_function_kwargs)
+    if reward.code.enable:  # the sandbox runs a trivial program here, or says why it cannot
+        from mmrl.rewards.code import build_sandbox
+
+        build_sandbox(reward.code.sandbox)
 
 
 # ---- data -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -38,6 +39,8 @@ from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.logging import build_loggers
 from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
+from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
+from mmrl.rewards.source import RewardSourceError
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -47,9 +50,9 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.placement import plan_placement
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
-from mmrl.workers.reward import RewardFunctionError, reduce_reward_metrics
 from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)
@@ -127,9 +130,9 @@ def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
     per device holds every model role, the critic's included."""
-    workers = config.trainer.world_size
+    workers = config.trainer.world_size * max(1.0, config.trainer.cpus_per_worker or 1.0)
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
-    return max(os.cpu_count() or 1, int(workers + rewards + 1))
+    return max(os.cpu_count() or 1, math.ceil(workers + rewards + 1))
 
 
 def placement_line(node_ids: list[str]) -> str:
@@ -144,7 +147,8 @@ class RayPPOTrainer:
     learning-rate schedule spans the whole schedule and the stage shows in metrics and progress line."""
 
     def __init__(self, config: PPOConfig, stage: Stage | None = None):
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter
+        from mmrl.rewards.judge_server import serve_judge
+        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
@@ -156,25 +160,33 @@ class RayPPOTrainer:
         # transformers) while this process loads the tokenizer and reads the datasets.
         reward = config.worker.reward
         self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
+        self.judge_server = serve_judge(reward.judge) if reward.judge.enable else None
         self.rewards = RewardWorkers(
             reward.num_workers,
             reward.num_cpus,
             reward.timeout_s,
             transfers=self.transfers,
-            tokenizer_path=model.tokenizer_or_model_path,
-            tokenizer_key=model.tokenizer_key,
-            reward_function=reward.reward_function,
-            reward_function_kwargs=dict(reward.reward_function_kwargs),
-            reward_type=reward.reward_type,
-            skip_special_tokens=reward.skip_special_tokens,
-            trust_remote_code=model.trust_remote_code,
-            max_response_length=config.data.max_response_length,
-            overlong_buffer_length=reward.overlong_buffer_length,
-            overlong_penalty_factor=reward.overlong_penalty_factor,
+            num_gpus=reward.num_gpus,
+            send_media=reward.judge.enable or bool(reward.reward_model.model_path),
+            config=config,
+            judge_url=self.judge_server.base_url if self.judge_server else None,
+            judge_model=self.judge_server.model if self.judge_server else None,
         )
-        use_gpu = torch.cuda.is_available() and trainer.device != "cpu"
+        # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
+        served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
+        placement = plan_placement(
+            trainer,
+            reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
+            nodes=alive_node_resources(),
+            reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+        )
+        if placement.note:
+            print(placement.note, flush=True)
         pool = ResourcePool(
-            trainer.nnodes, trainer.n_gpus_per_node, use_gpu, cpus_per_proc=1 if use_gpu else 0.5
+            trainer.nnodes,
+            trainer.n_gpus_per_node,
+            placement.use_gpu,
+            cpus_per_proc=placement.cpus_per_worker,
         )
         # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
         # their rows by its own sequence-parallel size
@@ -215,8 +227,12 @@ class RayPPOTrainer:
         self.total_steps = total_training_steps(config, len(train_set))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
 
-        schedule_steps = self.total_steps if stage is None else stage.schedule_steps
-        worker_kwargs = {"config": config, "total_training_steps": schedule_steps}
+        worker_kwargs = {
+            "config": config,
+            # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
+            "total_training_steps": self.total_steps if stage is None else stage.schedule_steps,
+            "cpu_threads": placement.worker_threads,
+        }
         self.actor.start(kwargs=worker_kwargs)
         print(placement_line(self.actor.node_ids), flush=True)
         algo = config.algorithm
@@ -309,6 +325,7 @@ class RayPPOTrainer:
             ),
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
+            **self.rewards.take_metrics(),  # each source's seconds, when there are several
             **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
             **kl_metrics,
             **update_metrics,
@@ -599,10 +616,12 @@ class RayPPOTrainer:
         return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
 
     def _memory_peaks(self) -> dict[str, float]:
-        """Peak memory per phase since the last step, the largest over the ranks (GiB: the device's
-        allocator on GPUs, the process's resident set on CPUs; mmrl.workers.memory)."""
-        per_rank = self.actor.call("take_memory_peaks")
-        return {key: max(peaks.get(key, 0.0) for peaks in per_rank) for key in set().union(*per_rank)}
+        """Memory per phase since the last step over the ranks (GiB; mmrl.workers.memory): the largest
+        peak (GPUs: tensors, and what torch reserved; CPUs: the resident set) and the smallest device
+        free memory of any rank."""
+        from mmrl.workers.memory import combine_rank_peaks
+
+        return combine_rank_peaks(self.actor.call("take_memory_peaks"))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:
@@ -645,17 +664,42 @@ class RayPPOTrainer:
             )
         ]
 
-    def shutdown(self) -> None:
-        if self.tracker is not None:
-            self.tracker.finish()
+    def stop_workers(self) -> None:
+        """Stop the reward workers and the judge server (the training ranks go with the Ray cluster, or,
+        between the stages of a schedule, here)."""
         self.rewards.shutdown()
         if self.stage is not None:  # the next stage builds workers of its own
             self.actor.shutdown()
+        if self.judge_server is not None:
+            self.judge_server.stop()
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        """Close the loggers; ``failed``: training stopped with an error, marked where a tracker can
+        show it (wandb, MLflow) and in the console's last line."""
+        if self.tracker is not None:
+            self.tracker.finish(failed)
+
+    def shutdown(self, failed: bool = False) -> None:
+        self.finish_tracking(failed)
+        self.stop_workers()
+
+
+def planned_runs(config: PPOConfig) -> list[tuple[PPOConfig, Stage | None]]:
+    """``(config, stage)`` of each trainer the run starts: one, or the stages of ``trainer.stages``
+    from the one the newest checkpoint falls in."""
+    stages = plan_stages(config)
+    if not stages:
+        return [(config, None)]
+    trainer = config.trainer
+    latest = CheckpointLayout(trainer.checkpoint_dir).latest_step() if trainer.find_last_checkpoint else None
+    return [(stage.config, stage) for stage in stages[first_stage_to_run(stages, latest) :]]
 
 
 def run(config: PPOConfig) -> int:
     """Start Ray, train (every stage of ``trainer.stages`` in turn), and turn worker or reward failures
     into a message and exit code 1."""
+    import ray
+
     from mmrl.parallel.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
@@ -667,24 +711,36 @@ def run(config: PPOConfig) -> int:
         include_dashboard=ray_cfg.include_dashboard,
         object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
     )
-    stages = plan_stages(config)
-    if stages:
-        trainer = config.trainer
-        latest = (
-            CheckpointLayout(trainer.checkpoint_dir).latest_step() if trainer.find_last_checkpoint else None
-        )
-        runs = [(stage.config, stage) for stage in stages[first_stage_to_run(stages, latest) :]]
-    else:
-        runs = [(config, None)]
-    for run_config, stage in runs:
+    runs, stopped = planned_runs(config), None
+    for index, (run_config, stage) in enumerate(runs):
         if stage is not None:
             print(stage.describe(), flush=True)
         trainer = RayPPOTrainer(run_config, stage)
+        failed = True  # until fit returns: any exception, caught here or by main, fails the run
         try:
             trainer.fit()
-        except (WorkerGroupError, RewardFunctionError, DynamicSamplingError, CheckpointSaveError) as err:
-            print(f"mmrl: training stopped: {err}", file=sys.stderr, flush=True)
-            return 1
+            failed = False
+        except (
+            WorkerGroupError,
+            RewardFunctionError,
+            RewardSourceError,
+            DynamicSamplingError,
+            CheckpointSaveError,
+        ) as err:
+            stopped = err
         finally:
-            trainer.shutdown()
+            try:
+                trainer.stop_workers()
+            finally:
+                # Ray prints the log lines its deduplication held back ("... [repeated 4x across
+                # cluster]") when the driver leaves it: leaving first keeps them above the loggers' and
+                # mmrl's last lines
+                if failed or index == len(runs) - 1:
+                    ray.shutdown()
+                trainer.finish_tracking(failed)
+        if failed:
+            break
+    if stopped is not None:
+        print(f"mmrl: training stopped: {stopped}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -55,6 +55,7 @@ from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
 from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
 from mmrl.protocol import DataProto
+from mmrl.versions import check_versions, packages_of_run
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
 from mmrl.workers.forward import add_position_ids
@@ -76,16 +77,29 @@ logger = logging.getLogger(__name__)
 ROUND_SEED_STRIDE = 1_000_003
 
 
-def setup_distributed() -> torch.device:
-    """Join the process group described by the torchrun variables; NCCL on GPU, gloo on CPU."""
+def worker_threads(cpu_threads: int | None, on_gpu: bool) -> int | None:
+    """torch threads of a training process: ``cpu_threads`` (the CPUs Ray reserved for it, from the
+    driver's placement) when given; otherwise on a CPU machine the cores shared by the ranks on it (more
+    threads per rank only contend), on a GPU torch's own choice (None)."""
+    if cpu_threads is not None:
+        return max(1, cpu_threads)
+    if on_gpu:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def setup_distributed(cpu_threads: int | None = None) -> torch.device:
+    """Join the process group described by the torchrun variables; NCCL on GPU, gloo on CPU. The
+    process runs ``worker_threads(cpu_threads, ...)`` torch threads (and as many OpenMP threads in the
+    libraries it loads later), on GPU too: media decoding and processing run here."""
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    else:
-        # ranks share the machine's cores: more threads per rank only contend
-        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    threads = worker_threads(cpu_threads, use_cuda)
+    if threads is not None:
         torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None
@@ -293,9 +307,13 @@ class CriticRole:
 class HybridWorker:
     """Actor + reference + rollout (+ the GAE critic) in one process per device."""
 
-    def __init__(self, config: PPOConfig, total_training_steps: int):
+    def __init__(self, config: PPOConfig, total_training_steps: int, cpu_threads: int | None = None):
+        """``cpu_threads``: torch threads of this process (the driver's placement: the CPUs Ray reserved
+        for it); None = :func:`worker_threads`' default."""
         self.config = config
-        self.device = setup_distributed()
+        # this node's packages (they may differ from the driver's): too old stops here, naming them
+        check_versions(packages_of_run(config.worker.rollout.name))
+        self.device = setup_distributed(cpu_threads)
         self.peaks = PhasePeaks(self.device)  # set first: the constructor's weight push is measured
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.trainer.seed)
@@ -345,7 +363,8 @@ class HybridWorker:
         self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
-        # last: a vLLM engine sizes its cache by the memory free when it starts
+        # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
+        # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
         self.critic = self._build_critic(total_training_steps) if config.use_critic else None
 
     # ---- builders -----------------------------------------------------------------------------

@@ -251,3 +251,95 @@ def test_override_chat_template_renders_every_prompt(tmp_path, tiny_vl_path, tin
         item = PromptDataset(str(data), tokenizer, processor, DataConfig())[0]
         # (transformers renders chat templates with trim_blocks: the newline after a tag is dropped)
         assert tokenizer.decode(item["input_ids"]) == "[user] 1+1?[assistant] "
+
+
+# ---------------------------------------------------------------- every data format
+
+
+FORMAT_ROWS = [
+    {"problem": f"<image>Which colour is shape {index}?", "answer": colour, "images": f"images/{index}.png"}
+    for index, colour in enumerate(["red", "green", "blue"])
+]  # strings only: a CSV cell holds no list, and its numbers would come back as numbers
+
+
+def _write_rows(folder: Path, fmt: str) -> str:
+    """FORMAT_ROWS written as ``fmt``; returns the data spec that names them."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.csv
+    import pyarrow.feather
+
+    folder.mkdir()
+    table = pa.Table.from_pylist(FORMAT_ROWS)
+    if fmt == "csv":
+        pa.csv.write_csv(table, folder / "train.csv")
+        return str(folder / "train.csv")
+    if fmt == "json list":
+        (folder / "train.json").write_text(json.dumps(FORMAT_ROWS))
+        return str(folder / "train.json")
+    if fmt == "json lines in .json":  # what `datasets` reads from a .json file as well
+        write_jsonl(folder / "train.json", FORMAT_ROWS)
+        return str(folder / "train.json")
+    if fmt == "jsonl":
+        return str(write_jsonl(folder / "train.jsonl", FORMAT_ROWS))
+    if fmt == "parquet":
+        import pyarrow.parquet
+
+        pa.parquet.write_table(table, folder / "train.parquet")
+        return str(folder / "train.parquet")
+    if fmt == "arrow stream (datasets' data files)":
+        with pa.ipc.new_stream(folder / "train.arrow", table.schema) as writer:
+            writer.write_table(table)
+        return str(folder / "train.arrow")
+    if fmt == "arrow file (feather)":
+        pa.feather.write_feather(table, folder / "train.arrow")
+        return str(folder / "train.arrow")
+    if fmt == "save_to_disk folder@split":
+        splits = {
+            "train": datasets.Dataset.from_list(FORMAT_ROWS[:1]),
+            "test": datasets.Dataset.from_list(FORMAT_ROWS),
+        }
+        datasets.DatasetDict(splits).save_to_disk(str(folder / "saved"))
+        return f"{folder / 'saved'}@test"
+    if fmt == "save_to_disk folder of one split":
+        datasets.Dataset.from_list(FORMAT_ROWS).save_to_disk(str(folder / "saved"))
+        return str(folder / "saved")
+    assert fmt == "folder of files@split"  # datasets.load_dataset, as for a hub id: splits by file name
+    pa.csv.write_csv(table.slice(0, 1), folder / "train.csv")
+    pa.csv.write_csv(table, folder / "test.csv")
+    return f"{folder}@test"
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "csv",
+        "json list",
+        "json lines in .json",
+        "jsonl",
+        "parquet",
+        "arrow stream (datasets' data files)",
+        "arrow file (feather)",
+        "save_to_disk folder@split",
+        "save_to_disk folder of one split",
+        "folder of files@split",
+    ],
+)
+def test_every_data_format_loads_the_same_rows(tmp_path, monkeypatch, fmt):
+    import datasets
+
+    from mmrl.data.dataset import load_rows
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")  # not the home folder
+    rows = load_rows(_write_rows(tmp_path / "data", fmt))
+    assert [dict(row) for row in rows.table] == FORMAT_ROWS
+
+
+def test_a_format_mmrl_does_not_read_is_named_with_the_accepted_ones(tmp_path):
+    from mmrl.data.dataset import load_rows
+
+    (tmp_path / "train.txt").write_text("a\nb\n")
+    with pytest.raises(
+        DataError, match=r"train\.txt' \(\.txt\) is not a data format mmrl reads: give a \.jsonl"
+    ):
+        load_rows(str(tmp_path / "train.txt"))

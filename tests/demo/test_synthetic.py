@@ -83,7 +83,7 @@ def test_spatial_shape_lies_in_the_answer_half_and_the_question_names_it():
 
 
 def test_spatial_dataset_is_balanced_and_scored_by_the_shapes_reward(tmp_path):
-    from mmrl.workers.reward import load_reward_function
+    from mmrl.rewards.rule import load_reward_function
 
     shapes_reward = Path(__file__).resolve().parents[2] / "reward_functions" / "shapes.py"
     compute_score = load_reward_function(f"{shapes_reward}:compute_score")

@@ -16,7 +16,15 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from _trackers import markdown_rows, mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
+from _trackers import (
+    markdown_rows,
+    mlflow_run,
+    mlflow_run_status,
+    offline_tracker_env,
+    tensorboard_run,
+    wandb_offline_exit_code,
+    wandb_offline_run,
+)
 
 from mmrl.config import LOGGERS
 from mmrl.logging import LOGGER_NAMES, ConsoleLogger, Tracker, build_loggers
@@ -147,6 +155,8 @@ def test_console_finish_reports_elapsed_time():
     logger.log({"reward/overall": 1.0}, step=5)
     logger.finish()
     assert stream.getvalue().splitlines()[-1] == "finished at step 5 after 1m05s"
+    logger.finish(failed=True)
+    assert stream.getvalue().splitlines()[-1] == "stopped by an error at step 5 after 1m05s"
 
 
 def test_console_through_build_loggers_writes_stdout(capsys, tmp_path):
@@ -266,6 +276,18 @@ def test_wandb_offline_run_holds_the_metrics_and_generations(offline_trackers, m
     assert not (log_dir / "tensorboard").exists() and not (log_dir / "mlruns").exists()
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_failed_run_is_marked_failed_in_wandb_and_mlflow(offline_trackers, monkeypatch, failed):
+    """wandb's run ends with exit code 1 (the W&B app shows it as Failed), MLflow's with status FAILED."""
+    log_dir = offline_trackers
+    monkeypatch.chdir(log_dir.parent)
+    tracker = build_loggers(["wandb", "mlflow"], "proj", "exp", str(log_dir), {}, 10)
+    tracker.log({"reward/overall": 0.5}, step=1)
+    tracker.finish(failed=failed)
+    assert wandb_offline_exit_code(log_dir) == (1 if failed else 0)
+    assert mlflow_run_status(log_dir) == ("FAILED" if failed else "FINISHED")
+
+
 def test_mlflow_file_store_holds_the_metrics_params_and_generations(offline_trackers, monkeypatch):
     log_dir = offline_trackers
     monkeypatch.chdir(log_dir.parent)  # MLflow's own default would be ./mlflow.db here
@@ -327,7 +349,7 @@ def test_tracker_finishes_every_backend_even_if_one_fails(tmp_path):
 
         def log_generations(self, samples, step): ...
 
-        def finish(self):
+        def finish(self, failed=False):
             raise OSError("disk full")
 
     tracker = build_loggers(["jsonl"], "proj", "exp", str(tmp_path), {}, total_steps=1)

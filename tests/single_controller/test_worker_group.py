@@ -14,6 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from mmrl.config import TrainerConfig
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.protocol import DataProto
 from mmrl.single_controller import (
@@ -21,11 +22,13 @@ from mmrl.single_controller import (
     ResourcePool,
     ResourcePoolError,
     WorkerGroupError,
+    alive_node_resources,
     distributed_env,
     init_ray,
     merge_dp_outputs,
     nodes_that_fit,
 )
+from mmrl.trainer.placement import Placement, PlacementError, plan_placement
 
 pytestmark = pytest.mark.distributed
 
@@ -113,7 +116,8 @@ def ray_cluster():
     # Worker processes cannot import this test module by name; ship its classes by value instead.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started_here = not ray.is_initialized()
-    init_ray(num_cpus=4, object_store_memory_bytes=150_000_000)
+    # 2 logical GPUs on this CPU machine: what the driver plans a GPU run from (no worker here uses them)
+    init_ray(num_cpus=4, num_gpus=2, object_store_memory_bytes=150_000_000)
     assert ray.cluster_resources()["CPU"] == 4, "these tests expect the 4-CPU local cluster started here"
     yield
     if started_here:
@@ -290,16 +294,34 @@ def test_deferred_start_takes_late_arguments_once(ray_cluster) -> None:
 
 def test_resource_pool_reports_what_the_cluster_lacks(group: RayWorkerGroup) -> None:
     # 2 × 2.5 CPU on one node: more than the 4 CPUs the single node has, so no waiting.
-    with pytest.raises(ResourcePoolError, match=r"asked for 2 CPU bundles .* nodes have \[4 CPU, 0 GPU\]"):
+    with pytest.raises(ResourcePoolError, match=r"asked for 2 CPU bundles .* nodes have \[4 CPU, 2 GPU\]"):
         ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=2.5)
-    with pytest.raises(ResourcePoolError, match="asked for 1 GPU bundles"):
-        ResourcePool(nnodes=1, procs_per_node=1, use_gpu=True)
+    with pytest.raises(ResourcePoolError, match="asked for 3 GPU bundles"):
+        ResourcePool(nnodes=1, procs_per_node=3, use_gpu=True)
 
     # Fits the cluster, but the module's group holds 2 × 0.5 CPU: the wait times out with what is free.
     start = time.monotonic()
-    with pytest.raises(ResourcePoolError, match=r"within 1 s\. .* only 3 CPU, 0 GPU free"):
+    with pytest.raises(ResourcePoolError, match=r"within 1 s\. .* only 3 CPU, 2 GPU free"):
         ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=4.0, timeout_s=1.0)
     assert time.monotonic() - start < FAST_S
+
+
+def test_the_driver_plans_gpus_and_cpus_from_the_clusters_resources(group: RayWorkerGroup) -> None:
+    """What ``ray.nodes()`` reports is what the driver plans with (mmrl.trainer.placement): the module's
+    cluster has 4 CPUs and 2 logical GPUs, and the plan's GPU bundles are placed."""
+    nodes = alive_node_resources()
+    assert [(node["CPU"], node["GPU"]) for node in nodes] == [(4.0, 2.0)]
+    placement = plan_placement(TrainerConfig(n_gpus_per_node=2), reward_cpus=1.0, nodes=nodes)
+    assert placement == Placement(use_gpu=True, cpus_per_worker=1.0, worker_threads=1)  # (4 - 1) // 2
+    pool = ResourcePool(1, 2, placement.use_gpu, cpus_per_proc=placement.cpus_per_worker, timeout_s=30)
+    try:
+        assert pool.bundle == {"GPU": 1, "CPU": 1.0} and len(pool.bundles()) == 2
+    finally:
+        pool.remove()
+    with pytest.raises(
+        PlacementError, match=r"4 GPUs asked for, but the Ray cluster has 2 \(nodes: 4 CPU, 2 GPU\)"
+    ):
+        plan_placement(TrainerConfig(n_gpus_per_node=4, device="cuda"), reward_cpus=1.0, nodes=nodes)
 
 
 # ---------------------------------------------------------------------- pure helpers, no Ray needed
@@ -316,7 +338,7 @@ def test_distributed_env_local_ranks_and_shared_gpus() -> None:
         ("4", "2", "29500")
     }
     cpu_envs = distributed_env(["a", "a"], [None, None], master_addr="10.0.0.1", master_port=1)
-    assert all("CUDA_VISIBLE_DEVICES" not in env for env in cpu_envs)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in cpu_envs] == ["", ""]  # no GPU, even on a GPU machine
 
 
 def test_nodes_that_fit() -> None:

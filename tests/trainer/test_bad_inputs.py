@@ -108,6 +108,20 @@ def inputs(tiny_vl_path, tiny_omni_path, shapes_data_dir, valid_config, tmp_path
     return Inputs(Path(tiny_vl_path), Path(tiny_omni_path), Path(shapes_data_dir), valid_config, tmp_path)
 
 
+def _saved_dataset(inputs: Inputs) -> Path:
+    """The colour rows as a ``datasets`` save_to_disk folder with train and test splits."""
+    import datasets
+
+    rows = [{**row, "images": [str(inputs.data / row["images"][0])]} for row in inputs.rows()]
+    splits = {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:4])}
+    datasets.disable_progress_bars()  # the case reads stderr: only mmrl's message may be there
+    try:
+        datasets.DatasetDict(splits).save_to_disk(str(inputs.tmp / "saved"))
+    finally:
+        datasets.enable_progress_bars()
+    return inputs.tmp / "saved"
+
+
 def _row(inputs: Inputs, index: int = 0, **changes) -> dict:
     return {**inputs.rows()[index], **changes}
 
@@ -161,6 +175,15 @@ CASES: list[tuple[str, Build, str, str]] = [
      "{tmp}/t.json line 2", "one JSON list of row objects"),
     ("damaged parquet file", lambda i, m: i.args(i.file("data.train_files", 't.parquet', 'PAR1 not really')),
      "{tmp}/t.parquet", "rewrite it"),
+    ("ragged csv file", lambda i, m: i.args(i.file("data.train_files", 't.csv', 'problem,answer\na,b\nc,d,e\n')),
+     "{tmp}/t.csv: not a readable CSV file", "the header's number of comma-separated fields"),
+    ("damaged arrow file", lambda i, m: i.args(i.file("data.train_files", 't.arrow', 'ARROW1 not really')),
+     "{tmp}/t.arrow: not a readable Arrow file", "save_to_disk"),
+    ("data file of a format mmrl does not read", lambda i, m: i.args(i.file("data.train_files", 't.txt', 'a\nb\n')),
+     "data.train_files: '{tmp}/t.txt' (.txt) is not a data format mmrl reads",
+     ".jsonl, .json, .csv, .parquet or .arrow file, a `datasets` save_to_disk folder"),
+    ("split that a saved dataset lacks", lambda i, m: i.args(f"data.train_files={_saved_dataset(i)}@validation"),
+     "{tmp}/saved: no split 'validation'", "it has ['test', 'train']"),
     ("empty train file", lambda i, m: i.args(i.file("data.train_files", 't.jsonl', '')),
      "{tmp}/t.jsonl' has no rows", "at least one prompt"),
     ("malformed val file", lambda i, m: i.args(i.file("data.val_files", 'v.jsonl', '{}\n{\"a\": }\n')),
@@ -243,6 +266,9 @@ CASES: list[tuple[str, Build, str, str]] = [
      "32 of 32 prompts are longer than data.max_prompt_length=20", "data.filter_overlong_prompts=true"),
     ("fewer prompts than a step draws", lambda i, m: i.args("data.rollout_batch_size=64", "worker.actor.global_batch_size=64"),
      "data.train_files: 32 usable prompts, fewer than 64", "lower data.rollout_batch_size"),
+    ("code sandbox that cannot run here", lambda i, m: i.args("worker.reward.code.enable=true", "worker.reward.code.sandbox.python=/bin/false"),
+     "worker.reward.code.sandbox: the code sandbox (isolation=namespaces, python=/bin/false) cannot run a trivial program here",
+     "or set isolation: process"),
 ]  # fmt: skip
 
 
@@ -266,6 +292,20 @@ def test_broken_input_exits_2_with_one_message(inputs, media, capsys, build, nam
 def test_the_valid_run_passes_preflight(inputs):
     """The inputs the cases break are fine as they are."""
     preflight(load_config(inputs.args()))
+
+
+def test_a_csv_train_file_passes_preflight(inputs):
+    """A new user's train.csv (a format EasyR1 reads through `datasets`) loads like the jsonl rows."""
+    import pyarrow as pa
+    import pyarrow.csv
+
+    rows = [{**row, "images": row["images"][0]} for row in inputs.rows()]  # a CSV cell holds no list
+    pa.csv.write_csv(pa.Table.from_pylist(rows), inputs.tmp / "train.csv")
+    preflight(
+        load_config(
+            inputs.args(f"data.train_files={inputs.tmp / 'train.csv'}", f"data.media_dir={inputs.data}")
+        )
+    )
 
 
 @pytest.mark.parametrize("clip", ["tone_8k.wav", "silence.wav"])

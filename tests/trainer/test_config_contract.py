@@ -191,6 +191,7 @@ def test_every_declared_choice_is_a_key_of_the_tree_with_a_valid_default():
 def test_choices_agree_with_the_code_that_implements_them():
     from mmrl import config, core_algos
     from mmrl.logging.loggers import LOGGER_NAMES
+    from mmrl.rewards import compose, parsers, reward_model
     from mmrl.workers import fsdp_engine
 
     implemented = {
@@ -203,6 +204,10 @@ def test_choices_agree_with_the_code_that_implements_them():
         (config.OptimConfig, "strategy"): fsdp_engine.OPTIMIZERS,
         (config.OptimConfig, "lr_scheduler_type"): fsdp_engine.SCHEDULER_TYPES,
         (config.TrainerConfig, "logger"): LOGGER_NAMES,
+        (config.RewardConfig, "combine"): compose.COMBINES,
+        (config.JudgeConfig, "parser"): tuple(parsers.PARSERS),
+        (config.RewardModelConfig, "head"): reward_model.HEADS,
+        (config.RewardModelConfig, "normalize"): reward_model.NORMALIZATIONS,
     }
     for key, names in implemented.items():
         assert set(CHOICES[key]) == set(names), key

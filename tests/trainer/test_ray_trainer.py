@@ -32,7 +32,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from _trackers import mlflow_run, offline_tracker_env, tensorboard_run, wandb_offline_run
+from _trackers import (
+    mlflow_run,
+    mlflow_run_status,
+    offline_tracker_env,
+    tensorboard_run,
+    wandb_offline_exit_code,
+    wandb_offline_run,
+)
 
 from mmrl.checkpoint.tracker import find_last_checkpoint
 from mmrl.trainer.config_loader import config_to_yaml, load_config
@@ -317,7 +324,7 @@ def e2e_dir(tmp_path_factory) -> Path:
 
 
 # every file tracker of run A; its jsonl files are what the others must hold too
-RUN_A_LOGGERS = "trainer.logger=[jsonl,tensorboard,wandb,mlflow]"
+RUN_A_LOGGERS = "trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]"
 RUN_A_GENERATIONS = 2  # validation samples logged per validation
 
 
@@ -333,7 +340,8 @@ def run_a_config(e2e_dir, tiny_vl_path, shapes_data_dir) -> Path:
 @pytest.fixture(scope="module")
 def run_a(e2e_dir, run_a_config) -> TrainerRun:
     """4 steps on 2 workers, uninterrupted: checkpoints at steps 2 and 4, validation at 0, 2 and 4."""
-    env = offline_tracker_env(e2e_dir / "tracker_home")
+    # Ray's log deduplication on, as users have it: its held-back lines must not follow mmrl's last line
+    env = {**offline_tracker_env(e2e_dir / "tracker_home"), "RAY_DEDUP_LOGS": "1"}
     return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log", env=env)
 
 
@@ -468,6 +476,23 @@ def assert_trackers_hold(
     assert mlflow_tables == {step: {"columns": columns, "data": data} for step, data in rows.items()}
 
 
+def ray_lines(output: str) -> list[str]:
+    """Lines Ray forwarded from its worker processes in ``output``: ``(actor_rank0 pid=...)`` prefixes and
+    its deduplication's ``[repeated 4x across cluster]``."""
+    ray_line = re.compile(r"pid=\d+\)|repeated \d+x across cluster")
+    return [line for line in output.splitlines() if ray_line.search(line)]
+
+
+@trainer_e2e
+def test_the_last_lines_of_a_run_are_mmrls(run_a):
+    """With Ray's log deduplication on, a run ends with the console's summary: Ray's held-back
+    "[repeated Nx across cluster]" lines come out before it (the driver leaves Ray first)."""
+    assert_succeeded(run_a)
+    lines = [line for line in run_a.output.splitlines() if line.strip()]
+    assert re.fullmatch(r"finished at step 4 after \S+", lines[-1]), lines[-5:]
+    assert "[repeated" in run_a.output, "Ray deduplicated no line: this run tests nothing"
+
+
 @trainer_e2e
 def test_every_tracker_holds_the_runs_metrics_and_validation_generations(run_a, monkeypatch):
     """Run A logged to jsonl, tensorboard, wandb (offline) and MLflow (file store): read back, the last
@@ -480,6 +505,8 @@ def test_every_tracker_holds_the_runs_metrics_and_validation_generations(run_a, 
     assert sorted(generations) == [0, 2, 4]
     assert all(len(samples) == RUN_A_GENERATIONS for samples in generations.values())
     assert_trackers_hold(run_a.save_dir, metrics, generations)
+    assert wandb_offline_exit_code(run_a.save_dir / "logs") == 0  # finished, not failed
+    assert mlflow_run_status(run_a.save_dir / "logs") == "FINISHED"
     assert sorted(path.name for path in (run_a.save_dir / "logs").iterdir()) == [
         "generations.jsonl",
         "metrics.jsonl",
@@ -763,11 +790,17 @@ def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
         f"worker.reward.reward_function_kwargs.fail_on_answer={fail_on}",
         "data.shuffle=false",
         "trainer.val_before_train=false",
+        "trainer.logger=[console,jsonl,wandb]",
     ]
     config_file = write_config(e2e_dir / "run_raising_reward.yaml", overrides)
-    run = run_trainer(config_file, save_dir, e2e_dir / "run_raising_reward.log")
+    env = {**offline_tracker_env(e2e_dir / "tracker_home_raising"), "RAY_DEDUP_LOGS": "1"}
+    run = run_trainer(config_file, save_dir, e2e_dir / "run_raising_reward.log", env=env)
 
     assert run.returncode == 1, run.output[-4000:]
+    assert wandb_offline_exit_code(save_dir / "logs") == 1  # the W&B app shows the run as Failed
+    # mmrl's message is the last thing the run prints: no Ray line after it
+    stopped_at = run.output.index("mmrl: training stopped:")
+    assert ray_lines(run.output[stopped_at:]) == [], run.output[stopped_at:]
     batch_responses = ROLLOUT_BATCH_SIZE * RESPONSES_PER_PROMPT
     expected = (
         f"mmrl: training stopped: Reward function `compute_score` from {ASSETS / 'raising_reward.py'} "

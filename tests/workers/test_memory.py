@@ -21,3 +21,27 @@ def test_each_phase_reports_its_own_peak():
     assert taken["memory/big_peak_gib"] - taken["memory/small_peak_gib"] > 0.4
     assert taken["memory/small_peak_gib"] <= resident_peak_bytes() / GiB + 0.01
     assert peaks.take() == {}  # taken once
+
+
+def test_ranks_combine_to_the_largest_peak_and_the_least_free_memory():
+    """Every figure a GPU phase reports (tensors, reserved, device free; see mmrl.workers.memory) over
+    the ranks: a peak is the largest of any rank, free memory the smallest."""
+    from mmrl.workers.memory import combine_rank_peaks
+
+    rank0 = {
+        "memory/gen_peak_gib": 10.0,
+        "memory/gen_reserved_peak_gib": 12.0,
+        "memory/gen_device_free_gib": 30.0,
+    }
+    rank1 = {
+        "memory/gen_peak_gib": 11.0,
+        "memory/gen_reserved_peak_gib": 11.5,
+        "memory/gen_device_free_gib": 21.0,
+    }
+    rank2 = {"memory/sync_peak_gib": 3.0}  # a phase only some ranks ran
+    assert combine_rank_peaks([rank0, rank1, rank2]) == {
+        "memory/gen_peak_gib": 11.0,
+        "memory/gen_reserved_peak_gib": 12.0,
+        "memory/gen_device_free_gib": 21.0,
+        "memory/sync_peak_gib": 3.0,
+    }

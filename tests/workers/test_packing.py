@@ -8,6 +8,8 @@ order of floating-point sums.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -614,3 +616,41 @@ def test_flash_attn_arguments_of_packed_and_shared_prefix_rows(monkeypatch, batc
     monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_varlen)
     for share, log_probs in expected.items():
         torch.testing.assert_close(_shared_outputs(model, batch, share)[0], log_probs, atol=1e-5, rtol=0)
+
+
+BROKEN_FLASH_ATTN = (
+    "raise ImportError('/site-packages/flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: "
+    "_ZN3c104cuda9SetDeviceEab')\n"
+)  # what flash-attn compiled against another torch says on import
+
+
+@pytest.mark.parametrize(
+    ("init", "loads"),
+    [(BROKEN_FLASH_ATTN, False), ("def flash_attn_varlen_func(*args, **kwargs): ...\n", True)],
+    ids=["broken install", "working install"],
+)
+def test_a_broken_flash_attn_install_falls_back_to_sdpa_with_one_warning(
+    tmp_path, monkeypatch, caplog, init, loads
+):
+    """A flash_attn package that fails to import (undefined symbol) is treated as absent: attention
+    uses sdpa and says so once per process; a package that imports is used."""
+    from mmrl.models import attention
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(init)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    attention._flash_attn_varlen_func.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="mmrl.models.attention"):
+            assert [attention.flash_attn_available() for _ in range(3)] == [loads] * 3
+    finally:
+        attention._flash_attn_varlen_func.cache_clear()  # later tests see this machine's flash-attn again
+        sys.modules.pop("flash_attn", None)
+    warnings = [record.getMessage() for record in caplog.records]
+    if loads:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1, warnings
+        assert "flash-attn is installed but does not load (ImportError: " in warnings[0]
+        assert "undefined symbol" in warnings[0] and "uses torch sdpa instead" in warnings[0]

@@ -496,3 +496,31 @@ def test_trainer_runs_with_the_vllm_rollout(tiny_vl_path, shapes_data_dir, tmp_p
     assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
     assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row)
     assert sum("val/reward/overall" in row for row in metrics) == 2  # before training and at step 2
+
+
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "cpu"])
+def test_engine_arguments_are_fields_vllm_accepts(tiny_vl_path, on_gpu):
+    """The GPU engine's arguments (written for the CUDA build, which this machine cannot run) are
+    fields of this vLLM release's ``EngineArgs``, which rejects unknown ones; the GPU engine sleeps,
+    leaves tensor-parallel all-reduces to NCCL and takes a share of the GPU, the CPU one a KV size."""
+    import vllm
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    config = RolloutConfig(name="vllm", gpu_memory_utilization=0.5, cpu_kv_cache_gib=0.25, limit_images=2)
+    args = engine_arguments(
+        str(tiny_vl_path),
+        str(tiny_vl_path),
+        config,
+        max_model_len=512,
+        on_gpu=on_gpu,
+        override_config={"a": 1},
+    )
+    vllm.EngineArgs(**args)  # a TypeError names any argument this vLLM does not have
+    assert args["disable_custom_all_reduce"] is True
+    assert args["enable_sleep_mode"] is on_gpu  # vLLM's CPU backend refuses sleep mode
+    assert args["dtype"] == (torch.bfloat16 if on_gpu else torch.float32)
+    if on_gpu:
+        assert args["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in args
+    else:
+        assert args["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in args

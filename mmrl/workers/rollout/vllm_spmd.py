@@ -9,8 +9,10 @@ Life cycle. The engine is built once, with random (``load_format="dummy"``) weig
 whole run: its shutdown destroys the default process group. The worker pushes the actor's weights
 right after construction and after every update (:meth:`VLLMRollout.update_weights`), one full
 tensor at a time under Hugging Face names (``iter_full_state_dict(..., checkpoint_format=True)``).
-On a GPU with sleep mode, the engine sleeps after each generation (level 1 offloads the weights to the
-host and frees the KV cache; level 2 frees both) and wakes for the next weight push or generation.
+On a GPU with sleep mode, the engine sleeps right after construction and after each generation
+(level 1 offloads the weights to the host and frees the KV cache; level 2 frees both) and wakes what
+the next call needs: a weight push its weights, a generation its KV cache too (after
+``torch.cuda.empty_cache()``). How vLLM sizes its GPU memory: :func:`engine_arguments`.
 
 Sampling. Rows come out interleaved, ``[a, a, b, b]`` for ``n=2``, as :class:`HFRollout` returns them.
 Each prompt gets its own seed (the n samples of one prompt ``seed_i, seed_i + 1, ...`` in vLLM), so
@@ -164,6 +166,63 @@ def _device_memory_used_gib() -> float | None:
     return (total - free) / 2**30
 
 
+def engine_arguments(
+    model_path: str,
+    tokenizer_name: str,
+    config: RolloutConfig,
+    *,
+    max_model_len: int,
+    on_gpu: bool,
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``vllm.LLM``'s keyword arguments (``EngineArgs`` fields) for one SPMD engine.
+
+    Memory on a GPU (vLLM V1, 0.10 and later): the engine takes ``gpu_memory_utilization`` × the
+    device's *total* memory for itself, whatever else is allocated: its weights, its activation peak
+    (measured in a profiling run) and, in the rest of that share, the KV cache. It checks at start that
+    this much is free and refuses to start otherwise; memory that the trainer holds is not subtracted.
+    So the trainer's own peak must fit in ``1 - gpu_memory_utilization`` of the device while the engine
+    is awake, and the engine sleeps (frees both) outside generation. On a CPU the KV cache is
+    ``cpu_kv_cache_gib`` (vLLM's CPU default takes 90% of the RAM).
+
+    ``disable_custom_all_reduce``: tensor-parallel all-reduces go through NCCL, as in verl's and
+    EasyR1's SPMD engines. vLLM's custom all-reduce kernel keeps buffers of its own, shared between the
+    group's ranks through CUDA IPC and allocated when the engine starts, which its sleep mode does not
+    free.
+    """
+    engine_args: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": tokenizer_name,
+        "load_format": "dummy",  # the real weights arrive through update_weights
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "dtype": resolve_dtype(config.dtype, torch.device("cuda" if on_gpu else "cpu")),
+        "seed": config.seed,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enforce_eager": config.enforce_eager,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "enable_prefix_caching": True,
+        "enable_sleep_mode": config.enable_sleep_mode and on_gpu,  # vLLM's CPU backend refuses it
+        "disable_custom_all_reduce": True,
+        "logprobs_mode": "raw_logprobs",  # with the temperature in the logits scale: see module doc
+        # the dummy loader randomises the buffers of on-device image normalisation
+        "mm_device_do_normalize": False,
+        "trust_remote_code": trust_remote_code,
+        "disable_log_stats": True,
+    }
+    if on_gpu:
+        engine_args["gpu_memory_utilization"] = config.gpu_memory_utilization
+    else:
+        engine_args["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
+    if config.limit_images > 0:
+        engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
+    if override_config:
+        engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
+    return engine_args
+
+
 class VLLMRollout:
     """One vLLM engine per training process; see the module docstring.
 
@@ -212,36 +271,24 @@ class VLLMRollout:
         )
         self.sleep_level = sleep_level
         self.sleep_enabled = config.enable_sleep_mode and on_gpu
-        engine_args: dict[str, Any] = {
-            "model": model_path,
-            "tokenizer": getattr(tokenizer, "name_or_path", None) or model_path,
-            "load_format": "dummy",  # the real weights arrive through update_weights
-            "distributed_executor_backend": "external_launcher",
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "dtype": resolve_dtype(config.dtype, torch.device("cuda" if on_gpu else "cpu")),
-            "seed": config.seed,
-            "max_model_len": max_model_len,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-            "enforce_eager": config.enforce_eager,
-            "enable_chunked_prefill": config.enable_chunked_prefill,
-            "enable_prefix_caching": True,
-            "enable_sleep_mode": self.sleep_enabled,
-            "logprobs_mode": "raw_logprobs",  # with the temperature in the logits scale: see module doc
-            # the dummy loader randomises the buffers of on-device image normalisation
-            "mm_device_do_normalize": False,
-            "trust_remote_code": trust_remote_code,
-            "disable_log_stats": True,
-        }
-        if on_gpu:
-            engine_args["gpu_memory_utilization"] = config.gpu_memory_utilization
-        else:
-            engine_args["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
-        if config.limit_images > 0:
-            engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
-        if override_config:
-            engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
+        self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
+        self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating
+        self.memory_gib: dict[str, float | None] = {}  # device memory in use around the last sleep / wake
+        engine_args = engine_arguments(
+            model_path,
+            getattr(tokenizer, "name_or_path", None) or model_path,
+            config,
+            max_model_len=max_model_len,
+            on_gpu=on_gpu,
+            trust_remote_code=trust_remote_code,
+            override_config=override_config,
+        )
         with vllm_socket_dir():
             self.llm = LLM(**engine_args)
+        # Asleep from the start: the KV cache (and at level 2 the dummy weights) must not sit beside the
+        # model builds, checkpoint resume and first update that follow; the first weight push wakes the
+        # weights only, the first generation the KV cache.
+        self.sleep()
         if cpu_shared_memory:  # nothing of this run is left in /dev/shm, whatever way it ends
             unlink_cpu_shared_memory(stale_only=False)
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -250,9 +297,6 @@ class VLLMRollout:
         # e.g. a Qwen2.5-Omni folder holds the trained thinker's weights under `thinker.*`
         self.weight_name_prefix = family.weight_prefix_for_vllm(hf_config)
         self.tp_size = config.tensor_parallel_size
-        self.sleeping: set[str] = set()  # engine memory that sleeps: "weights", "kv_cache"
-        self.weights_discarded = False  # level-2 sleep: weights must be pushed before generating
-        self.memory_gib: dict[str, float | None] = {}  # device memory in use around the last sleep / wake
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -302,6 +346,9 @@ class VLLMRollout:
         self._wake(sorted(self.sleeping))
 
     def _wake(self, tags: list[str]) -> None:
+        # vLLM maps its memory with its own allocator (CuMemAllocator), outside torch's cache: blocks the
+        # trainer freed but torch still caches would be missing to it, so they go back to the device first
+        torch.cuda.empty_cache()
         before = _device_memory_used_gib()
         self.llm.wake_up(tags=tags)
         self.sleeping -= set(tags)

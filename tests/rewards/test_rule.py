@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmrl.workers.reward import (
+from mmrl.rewards.rule import (
     RewardFunction,
     RewardFunctionError,
     build_reward_inputs,
@@ -578,6 +578,7 @@ def test_easyr1_reward_without_mathruler_names_the_extra(missing, monkeypatch):
 def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
     import torch
 
+    from mmrl.config import RewardConfig
     from mmrl.protocol import DataProto
     from mmrl.workers.reward_worker import RewardScorer
 
@@ -592,9 +593,8 @@ def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
     )
     spec = f"{REWARD_FUNCTIONS / 'math.py'}:compute_score"  # junk responses: accuracy and format 0
     expected = [0.0, 0.0, -0.125, -0.25, -0.5]
-    scorer = RewardScorer(
-        str(tiny_vl_path), spec, max_response_length=20, overlong_buffer_length=4, overlong_penalty_factor=0.5
-    )
+    reward = RewardConfig(reward_function=spec, overlong_buffer_length=4, overlong_penalty_factor=0.5)
+    scorer = RewardScorer(_scorer_config(tiny_vl_path, reward))
     scored = scorer.score(batch)
     scores = scored.non_tensor_batch["reward_scores"]
     assert [score["overlong_penalty"] for score in scores] == pytest.approx(expected)
@@ -605,6 +605,14 @@ def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
     assert token_level[4, 19] == pytest.approx(-0.5) and token_level[2, 16] == pytest.approx(-0.125)
     assert reduce_reward_metrics(list(scores))["reward/overlong_penalty"] == pytest.approx(sum(expected) / 5)
 
-    off = RewardScorer(str(tiny_vl_path), spec, max_response_length=20).score(batch)  # buffer 0: off
+    off = RewardScorer(_scorer_config(tiny_vl_path, RewardConfig(reward_function=spec))).score(batch)  # off
     assert all("overlong_penalty" not in score for score in off.non_tensor_batch["reward_scores"])
     assert off.batch["token_level_scores"].abs().sum() == 0
+
+
+def _scorer_config(model_path, reward):
+    """A run's config for a reward scorer: the tokenizer of ``model_path``, 20-token responses."""
+    from mmrl.config import ActorConfig, ActorModelConfig, DataConfig, PPOConfig, WorkerConfig
+
+    actor = ActorConfig(model=ActorModelConfig(model_path=str(model_path)))
+    return PPOConfig(data=DataConfig(max_response_length=20), worker=WorkerConfig(actor=actor, reward=reward))

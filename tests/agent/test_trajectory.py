@@ -1,0 +1,159 @@
+"""The trajectory layout (mmrl.columns): a multi-turn rollout is a response with holes in its mask.
+
+- masks, turn numbers and the reward's token worked out by hand for a trajectory with two tool calls;
+- the batch's response is exactly the ids generated plus the ids appended (nothing re-tokenized);
+- on the tiny Qwen2.5-VL, trajectories whose observations returned images and a video: position ids
+  equal the model's own ``get_rope_index`` over each whole row, and log-probs and gradients are the
+  same padded, packed, and packed with shared prompts (the loss counts the model's tokens only).
+Sequence parallelism on a trajectory: tests/parallel/test_sequence_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _batches import TEMPERATURE, build_trajectory_batch, policy_actor
+from _models import training_model
+
+from mmrl.agent.trajectory import STOP_BUDGET, Trajectory, Turn, assemble_trajectory_batch
+from mmrl.columns import TrajectoryInputs, check_batch, prompt_inputs
+from mmrl.core_algos import compute_grpo_advantages
+from mmrl.models.inputs import (
+    compute_position_ids,
+    concat_multi_modal_inputs,
+    model_layout,
+    sequence_position_ids,
+)
+from mmrl.protocol import DataProto
+from mmrl.workers.forward import forward_arguments
+from mmrl.workers.reward_worker import response_lengths, scores_to_token_level
+
+EOS, PAD = 2, 0
+
+
+def _two_call_trajectory() -> Trajectory:
+    """model [21 22 EOS] -> tool [31 32] -> model [23 EOS] -> tool [33] -> model [24 25 EOS]."""
+    return Trajectory(
+        turns=[
+            Turn(1, [21, 22, EOS], True, [-0.1, -0.2, -0.3]),
+            Turn(2, [31, 32], False, token_types=[0, 1]),
+            Turn(3, [23, EOS], True, [-0.4, -0.5]),
+            Turn(4, [33], False, token_types=[0]),
+            Turn(5, [24, 25, EOS], True, [-0.6, -0.7, -0.8]),
+        ]
+    )
+
+
+def _prompts(rows: int = 1) -> DataProto:
+    return DataProto.from_dict(
+        tensors={
+            "input_ids": torch.tensor([[PAD, 11, 12]] * rows),
+            "attention_mask": torch.tensor([[0, 1, 1]] * rows),
+            "mm_token_type_ids": torch.zeros(rows, 3, dtype=torch.long),
+        },
+        non_tensors={"uid": ["a"] * rows},
+    )
+
+
+def test_two_tool_calls_by_hand():
+    trajectory = _two_call_trajectory()
+    batch = assemble_trajectory_batch(_prompts(), [trajectory], width=12, pad_token_id=PAD)
+    tensors = batch.batch
+    assert tensors["responses"][0].tolist() == [21, 22, 2, 31, 32, 23, 2, 33, 24, 25, 2, PAD]
+    assert tensors["response_mask"][0].tolist() == [1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1, 0]
+    assert tensors["response_turns"][0].tolist() == [1, 1, 1, 2, 2, 3, 3, 4, 5, 5, 5, -1]
+    # the attention mask covers the tool tokens: the row stays one contiguous sequence
+    assert tensors["attention_mask"][0].tolist() == [0, 1, 1] + [1] * 11 + [0]
+    assert tensors["input_ids"][0].tolist() == [PAD, 11, 12, 21, 22, 2, 31, 32, 23, 2, 33, 24, 25, 2, PAD]
+    assert tensors["mm_token_type_ids"][0].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    expected_log_probs = [-0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0, -0.6, -0.7, -0.8, 0]
+    torch.testing.assert_close(tensors["rollout_log_probs"][0], torch.tensor(expected_log_probs))
+    assert tensors["truncated"].tolist() == [0]
+    # turn boundaries: where the turn number changes
+    turns = tensors["response_turns"][0]
+    assert (torch.nonzero(turns[1:] != turns[:-1]).flatten() + 1).tolist() == [3, 5, 7, 8, 11]
+    # nothing re-tokenized: the response is what was generated plus what was appended
+    valid = tensors["attention_mask"][0, 3:].bool()
+    assert tensors["responses"][0][valid].tolist() == trajectory.token_ids()
+    assert (
+        batch.non_tensor_batch["turn_rewards"][0] == []
+        and batch.non_tensor_batch["trajectory_media"][0] is None
+    )
+    assert check_batch(batch) == []
+
+
+def test_reward_and_advantages_land_on_the_model_tokens():
+    batch = assemble_trajectory_batch(_prompts(2), [_two_call_trajectory()] * 2, width=12, pad_token_id=PAD)
+    mask = batch.batch["response_mask"]
+    assert response_lengths(batch).tolist() == [11, 11]  # model and tool tokens count against the budget
+    scores = scores_to_token_level([1.0, 0.0], mask)
+    assert torch.nonzero(scores).tolist() == [[0, 10]]  # the last model token, not the last token
+    advantages, _ = compute_grpo_advantages(scores, mask, index=["a", "a"])
+    assert (advantages[mask == 0] == 0).all()
+    assert advantages[0, 0] > 0 and advantages[1, 0] < 0
+    # single-turn rows: the last valid token, as before
+    assert torch.nonzero(scores_to_token_level([1.0], torch.tensor([[1, 1, 0]]))).tolist() == [[0, 1]]
+
+
+def test_budget_cut_trajectories_are_marked_truncated():
+    trajectory = _two_call_trajectory()
+    trajectory.record.stop = STOP_BUDGET
+    batch = assemble_trajectory_batch(_prompts(), [trajectory], width=11, pad_token_id=PAD)
+    assert batch.batch["truncated"].tolist() == [1]
+    with pytest.raises(ValueError, match="do not fit the response width 10"):
+        assemble_trajectory_batch(_prompts(), [trajectory], width=10, pad_token_id=PAD)
+
+
+# ---------------------------------------------------------------- a real model
+
+
+TWO_IMAGE_CALLS = [("model", 3), ("observation", {"image": (56, 56)}), ("model", 2),
+                   ("observation", {"image": (84, 56)}), ("model", 4)]  # fmt: skip
+TRAJECTORY_ROWS = (
+    ({"image": (56, 56)}, 0, TWO_IMAGE_CALLS),
+    ({"image": (56, 56)}, 0, [("model", 2), ("observation", {}), ("model", 5)]),  # a text tool answer
+    ({}, 1, [("model", 4), ("observation", {"video_frames": 4}), ("model", 3)]),
+    ({}, 1, [("model", 6)]),  # answered at once
+)
+
+
+@pytest.fixture(scope="module")
+def trajectory_batch(tiny_vl_path) -> DataProto:
+    from transformers import AutoProcessor
+
+    return build_trajectory_batch(AutoProcessor.from_pretrained(tiny_vl_path), TRAJECTORY_ROWS, seed=3)
+
+
+def test_position_ids_are_the_models_own_over_each_whole_row(tiny_vl_path, trajectory_batch):
+    model = training_model(tiny_vl_path)
+    input_ids, attention_mask, width, media, token_types = forward_arguments(trajectory_batch)
+    assert isinstance(media[0], TrajectoryInputs) and not isinstance(media[3], TrajectoryInputs)
+    assert prompt_inputs(media[0]) is not media[0] and len(media[0]["image_grid_thw"]) == 3
+    positions = model_layout(
+        sequence_position_ids(model, input_ids, attention_mask, width, media, token_types)
+    )
+    for row in range(len(input_ids)):
+        own = compute_position_ids(
+            model,
+            input_ids[row : row + 1],
+            attention_mask[row : row + 1],
+            concat_multi_modal_inputs([media[row]]),
+            token_types[row : row + 1],
+        )
+        valid = attention_mask[row].bool()
+        assert torch.equal(positions[:, row, valid], own[:, 0, valid]), row
+
+
+@pytest.mark.parametrize(
+    ("padding_free", "share_prompts"), [(True, False), (True, True)], ids=["packed", "shared_prompts"]
+)
+def test_packed_log_probs_equal_padded_on_trajectories(
+    tiny_vl_path, trajectory_batch, padding_free, share_prompts
+):
+    model = training_model(tiny_vl_path)
+    padded, _ = policy_actor(model, padding_free=False).compute_log_probs(trajectory_batch, 4, TEMPERATURE)
+    actor = policy_actor(model, padding_free=padding_free, share_prompts=share_prompts)
+    packed, _ = actor.compute_log_probs(trajectory_batch, 4, TEMPERATURE)
+    mask = trajectory_batch.batch["response_mask"].bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    assert (padded[mask] < 0).all()
