@@ -49,7 +49,9 @@ demo-audio: assets-audio
 
 # "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL (examples/tiny_cpu_spatial.yaml).
 # The warm-up also trains the colour task's true labels (--aux_data), which opens the tiny model's image
-# path; the left/right answers stay uniform. bench-recipes compares plain GRPO with the small-model recipe.
+# path; the left/right answers stay uniform. bench-recipes compares plain GRPO, stop 20's recipe (DAPO
+# dynamic sampling + clip-higher) and the small-model recipe (+ adaptive top-k entropy control, never
+# giving up a step).
 assets-spatial: install
 	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
 	@$(PY) -m mmrl.demo.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
@@ -61,7 +63,7 @@ assets-spatial: install
 demo-spatial: assets-spatial
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)
 
-# seeds x {plain GRPO, the recipe} on the spatial task; resumable (bench/results/recipes/), ~SEEDS x 2 runs
+# seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
 bench-recipes: assets-spatial
 	RAY_AUTH_MODE=disabled $(PY) bench/recipes.py $(ARGS)
 

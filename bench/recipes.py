@@ -1,8 +1,9 @@
-"""Plain GRPO against the small-model recipe (DAPO dynamic sampling + clip-higher, KL loss kept, no
-entropy bonus) on the spatial demo task, over seeds.
+"""Plain GRPO, stop 20's recipe (DAPO) and the small-model recipe of issue 26 on the spatial demo task,
+over seeds.
 
-    python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain recipe]
+    python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain dapo entropy]
         [--threshold 0.8] [--val_every 10] [--ranks 1] [--force]
+    python bench/recipes.py --variant NAME --override key=value ... [--seeds ...]   # a variant to try
 
 Every run starts from the warm-up of ``make assets-spatial`` (a tiny random Qwen2.5-VL that answers
 "left" or "right" whatever the image, and has learnt the colour task on the side, which opens its image
@@ -10,30 +11,36 @@ path: spatial validation accuracy 0.31 at step 0) and trains on
 ``examples/tiny_cpu_spatial.yaml`` with the recipe's overrides:
 
 - ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus;
-- ``recipe``: the example config as it stands: online filtering and clip_ratio_high 0.28 (its entropy
-  bonus is 0: at 0.001 it broke the answer format on seed 1).
+- ``dapo``: stop 20's recipe: online filtering that ends the run when ``trainer.max_try_make_batch``
+  rounds cannot fill a step, clip_ratio_high 0.28, no entropy bonus;
+- ``entropy``: the example config as it stands (issue 26): the same filtering, but a step that cannot be
+  filled trains on the groups it dropped (``algorithm.unfilled_step: train``), and adaptive entropy
+  control over the top-8 entropy (``worker.actor.adaptive_entropy``, ``entropy_top_k: 8``).
 
-Both keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, so the
-recipe's parts are the only difference.
+All keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, and
+measure the entropy alike (the example's ``entropy_top_k``; without a bonus it is only the measure).
 
 A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
 and ``data.seed`` (the prompt order); the warm-up model is the same for every seed. Each run's summary
-goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exists is not run again
-(``--force`` reruns), so an interrupted study resumes where it stopped.
+goes to ``bench/results/recipes/<recipe>_seed<seed>.json``; a run whose file exists (with the same
+overrides and the same example config) is not run again (``--force`` reruns), so an interrupted study
+resumes where it stopped.
 
 Per run: validation accuracy (greedy, the 64 validation images) after every ``--val_every`` steps
 against the response tokens generated so far (filtered rounds included), the mean fraction of
-zero-advantage groups in the updates, and the wall time. A seed "learns" when its final accuracy is at
-least ``--threshold`` (default 0.8: a policy that ignores the image scores 0.5 on the balanced
-validation set however it answers, so 0.8 needs the image on at least 60 % of the images beyond a
-guess). The table reports per recipe: seeds that learn, mean final accuracy, mean
-zero-advantage fraction, and accuracy at fixed budgets of generated response tokens (the learning
-curve per rollout token, from the logged ``rollout/generated_response_tokens``).
+zero-advantage groups in the updates, the entropy of the last 10 steps, whether the run stopped before
+its last step, and the wall time. A seed "learns" when its final accuracy is at least ``--threshold``
+(default 0.8: a policy that ignores the image scores 0.5 on the balanced validation set however it
+answers, so 0.8 needs the image on at least 60 % of the images beyond a guess) and it did not stop
+early. The table reports per recipe: seeds that learn, runs stopped early, mean final accuracy, the
+entropy at the end, the zero-advantage fraction, and the response tokens generated to reach the
+threshold; then every seed's curve.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -49,20 +56,42 @@ CONFIG = REPO / "examples" / "tiny_cpu_spatial.yaml"
 VAL_KEY = "val/reward/accuracy"
 RUN_TIMEOUT_S = 3600  # a hang's safety net; a busy shared machine slows runs several times over
 
+# Every recipe spells out the keys the recipes differ in, so none depends on the example's defaults;
+# the rest (KL loss 0.02 to the warm-up model, learning rate, batch sizes) is the example's.
+# (worker.actor.entropy_top_k stays the example's: without a bonus it is only the measure logged, so
+# every recipe's entropy is measured alike)
+NO_ENTROPY_CONTROL = ["worker.actor.entropy_coeff=0.0", "worker.actor.adaptive_entropy.enabled=false"]
 RECIPES: dict[str, list[str]] = {
-    "plain": [
+    "plain": [  # GRPO as the colour demo runs it
         "algorithm.online_filtering=false",
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.2",
-        "worker.actor.entropy_coeff=0.0",
+        *NO_ENTROPY_CONTROL,
     ],
-    "recipe": [],  # examples/tiny_cpu_spatial.yaml as it stands
+    "dapo": [  # stop 20's recipe: dynamic sampling (stops when a step cannot be filled), clip-higher
+        "algorithm.online_filtering=true",
+        "algorithm.unfilled_step=stop",
+        "worker.actor.clip_ratio_low=0.2",
+        "worker.actor.clip_ratio_high=0.28",
+        *NO_ENTROPY_CONTROL,
+    ],
+    "entropy": [],  # examples/tiny_cpu_spatial.yaml as it stands: the recipe of issue 26
 }
+
+
+def config_sha() -> str:
+    """The example config's hash: a result of another version of it is run again."""
+    return hashlib.sha256(CONFIG.read_bytes()).hexdigest()[:16]
+
+
+def recipe_overrides(recipe: str, args: argparse.Namespace) -> list[str]:
+    """A recipe's keys; ``--variant NAME`` is the example's recipe with ``--override`` on top."""
+    return RECIPES[recipe] if recipe in RECIPES else list(args.override)
 
 
 def run_overrides(recipe: str, seed: int, args: argparse.Namespace, out_dir: Path) -> list[str]:
     return [
-        *RECIPES[recipe],
+        *recipe_overrides(recipe, args),
         f"trainer.seed={seed}",
         f"worker.rollout.seed={seed}",
         f"data.seed={seed}",
@@ -74,14 +103,16 @@ def run_overrides(recipe: str, seed: int, args: argparse.Namespace, out_dir: Pat
         f"trainer.n_gpus_per_node={args.ranks}",
         f"trainer.save_checkpoint_path={out_dir}",
         f"trainer.experiment_name=recipes_{recipe}_seed{seed}",
-        *args.override,
+        *(args.override if recipe in RECIPES else []),
     ]
 
 
 def summarize(rows: list[dict], threshold: float) -> dict:
     """A run's metrics.jsonl rows → its learning curve per generated response token and summary."""
-    tokens, curve, zero_adv, responses = 0, [], [], 0
+    tokens, curve, zero_adv, responses, entropy = 0, [], [], 0, []
     for row in sorted(rows, key=lambda r: r["step"]):
+        if "actor/entropy_rollout" in row:
+            entropy.append(row["actor/entropy_rollout"])
         tokens += int(row.get("rollout/generated_response_tokens", 0))
         responses += int(row.get("rollout/generated_responses", 0))
         if "rollout/zero_adv_group_frac" in row:
@@ -98,6 +129,9 @@ def summarize(rows: list[dict], threshold: float) -> dict:
         "zero_adv_group_frac_last10": statistics.fmean(zero_adv[-10:]) if zero_adv else None,
         "generated_responses": responses,
         "generated_response_tokens": tokens,
+        # the whole-vocabulary entropy of the sampled tokens' distributions, mean of the last 10 steps
+        "entropy_last10": statistics.fmean(entropy[-10:]) if entropy else None,
+        "trained_steps": max((row["step"] for row in rows if "actor/pg_loss" in row), default=0),
         "curve": curve,
     }
 
@@ -107,7 +141,8 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
     out_dir = RESULTS / "runs" / f"{recipe}_seed{seed}"
     if result_file.is_file() and not args.force:
         done = json.loads(result_file.read_text())
-        if done["overrides"] == run_overrides(recipe, seed, args, out_dir):  # same steps, same settings
+        same = done["overrides"] == run_overrides(recipe, seed, args, out_dir)  # same steps, same settings
+        if same and done.get("config_sha") == config_sha():  # ... and the example config as it was
             return done
     log = out_dir / "logs" / "metrics.jsonl"
     log.unlink(missing_ok=True)
@@ -129,6 +164,7 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
         "returncode": process.returncode,
         "wall_s": wall_s,
         "overrides": run_overrides(recipe, seed, args, out_dir),
+        "config_sha": config_sha(),
         **summarize(rows, args.threshold),
     }
     if process.returncode != 0:
@@ -139,62 +175,59 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
     return summary
 
 
-def accuracy_at(curve: list[dict], tokens: int) -> float | None:
-    """The last validated accuracy at or before ``tokens`` generated response tokens."""
-    seen = [point["accuracy"] for point in curve if point["tokens"] <= tokens]
-    return seen[-1] if seen else None
+def stopped_early(run: dict) -> bool:
+    """The run ended before its last step (dynamic sampling gave up, or it failed)."""
+    return run["returncode"] != 0 or run.get("trained_steps", run["steps"]) < run["steps"]
 
 
 def table(results: list[dict], threshold: float) -> str:
-    budgets = sorted({int(r["generated_response_tokens"] * f) for r in results for f in (0.25, 0.5, 1.0)})
-    budgets = [budgets[len(budgets) // 4], budgets[len(budgets) // 2], budgets[-1]] if budgets else []
     headers = [
         "recipe",
         "seeds",
-        f"learn (final ≥ {threshold})",
+        f"learned (final val ≥ {threshold}, not stopped)",
+        "stopped early",
         f"reach {threshold} at some validation",
         "final acc (mean)",
+        "entropy at the end (mean of last 10 steps)",
         "zero-adv groups in updates (mean / last 10 steps)",
-        "response tokens to threshold (median of learners)",
-        *[f"acc at {b:,} tokens" for b in budgets],
-        "wall s / run (mean)",
+        "response tokens to threshold (median of runs reaching it)",
+        "s / run (mean)",
     ]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for recipe in RECIPES:
+    for recipe in dict.fromkeys(r["recipe"] for r in results):
         runs = [r for r in results if r["recipe"] == recipe]
-        if not runs:
-            continue
         finals = [r["final_accuracy"] for r in runs]
         zero = [r["zero_adv_group_frac"] for r in runs if r["zero_adv_group_frac"] is not None]
         zero_last = [
             r["zero_adv_group_frac_last10"] for r in runs if r["zero_adv_group_frac_last10"] is not None
         ]
+        entropy = [r["entropy_last10"] for r in runs if r.get("entropy_last10") is not None]
         reached = [r["tokens_to_threshold"] for r in runs if r["tokens_to_threshold"] is not None]
-        at_budget = []
-        for budget in budgets:
-            values = [v for v in (accuracy_at(r["curve"], budget) for r in runs) if v is not None]
-            at_budget.append(f"{statistics.fmean(values):.2f}" if values else "-")
+        stopped = [r for r in runs if stopped_early(r)]
         cells = [
             recipe,
             str(len(runs)),
-            f"{sum(r['learnt'] for r in runs)}/{len(runs)}",
+            f"{sum(r['learnt'] and not stopped_early(r) for r in runs)}/{len(runs)}",
+            f"{len(stopped)}/{len(runs)}",
             f"{len(reached)}/{len(runs)}",  # a run that learns, then settles on one answer, counts here
             f"{statistics.fmean(finals):.2f}",
+            f"{statistics.fmean(entropy):.3f}" if entropy else "-",
             f"{statistics.fmean(zero):.2f} / {statistics.fmean(zero_last):.2f}" if zero else "-",
             f"{statistics.median(reached):,.0f}" if reached else "-",
-            *at_budget,
             f"{statistics.fmean(r['wall_s'] for r in runs):.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     per_seed = [
         "",
-        "| recipe | seed | final acc | accuracy curve (step: acc) | failed |",
-        "|---|---|---|---|---|",
+        "| recipe | seed | final acc | accuracy curve (step: acc) | entropy at the end | stopped / failed |",
+        "|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (r["recipe"], r["seed"])):
         curve = " ".join(f"{p['step']}:{p['accuracy']:.2f}" for p in r["curve"])
+        entropy = f"{r['entropy_last10']:.3f}" if r.get("entropy_last10") is not None else "-"
+        stop = f"at step {r.get('trained_steps')}: {r.get('error', '')}" if stopped_early(r) else ""
         per_seed.append(
-            f"| {r['recipe']} | {r['seed']} | {r['final_accuracy']:.2f} | {curve} | {r.get('error', '')} |"
+            f"| {r['recipe']} | {r['seed']} | {r['final_accuracy']:.2f} | {curve} | {entropy} | {stop} |"
         )
     return "\n".join(lines + per_seed)
 
@@ -205,10 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     # plain GRPO on seed 1 reaches 0.84 at step 40, then settles on one answer (0.50 from step 80)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
+    parser.add_argument(
+        "--variant", default=None, help="run only this named variant: the example's recipe with --override"
+    )
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--val_every", type=int, default=10)
     parser.add_argument("--ranks", type=int, default=1, help="training processes per run")
-    parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
+    parser.add_argument(
+        "--override", nargs="*", default=[], help="extra key=value for every run (of the --variant)"
+    )
     parser.add_argument("--force", action="store_true", help="rerun runs that have a results file")
     return parser
 
@@ -217,8 +255,9 @@ def main() -> None:
     args = build_parser().parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     results = []
-    for seed in args.seeds:  # seed-major: an interrupted study has both recipes of its first seeds
-        for recipe in args.recipes:
+    recipes = [args.variant] if args.variant else args.recipes
+    for seed in args.seeds:  # seed-major: an interrupted study has every recipe of its first seeds
+        for recipe in recipes:
             summary = run_one(recipe, seed, args)
             print(
                 f"[recipes] {recipe} seed {seed}: final {summary['final_accuracy']:.2f} "

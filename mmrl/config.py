@@ -33,8 +33,8 @@ def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus | remax | gae
-    norm_adv_by_std: bool = True  # grpo only: divide by the group's std; false = Dr. GRPO
+    adv_estimator: str = "grpo"  # grpo | grpo_passk | rloo | reinforce_plus_plus | remax | gae
+    norm_adv_by_std: bool = True  # grpo, grpo_passk: divide by the group's std; false = Dr. GRPO
     gamma: float = 1.0  # discount of future token rewards (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE lambda
     disable_kl: bool = False  # no KL term at all (and no reference model)
@@ -51,6 +51,10 @@ class AlgorithmConfig:
     filter_key: str = "overall"  # reward score key the filter reads (`overall` = the reward)
     filter_low: float = 0.01  # keep a group only when its mean score is >= this ...
     filter_high: float = 0.99  # ... and <= this
+    # when trainer.max_try_make_batch rounds cannot fill a step: stop (the run ends with a message) |
+    # train (the step trains on the groups kept, topped up with groups it dropped: a policy that has
+    # settled on one answer keeps training, and an entropy bonus can bring it back)
+    unfilled_step: str = "stop"
 
     @property
     def use_reference(self) -> bool:
@@ -134,19 +138,58 @@ class RefOffloadConfig:
 
 
 @dataclass(frozen=True)
-class ActorConfig:
+class PolicyLossConfig:
+    """The policy loss and its knobs: keys of ``worker.actor`` (:class:`ActorConfig` derives from this).
+    The losses of :mod:`mmrl.core_algos.policy_losses` receive this section whole and read what they
+    need, so a new knob is a field here and a line in its loss."""
+
+    loss_type: str = "ppo"  # policy loss: ppo | gspo | gspo_token | cispo | sapo | clip_cov | kl_cov
+    # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default (ppo and
+    # clip_cov 0.2 / 0.3 (DAPO clip-higher), gspo(_token) 3e-4 / 4e-4, cispo 1 / 4 (no lower bound; 0:
+    # weight >= 1), sapo and kl_cov none)
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_dual: float = 3.0  # ppo: dual-clip constant c (> 1): loss bounded by c·|A| for A < 0
+    tau_positive: float = 1.0  # sapo: gate temperature for tokens with advantage >= 0
+    tau_negative: float = 1.05  # sapo: gate temperature for tokens with advantage < 0
+    # clip_cov and kl_cov (Cui et al. 2025): act on the few tokens whose covariance between log-prob and
+    # advantage, (A - mean A)(log p - mean log p) over a micro-batch's valid tokens, is highest
+    clip_cov_ratio: float = 2e-4  # clip_cov: fraction of the valid tokens whose gradient is cut (>= 1 token)
+    clip_cov_lb: float = 1.0  # clip_cov: tokens are drawn among those with covariance above this ...
+    clip_cov_ub: float = 5.0  # ... and below this
+    kl_cov_ratio: float = 2e-3  # kl_cov: fraction of the valid tokens (highest covariance) penalised (>= 1)
+    kl_cov_coef: float = 1.0  # kl_cov: weight of |log p - old log p| added to those tokens' loss
+
+    @property
+    def clip_range(self) -> tuple[float, float] | None:
+        """``(clip_ratio_low, clip_ratio_high)`` the loss runs with: null keys take ``loss_type``'s default
+        (``core_algos.POLICY_LOSS_CLIP_DEFAULTS``); None for a loss without clip (sapo, kl_cov)."""
+        from mmrl.core_algos import policy_clip_range  # imports torch: only when asked
+
+        return policy_clip_range(self.loss_type, self.clip_ratio_low, self.clip_ratio_high)
+
+
+@dataclass(frozen=True)
+class AdaptiveEntropyConfig:
+    """Skywork-OR1's entropy control (Zhou et al. 2025, sec. 4): after each step the coefficient rises by
+    ``delta_ent_coef`` while the step's entropy is below ``target_entropy`` and falls by it at or above,
+    within ``[min_ent_coef, max_ent_coef]``, starting at ``worker.actor.entropy_coeff``; the bonus applies
+    only while the entropy is below the target. The entropy is the one the actor measures
+    (``entropy_top_k``), as a token mean over the step's responses."""
+
+    enabled: bool = False  # steer the entropy coefficient (worker.actor.entropy_coeff is its start)
+    target_entropy: float = 0.2  # nats per response token the control keeps the policy's entropy above
+    delta_ent_coef: float = 1e-4  # change of the coefficient per step
+    min_ent_coef: float = 0.0  # the coefficient's lower bound
+    max_ent_coef: float = 5e-3  # the coefficient's upper bound
+
+
+@dataclass(frozen=True)
+class ActorConfig(PolicyLossConfig):
     global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
     micro_batch_size_per_device_for_experience: int = 16  # responses per forward in log-prob passes
     max_grad_norm: float = 1.0  # gradient clipping norm; a non-finite norm skips the step
-    # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default (ppo 0.2 /
-    # 0.3 (DAPO clip-higher), gspo(_token) 3e-4 / 4e-4, cispo 1 / 4 (no lower bound; 0: weight >= 1), sapo none)
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_dual: float = 3.0  # dual-clip constant c (> 1): loss bounded by c·|A| for A < 0
-    loss_type: str = "ppo"  # policy loss: ppo | gspo | gspo_token | cispo | sapo
-    tau_positive: float = 1.0  # sapo: gate temperature for tokens with advantage >= 0
-    tau_negative: float = 1.05  # sapo: gate temperature for tokens with advantage < 0
     # DAPO overlong filtering: responses cut at max_response_length (no EOS) are left out of the loss
     mask_truncated_responses: bool = False
     loss_avg_mode: str = (
@@ -156,7 +199,11 @@ class ActorConfig:
     # one optimizer step per rollout (global_batch_size = rollout_batch_size, ppo_epochs 1, no KL reward
     # penalty): take the old log-probs from the update's own forward instead of a separate pass
     skip_old_log_prob_on_policy: bool = True
-    entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only)
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (0 = logged only); adaptive: its start value
+    # entropy over the entropy_top_k most probable tokens, renormalised (bonus, metrics, adaptive control):
+    # on a small model a whole-vocabulary bonus spreads probability over non-words; 0 = whole vocabulary
+    entropy_top_k: int = 0
+    adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
@@ -174,14 +221,6 @@ class ActorConfig:
     def sequence_parallel_size(self) -> int:
         """Ranks that share one data-parallel share of the rows (ring x Ulysses)."""
         return self.ulysses_size * self.ring_size
-
-    @property
-    def clip_range(self) -> tuple[float, float] | None:
-        """``(clip_ratio_low, clip_ratio_high)`` the loss runs with: null keys take ``loss_type``'s default
-        (``core_algos.POLICY_LOSS_CLIP_DEFAULTS``); None for a loss without clip (sapo)."""
-        from mmrl.core_algos import policy_clip_range  # imports torch: only when asked
-
-        return policy_clip_range(self.loss_type, self.clip_ratio_low, self.clip_ratio_high)
 
 
 @dataclass(frozen=True)
@@ -398,6 +437,18 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
 
 
 @dataclass(frozen=True)
+class StageConfig:
+    """One stage of a multi-stage schedule (``trainer.stages``): the run's config with ``overrides``,
+    for ``steps`` steps, continuing from the previous stage's last checkpoint."""
+
+    name: str = ""  # shown on the progress line and in the logs; empty = its number
+    steps: int = 0  # training steps of this stage (> 0)
+    # key=value overrides of this stage, written as on the command line, e.g.
+    # [data.max_response_length=16384, worker.rollout.n=16, worker.actor.optim.lr=5.0e-7]
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     total_epochs: int = 15  # passes over the training prompts
     max_steps: int | None = None  # stop after this many steps (overrides total_epochs when smaller)
@@ -423,6 +474,10 @@ class TrainerConfig:
     find_last_checkpoint: bool = True  # resume from the latest checkpoint under save_checkpoint_path
     # online_filtering: generation rounds a step may take to fill its batch; -1 = no limit
     max_try_make_batch: int = 20
+    # multi-stage training (Skywork-OR1: 8k, then 16k, then 32k response tokens): the stages run one after
+    # the other in one command, each resuming from the last one's checkpoint; their steps replace
+    # max_steps; empty = one stage, this config
+    stages: list[StageConfig] = field(default_factory=list)
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
@@ -470,10 +525,11 @@ STORAGE_DTYPES = ("fp32", "bf16")
 LOSS_AVG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
-    (AlgorithmConfig, "adv_estimator"): ("grpo", "rloo", "reinforce_plus_plus", "remax", "gae"),
+    (AlgorithmConfig, "adv_estimator"): ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "remax", "gae"),
     (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
     (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
-    (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo"),
+    (AlgorithmConfig, "unfilled_step"): ("stop", "train"),
+    (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov"),
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (OptimConfig, "strategy"): ("adamw", "adamw_bf16"),

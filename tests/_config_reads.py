@@ -17,6 +17,11 @@ What counts as reading a key, e.g. ``worker.ref.offload.offload_params`` (per se
    reads from ``self``, in the section where it is used.
 5. ``getattr(section, "name")``, and ``getattr(section, key)`` where ``key`` runs over a literal tuple
    of names or a module-level tuple constant of names.
+6. A parameter annotated with a config class that sits at exactly one place in the tree (a section's
+   class, or a base class of only that section's class, e.g. ``PolicyLossConfig`` under
+   ``worker.actor``): what the function reads from it counts as read in that section, wherever it is
+   called from. A function reached through a registry (``POLICY_LOSSES[name](..., options)``) cannot be
+   followed by name, but the section it is handed can only be that one.
 
 Nothing else counts: not ``asdict(config)``, not a section handed to a parameter without a config
 annotation, not the validation module (checking a value is not using it).
@@ -52,6 +57,22 @@ def config_classes(root: type) -> dict[str, type]:
     return found
 
 
+def section_paths(root: type) -> dict[str, set[tuple[str, ...]]]:
+    """Class name -> the paths of the sections whose class is it or derives from it (``()``: the root)."""
+    paths: dict[str, set[tuple[str, ...]]] = defaultdict(set)
+
+    def visit(cls: type, path: tuple[str, ...]) -> None:
+        for klass in cls.__mro__:
+            if dataclasses.is_dataclass(klass):
+                paths[klass.__name__].add(path)
+        for name, hint in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                visit(hint, path + (name,))
+
+    visit(root, ())
+    return paths
+
+
 def schema_leaves(cls: type, prefix: str = "") -> Iterator[str]:
     """Dotted keys of the tree's leaves (a free-form dict is one leaf)."""
     for name, hint in typing.get_type_hints(cls).items():
@@ -73,6 +94,10 @@ class _Function:
 class _Analysis:
     def __init__(self, root: type, sources: dict[str, str]):
         self.classes = config_classes(root)
+        # rule 6: classes at exactly one place in the tree, with that place
+        self.unique_sections = {
+            name: next(iter(paths)) for name, paths in section_paths(root).items() if len(paths) == 1
+        }
         self.class_pattern = re.compile(r"\b(" + "|".join(map(re.escape, self.classes)) + r")\b")
         self.root_name = root.__name__
         self.functions: dict[str, list[_Function]] = defaultdict(list)  # by call name
@@ -125,6 +150,8 @@ class _Analysis:
                 config_params[argument.arg] = ABSOLUTE
             elif classes:
                 config_params[argument.arg] = f"{root_id}:{argument.arg}"
+                for name in classes & self.unique_sections.keys():  # rule 6
+                    self.edges[ABSOLUTE].add((self.unique_sections[name], config_params[argument.arg]))
         if is_method and class_name in self.classes and arguments:
             # a config class's own method: reads from `self` count where it is used (rule 4)
             config_params[arguments[0].arg] = f"{root_id}:{arguments[0].arg}"

@@ -411,6 +411,20 @@ def _check_same_kind(directory: Path, adapter: dict[str, Any] | None, model: nn.
         )
 
 
+def _keep_peak_lrs(optimizer: torch.optim.Optimizer, lr_scheduler: Any | None, peak_lrs: list[float]) -> None:
+    """Put the peak rates ``optimizer`` was built with back after a load overwrote them (the optimizer
+    state's ``param_groups``, the scheduler's ``base_lrs``): every rate is scaled by new peak / saved
+    peak, so the scheduler's position (warm-up, decay) is kept. Same peak: nothing changes."""
+    for group, peak in zip(optimizer.param_groups, peak_lrs):
+        saved_peak = group.get("initial_lr", peak)
+        if saved_peak != peak and saved_peak > 0:
+            group["lr"] = group["lr"] * peak / saved_peak
+        group["initial_lr"] = peak
+    if lr_scheduler is not None:
+        lr_scheduler.base_lrs = list(peak_lrs)
+        lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def load_train_state(
     directory: str | Path,
     model: nn.Module,
@@ -423,8 +437,13 @@ def load_train_state(
     RNG states are restored only when the world size equals the saved one (a warning otherwise); the
     scheduler comes from this rank's file then, else from rank 0's. Returns the saved ``extra`` dict
     ({} when none was saved).
+
+    The peak learning rates stay those ``optimizer`` was built with (the config's): the checkpoint
+    gives the moments and the scheduler's position, so a stage of a multi-stage schedule that changes
+    the learning rate gets its own (the same as the saved one on a plain resume).
     """
     directory = Path(directory)
+    peak_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups] if optimizer else []
     info = read_state_info(directory)
     rank, world_size = _rank_and_world_size()
 
@@ -449,6 +468,8 @@ def load_train_state(
                 f"{directory} was saved without an LR scheduler state; load it with lr_scheduler=None"
             )
         lr_scheduler.load_state_dict(rank_state["lr_scheduler"])
+    if optimizer is not None:
+        _keep_peak_lrs(optimizer, lr_scheduler, peak_lrs)
     if same_world_size:
         restore_rng_state(rank_state["rng"])
     elif rank == 0:

@@ -76,7 +76,8 @@ class ConsoleLogger:
 
     `total_steps` is the step the run ends at (None or 0 when unknown: no percentage, no ETA).
     `start_step` is the last step finished before this process started (the resumed step), so the ETA
-    uses the pace of this session only; `clock` returns seconds and is injectable for tests.
+    uses the pace of this session only; `clock` returns seconds and is injectable for tests; `label`
+    (a multi-stage run's `stage 2/3 16k`) prefixes every progress line.
     """
 
     def __init__(
@@ -87,8 +88,10 @@ class ConsoleLogger:
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_chars: int = 240,
+        label: str = "",
     ) -> None:
         self.total_steps = total_steps or None
+        self.label = label
         self.start_step = start_step
         self.full_every = full_every
         self.max_chars = max_chars
@@ -103,15 +106,16 @@ class ConsoleLogger:
         stream.flush()
 
     def progress(self, step: int) -> str:
-        """`step 12/100 [12%] ETA 2m56s`, or `step 12` when the total is unknown."""
+        """`step 12/100 [12%] ETA 2m56s` (after the label, if any), or `step 12` when the total is unknown."""
+        prefix = f"{self.label} | " if self.label else ""
         if self.total_steps is None:
-            return f"step {step}"
+            return f"{prefix}step {step}"
         percent = int(100 * step / self.total_steps)
         eta_s = estimate_eta_s(
             self._clock() - self._start_time, step - self.start_step, self.total_steps - step
         )
         eta = "--" if eta_s is None else format_duration(eta_s)
-        return f"step {step}/{self.total_steps} [{percent}%] ETA {eta}"
+        return f"{prefix}step {step}/{self.total_steps} [{percent}%] ETA {eta}"
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._last_step = step

@@ -115,12 +115,14 @@ def build_loggers(
     config_dict: dict[str, Any] | None,
     total_steps: int | None,
     start_step: int = 0,
+    label: str = "",
 ) -> Tracker:
     """A `Tracker` over the backends named in `names` (any of `LOGGER_NAMES`, duplicates ignored).
 
     `log_dir` holds the jsonl files, tensorboard events and the wandb/swanlab local folders;
     `config_dict` is the run's config as nested plain dicts (hyperparameters for the trackers);
-    `total_steps` and `start_step` (the step a resumed run starts after) drive the console ETA.
+    `total_steps` and `start_step` (the step a resumed run starts after) drive the console ETA;
+    `label` prefixes the console's progress line (a multi-stage run's stage).
     Every optional package is checked before any backend starts, so a missing one fails fast with the
     pip command that fixes it.
     """
@@ -138,7 +140,7 @@ def build_loggers(
     backends: dict[str, Backend] = {}
     for name in selected:
         if name == "console":
-            backends[name] = ConsoleLogger(total_steps, start_step=start_step)
+            backends[name] = ConsoleLogger(total_steps, start_step=start_step, label=label)
         elif name == "jsonl":
             backends[name] = JsonlLogger(log_dir)
         elif name == "tensorboard":

@@ -393,11 +393,12 @@ class ResponseScoring:
     """Score the response tokens inside the model's head (:mod:`mmrl.models.token_scoring`): the
     outputs become ``[..., 2]`` = (``log_softmax(logits / temperature)`` of the response token,
     entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
-    (an entropy bonus) rather than logged only."""
+    (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only."""
 
     temperature: float
     chunk_tokens: int
     entropy_grad: bool = False
+    entropy_top_k: int = 0
 
 
 def _scoring_scope(
@@ -408,7 +409,13 @@ def _scoring_scope(
     if scoring is None:
         return contextlib.nullcontext()
     return scoring_tokens(
-        model, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad, rows
+        model,
+        targets,
+        scoring.temperature,
+        scoring.chunk_tokens,
+        scoring.entropy_grad,
+        rows,
+        scoring.entropy_top_k,
     )
 
 

@@ -37,7 +37,8 @@ class TokenScoring:
     its leading dims), or, with ``rows`` [N], at those rows of its flattened input (for a model without
     ``logits_to_keep``, whose head gets every position; a row may be picked twice); ``chunk_tokens``
     rows per chunk (> 0); ``entropy_grad``: whether gradients flow through the entropy (an entropy
-    bonus), or it is computed for logging only.
+    bonus), or it is computed for logging only; ``entropy_top_k`` > 0: the entropy of the distribution
+    renormalised over the ``entropy_top_k`` largest logits (``core_algos.entropy_from_logits``).
     """
 
     targets: torch.Tensor
@@ -45,6 +46,7 @@ class TokenScoring:
     chunk_tokens: int
     entropy_grad: bool = False
     rows: torch.Tensor | None = None
+    entropy_top_k: int = 0
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
@@ -53,17 +55,24 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(hidden, weight, bias).float().div_(temperature)
 
 
+def _top_k_or_none(top_k: int, vocab_size: int) -> int | None:
+    """``top_k`` when it selects part of the vocabulary, else None (the whole vocabulary)."""
+    return top_k if 0 < top_k < vocab_size else None
+
+
 class _ChunkedTokenScores(torch.autograd.Function):
     """``(log p(y), H)`` per row of ``hidden`` [N, D], computed ``chunk`` rows at a time.
 
     With ``z = (h W^T + b) / T``, ``log p = z - lse(z)``, ``p = exp(log p)``, ``H = -sum p log p``:
-    ``d log p(y) / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``. Backward recomputes one
-    chunk's ``z`` from the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one
-    chunk's few ``[C, V]`` buffers in either direction.
+    ``d log p(y) / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``. With ``top_k``, ``H`` is the
+    entropy of ``q = softmax(z_K)`` over the set ``K`` of the ``top_k`` largest logits, and
+    ``dH / dz_K = -q (log q + H)`` (0 elsewhere). Backward recomputes one chunk's ``z`` (and ``K``) from
+    the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one chunk's few
+    ``[C, V]`` buffers in either direction.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
         for start in range(0, hidden.shape[0], chunk):
@@ -71,13 +80,18 @@ class _ChunkedTokenScores(torch.autograd.Function):
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
             log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
-            # H = lse - sum_v p_v z_v, as core_algos.entropy_from_logits: no log of a probability is
-            # taken, so p = 0 (underflow) cannot give 0 * -inf
-            probs = (logits - lse[:, None]).exp_()
-            entropies[rows] = lse - probs.mul_(logits).sum(-1)
+            if top_k is not None:
+                top = logits.topk(top_k, dim=-1, sorted=False).values  # [C, k]
+                top_lse = torch.logsumexp(top, dim=-1)
+                entropies[rows] = top_lse - (top - top_lse[:, None]).exp_().mul_(top).sum(-1)
+            else:
+                # H = lse - sum_v p_v z_v, as core_algos.entropy_from_logits: no log of a probability is
+                # taken, so p = 0 (underflow) cannot give 0 * -inf
+                probs = (logits - lse[:, None]).exp_()
+                entropies[rows] = lse - probs.mul_(logits).sum(-1)
             lses[rows] = lse
         ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
-        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        ctx.temperature, ctx.chunk, ctx.entropy_grad, ctx.top_k = temperature, chunk, entropy_grad, top_k
         if not entropy_grad:
             ctx.mark_non_differentiable(entropies)
         ctx.set_materialize_grads(False)
@@ -89,7 +103,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
         if not ctx.entropy_grad:
             grad_entropies = None
         if grad_log_probs is None and grad_entropies is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         temperature = ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # one running sum over the chunks ([V, D]: it does not grow with the tokens), in the weight's dtype
@@ -101,19 +115,14 @@ class _ChunkedTokenScores(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             log_p = _chunk_logits(hidden[rows], weight, bias, temperature).sub_(lses[rows, None])  # [C, V]
-            probs = log_p.exp()
-            # grad_z = p * (-g_lp - g_H (log p + H)) + g_lp * onehot(y), built in log_p's buffer
-            if grad_entropies is not None:
-                grad_z = log_p.add_(entropies[rows, None]).mul_(-grad_entropies[rows, None])
-            else:
-                grad_z = log_p.zero_()
-            if grad_log_probs is not None:
-                grad_z.sub_(grad_log_probs[rows, None])
-            grad_z.mul_(probs)
-            del probs
-            if grad_log_probs is not None:
-                grad_z.scatter_add_(-1, targets[rows, None], grad_log_probs[rows, None])
-            grad_z.div_(temperature)  # dz / dlogits = 1 / T
+            grad_z = _chunk_logit_grad(
+                log_p,
+                targets[rows],
+                None if grad_log_probs is None else grad_log_probs[rows],
+                None if grad_entropies is None else grad_entropies[rows],
+                entropies[rows],
+                ctx.top_k,
+            ).div_(temperature)  # dz / dlogits = 1 / T
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z.to(weight.dtype) @ weight
             if grad_weight is not None:
@@ -121,7 +130,39 @@ class _ChunkedTokenScores(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunk_logit_grad(
+    log_p: torch.Tensor,
+    targets: torch.Tensor,
+    grad_log_probs: torch.Tensor | None,
+    grad_entropies: torch.Tensor | None,
+    entropies: torch.Tensor,
+    top_k: int | None,
+) -> torch.Tensor:
+    """The gradient wrt one chunk's ``z`` [C, V], built in ``log_p``'s buffer (``log_p`` is consumed):
+    ``p * (-g_lp - g_H (log p + H)) + g_lp * onehot(y)``, or with ``top_k`` the entropy part
+    ``-g_H q (log q + H)`` on the top-k logits only."""
+    probs = log_p.exp()
+    top_grad = None
+    if grad_entropies is not None and top_k is not None:
+        top_log_p, top_index = log_p.topk(top_k, dim=-1, sorted=False)  # [C, k]: log p differs from z by lse
+        top_log_q = top_log_p - torch.logsumexp(top_log_p, dim=-1, keepdim=True)
+        top_grad = top_log_q.exp() * (top_log_q + entropies[:, None]) * -grad_entropies[:, None]
+    if grad_entropies is not None and top_k is None:
+        grad_z = log_p.add_(entropies[:, None]).mul_(-grad_entropies[:, None])
+    else:
+        grad_z = log_p.zero_()
+    if grad_log_probs is not None:
+        grad_z.sub_(grad_log_probs[:, None])
+    grad_z.mul_(probs)
+    del probs
+    if grad_log_probs is not None:
+        grad_z.scatter_add_(-1, targets[:, None], grad_log_probs[:, None])
+    if top_grad is not None:
+        grad_z.scatter_add_(-1, top_index, top_grad)
+    return grad_z
 
 
 def chunked_token_scores(
@@ -130,7 +171,8 @@ def chunked_token_scores(
     bias: torch.Tensor | None,
     scoring: TokenScoring,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_softmax(z)[targets], entropy(softmax(z)))`` with ``z = (hidden W^T + b) / T``, fp32,
+    """``(log_softmax(z)[targets], entropy(softmax(z)))`` with ``z = (hidden W^T + b) / T``, fp32 (the
+    entropy over the top ``scoring.entropy_top_k`` logits when that is in ``(0, V)``),
     both ``hidden.shape[:-1]`` (``[N]`` with ``scoring.rows``); differentiable in ``hidden``, ``weight``
     and ``bias`` (the entropy only with ``scoring.entropy_grad``). ``scoring.targets`` holds one id per
     row of ``hidden`` or of ``scoring.rows``."""
@@ -147,8 +189,9 @@ def chunked_token_scores(
         )
     if scoring.chunk_tokens <= 0:
         raise ValueError(f"token scoring: chunk_tokens={scoring.chunk_tokens} must be > 0")
+    top_k = _top_k_or_none(scoring.entropy_top_k, weight.shape[0])
     log_probs, entropies = _ChunkedTokenScores.apply(
-        flat, weight, bias, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad
+        flat, weight, bias, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad, top_k
     )
     return log_probs.reshape(shape), entropies.reshape(shape)
 
@@ -205,6 +248,7 @@ def scoring_tokens(
     chunk_tokens: int,
     entropy_grad: bool = False,
     rows: torch.Tensor | None = None,
+    entropy_top_k: int = 0,
 ) -> Iterator[None]:
     """Within the block, ``model``'s head returns ``[..., 2]`` (log-prob of ``targets``, entropy) for
     the rows it gets, or ``[N, 2]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
@@ -215,7 +259,7 @@ def scoring_tokens(
             f"{type(model).__name__} has no token scoring head: call "
             "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True) where the model is built"
         )
-    head.scoring = TokenScoring(targets, temperature, chunk_tokens, entropy_grad, rows)
+    head.scoring = TokenScoring(targets, temperature, chunk_tokens, entropy_grad, rows, entropy_top_k)
     try:
         yield
     finally:

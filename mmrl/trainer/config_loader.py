@@ -33,7 +33,11 @@ from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages relative to the other responses of the same prompt
+GROUP_ESTIMATORS = (
+    "grpo",
+    "grpo_passk",
+    "rloo",
+)  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
 REMOVED_KEYS = {
     "worker.critic.model.trust_remote_code": (
@@ -293,7 +297,57 @@ def load_config(
     ]
     if errors:
         raise ConfigError(errors)
+    stage_configs(cfg, check_paths)  # every stage's config is valid too, before anything starts
     return cfg
+
+
+# keys a stage may not change: they hold the schedule together (one checkpoint folder, one step count)
+STAGE_FIXED_KEYS = (
+    "trainer.stages",
+    "trainer.max_steps",
+    "trainer.total_epochs",
+    "trainer.save_checkpoint_path",
+    "trainer.load_checkpoint_path",
+    "trainer.find_last_checkpoint",
+    "trainer.project_name",
+    "trainer.experiment_name",
+)
+
+
+def stage_configs(cfg: PPOConfig, check_paths: bool = True) -> list[PPOConfig]:
+    """The config of each stage of ``trainer.stages`` (empty without a schedule): ``cfg`` with the
+    stage's overrides, ``trainer.max_steps`` at the stage's last step, and, after the first stage,
+    ``find_last_checkpoint`` on (it continues from the previous stage's checkpoint) and no validation
+    at its start (the previous stage validated at its end). Raises :class:`ConfigError` naming the
+    stage and the key."""
+    import tempfile
+
+    if not cfg.trainer.stages:
+        return []
+    errors, configs, last_step = [], [], 0
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as base:
+        base.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        base.flush()
+        for index, stage in enumerate(cfg.trainer.stages):
+            where = f"trainer.stages[{index}]" + (f" ({stage.name})" if stage.name else "")
+            if stage.steps <= 0:
+                errors.append(f"{where}.steps={stage.steps} must be > 0 (training steps of the stage)")
+            fixed = [o for o in stage.overrides if o.split("=", 1)[0].strip() in STAGE_FIXED_KEYS]
+            if fixed:
+                errors.append(f"{where}: a stage cannot change {fixed} (the schedule's own keys)")
+                continue
+            last_step += max(stage.steps, 0)
+            forced = [f"trainer.max_steps={max(last_step, 1)}", "trainer.stages=[]"]
+            if index > 0:
+                forced += ["trainer.find_last_checkpoint=true", "trainer.val_before_train=false"]
+            try:
+                args = [f"config={base.name}", *stage.overrides, *forced]
+                configs.append(load_config(args, check_paths=check_paths))
+            except ConfigError as err:
+                errors += [f"{where}: {e.replace('the command line', 'its overrides')}" for e in err.errors]
+    if errors:
+        raise ConfigError(errors)
+    return configs
 
 
 def config_to_yaml(cfg: PPOConfig) -> str:
@@ -309,7 +363,12 @@ def derived_values(cfg: PPOConfig) -> list[str]:
     if actor.loss_type not in CHOICES[(type(actor), "loss_type")]:
         return []  # reported by validation
     clip_range = actor.clip_range
-    if clip_range is None:
+    if actor.loss_type == "kl_cov":
+        clip = (
+            f"no ratio clip (|log-ratio| x {actor.kl_cov_coef:g} on the {actor.kl_cov_ratio:g} of the tokens "
+            "with the highest covariance)"
+        )
+    elif clip_range is None:
         clip = f"no clip (soft gate, tau_positive={actor.tau_positive}, tau_negative={actor.tau_negative})"
     else:
         clip = f"ratio clipped to [1 - {clip_range[0]:g}, 1 + {clip_range[1]:g}]"
@@ -538,6 +597,11 @@ def _check_policy_loss(errors: list[str], cfg: PPOConfig) -> None:
             "worker.actor.clip_ratio_low/clip_ratio_high: loss_type=sapo has no clip (a soft gate, tuned by "
             "tau_positive/tau_negative); set them to null"
         )
+    if loss == "kl_cov" and (low is not None or high is not None):
+        errors.append(
+            "worker.actor.clip_ratio_low/clip_ratio_high: loss_type=kl_cov has no ratio clip (a KL penalty "
+            "on the high-covariance tokens, tuned by kl_cov_ratio/kl_cov_coef); set them to null"
+        )
     if high is not None and high <= 0:
         errors.append(f"worker.actor.clip_ratio_high={high} must be > 0 (the ratio's upper bound is 1 + it)")
     if low is not None and loss == "cispo" and not 0 <= low <= 1:
@@ -545,7 +609,7 @@ def _check_policy_loss(errors: list[str], cfg: PPOConfig) -> None:
             f"worker.actor.clip_ratio_low={low}: cispo bounds its weight below by 1 - clip_ratio_low, so it "
             "must lie in [0, 1] (0: weight >= 1; 1: no lower bound)"
         )
-    elif low is not None and loss in ("ppo", "gspo", "gspo_token") and not 0 < low < 1:
+    elif low is not None and loss in ("ppo", "gspo", "gspo_token", "clip_cov") and not 0 < low < 1:
         errors.append(
             f"worker.actor.clip_ratio_low={low} must lie in (0, 1) for loss_type={loss}: the ratio is "
             "clipped below at 1 - clip_ratio_low, which must stay positive (null: the loss's default)"
@@ -553,6 +617,45 @@ def _check_policy_loss(errors: list[str], cfg: PPOConfig) -> None:
     for key in ("tau_positive", "tau_negative"):
         if getattr(actor, key) <= 0:
             errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0 (SAPO gate temperature)")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        if not 0 < getattr(actor, key) <= 1:
+            errors.append(
+                f"worker.actor.{key}={getattr(actor, key)} must lie in (0, 1] (a fraction of the tokens)"
+            )
+    if actor.clip_cov_lb >= actor.clip_cov_ub:
+        errors.append(
+            f"worker.actor.clip_cov_lb={actor.clip_cov_lb} must be below clip_cov_ub={actor.clip_cov_ub} "
+            "(clip_cov draws tokens whose covariance lies between them)"
+        )
+    if actor.kl_cov_coef < 0:
+        errors.append(f"worker.actor.kl_cov_coef={actor.kl_cov_coef} must be >= 0")
+
+
+def _check_entropy(errors: list[str], cfg: PPOConfig) -> None:
+    """The entropy bonus, its top-k measure and the adaptive control's bounds."""
+    actor = cfg.worker.actor
+    adaptive = actor.adaptive_entropy
+    key = "worker.actor.adaptive_entropy"
+    if actor.entropy_top_k < 0:
+        errors.append(
+            f"worker.actor.entropy_top_k={actor.entropy_top_k} must be >= 0 (0: the whole vocabulary)"
+        )
+    if not adaptive.enabled:
+        return
+    if adaptive.target_entropy <= 0:
+        errors.append(f"{key}.target_entropy={adaptive.target_entropy} must be > 0 (nats per token)")
+    if adaptive.delta_ent_coef <= 0:
+        errors.append(f"{key}.delta_ent_coef={adaptive.delta_ent_coef} must be > 0")
+    if not 0 <= adaptive.min_ent_coef <= adaptive.max_ent_coef:
+        errors.append(
+            f"{key}: need 0 <= min_ent_coef <= max_ent_coef; found {adaptive.min_ent_coef} and "
+            f"{adaptive.max_ent_coef}"
+        )
+    elif not adaptive.min_ent_coef <= actor.entropy_coeff <= adaptive.max_ent_coef:
+        errors.append(
+            f"worker.actor.entropy_coeff={actor.entropy_coeff} is the adaptive coefficient's start: it must "
+            f"lie in [{key}.min_ent_coef, max_ent_coef] = [{adaptive.min_ent_coef}, {adaptive.max_ent_coef}]"
+        )
 
 
 def _check_overlong(errors: list[str], cfg: PPOConfig) -> None:
@@ -833,6 +936,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_algorithm(errors, cfg)
     _check_lora(errors, cfg)
     _check_policy_loss(errors, cfg)
+    _check_entropy(errors, cfg)
     _check_overlong(errors, cfg)
     _check_code(errors, cfg, check_paths)
     _check_reward_sources(errors, cfg)

@@ -32,9 +32,17 @@ class FilterOptions:
     high: float
     groups_per_step: int  # data.rollout_batch_size
     max_rounds: int  # generation rounds a step may take; -1 = no limit
+    train_unfilled: bool = False  # past max_rounds: top the step up with dropped groups instead of stopping
 
     def may_start(self, round_index: int) -> bool:
         return self.max_rounds == -1 or round_index < self.max_rounds
+
+    def top_up_message(self, rounds: int, kept: int) -> str:
+        return (
+            f"dynamic sampling kept {kept} of data.rollout_batch_size={self.groups_per_step} prompt groups in "
+            f"{rounds} rounds (trainer.max_try_make_batch); algorithm.unfilled_step=train: the step trains "
+            f"with {self.groups_per_step - kept} groups it dropped"
+        )
 
     def give_up_message(self, rounds: int, kept: int, generated: int) -> str:
         return (
@@ -43,7 +51,8 @@ class FilterOptions:
             f"{self.groups_per_step}: nearly every group scores the same on algorithm.filter_key="
             f"'{self.key}' or has a mean outside [algorithm.filter_low={self.low}, "
             f"algorithm.filter_high={self.high}]. Raise trainer.max_try_make_batch (-1 = no limit) or "
-            "data.mini_rollout_batch_size, widen the filter bounds, or set algorithm.online_filtering=false"
+            "data.mini_rollout_batch_size, widen the filter bounds, set algorithm.unfilled_step=train (train "
+            "on what was kept, topped up with dropped groups), or set algorithm.online_filtering=false"
         )
 
 

@@ -51,6 +51,7 @@ from mmrl.trainer.dynamic_sampling import (
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
 from mmrl.trainer.placement import plan_placement
+from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.rollout import GenerationMode
 
@@ -106,6 +107,22 @@ def build_filter(config: PPOConfig) -> FilterOptions | None:
         high=algo.filter_high,
         groups_per_step=config.data.rollout_batch_size,
         max_rounds=config.trainer.max_try_make_batch,
+        train_unfilled=algo.unfilled_step == "train",
+    )
+
+
+def build_entropy_controller(config: PPOConfig) -> core_algos.EntropyController:
+    """The entropy bonus's weight per step: ``worker.actor.entropy_coeff``, steered by
+    ``worker.actor.adaptive_entropy`` when enabled."""
+    actor = config.worker.actor
+    adaptive = actor.adaptive_entropy
+    return core_algos.EntropyController(
+        actor.entropy_coeff,
+        enabled=adaptive.enabled,
+        target_entropy=adaptive.target_entropy,
+        delta=adaptive.delta_ent_coef,
+        low=adaptive.min_ent_coef,
+        high=adaptive.max_ent_coef,
     )
 
 
@@ -125,15 +142,18 @@ def placement_line(node_ids: list[str]) -> str:
 
 
 class RayPPOTrainer:
-    """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``."""
+    """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``; with a
+    ``stage`` of a multi-stage schedule (:mod:`mmrl.trainer.stages`), its config is the stage's, the
+    learning-rate schedule spans the whole schedule and the stage shows in metrics and progress line."""
 
-    def __init__(self, config: PPOConfig):
+    def __init__(self, config: PPOConfig, stage: Stage | None = None):
         from mmrl.rewards.judge_server import serve_judge
         from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
         self.config = config
+        self.stage = stage
         model = config.worker.actor.model
         trainer = config.trainer
         # Processes first: the reward workers and the training ranks start (and import torch and
@@ -209,7 +229,8 @@ class RayPPOTrainer:
 
         worker_kwargs = {
             "config": config,
-            "total_training_steps": self.total_steps,
+            # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
+            "total_training_steps": self.total_steps if stage is None else stage.schedule_steps,
             "cpu_threads": placement.worker_threads,
         }
         self.actor.start(kwargs=worker_kwargs)
@@ -218,6 +239,7 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
         )
+        self.entropy_ctrl = build_entropy_controller(config)
         self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
         self.global_step = 0
         self.tracker = None
@@ -250,6 +272,8 @@ class RayPPOTrainer:
         while self.global_step < self.total_steps:
             metrics = self.train_step(batches)
             self.global_step += 1
+            if self.stage is not None:
+                metrics["trainer/stage"] = self.stage.index + 1
             if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
                 metrics.update(self.validate() if self.val_loader is not None else {})
             self.tracker.log(metrics, self.global_step)
@@ -311,6 +335,7 @@ class RayPPOTrainer:
                 core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
             ),
             **self._rollout_gap(batch),
+            **self._steer_entropy(batch),
             **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
             **self._memory_peaks(),  # after the byte count: the call's own bytes are not the step's
         }
@@ -340,15 +365,19 @@ class RayPPOTrainer:
     ) -> tuple[DataProto, DataProto, dict[str, float]]:
         """DAPO dynamic sampling: generate and score a mini-batch of prompts a round, keep the groups
         :func:`kept_groups` accepts, until ``options.groups_per_step`` are kept; returns exactly that
-        many groups (the first kept, in generation order) with their scores. Raises
-        :class:`DynamicSamplingError` after ``options.max_rounds`` rounds."""
-        kept_batches, kept_scores = [], []
+        many groups (the first kept, in generation order) with their scores. After
+        ``options.max_rounds`` rounds, raises :class:`DynamicSamplingError` or, with
+        ``options.train_unfilled``, tops the step up with the groups it dropped (first dropped first)."""
+        kept_parts, dropped_parts = [], []  # (batch, scores) of each round's kept and dropped rows
         kept = dropped = responses = response_tokens = 0
         for round_index in itertools.count():
             if kept >= options.groups_per_step:
                 break
             if not options.may_start(round_index):
-                raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
+                if not options.train_unfilled:
+                    raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
+                logger.warning(options.top_up_message(round_index, kept))
+                break
             batch = self._generate(next(prompts), round_index)
             scores = self.rewards.collect(self.rewards.launch(batch))
             uids = batch.non_tensor_batch["uid"]
@@ -358,16 +387,19 @@ class RayPPOTrainer:
             kept, dropped = kept + kept_here, dropped + groups - kept_here
             responses += len(batch)
             response_tokens += int(batch.batch["response_mask"].sum())
-            rows = np.flatnonzero(keep)
-            kept_batches.append(batch[rows])
-            kept_scores.append(scores[rows])
-        batch, scores = DataProto.concat(kept_batches), DataProto.concat(kept_scores)
+            kept_parts.append((batch[np.flatnonzero(keep)], scores[np.flatnonzero(keep)]))
+            if options.train_unfilled:
+                dropped_parts.append((batch[np.flatnonzero(~keep)], scores[np.flatnonzero(~keep)]))
+        parts = kept_parts + dropped_parts  # the dropped ones only reach the step when it is not full
+        batch = DataProto.concat([part[0] for part in parts])
+        scores = DataProto.concat([part[1] for part in parts])
         rows = first_groups(batch.non_tensor_batch["uid"], options.groups_per_step)
         metrics = {
-            "rollout/kept_groups": options.groups_per_step,
+            "rollout/kept_groups": min(kept, options.groups_per_step),
             # dropped = failed the filter + passed it after the step was full (surplus, trimmed away)
-            "rollout/dropped_groups": dropped + kept - options.groups_per_step,
-            "rollout/surplus_groups": kept - options.groups_per_step,
+            "rollout/dropped_groups": dropped + max(kept - options.groups_per_step, 0),
+            "rollout/surplus_groups": max(kept - options.groups_per_step, 0),
+            "rollout/unfilled_groups": max(options.groups_per_step - kept, 0),  # topped up with dropped ones
             "rollout/rounds": round_index,
             "rollout/generated_responses": responses,
             "rollout/generated_response_tokens": response_tokens,
@@ -439,6 +471,7 @@ class RayPPOTrainer:
                     batch,
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
+                    entropy_coeff=self.entropy_ctrl.coefficient,
                 )
                 metrics.update(self._worker_metrics(update))
             if plan.old_log_probs_from_update:
@@ -527,6 +560,7 @@ class RayPPOTrainer:
             "global_step": self.global_step,
             "loader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
+            "entropy_ctrl": self.entropy_ctrl.state_dict(),
         }
         save_trainer_state(tmp_dir, state)
         self.checkpoints.commit(
@@ -547,6 +581,8 @@ class RayPPOTrainer:
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
+        if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
+            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -561,6 +597,7 @@ class RayPPOTrainer:
             asdict(self.config),
             self.total_steps,
             start_step=self.global_step,
+            label=self.stage.label if self.stage is not None else "",
         )
 
     def _training_batches(self) -> Iterator[DataProto]:
@@ -597,6 +634,14 @@ class RayPPOTrainer:
             "old_log_prob": all_tokens,
         }
 
+    def _steer_entropy(self, batch: DataProto) -> dict[str, float]:
+        """The entropy coefficient this step trained with, then the controller's update with the step's
+        token-mean entropy (the actor's measure, ``worker.actor.entropy_top_k``) for the next step."""
+        metrics = self.entropy_ctrl.metrics()
+        entropy = core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
+        self.entropy_ctrl.update(float(entropy))
+        return metrics
+
     @staticmethod
     def _rollout_gap(batch: DataProto) -> dict[str, float]:
         """|rollout − trainer| log-prob gap of the sampled tokens: the two engines should agree."""
@@ -620,8 +665,11 @@ class RayPPOTrainer:
         ]
 
     def stop_workers(self) -> None:
-        """Stop the reward workers and the judge server (the training ranks go with the Ray cluster)."""
+        """Stop the reward workers and the judge server (the training ranks go with the Ray cluster, or,
+        between the stages of a schedule, here)."""
         self.rewards.shutdown()
+        if self.stage is not None:  # the next stage builds workers of its own
+            self.actor.shutdown()
         if self.judge_server is not None:
             self.judge_server.stop()
 
@@ -636,8 +684,20 @@ class RayPPOTrainer:
         self.stop_workers()
 
 
+def planned_runs(config: PPOConfig) -> list[tuple[PPOConfig, Stage | None]]:
+    """``(config, stage)`` of each trainer the run starts: one, or the stages of ``trainer.stages``
+    from the one the newest checkpoint falls in."""
+    stages = plan_stages(config)
+    if not stages:
+        return [(config, None)]
+    trainer = config.trainer
+    latest = CheckpointLayout(trainer.checkpoint_dir).latest_step() if trainer.find_last_checkpoint else None
+    return [(stage.config, stage) for stage in stages[first_stage_to_run(stages, latest) :]]
+
+
 def run(config: PPOConfig) -> int:
-    """Start Ray, train, and turn worker or reward failures into a message and exit code 1."""
+    """Start Ray, train (every stage of ``trainer.stages`` in turn), and turn worker or reward failures
+    into a message and exit code 1."""
     import ray
 
     from mmrl.parallel.debris import clean_stale_debris
@@ -651,29 +711,35 @@ def run(config: PPOConfig) -> int:
         include_dashboard=ray_cfg.include_dashboard,
         object_store_memory_bytes=ray_cfg.object_store_memory_bytes,
     )
-    trainer = RayPPOTrainer(config)
-    failed = True  # until fit returns: any exception, caught here or by main, fails the run
-    try:
-        trainer.fit()
-        failed = False
-    except (
-        WorkerGroupError,
-        RewardFunctionError,
-        RewardSourceError,
-        DynamicSamplingError,
-        CheckpointSaveError,
-    ) as err:
-        stopped = err
-    else:
-        stopped = None
-    finally:
+    runs, stopped = planned_runs(config), None
+    for index, (run_config, stage) in enumerate(runs):
+        if stage is not None:
+            print(stage.describe(), flush=True)
+        trainer = RayPPOTrainer(run_config, stage)
+        failed = True  # until fit returns: any exception, caught here or by main, fails the run
         try:
-            trainer.stop_workers()
+            trainer.fit()
+            failed = False
+        except (
+            WorkerGroupError,
+            RewardFunctionError,
+            RewardSourceError,
+            DynamicSamplingError,
+            CheckpointSaveError,
+        ) as err:
+            stopped = err
         finally:
-            # Ray prints the log lines its deduplication held back ("... [repeated 4x across cluster]")
-            # when the driver leaves it: leaving first keeps them above the loggers' and mmrl's last lines
-            ray.shutdown()
-            trainer.finish_tracking(failed)
+            try:
+                trainer.stop_workers()
+            finally:
+                # Ray prints the log lines its deduplication held back ("... [repeated 4x across
+                # cluster]") when the driver leaves it: leaving first keeps them above the loggers' and
+                # mmrl's last lines
+                if failed or index == len(runs) - 1:
+                    ray.shutdown()
+                trainer.finish_tracking(failed)
+        if failed:
+            break
     if stopped is not None:
         print(f"mmrl: training stopped: {stopped}", file=sys.stderr, flush=True)
         return 1

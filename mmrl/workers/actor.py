@@ -1,13 +1,17 @@
 """The policy: log-probabilities of responses, and the PPO-style update (the losses of
-:data:`mmrl.core_algos.POLICY_LOSSES`: PPO, GSPO, GSPO-token, CISPO, SAPO).
+:data:`mmrl.core_algos.POLICY_LOSSES`: PPO, GSPO, GSPO-token, CISPO, SAPO, Clip-Cov, KL-Cov).
 
 Batch columns (:mod:`mmrl.columns`): the forward columns of :mod:`mmrl.workers.forward`; the update
 also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_probs`` (and
 ``ref_log_probs`` with the KL loss), all [B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
 
 The actor takes its config section (:class:`~mmrl.config.ActorConfig`: loss, clipping,
-aggregation, packing) and the algorithm section (the KL loss); a new loss knob is a field there and a
-line where the loss is called. ``padding_free`` runs every forward on packed rows, with
+aggregation, packing) and the algorithm section (the KL loss). The policy loss receives the section
+itself (its :class:`~mmrl.config.PolicyLossConfig` part), so a new loss knob is a field there and a
+line in the loss; nothing here copies knobs. The entropy bonus's weight comes with each update (the
+driver's :class:`~mmrl.core_algos.EntropyController` may change it every step).
+
+``padding_free`` runs every forward on packed rows, with
 ``share_prompts`` each distinct prompt of a micro-batch once, followed by its responses;
 micro-batches hold ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch`` as many rows as
 fit in that many packed tokens. Log-probs and entropies are computed on the valid response tokens
@@ -29,12 +33,11 @@ from mmrl.config import ActorConfig, AlgorithmConfig
 from mmrl.core_algos import (
     LOSS_AGG_MODES,
     aggregate_loss,
+    compute_policy_loss,
     entropy_from_logits,
     get_kl_estimator,
-    get_policy_loss,
     kl_penalty,
     log_probs_from_logits,
-    policy_loss_kwargs,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
 from mmrl.models.token_scoring import token_scoring_head
@@ -89,16 +92,7 @@ class PolicyActor:
         algorithm = algorithm or AlgorithmConfig()
         if config.loss_avg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_avg_mode {config.loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
-        self.policy_loss_fn = get_policy_loss(config.loss_type)
-        # the loss's own knobs, clip ratios left null resolved to the loss's defaults (core_algos table)
-        self.policy_loss_kwargs = policy_loss_kwargs(
-            config.loss_type,
-            clip_ratio_low=config.clip_ratio_low,
-            clip_ratio_high=config.clip_ratio_high,
-            clip_ratio_dual=config.clip_ratio_dual,
-            tau_positive=config.tau_positive,
-            tau_negative=config.tau_negative,
-        )
+        config.clip_range  # noqa: B018 (an unknown loss, or a clip it cannot take, fails here, not mid-update)
         # the KL loss term needs the reference's log-probs: only when a reference exists
         self.use_kl_loss = algorithm.use_kl_loss and algorithm.use_reference
         self.kl_penalty, self.kl_coef = algorithm.kl_penalty, algorithm.kl_coef
@@ -125,8 +119,10 @@ class PolicyActor:
         """``log softmax(logits / temperature)`` of the valid response tokens [K] (float32), their
         entropies [K] when ``with_entropy`` (differentiable with ``entropy_grad``, else detached) and
         ``response_valid`` [b, R]."""
-        chunk_tokens = self.config.log_prob_chunk_tokens
-        scoring = ResponseScoring(temperature, chunk_tokens, entropy_grad) if chunk_tokens > 0 else None
+        chunk_tokens, top_k = self.config.log_prob_chunk_tokens, self.config.entropy_top_k
+        scoring = (
+            ResponseScoring(temperature, chunk_tokens, entropy_grad, top_k) if chunk_tokens > 0 else None
+        )
         outputs, response_valid = micro_batch_token_outputs(
             self.module,
             micro_batch,
@@ -143,9 +139,9 @@ class PolicyActor:
         if not with_entropy:
             return log_probs, None, response_valid
         if entropy_grad:
-            return log_probs, entropy_from_logits(logits.float()), response_valid
+            return log_probs, entropy_from_logits(logits.float(), top_k), response_valid
         with torch.no_grad():  # logged only: no graph through the softmax
-            return log_probs, entropy_from_logits(logits.detach().float()), response_valid
+            return log_probs, entropy_from_logits(logits.detach().float(), top_k), response_valid
 
     @torch.no_grad()
     def compute_log_probs(
@@ -176,6 +172,7 @@ class PolicyActor:
         temperature: float,
         *,
         on_policy: bool = False,
+        entropy_coeff: float | None = None,
     ) -> PolicyUpdate:
         """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
         advances once per call (one training step). Sizes count this rank's rows.
@@ -185,9 +182,12 @@ class PolicyActor:
         policy is the current one and the ratio's denominator is the update's own log-probs, detached
         (ratio 1, gradient ``A * grad log p``); the batch needs no ``old_log_probs``, the separate no-grad
         pass is saved, and those log-probs and entropies come back in the :class:`PolicyUpdate`.
+        ``entropy_coeff``: this step's weight of the entropy bonus (0: the entropy is only measured; the
+        driver's controller decides it each step); None: ``worker.actor.entropy_coeff``, a fixed bonus.
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
-        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means), ``kl_loss``
+        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means; with clip_cov or
+        kl_cov ``pg_covfrac``, the share of tokens the covariance selected), ``kl_loss``
         (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
         ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free), and with
         ``mask_truncated_responses`` ``truncated_masked_ratio`` (fraction of the rows left out of the
@@ -213,7 +213,12 @@ class PolicyActor:
         if on_policy:
             outputs = []
             columns.batch[ROW_KEY] = torch.arange(len(data))
-        loss = functools.partial(self._micro_batch_loss, temperature=temperature, on_policy_outputs=outputs)
+        loss = functools.partial(
+            self._micro_batch_loss,
+            temperature=temperature,
+            entropy_coeff=self.config.entropy_coeff if entropy_coeff is None else entropy_coeff,
+            on_policy_outputs=outputs,
+        )
         metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if truncated_ratio is not None:
             metrics["truncated_masked_ratio"] = truncated_ratio
@@ -241,6 +246,7 @@ class PolicyActor:
         num_tokens: torch.Tensor,
         num_seqs: torch.Tensor,
         temperature: float,
+        entropy_coeff: float = 0.0,
         on_policy_outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the mini-batch loss
@@ -257,24 +263,20 @@ class PolicyActor:
             global_num_seqs=num_seqs,
             max_response_length=self.max_response_length,
         )
-        entropy_bonus = config.entropy_coeff != 0.0
+        entropy_bonus = entropy_coeff != 0.0
         token_log_probs, token_entropies, response_valid = self._response_scores(
             micro_batch, temperature, with_entropy=True, entropy_grad=entropy_bonus
         )  # [K] each
         log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
         entropy = scatter_response_tokens(token_entropies, response_valid)  # [b, R]
         old_log_probs = log_probs.detach() if on_policy_outputs is not None else batch["old_log_probs"]
-        pg_loss_mat, diagnostics = self.policy_loss_fn(
-            old_log_probs,
-            log_probs,
-            batch["advantages"],
-            response_mask,
-            **self.policy_loss_kwargs,
+        pg_loss_mat, diagnostics = compute_policy_loss(
+            old_log_probs, log_probs, batch["advantages"], response_mask, config
         )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss
         if entropy_bonus:
-            loss = loss - config.entropy_coeff * aggregate(entropy)
+            loss = loss - entropy_coeff * aggregate(entropy)
 
         if on_policy_outputs is not None:
             on_policy_outputs.append(
@@ -282,9 +284,7 @@ class PolicyActor:
             )
         shares = {
             "pg_loss": pg_loss.detach(),
-            "pg_clipfrac": token_share(diagnostics["pg_clipfrac"], response_mask, num_tokens),
-            "pg_clipfrac_dual": token_share(diagnostics["pg_clipfrac_dual"], response_mask, num_tokens),
-            "ppo_kl": token_share(diagnostics["ppo_kl"], response_mask, num_tokens),
+            **{key: token_share(value, response_mask, num_tokens) for key, value in diagnostics.items()},
             "entropy": token_share(entropy, response_mask, num_tokens),
         }
         if self.use_kl_loss:

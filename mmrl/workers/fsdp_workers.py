@@ -514,10 +514,13 @@ class HybridWorker:
 
     @rows_per_data_parallel_share
     @measured("update_actor")
-    def update_actor(self, data: DataProto, *, temperature: float, on_policy: bool) -> DataProto:
+    def update_actor(
+        self, data: DataProto, *, temperature: float, on_policy: bool, entropy_coeff: float = 0.0
+    ) -> DataProto:
         """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
-        returns the ones its own forward computed (with their entropies) for the step's metrics. The
-        rollout still holds the old weights until :meth:`sync_rollout_weights`."""
+        returns the ones its own forward computed (with their entropies) for the step's metrics.
+        ``entropy_coeff``: the step's entropy bonus weight (the driver's controller). The rollout still
+        holds the old weights until :meth:`sync_rollout_weights`."""
         data = attach_media(data, self.media, self.media_cache)
         actor_cfg = self.config.worker.actor
         with self.actor_offload.loaded():
@@ -530,6 +533,7 @@ class HybridWorker:
                 ppo_epochs=actor_cfg.ppo_epochs,
                 temperature=temperature,
                 on_policy=on_policy,
+                entropy_coeff=entropy_coeff,
             )
         metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
         if not on_policy:

@@ -33,8 +33,19 @@ def test_summary_counts_tokens_up_to_each_validation():
     assert summary["tokens_to_threshold"] == 600
     assert summary["zero_adv_group_frac"] == pytest.approx(0.25)
     assert (summary["generated_responses"], summary["generated_response_tokens"]) == (300, 600)
-    assert recipes.accuracy_at(summary["curve"], 599) == 0.75
-    assert recipes.accuracy_at(summary["curve"], 600) == 0.95
+    assert summary["entropy_last10"] is None and summary["trained_steps"] == 0  # no update rows here
+
+
+def test_table_counts_stopped_runs_apart_and_reports_the_entropy_at_the_end():
+    rows = [{"step": step, "actor/pg_loss": 0.0, "actor/entropy_rollout": 0.1 * step} for step in (1, 2, 3)]
+    rows.append({"step": 3, "val/reward/accuracy": 0.9})
+    done = {"recipe": "entropy", "seed": 1, "steps": 3, "returncode": 0, "wall_s": 10.0}
+    done |= recipes.summarize(rows, threshold=0.8)
+    stopped = {**done, "seed": 2, "returncode": 1, "trained_steps": 2, "error": "gave up"}
+    assert done["entropy_last10"] == pytest.approx(0.2) and done["trained_steps"] == 3
+    assert not recipes.stopped_early(done) and recipes.stopped_early(stopped)
+    summary_line = recipes.table([done, stopped], 0.8).splitlines()[2]
+    assert summary_line.startswith("| entropy | 2 | 1/2 | 1/2 | 2/2 | 0.90 | 0.200 |")
 
 
 def test_a_seed_varies_sampling_data_order_and_the_workers_rngs(tmp_path):
@@ -42,4 +53,8 @@ def test_a_seed_varies_sampling_data_order_and_the_workers_rngs(tmp_path):
     overrides = recipes.run_overrides("plain", 3, args, tmp_path)
     assert {"trainer.seed=3", "worker.rollout.seed=3", "data.seed=3", "trainer.max_steps=7"} <= set(overrides)
     assert "algorithm.online_filtering=false" in overrides
-    assert recipes.run_overrides("recipe", 3, args, tmp_path)[0] == "trainer.seed=3"  # the yaml's recipe
+    assert recipes.run_overrides("entropy", 3, args, tmp_path)[0] == "trainer.seed=3"  # the yaml's recipe
+    variant = recipes.build_parser().parse_args(
+        ["--variant", "try", "--override", "worker.actor.entropy_top_k=4"]
+    )
+    assert recipes.run_overrides("try", 3, variant, tmp_path)[0] == "worker.actor.entropy_top_k=4"

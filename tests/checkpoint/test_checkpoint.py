@@ -456,3 +456,31 @@ def test_single_process_save_and_load_without_process_group(tmp_path):
     for saved, loaded in zip(optimizer.state.values(), restored_optimizer.state.values()):
         _assert_weights_equal(loaded, saved)
     assert not (tmp_path / "actor" / "huggingface").exists()  # no hf_source_dir, nothing to copy
+
+
+def test_a_load_keeps_the_peak_learning_rate_the_optimizer_was_built_with(tmp_path):
+    """A stage of a multi-stage schedule that changes worker.actor.optim.lr: the moments and the
+    scheduler's step come from the checkpoint, the peak rate from the new config. Cosine over 10 steps,
+    saved after 4 steps at peak 1e-3: resumed at peak 5e-4, the rate is 5e-4 * factor(4) with
+    factor(4) = (1 + cos(0.4 pi)) / 2 = 0.6545085; a plain resume (same peak) gets the saved rate."""
+    from mmrl.workers.fsdp_engine import build_lr_scheduler
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "cosine")
+    for _ in range(4):
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    save_train_state(tmp_path / "actor", model, optimizer, scheduler)
+    for peak in (5e-4, 1e-3):
+        restored = nn.Linear(3, 2)
+        restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=peak)
+        restored_scheduler = build_lr_scheduler(restored_optimizer, 10, 0, "cosine")
+        load_train_state(tmp_path / "actor", restored, restored_optimizer, restored_scheduler)
+        assert restored_scheduler.last_epoch == 4
+        assert restored_optimizer.param_groups[0]["lr"] == pytest.approx(peak * 0.6545085)
+        restored_scheduler.step()  # factor(5) = 0.5
+        assert restored_optimizer.param_groups[0]["lr"] == pytest.approx(peak * 0.5)
+        for saved, loaded in zip(optimizer.state.values(), restored_optimizer.state.values()):
+            _assert_weights_equal(loaded, saved)

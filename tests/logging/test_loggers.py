@@ -94,6 +94,16 @@ def test_console_eta_of_a_resumed_run_uses_this_sessions_pace():
     ]
 
 
+def test_console_line_of_a_multi_stage_run_starts_with_the_stage():
+    clock = FakeClock(0.0)
+    logger, stream = console(5, clock, start_step=3, full_every=0, label="stage 2/2 16k")
+    clock.now = 4.0
+    logger.log({"reward/overall": 1}, step=4)
+    assert stream.getvalue() == "stage 2/2 16k | step 4/5 [80%] ETA 4s | reward/overall 1\n"
+    tracker = build_loggers(["console"], "proj", "exp", "unused", {}, total_steps=5, label="stage 1/2 8k")
+    assert tracker.backends["console"].label == "stage 1/2 8k"
+
+
 def test_console_full_dump_every_k_steps_and_when_no_known_key():
     clock = FakeClock()
     logger, stream = console(None, clock, full_every=10)

@@ -33,9 +33,9 @@ RESPONSE_LENGTHS = (6, 3, 7, 1)
 CHUNK = 4  # fewer than the 17 response tokens: several chunks, the last one partial
 
 
-def _reference_scores(hidden, weight, bias, targets, temperature):
+def _reference_scores(hidden, weight, bias, targets, temperature, top_k=0):
     logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
-    return log_probs_from_logits(logits, targets), entropy_from_logits(logits)
+    return log_probs_from_logits(logits, targets), entropy_from_logits(logits, top_k)
 
 
 def _grads(tensors, loss):
@@ -45,7 +45,10 @@ def _grads(tensors, loss):
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bias, entropy_grad):
+@pytest.mark.parametrize("top_k", [0, 4, 11], ids=["vocab", "top4", "top11_is_vocab"])
+def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bias, entropy_grad, top_k):
+    # top_k: the entropy of the top-k renormalised distribution (core_algos.entropy_from_logits); 11 is
+    # the whole vocabulary, so it must equal top_k 0
     generator = torch.Generator().manual_seed(0)
     # [B, L, D]: 10 rows; logits of a few units, as a trained model's (entropies well above 0)
     hidden = (0.3 * torch.randn(2, 5, 8, generator=generator)).requires_grad_()
@@ -55,9 +58,18 @@ def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bi
     coefficients = torch.randn(2, 2, 5, generator=generator)  # a loss weighting every output
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
-    scoring = TokenScoring(targets, TEMPERATURE, chunk, entropy_grad)
+    scoring = TokenScoring(targets, TEMPERATURE, chunk, entropy_grad, entropy_top_k=top_k)
     log_probs, entropies = chunked_token_scores(hidden, weight, bias, scoring)
-    expected_log_probs, expected_entropies = _reference_scores(hidden, weight, bias, targets, TEMPERATURE)
+    expected_log_probs, expected_entropies = _reference_scores(
+        hidden, weight, bias, targets, TEMPERATURE, top_k
+    )
+    if top_k in (0, 11):
+        torch.testing.assert_close(
+            entropies, _reference_scores(hidden, weight, bias, targets, TEMPERATURE)[1]
+        )
+    else:  # fewer candidates, renormalised: at most log(k), and not the whole-vocabulary value
+        assert (entropies <= torch.log(torch.tensor(4.0)) + 1e-6).all()
+        assert not torch.allclose(entropies, _reference_scores(hidden, weight, bias, targets, TEMPERATURE)[1])
     torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropies, expected_entropies, atol=1e-5, rtol=1e-5)
     assert entropies.requires_grad == entropy_grad

@@ -184,6 +184,25 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.loss_type=sapo", "worker.actor.clip_ratio_high=0.3"], "loss_type=sapo has no clip"),
         (["worker.actor.tau_negative=0"], "worker.actor.tau_negative=0.0 must be > 0"),
         (
+            ["worker.actor.loss_type=kl_cov", "worker.actor.clip_ratio_low=0.2"],
+            "loss_type=kl_cov has no ratio",
+        ),
+        (["worker.actor.kl_cov_ratio=0"], "worker.actor.kl_cov_ratio=0.0 must lie in (0, 1]"),
+        (["worker.actor.clip_cov_lb=5"], "clip_cov_lb=5.0 must be below clip_cov_ub=5.0"),
+        (["worker.actor.entropy_top_k=-1"], "worker.actor.entropy_top_k=-1 must be >= 0"),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.adaptive_entropy.max_ent_coef=-1"],
+            "need 0 <= min_ent_coef <= max_ent_coef",
+        ),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.entropy_coeff=0.1"],
+            "worker.actor.entropy_coeff=0.1 is the adaptive coefficient's start",
+        ),
+        (
+            ["worker.actor.adaptive_entropy.enabled=true", "worker.actor.adaptive_entropy.delta_ent_coef=0"],
+            "worker.actor.adaptive_entropy.delta_ent_coef=0.0 must be > 0",
+        ),
+        (
             ["worker.reward.overlong_buffer_length=512"],
             "overlong_buffer_length=512 must lie in [0, data.max_response_length=512)",
         ),
@@ -216,7 +235,7 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=reinforce_plus_plus"],
-            "set algorithm.adv_estimator to one of ['grpo', 'rloo'] (found reinforce_plus_plus)",
+            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'] (found reinforce_plus_plus)",
         ),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=gae"],
@@ -251,6 +270,8 @@ def test_cross_field_rules(run_files, args, expected):
         ("gspo_token", (3e-4, 4e-4), "ratio clipped to [1 - 0.0003, 1 + 0.0004]"),
         ("cispo", (1.0, 4.0), "ratio clipped to [1 - 1, 1 + 4]"),
         ("sapo", None, "no clip (soft gate, tau_positive=1.0, tau_negative=1.05)"),
+        ("clip_cov", (0.2, 0.3), "ratio clipped to [1 - 0.2, 1 + 0.3]"),
+        ("kl_cov", None, "no ratio clip (|log-ratio| x 1 on the 0.002 of the tokens with the highest"),
     ],
 )
 def test_null_clip_ratios_resolve_to_the_loss_default_and_are_printed(
@@ -732,3 +753,48 @@ def test_val_only_needs_validation_files(run_files):
     ]
     args = valid_args(run_files, "trainer.val_only=true", f"data.val_files={run_files['data']}")
     assert load_config(args).trainer.val_only
+
+
+STAGES = (
+    "trainer.stages=[{name: 8k, steps: 3, overrides: [data.max_response_length=8192]},"
+    " {name: 16k, steps: 2, overrides: [data.max_response_length=16384, worker.rollout.n=16,"
+    " worker.rollout.temperature=0.8, worker.actor.optim.lr=5.0e-7]}]"
+)
+
+
+def test_stages_are_the_config_with_their_overrides_over_one_step_count(run_files):
+    from mmrl.trainer.stages import first_stage_to_run, plan_stages
+
+    cfg = load_config(valid_args(run_files, STAGES, "trainer.find_last_checkpoint=false"))
+    first, second = plan_stages(cfg)
+    assert (first.first_step, first.last_step, second.first_step, second.last_step) == (0, 3, 3, 5)
+    assert first.schedule_steps == second.schedule_steps == 5
+    assert (first.label, second.label) == ("stage 1/2 8k", "stage 2/2 16k")
+    assert second.describe() == (
+        "mmrl: stage 2/2 16k: steps 4-5 with data.max_response_length=16384, worker.rollout.n=16, "
+        "worker.rollout.temperature=0.8, worker.actor.optim.lr=5.0e-7"
+    )
+    one, two = first.config, second.config
+    assert (one.data.max_response_length, two.data.max_response_length) == (8192, 16384)
+    assert (one.worker.rollout.n, two.worker.rollout.n) == (cfg.worker.rollout.n, 16)
+    assert (two.worker.rollout.temperature, two.worker.actor.optim.lr) == (0.8, 5e-7)
+    assert (one.trainer.max_steps, two.trainer.max_steps) == (3, 5)  # where each stage ends
+    assert one.trainer.stages == two.trainer.stages == []
+    # the first stage keeps the run's choices; the next ones continue from its checkpoint, unvalidated
+    assert not one.trainer.find_last_checkpoint and two.trainer.find_last_checkpoint
+    assert (one.trainer.val_before_train, two.trainer.val_before_train) == (True, False)
+    # a run resumes in the stage its newest checkpoint falls in
+    stages = [first, second]
+    assert [first_stage_to_run(stages, step) for step in (None, 0, 2, 3, 4, 5)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_stage_errors_name_the_stage_and_the_key(run_files):
+    stages = (
+        "trainer.stages=[{name: a, steps: 0, overrides: [trainer.save_checkpoint_path=/x]},"
+        " {steps: 2, overrides: [worker.rollout.n=1, worker.rollout.temprature=1]}]"
+    )
+    errors = errors_of(valid_args(run_files, stages))
+    assert "trainer.stages[0] (a).steps=0 must be > 0 (training steps of the stage)" in errors
+    assert "trainer.stages[0] (a): a stage cannot change ['trainer.save_checkpoint_path=/x']" in errors[1]
+    assert any(e.startswith("trainer.stages[1]: ") and "set worker.rollout.n >= 2" in e for e in errors)
+    assert any("unknown key 'worker.rollout.temprature' in its overrides" in e for e in errors), errors

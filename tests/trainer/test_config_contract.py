@@ -121,6 +121,51 @@ def test_the_read_check_catches_a_key_read_in_one_section_but_not_in_another():
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class LossKnobs:
+    clip: float = 0.2
+    tau: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(LossKnobs):  # the loss knobs sit at exactly one place: under `policy`
+    lr: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    policy: Policy = dataclasses.field(default_factory=Policy)
+    ref: Role = dataclasses.field(default_factory=Role)
+
+
+REGISTRY_LIBRARY = """
+LOSSES = {}
+
+def clipped(x, options: LossKnobs):   # reached only through LOSSES[name]: not followable by name
+    return x * options.clip
+
+def step(config: Tree):
+    return LOSSES["clipped"](1.0, config.policy) + config.policy.lr
+"""
+
+
+def test_a_section_class_at_one_place_counts_its_reads_wherever_the_function_is_called_from():
+    """Rule 6: ``LossKnobs`` is a base of ``Policy`` only, so ``options.clip`` in a function reached
+    through a registry is ``policy.clip``; ``Role`` sits under ``ref`` here and under nothing else, but
+    nothing reads it."""
+    unread = unread_keys(Tree, {"synthetic": REGISTRY_LIBRARY})
+    assert unread == [
+        "policy.tau",
+        "ref.lr",
+        "ref.ring",
+        "ref.ulysses",
+        "ref.offload.params",
+        "ref.offload.optimizer",
+    ]
+    untyped = REGISTRY_LIBRARY.replace("options: LossKnobs", "options")  # no annotation: not a read
+    assert "policy.clip" in unread_keys(Tree, {"synthetic": untyped})
+
+
 # ---------------------------------------------------------------- every choice is declared, implemented, tested
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmrl import core_algos as ca
+from mmrl.config import PolicyLossConfig as Options
 
 SQRT_1_3 = math.sqrt(1 / 3)  # 0.5773503
 
@@ -94,6 +95,28 @@ def test_grpo_index_errors_name_the_problem():
         ca.compute_grpo_advantages(rewards, mask, index=["a"])
     with pytest.raises(ValueError, match="pass index="):
         ca.compute_grpo_advantages(rewards, mask)
+
+
+def test_grpo_passk_only_the_best_response_of_a_group_moves_by_hand():
+    # uid a: scores [1, 0, 0] -> best row 0, runner-up 0: margin 1, unbiased std sqrt(1/3):
+    #        A = 1 / 0.5773503 = 1.7320508 on row 0, 0 on rows 1 and 2
+    # uid b: scores [0.5, 0.2, 0.9] (rows 3, 4, 5 interleaved with a's) -> best 0.9, runner-up 0.5:
+    #        margin 0.4; mean 0.5333, squares 0.0011111 + 0.1111111 + 0.1344444 = 0.2466667, / 2:
+    #        std = sqrt(0.1233333) = 0.3511885 -> A = 0.4 / 0.3511885 = 1.1389918
+    # uid c: scores [1, 1, 0] -> two best: margin 0, every advantage 0 (a tie gives no push)
+    # uid d: one response -> 0
+    rewards, mask = outcome_rewards(
+        [1.0, 0.5, 0.0, 0.2, 0.0, 0.9, 1.0, 1.0, 0.0, 3.0], lengths=[2, 1, 2, 2, 1, 2, 1, 1, 1, 2], width=2
+    )
+    index = ["a", "b", "a", "b", "a", "b", "c", "c", "c", "d"]
+    advantages, returns = ca.compute_grpo_passk_advantages(rewards, mask, index=index)
+    expected = [1.7320508, 0.0, 0.0, 0.0, 0.0, 1.1389918, 0.0, 0.0, 0.0, 0.0]
+    close(advantages, torch.tensor(expected).unsqueeze(-1) * mask)
+    close(returns, advantages)
+    # norm_adv_by_std=False: the margin itself
+    advantages, _ = ca.compute_grpo_passk_advantages(rewards, mask, index=index, norm_adv_by_std=False)
+    close(advantages[:, 0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0])
+    assert ca.get_adv_estimator("grpo_passk") is ca.compute_grpo_passk_advantages
 
 
 def test_rloo_by_hand():
@@ -209,9 +232,7 @@ def test_ppo_clip_both_sides_and_dual_clip_by_hand():
         log_probs,
         advantages,
         mask,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_dual=3.0,
+        Options(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=3.0),
     )
     close(loss.detach(), [[-1.28, -0.5, 0.8, 1.5, 3.0, -1.28]])
     close(diagnostics["pg_clipfrac"], [[1.0, 0.0, 1.0, 0.0, 0.0, 1.0]])  # token 4: only the dual clip
@@ -222,19 +243,23 @@ def test_ppo_clip_both_sides_and_dual_clip_by_hand():
 
     # without dual clip token 4 keeps the full -A*r = 5
     loss, diagnostics = ca.compute_ppo_policy_loss(
-        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28
+        old_log_probs,
+        log_probs,
+        advantages,
+        mask,
+        Options(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=None),
     )
     close(loss[0, 4].detach(), 5.0)
     assert diagnostics["pg_clipfrac_dual"].sum() == 0
     with pytest.raises(ValueError, match="clip_ratio_dual must be > 1"):
-        ca.compute_ppo_policy_loss(old_log_probs, log_probs, advantages, mask, clip_ratio_dual=0.5)
+        ca.compute_ppo_policy_loss(old_log_probs, log_probs, advantages, mask, Options(clip_ratio_dual=0.5))
 
 
 def test_ppo_huge_log_ratio_stays_finite():
     # log-ratio 200 would overflow exp in float32; clamped to 20, then clipped: loss = -1 * 1.2
     log_probs = torch.tensor([[0.0]], requires_grad=True)
     loss, _ = ca.compute_ppo_policy_loss(
-        torch.tensor([[-200.0]]), log_probs, torch.ones(1, 1), torch.ones(1, 1), clip_ratio_high=0.2
+        torch.tensor([[-200.0]]), log_probs, torch.ones(1, 1), torch.ones(1, 1), Options(clip_ratio_high=0.2)
     )
     loss.sum().backward()
     close(loss.detach(), [[-1.2]])
@@ -253,7 +278,7 @@ def test_gspo_sequence_ratio_and_gradient_versus_ppo():
 
     log_probs = (old_log_probs + log_ratio).requires_grad_()
     loss, diagnostics = ca.compute_gspo_policy_loss(
-        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.25, clip_ratio_high=0.25
+        old_log_probs, log_probs, advantages, mask, Options(clip_ratio_low=0.25, clip_ratio_high=0.25)
     )
     s = math.exp(0.05)
     close(loss.detach() * mask, [[-s, -s, 0.0], [-1.25, -1.25, 0.0]])
@@ -266,7 +291,7 @@ def test_gspo_sequence_ratio_and_gradient_versus_ppo():
     # (ratio exp(0.6) = 1.82) is
     ppo_log_probs = (old_log_probs + log_ratio).requires_grad_()
     ppo_loss, _ = ca.compute_ppo_policy_loss(
-        old_log_probs, ppo_log_probs, advantages, mask, clip_ratio_low=0.25, clip_ratio_high=0.25
+        old_log_probs, ppo_log_probs, advantages, mask, Options(clip_ratio_low=0.25, clip_ratio_high=0.25)
     )
     ca.aggregate_loss(ppo_loss, mask, "token_mean").backward()
     close(ppo_log_probs.grad, [[-math.exp(0.2) / 4, -math.exp(-0.1) / 4, 0.0], [-1.0 / 4, 0.0, 0.0]])
@@ -288,7 +313,7 @@ def test_gspo_token_trick_matches_the_sequence_level_objective():
     reference.backward()
     for loss_fn in (ca.compute_gspo_policy_loss, ca.compute_gspo_token_policy_loss):
         log_probs = (old_log_probs + log_ratio).requires_grad_()
-        loss, _ = loss_fn(old_log_probs, log_probs, advantages, mask, **wide)
+        loss, _ = loss_fn(old_log_probs, log_probs, advantages, mask, Options(**wide))
         aggregated = ca.aggregate_loss(loss, mask, "seq_mean_token_mean")
         aggregated.backward()
         close(aggregated.detach(), reference.detach())
@@ -342,15 +367,8 @@ def test_clip_defaults_come_from_one_table():
         ca.policy_clip_range("sapo", clip_ratio_low=0.2)
     with pytest.raises(ValueError, match="Unknown policy loss 'ppo2'"):
         ca.policy_clip_range("ppo2")
-    knobs = {"clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_dual": 3.0}
-    knobs |= {"tau_positive": 1.0, "tau_negative": 1.05}
-    assert ca.policy_loss_kwargs("ppo", **knobs) == {
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.3,
-        "clip_ratio_dual": 3.0,
-    }
-    assert ca.policy_loss_kwargs("gspo", **knobs) == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
-    assert ca.policy_loss_kwargs("sapo", **knobs) == {"tau_positive": 1.0, "tau_negative": 1.05}
+    assert ca.policy_clip_range("clip_cov") == (0.2, 0.3) and ca.policy_clip_range("kl_cov") is None
+    assert Options(loss_type="gspo", clip_ratio_high=1e-3).clip_range == (3e-4, 1e-3)
 
 
 def test_cispo_gradient_is_clipped_weight_times_advantage():
@@ -363,7 +381,7 @@ def test_cispo_gradient_is_clipped_weight_times_advantage():
     log_probs = (old_log_probs + ratios.log()).requires_grad_()
     mask = torch.ones(1, 3)
     loss, diagnostics = ca.compute_cispo_policy_loss(
-        old_log_probs, log_probs, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28
+        old_log_probs, log_probs, advantages, mask, Options(clip_ratio_low=0.2, clip_ratio_high=0.28)
     )
     weights = torch.tensor([[1.28, 0.8, 1.0]])
     close(loss.detach(), -weights * advantages * log_probs.detach())
@@ -384,14 +402,14 @@ def test_cispo_low_zero_keeps_every_weight_at_least_one_and_the_default_has_no_l
     ):
         log_probs = (old_log_probs + ratios.log()).requires_grad_()
         loss, _ = ca.compute_cispo_policy_loss(
-            old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), **knobs
+            old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), Options(**knobs)
         )
         loss.sum().backward()
         close(-log_probs.grad, [weights])
     assert (-log_probs.grad >= 0).all()
     low_zero = ca.compute_cispo_policy_loss
     log_probs = (old_log_probs + torch.linspace(-3, 3, 4).unsqueeze(0)).requires_grad_()
-    low_zero(old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), clip_ratio_low=0.0)[
+    low_zero(old_log_probs, log_probs, torch.ones(1, 4), torch.ones(1, 4), Options(clip_ratio_low=0.0))[
         0
     ].sum().backward()
     assert (-log_probs.grad >= 1.0).all()
@@ -411,7 +429,7 @@ def test_sapo_gate_values_and_gradients_by_hand():
     old_log_probs = torch.full((1, 4), -1.5)
     log_probs = (old_log_probs + ratios.log()).requires_grad_()
     loss, diagnostics = ca.compute_sapo_policy_loss(
-        old_log_probs, log_probs, advantages, torch.ones(1, 4), tau_positive=2.0, tau_negative=1.0
+        old_log_probs, log_probs, advantages, torch.ones(1, 4), Options(tau_positive=2.0, tau_negative=1.0)
     )
     close(loss.detach(), [[-1.5, 6.0, -1.0, 2.0]])
     loss.sum().backward()
@@ -421,7 +439,7 @@ def test_sapo_gate_values_and_gradients_by_hand():
     # below 1: tau 4, r = 1 - ln3/4 (s = 1/4): f = 1/4, loss -0.25, f' = 0.75, grad -0.75 * 0.7253469
     log_probs = (torch.zeros(1, 1) + math.log(1 - ln3 / 4)).requires_grad_()
     loss, _ = ca.compute_sapo_policy_loss(
-        torch.zeros(1, 1), log_probs, torch.ones(1, 1), torch.ones(1, 1), tau_positive=4.0
+        torch.zeros(1, 1), log_probs, torch.ones(1, 1), torch.ones(1, 1), Options(tau_positive=4.0)
     )
     loss.sum().backward()
     close(loss.detach(), [[-0.25]])
@@ -440,15 +458,151 @@ def test_sapo_gradient_at_ratio_one_is_minus_the_advantage_for_any_tau():
             log_probs,
             advantages,
             torch.ones(3, 5),
-            tau_positive=tau_positive,
-            tau_negative=tau_negative,
+            Options(tau_positive=tau_positive, tau_negative=tau_negative),
         )
         loss.sum().backward()
         close(log_probs.grad, -advantages)
     with pytest.raises(ValueError, match="temperatures must be > 0"):
         ca.compute_sapo_policy_loss(
-            old_log_probs, old_log_probs, advantages, torch.ones(3, 5), tau_negative=0.0
+            old_log_probs, old_log_probs, advantages, torch.ones(3, 5), Options(tau_negative=0.0)
         )
+
+
+def test_clip_cov_cuts_the_gradient_of_high_covariance_tokens_by_hand():
+    # A = [3, 1, -1, -3] (mean 0), logp = [-1, -2, -3, -4] (mean -2.5, centred [1.5, 0.5, -0.5, -1.5]):
+    # cov = A * centred logp = [4.5, 0.5, 0.5, 4.5]; with (lb, ub) = (1, 5) tokens 0 and 3 are candidates
+    advantages = torch.tensor([[3.0, 1.0, -1.0, -3.0]])
+    mask = torch.ones(1, 4)
+    values = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+
+    def run(old_shift, **knobs):
+        log_probs = values.clone().requires_grad_()
+        options = Options(loss_type="clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.3, **knobs)
+        loss, diagnostics = ca.compute_policy_loss(values - old_shift, log_probs, advantages, mask, options)
+        loss.sum().backward()
+        return loss.detach(), diagnostics, log_probs.grad
+
+    # on-policy (ratio 1), clip_cov_ratio 0.5 -> max(1, floor(0.5 * 4)) = 2 tokens: both candidates cut.
+    # PPO's loss -A * r = [-3, -1, 1, 3] becomes [0, -1, 1, 0]; gradient -A * r on the others
+    loss, diagnostics, grad = run(torch.zeros(1, 4), clip_cov_ratio=0.5)
+    close(loss, [[0.0, -1.0, 1.0, 0.0]])
+    close(grad, [[0.0, -1.0, 1.0, 0.0]])
+    close(diagnostics["pg_covfrac"], [[1.0, 0.0, 0.0, 1.0]])
+    # clip_cov_ratio 0.25 -> 1 token, drawn among the two candidates
+    cut = run(torch.zeros(1, 4), clip_cov_ratio=0.25)[1]["pg_covfrac"]
+    assert cut.sum() == 1 and (cut[0, 0] + cut[0, 3]) == 1
+    # ub 4 < 4.5: no candidate, PPO's loss untouched
+    loss, diagnostics, _ = run(torch.zeros(1, 4), clip_cov_ratio=0.5, clip_cov_ub=4.0)
+    close(loss, [[-3.0, -1.0, 1.0, 3.0]])
+    assert diagnostics["pg_covfrac"].sum() == 0
+    # token 0 at ratio 1.5 > 1.3 with A > 0 is clipped by PPO already (loss -3 * 1.3): not a candidate
+    loss, diagnostics, _ = run(torch.tensor([[math.log(1.5), 0.0, 0.0, 0.0]]), clip_cov_ratio=0.5)
+    close(loss, [[-3.9, -1.0, 1.0, 0.0]])
+    close(diagnostics["pg_covfrac"], [[0.0, 0.0, 0.0, 1.0]])
+    close(diagnostics["pg_clipfrac"], [[1.0, 0.0, 0.0, 0.0]])
+
+
+def test_kl_cov_penalises_the_highest_covariance_tokens_by_hand():
+    # A = [3, 1, -1, -3], logp = [-1, -2, -3, -5] (mean -2.75, centred [1.75, 0.75, -0.25, -2.25]):
+    # cov = [5.25, 0.75, 0.25, 6.75]. log-ratio = logp - old = [0.1, 0, 0, -0.2]; no ratio clip.
+    # loss_t = -A_t r_t (+ coef |log-ratio_t| on the penalised tokens), d/dlogp = -A_t r_t (+ coef sign):
+    #   token 0: -3 e^0.1 = -3.3155128, grad -3.3155128; penalised: -3.2155128, grad -2.3155128
+    #   token 3: +3 e^-0.2 = 2.4561922, grad 2.4561922;  penalised: 2.6561922, grad 1.4561922
+    advantages = torch.tensor([[3.0, 1.0, -1.0, -3.0]])
+    values = torch.tensor([[-1.0, -2.0, -3.0, -5.0]])
+    old_log_probs = values - torch.tensor([[0.1, 0.0, 0.0, -0.2]])
+    for ratio, loss_expected, grad_expected in (
+        (0.25, [-3.3155128, -1.0, 1.0, 2.6561922], [-3.3155128, -1.0, 1.0, 1.4561922]),  # 1 token: 3
+        (0.5, [-3.2155128, -1.0, 1.0, 2.6561922], [-2.3155128, -1.0, 1.0, 1.4561922]),  # 2: 3 and 0
+    ):
+        log_probs = values.clone().requires_grad_()
+        options = Options(loss_type="kl_cov", kl_cov_ratio=ratio, kl_cov_coef=1.0)
+        loss, diagnostics = ca.compute_policy_loss(
+            old_log_probs, log_probs, advantages, torch.ones(1, 4), options
+        )
+        loss.sum().backward()
+        close(loss.detach(), [loss_expected])
+        close(log_probs.grad, [grad_expected])
+        assert diagnostics["pg_clipfrac"].sum() == 0
+    close(diagnostics["pg_covfrac"], [[1.0, 0.0, 0.0, 1.0]])
+    # padding never counts: with token 3 masked, the single penalised token is token 0
+    log_probs = values.clone().requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    _, diagnostics = ca.compute_policy_loss(
+        old_log_probs, log_probs, advantages, mask, Options(loss_type="kl_cov", kl_cov_ratio=0.25)
+    )
+    close(diagnostics["pg_covfrac"], [[1.0, 0.0, 0.0, 0.0]])
+
+
+def test_policy_losses_read_their_knobs_from_the_loss_section():
+    # the same call for every loss: compute_policy_loss picks options.loss_type and hands it the section
+    old_log_probs, log_probs = torch.zeros(1, 2), torch.tensor([[0.5, -0.5]])
+    advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    for name in ca.POLICY_LOSSES:
+        options = Options(loss_type=name)
+        loss, diagnostics = ca.compute_policy_loss(old_log_probs, log_probs, advantages, mask, options)
+        direct, _ = ca.get_policy_loss(name)(old_log_probs, log_probs, advantages, mask, options)
+        close(loss, direct)
+        assert {"pg_clipfrac", "pg_clipfrac_dual", "ppo_kl"} <= set(diagnostics), name
+    # r = e^0.5 = 1.6487 with A = +1: PPO clips at 1 + clip_ratio_high, read from the section
+    loss, _ = ca.compute_policy_loss(old_log_probs, log_probs, advantages, mask, Options(clip_ratio_high=0.1))
+    close(loss[0, 0], -1.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Entropy
+# ------------------------------------------------------------------------------------------------
+
+
+def test_top_k_entropy_and_where_the_bonus_goes_by_hand():
+    # p = softmax(log [3, 1, 1, 1]) = [1/2, 1/6, 1/6, 1/6]
+    #   whole vocabulary: H = 0.5 ln 2 + 0.5 ln 6 = 1.2424533
+    #   top 2: q = [3/4, 1/4], H = 0.75 ln(4/3) + 0.25 ln 4 = 0.5623351
+    # dH/dz = -p (ln p + H): whole vocabulary, each tail token: -(1/6)(ln(1/6) + 1.2424533) = +0.0915510,
+    # so a bonus (ascending H) raises every tail logit: on a large vocabulary of non-words, mass goes there.
+    # top 2: -q (ln q + H) = [-0.2059898, +0.2059898] on the two candidates, 0 on the tail: the bonus
+    # only levels the candidates.
+    logits = torch.tensor([[math.log(3.0), 0.0, 0.0, 0.0]], requires_grad=True)
+    whole = ca.entropy_from_logits(logits)
+    close(whole.detach(), [1.2424533])
+    (grad_whole,) = torch.autograd.grad(whole.sum(), logits)
+    close(grad_whole[0, 1:], [0.0915510] * 3)
+    top2 = ca.entropy_from_logits(logits, top_k=2)
+    close(top2.detach(), [0.5623351])
+    (grad_top2,) = torch.autograd.grad(top2.sum(), logits)
+    close(grad_top2[0, 0], -0.2059898)
+    close(grad_top2[0, 1:].sum(), 0.2059898)  # one of the tied tail logits is the second candidate
+    assert (grad_top2[0, 1:] == 0).sum() == 2
+    for k in (0, 4, 9):  # the whole vocabulary (k >= V) is the plain entropy
+        close(ca.entropy_from_logits(logits, top_k=k).detach(), whole.detach())
+
+
+def test_entropy_controller_update_rule_by_hand():
+    # start 0, target 0.5, step 0.01, bounds [0, 0.025]; entropies after each step and the result:
+    #   0.3 -> 0.01 (active: below target)   0.3 -> 0.02   0.3 -> 0.03, clipped to 0.025
+    #   0.6 -> 0.015 (inactive: coefficient 0)   0.6 -> 0.005   0.6 -> -0.005, clipped to 0
+    #   0.5 -> at the target is not below: 0, inactive   0.4 -> 0.01, active again
+    control = ca.EntropyController(0.0, enabled=True, target_entropy=0.5, delta=0.01, low=0.0, high=0.025)
+    assert control.coefficient == 0.0 and control.active  # before the first step: the start value
+    applied, values = [], []
+    for entropy in (0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.5, 0.4):
+        control.update(entropy)
+        applied.append(control.coefficient)
+        values.append(control.value)
+    assert values == pytest.approx([0.01, 0.02, 0.025, 0.015, 0.005, 0.0, 0.0, 0.01])
+    assert applied == pytest.approx([0.01, 0.02, 0.025, 0.0, 0.0, 0.0, 0.0, 0.01])
+    assert control.metrics() == pytest.approx(
+        {"actor/entropy_coeff": 0.01, "actor/entropy_coeff_value": 0.01, "actor/entropy_target": 0.5}
+    )
+    resumed = ca.EntropyController(0.0, enabled=True, target_entropy=0.5, delta=0.01, low=0.0, high=0.025)
+    resumed.load_state_dict(control.state_dict())
+    control.update(0.9), resumed.update(0.9)
+    assert (resumed.value, resumed.coefficient) == (control.value, control.coefficient) == (0.0, 0.0)
+    fixed = ca.EntropyController(0.003)  # not enabled: a fixed bonus
+    fixed.update(0.0), fixed.update(9.0)
+    assert fixed.coefficient == 0.003 and fixed.metrics() == {"actor/entropy_coeff": 0.003}
+    with pytest.raises(ValueError, match="low <= high"):
+        ca.EntropyController(0.0, enabled=True, low=0.1, high=0.01)
 
 
 def test_overlong_penalty_by_hand():
@@ -652,9 +806,13 @@ def test_masked_whiten_and_mean():
 
 
 def test_unknown_names_list_the_valid_ones():
-    with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'.*gae, grpo, reinforce_plus_plus"):
+    with pytest.raises(
+        ValueError, match="Unknown advantage estimator 'ppo'.*gae, grpo, grpo_passk, reinforce_plus_plus"
+    ):
         ca.get_adv_estimator("ppo")
-    with pytest.raises(ValueError, match="Unknown policy loss 'dpo'.*cispo, gspo, gspo_token, ppo, sapo"):
+    with pytest.raises(
+        ValueError, match="Unknown policy loss 'dpo'.*cispo, clip_cov, gspo, gspo_token, kl_cov, ppo, sapo"
+    ):
         ca.get_policy_loss("dpo")
     with pytest.raises(ValueError, match="Unknown KL estimator 'k4'.*abs, k1, k2, k3"):
         ca.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
@@ -663,6 +821,6 @@ def test_unknown_names_list_the_valid_ones():
 
 
 def test_registries_hold_the_documented_names():
-    assert set(ca.ADV_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "remax", "gae"}
-    assert set(ca.POLICY_LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo"}
+    assert set(ca.ADV_ESTIMATORS) == {"grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "remax", "gae"}
+    assert set(ca.POLICY_LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov"}
     assert set(ca.KL_ESTIMATORS) == {"k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"}

@@ -16,7 +16,9 @@ left can be found by session id (Ray's workers have their own process groups but
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -90,6 +92,14 @@ def trainer_overrides(model_path: Path, data_dir: Path, save_dir: Path) -> list[
         "algorithm.disable_kl=false",
         "algorithm.use_kl_loss=true",
         "algorithm.kl_coef=0.01",
+        # adaptive entropy control over the top-20 entropy, always below its target: the coefficient
+        # rises 0.001 a step (0.001, 0.002, ...), so a resume that lost its state would show it
+        "worker.actor.entropy_coeff=0.001",
+        "worker.actor.entropy_top_k=20",
+        "worker.actor.adaptive_entropy.enabled=true",
+        "worker.actor.adaptive_entropy.target_entropy=100",
+        "worker.actor.adaptive_entropy.delta_ent_coef=0.001",
+        "worker.actor.adaptive_entropy.max_ent_coef=0.01",
         f"worker.actor.model.model_path={model_path}",
         "worker.actor.model.enable_gradient_checkpointing=false",
         f"worker.actor.global_batch_size={ROLLOUT_BATCH_SIZE}",
@@ -390,6 +400,11 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
         assert step_metrics["timing_s/step"] > 0
         assert 0 < step_metrics["timing_s/sync"] < step_metrics["timing_s/step"]
         assert ("val/reward/overall" in step_metrics) == (step % 2 == 0)  # val_freq=2 and the last step
+    # the entropy bonus's coefficient rose by delta_ent_coef a step (adaptive control, below the target)
+    assert [metrics[step]["actor/entropy_coeff"] for step in (1, 2, 3, 4)] == pytest.approx(
+        [0.001, 0.002, 0.003, 0.004]
+    )
+    assert all(0 < metrics[step]["actor/entropy"] <= math.log(20) for step in (1, 2, 3, 4))  # top-20
     # the policy moved: greedy validation answers differ after training
     assert metrics[4]["val/reward/fingerprint"] != metrics[0]["val/reward/fingerprint"]
 
@@ -410,6 +425,7 @@ def test_training_run_logs_validates_and_checkpoints(run_a):
     assert sorted(path.name for path in step_dir.iterdir()) == ["actor", "trainer_state.json"]
     trainer_state = json.loads((step_dir / "trainer_state.json").read_text())
     assert trainer_state["global_step"] == 4
+    assert trainer_state["entropy_ctrl"] == {"value": pytest.approx(0.005), "active": True}
     assert trainer_state["loader"] == {"epoch": 0, "batch_index": 4}  # 4 of the epoch's 8 batches
     state_info = json.loads((step_dir / "actor" / "mmrl_state.json").read_text())
     assert state_info["world_size"] == WORLD_SIZE and state_info["has_optimizer"]
@@ -552,7 +568,10 @@ def check_against_uninterrupted(lines: Sequence[dict], expected: dict[int, dict[
     """Every metrics line of the chaos run (killed segments and resumes alike) equals the uninterrupted
     run's for its step, timings aside; a resume's validation-only line is compared where A validated."""
     for line in lines:
-        step, found = line["step"], deterministic_part({k: v for k, v in line.items() if k != "step"})
+        if "trainer/stage" in line:  # run A is one stage; the chaos run is two, steps 1-2 and 3-4
+            assert line["trainer/stage"] == (1 if line["step"] <= 2 else 2), line["step"]
+        skipped = ("step", "trainer/stage")
+        step, found = line["step"], deterministic_part({k: v for k, v in line.items() if k not in skipped})
         if set(found) == set(val_part(found)):
             if val_part(expected[step]):
                 assert found == val_part(expected[step]), f"validation at step {step}"
@@ -567,7 +586,9 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     """Run A's config, saving every step, SIGKILLed (the driver, then what is left of its session, as a
     crashed machine loses it) in each phase — rollout, reward, update, weight sync, the middle of a
     checkpoint write — and once at a random moment, resumed after every kill: each step's metrics
-    equal run A's exactly, timings aside."""
+    equal run A's exactly, timings aside. It runs as a two-stage schedule (steps 1-2, then 3-4 with
+    workers rebuilt from the second stage's config, which changes nothing that shows in the numbers):
+    kills in step 3 resume at the stage boundary, kills in step 4 mid-stage."""
     import random
 
     assert_succeeded(run_a)
@@ -577,6 +598,7 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "trainer.save_freq=1",
         "trainer.val_before_train=false",
+        "trainer.stages=[{name: first, steps: 2}, {name: second, steps: 2, overrides: [worker.reward.timeout_s=300]}]",
     ]
     config_file = write_config(e2e_dir / "run_chaos.yaml", overrides)
     seconds = {}
@@ -620,6 +642,11 @@ def test_sigkill_at_any_moment_and_resume_reproduce_the_uninterrupted_metrics(
     check_against_uninterrupted(lines, expected)
     trained_steps = {line["step"] for line in lines if "actor/pg_loss" in line}
     assert trained_steps == set(range(1, TOTAL_STEPS + 1))
+    assert {line["trainer/stage"] for line in lines if "actor/pg_loss" in line} == {1, 2}
+    # the run killed in step 4's weight sync resumed from step 3, inside the second stage
+    assert "mmrl: stage 2/2 second: steps 3-4 with worker.reward.timeout_s=300" in read_log(
+        e2e_dir / "run_chaos_4_sync.log"
+    )
     assert {line["step"] for line in lines if "val/reward/overall" in line} == {2, 4}  # val_freq=2
 
 
@@ -1113,14 +1140,15 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     """DAPO dynamic sampling on a coarse 0/1 reward (about a third of the groups score all 0): 2 prompts a
     round until 4 useful groups are kept. Every update trains on exactly 4 groups, none of them with
     zero advantage; the dropped and kept groups add up to those generated. The live trainer then
-    gives up after trainer.max_try_make_batch rounds when no group can pass. A second trainer resumed
+    gives up after trainer.max_try_make_batch rounds when no group can pass, or with
+    algorithm.unfilled_step=train trains on groups it dropped. A second trainer resumed
     from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps."""
     import ray
     from _trainer_run import small_run_overrides
 
     from mmrl.single_controller import init_ray
     from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions
-    from mmrl.trainer.ray_trainer import RayPPOTrainer, local_cluster_cpus
+    from mmrl.trainer.ray_trainer import RayPPOTrainer, build_filter, local_cluster_cpus
 
     def overrides(save_dir: Path, *extra: str) -> list[str]:
         return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
@@ -1137,7 +1165,9 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         ]
 
     # no group can have a mean score in [2, 2]: a step gives up after max_rounds rounds
-    hopeless = FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
+    hopeless = build_filter(load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=stop")))
+    hopeless = dataclasses.replace(hopeless, low=2.0, high=2.0, max_rounds=2)
+    assert hopeless == FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
     resume = f"trainer.load_checkpoint_path={tmp_path / 'a' / 'global_step_2'}"
     config = load_config(overrides(tmp_path / "a"))
     init_ray(num_cpus=local_cluster_cpus(config), object_store_memory_bytes=300_000_000)
@@ -1151,6 +1181,15 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                         DynamicSamplingError, match=r"in 2 rounds \(trainer.max_try_make_batch=2\)"
                     ):
                         trainer._filtered_rollout(trainer._training_batches(), hopeless)
+                    # algorithm.unfilled_step=train: the step trains on the groups it dropped instead
+                    top_up = build_filter(
+                        load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=train"))
+                    )
+                    top_up = dataclasses.replace(top_up, low=2.0, high=2.0, max_rounds=2)
+                    batch, scores, metrics = trainer._filtered_rollout(trainer._training_batches(), top_up)
+                    assert len(set(batch.non_tensor_batch["uid"])) == 4 and len(batch) == len(scores) == 16
+                    assert (metrics["rollout/kept_groups"], metrics["rollout/unfilled_groups"]) == (0, 4)
+                    assert (metrics["rollout/rounds"], metrics["rollout/dropped_groups"]) == (2, 4)
             finally:
                 trainer.shutdown()
                 trainer.actor.shutdown()

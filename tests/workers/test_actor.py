@@ -30,9 +30,14 @@ def training_batches(tiny_vl_path, tiny_omni_path):
     return batches
 
 
-def _log_probs_and_step(path, batch, chunk_tokens: int, padding_free: bool) -> dict:
+def _log_probs_and_step(path, batch, chunk_tokens: int, padding_free: bool, **extra) -> dict:
     model = training_model(path)
-    settings = {**ACTOR_SETTINGS, "padding_free": padding_free, "log_prob_chunk_tokens": chunk_tokens}
+    settings = {
+        **ACTOR_SETTINGS,
+        "padding_free": padding_free,
+        "log_prob_chunk_tokens": chunk_tokens,
+        **extra,
+    }
     actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **settings)
     log_probs, entropies = actor.compute_log_probs(batch, 2, TEMPERATURE, with_entropy=True)
     metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE).metrics
@@ -59,6 +64,52 @@ def test_chunked_log_probs_and_update_equal_unchunked(kind, padding_free, traini
     moved = [name for name, tensor in whole["state"].items() if not torch.equal(tensor, initial[name])]
     assert "lm_head.weight" in moved or kind == "qwen2_5_vl"  # Omni's untied head is trained too
     assert any(name.startswith("model.embed_tokens") or "embed_tokens" in name for name in moved)
+
+
+def test_top_k_entropy_bonus_chunked_equals_unchunked(training_batches):
+    # the entropy over the 5 most probable tokens (worker.actor.entropy_top_k), as the bonus of a step:
+    # the head's chunks and the whole logits agree in values, metrics and the step's weights
+    path, batch = training_batches["qwen2_5_vl"]
+    chunked = _log_probs_and_step(path, batch, CHUNK_TOKENS, True, entropy_top_k=5)
+    whole = _log_probs_and_step(path, batch, 0, True, entropy_top_k=5)
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(chunked["entropies"][mask], whole["entropies"][mask], atol=1e-5, rtol=1e-5)
+    assert (chunked["entropies"][mask] <= torch.log(torch.tensor(5.0)) + 1e-5).all()
+    for name in ("pg_loss", "entropy", "grad_norm"):
+        assert chunked["metrics"][name] == pytest.approx(whole["metrics"][name], rel=1e-5, abs=1e-7), name
+    for name, tensor in whole["state"].items():
+        torch.testing.assert_close(chunked["state"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_entropy_term_of_a_step_is_minus_the_coefficient_the_driver_hands_it(training_batches):
+    # advantages 0 and no KL loss: the whole loss is -c * token_mean(entropy), so a plain SGD step (lr 1,
+    # no clipping) moves every weight by c * d mean H / d w: nothing at c = 0, twice as far at 2c. The
+    # coefficient comes with the update (the driver's EntropyController), not from the config.
+    path, batch = training_batches["qwen2_5_vl"]
+    batch = _with_zero_advantages(batch)
+    quiet = {"use_kl_loss": False, "max_grad_norm": 1e9, "entropy_coeff": 0.5, "entropy_top_k": 5}
+    initial = dict(iter_full_state_dict(training_model(path)))
+    moves = {}
+    for coefficient in (0.0, 1.0, 2.0):  # large: a weight change far above float32 rounding of the weight
+        model = training_model(path)
+        actor = policy_actor(
+            model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **{**ACTOR_SETTINGS, **quiet}
+        )
+        metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE, entropy_coeff=coefficient).metrics
+        assert metrics["pg_loss"] == 0.0
+        moves[coefficient] = {
+            name: tensor.detach() - initial[name] for name, tensor in iter_full_state_dict(model)
+        }
+    assert all(not move.any() for move in moves[0.0].values())  # the config's 0.5 is not used
+    assert any(move.abs().max() > 0 for move in moves[1.0].values())
+    for name, move in moves[2.0].items():
+        torch.testing.assert_close(move, 2 * moves[1.0][name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def _with_zero_advantages(batch: DataProto) -> DataProto:
+    tensors = dict(batch.batch.items())
+    tensors["advantages"] = torch.zeros_like(tensors["advantages"])
+    return DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch))
 
 
 def test_chunked_scoring_needs_a_model_prepared_for_it(tiny_vl_path):
@@ -115,7 +166,7 @@ def test_gspo_through_the_actor_clips_at_its_own_defaults(training_batches):
     path, batch = training_batches["qwen2_5_vl"]
     null = {"loss_type": "gspo", "clip_ratio_low": None, "clip_ratio_high": None}
     actor = policy_actor(training_model(path), **{**ACTOR_SETTINGS, **null})
-    assert actor.policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert actor.config.clip_range == (3e-4, 4e-4)
     defaults = _step(path, batch, **null)
     explicit = _step(path, batch, loss_type="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     _assert_same_step(defaults, explicit, ("pg_loss", "pg_clipfrac", "grad_norm"))
