@@ -122,7 +122,7 @@ _SPECS = (
     Column("trajectory", "generate", ("metrics", "logging"), None, "[B]",
            "what happened in each turn (mmrl.agent.trajectory.TrajectoryRecord): tool calls, errors, "
            "seconds, observation tokens, media returned, and how the trajectory ended"),
-    Column("rollout_log_probs", "generate", ("metrics",), _FLOAT, "[B, R]",
+    Column("rollout_log_probs", "generate", ("update", "metrics"), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
            "M-RoPE (or 1-D) ids numbered once per distinct prompt"),

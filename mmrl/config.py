@@ -32,6 +32,32 @@ def split_function_spec(spec: str, default_name: str = "main") -> tuple[str, str
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout/training mismatch correction of the policy loss (``core_algos.rollout_correction_weights``).
+
+    The rollout engine's log-probs of the sampled tokens (``rollout_log_probs``) and the trainer's
+    (``old_log_probs``) differ (vLLM's bf16 kernels are not the trainer's), so the samples come from
+    pi_rollout, not from pi_old. Each token's policy loss is multiplied by a weight built from
+    rho = pi_old / pi_rollout: a truncated importance weight, a 0/1 rejection, or both. Rejected tokens
+    keep counting in the loss's normalisers (as in TRL and OpenRLHF).
+    """
+
+    # importance weight min(rho, rollout_is_threshold) on the loss: null (off) | token (rho_t) |
+    # sequence (the product of the response's rho_t, on each of its tokens)
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0  # truncation of the importance weight (> 0; typically 1.5-5)
+    # rejection: loss weight 0 where the ratio lies outside [lower, threshold]: null (off) | token (rho_t) |
+    # sequence (product over the response) | geometric (geometric mean over the response: length-fair)
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float = 2.0  # upper acceptance bound of the ratio (geometric: e.g. 1.001)
+    rollout_rs_threshold_lower: float | None = None  # lower acceptance bound; null = 1 / rollout_rs_threshold
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # grpo | grpo_passk | rloo | reinforce_plus_plus | remax | gae
     norm_adv_by_std: bool = True  # grpo, grpo_passk: divide by the group's std; false = Dr. GRPO
@@ -55,6 +81,8 @@ class AlgorithmConfig:
     # train (the step trains on the groups kept, topped up with groups it dropped: a policy that has
     # settled on one answer keeps training, and an entropy bonus can bring it back)
     unfilled_step: str = "stop"
+    # correction of the mismatch between the rollout engine's and the trainer's probabilities
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     @property
     def use_reference(self) -> bool:
@@ -529,6 +557,8 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
     (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
     (AlgorithmConfig, "unfilled_step"): ("stop", "train"),
+    (RolloutCorrectionConfig, "rollout_is"): ("token", "sequence"),  # or null: off
+    (RolloutCorrectionConfig, "rollout_rs"): ("token", "sequence", "geometric"),  # or null: off
     (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov"),
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,

@@ -12,9 +12,8 @@ One module per topic:
 - :mod:`~mmrl.core_algos.value`, :mod:`~mmrl.core_algos.shaping`: the critic's loss, reward shaping;
 - :mod:`~mmrl.core_algos.masked`, :mod:`~mmrl.core_algos.registry`: masked reductions, name registries.
 
-Corrections of the rollout/training mismatch (importance weights between the rollout's and the
-trainer's log-probs) belong in a module of their own here, ``rollout_correction``, applied to the
-per-token loss before aggregation.
+- :mod:`~mmrl.core_algos.rollout_correction`: weights on the per-token policy loss that correct for
+  the rollout engine's probabilities not being the trainer's (truncated importance sampling, rejection).
 
 Conventions shared by every function here:
 
@@ -77,6 +76,11 @@ from mmrl.core_algos.registry import (
     get_kl_estimator,
     get_policy_loss,
 )
+from mmrl.core_algos.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_LEVELS,
+    rollout_correction_weights,
+)
 from mmrl.core_algos.shaping import overlong_penalty
 from mmrl.core_algos.value import compute_value_loss
 
@@ -88,6 +92,8 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "POLICY_LOSS_CLIP_DEFAULTS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_LEVELS",
     "AdaptiveKLController",
     "EntropyController",
     "FixedKLController",
@@ -125,4 +131,5 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "policy_clip_range",
+    "rollout_correction_weights",
 ]

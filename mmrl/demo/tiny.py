@@ -18,6 +18,8 @@ calls reload:
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
 (tiny) or 64 (small) wide: vLLM's CPU backend needs ``head_dim >= 32``. Weights are float32.
+``small-151k`` (Qwen2.5-VL only, 52M): ``small`` with Qwen's real 151,936-row vocabulary, for what
+scales with tokens x vocabulary at small widths (``bench/scale_phases.py``).
 ``3b-width`` (Qwen2.5-VL only, 0.55B): Qwen2.5-VL-3B's widths, rotary settings and real vocabulary
 (151,936 rows, tied) with 2 decoder layers and 2 vision blocks, for measuring what scales with the
 vocabulary and the widths (memory of log-prob passes, weight sync) without the 3B's depth.
@@ -156,6 +158,13 @@ SIZES: dict[str, ModelSize] = {
         vision_hidden_size=256, vision_depth=4, vision_heads=4, vision_intermediate_size=1024,
         audio_hidden_size=256, audio_layers=2, audio_heads=4, audio_ffn_size=1024, num_mel_bins=80,
         vocab_size=1024,
+    ),
+    # the small model with Qwen's real vocabulary: what scales with tokens x vocabulary, at small widths
+    "small-151k": ModelSize(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=2048,
+        vision_hidden_size=256, vision_depth=4, vision_heads=4, vision_intermediate_size=1024,
+        audio_hidden_size=64, audio_layers=1, audio_heads=2, audio_ffn_size=128, num_mel_bins=80,
+        vocab_size=151_936, tokenizer_size=151_665, kinds=("qwen2_5_vl",),
     ),
     # Qwen2.5-VL-3B-Instruct's config.json widths; depth cut to 2 decoder layers and 2 vision blocks.
     "3b-width": ModelSize(

@@ -141,12 +141,15 @@ def load_model(
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
     attn_implementation: str = "sdpa",
+    empty: bool = False,
 ) -> nn.Module:
     """The trainable model in ``path`` on the CPU, as ``role`` ("actor" or "critic").
 
     ``override_config`` entries are set on the Hugging Face config before the weights load; a nested
     dict updates a sub-config (``{"text_config": {"rms_norm_eps": 1e-5}}``). The critic's value head
     is initialised the same way on every rank (fixed seed), since FSDP shards whatever each rank holds.
+    ``empty``: the same model on the meta device, no weight read or allocated (the ranks that receive
+    their shards from rank 0's copy, :func:`mmrl.workers.fsdp_engine.broadcast_from_rank0`).
     """
     import transformers
 
@@ -156,13 +159,13 @@ def load_model(
     family = family_for(folder_config)
     config = family.training_config(folder_config)  # e.g. Qwen2.5-Omni: the thinker; no talker is trained
     apply_config_overrides(config, override_config or {}, where="override_config")
-    model = getattr(transformers, family.auto_class).from_pretrained(
-        path,
-        config=config,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    auto_class = getattr(transformers, family.auto_class)
+    common = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    if empty:
+        with torch.device("meta"):
+            model = auto_class.from_config(config, dtype=torch_dtype, **common)
+    else:
+        model = auto_class.from_pretrained(path, config=config, dtype=torch_dtype, **common)
     if family.fix_model is not None:  # the family's fix (e.g. Qwen2.5-VL text positions after a video)
         family.fix_model(model)
     if role == "critic":
@@ -196,11 +199,13 @@ def attach_value_head(model: nn.Module) -> nn.Linear:
     """
     hidden_size = model.config.get_text_config().hidden_size
     reference = model.get_input_embeddings().weight
-    head = nn.Linear(hidden_size, 1, bias=True, dtype=reference.dtype)
-    generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * (0.02 / hidden_size**0.5))
-        head.bias.zero_()
+    head = nn.Linear(hidden_size, 1, bias=True, dtype=reference.dtype, device=reference.device)
+    if not reference.is_meta:  # a model on the meta device gets its values from a rank that has them
+        generator = torch.Generator().manual_seed(_VALUE_HEAD_SEED)
+        with torch.no_grad():
+            scale = 0.02 / hidden_size**0.5
+            head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * scale)
+            head.bias.zero_()
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.tie_word_embeddings = False
     model.lm_head = head

@@ -67,8 +67,9 @@ class _ChunkedTokenScores(torch.autograd.Function):
     ``d log p(y) / dz = onehot(y) - p`` and ``dH / dz = -p (log p + H)``. With ``top_k``, ``H`` is the
     entropy of ``q = softmax(z_K)`` over the set ``K`` of the ``top_k`` largest logits, and
     ``dH / dz_K = -q (log q + H)`` (0 elsewhere). Backward recomputes one chunk's ``z`` (and ``K``) from
-    the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one chunk's few
-    ``[C, V]`` buffers in either direction.
+    the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one ``[C, V]`` buffer in
+    forward (changed in place: 1/3 of logsumexp's and a probability tensor's; plus ``[C, k]`` for a
+    top-k entropy) and two in backward, each freed before the next chunk's.
     """
 
     @staticmethod
@@ -77,19 +78,26 @@ class _ChunkedTokenScores(torch.autograd.Function):
         entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [C]
-            log_probs[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lse
-            if top_k is not None:
+            logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]: z
+            picked = logits.gather(-1, targets[rows, None]).squeeze(-1)  # [C]
+            if top_k is not None:  # before z is changed in place below
                 top = logits.topk(top_k, dim=-1, sorted=False).values  # [C, k]
                 top_lse = torch.logsumexp(top, dim=-1)
                 entropies[rows] = top_lse - (top - top_lse[:, None]).exp_().mul_(top).sum(-1)
-            else:
-                # H = lse - sum_v p_v z_v, as core_algos.entropy_from_logits: no log of a probability is
-                # taken, so p = 0 (underflow) cannot give 0 * -inf
-                probs = (logits - lse[:, None]).exp_()
-                entropies[rows] = lse - probs.mul_(logits).sum(-1)
+            maxes = logits.amax(-1, keepdim=True)  # [C, 1]: m
+            # One [C, V] buffer, changed in place (logsumexp and a probability tensor would take two
+            # more): e = exp(z - m), S = sum e, lse = m + log S, and with p = e / S the entropy
+            # H = -sum p log p = log S - sum e (z - m) / S, where e (z - m) = xlogy(e, e): 0 where e
+            # underflows to 0, so never 0 * -inf
+            shifted = logits.sub_(maxes).exp_()
+            sums = shifted.sum(-1)  # [C]
+            lse = maxes.squeeze(-1) + sums.log()
+            log_probs[rows] = picked - lse
+            if top_k is None:
+                weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
+                entropies[rows] = sums.log() - weighted / sums
             lses[rows] = lse
+            del logits, shifted  # freed before the next chunk's buffer is allocated
         ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
         ctx.temperature, ctx.chunk, ctx.entropy_grad, ctx.top_k = temperature, chunk, entropy_grad, top_k
         if not entropy_grad:
@@ -129,6 +137,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
                 grad_weight.addmm_(grad_z.T.to(weight.dtype), hidden[rows])  # in place: no second [V, D]
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
+            del grad_z, log_p  # freed before the next chunk's buffers are allocated
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 

@@ -738,6 +738,28 @@ def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"algorithm.kl_coef={algo.kl_coef} must be >= 0")
     if not 0 <= algo.gamma <= 1 or not 0 <= algo.lam <= 1:
         errors.append(f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
+    _check_rollout_correction(errors, cfg)
+
+
+def _check_rollout_correction(errors: list[str], cfg: PPOConfig) -> None:
+    """Thresholds that bound something: a positive truncation, rejection bounds with lower < upper."""
+    correction, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if correction.rollout_is_threshold <= 0:
+        errors.append(
+            f"{key}.rollout_is_threshold={correction.rollout_is_threshold} must be > 0 (the importance "
+            "weight's upper bound; typically 1.5-5)"
+        )
+    upper, lower = correction.rollout_rs_threshold, correction.rollout_rs_threshold_lower
+    if upper <= 0 or (lower is not None and not 0 <= lower < upper):
+        errors.append(
+            f"{key}: rejection keeps ratios in [rollout_rs_threshold_lower, rollout_rs_threshold] = "
+            f"[{lower}, {upper}]; need 0 <= lower < upper and upper > 0 (lower null = 1 / upper)"
+        )
+    elif lower is None and upper <= 1:
+        errors.append(
+            f"{key}.rollout_rs_threshold={upper} must be > 1 when rollout_rs_threshold_lower is null "
+            "(the lower bound is then 1 / it, which must lie below it)"
+        )
 
 
 def _check_lora(errors: list[str], cfg: PPOConfig) -> None:

@@ -108,7 +108,8 @@ NO_EFFECT: dict[str, NoEffect] = {
     **{
         f"worker.{role}.fsdp.enable_rank0_init": NoEffect(
             _always,
-            "how weights reach the GPUs at start (memory at load time), not what is trained",
+            "mmrl always does what true asks: rank 0 reads the weights, the other ranks start on the "
+            "meta device and receive their shards from it (host memory at load time, not what is trained)",
             "",
         )
         for role in ROLES

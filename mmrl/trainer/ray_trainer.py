@@ -290,6 +290,8 @@ class RayPPOTrainer:
         with timer("step", timings):
             with timer("gen", timings):
                 batch, collect_scores, rollout_metrics = self.make_batch(prompts)
+                # ReMax: the greedy responses too, before a training phase puts the engine to sleep
+                collect_baselines = self._greedy_baselines(batch) if plan.greedy_baseline else None
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
             if not plan.old_log_probs_from_update:
@@ -311,8 +313,8 @@ class RayPPOTrainer:
                 batch = batch.union(
                     scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
                 )
-                if plan.greedy_baseline:
-                    batch = batch.union(self._greedy_baselines(batch))
+                if collect_baselines is not None:
+                    batch = batch.union(collect_baselines(batch))
             with timer("adv", timings):
                 batch, kl_metrics = self.compute_advantages(batch)
             batch, update_metrics = self.update_models(batch, plan, timings)
@@ -338,6 +340,7 @@ class RayPPOTrainer:
             **self._steer_entropy(batch),
             **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
             **self._memory_peaks(),  # after the byte count: the call's own bytes are not the step's
+            **self._rollout_counters(),
         }
 
     # ---- phases ---------------------------------------------------------------------------------
@@ -481,8 +484,9 @@ class RayPPOTrainer:
                 self.actor.call("sync_rollout_weights")
         return batch, metrics
 
-    def _greedy_baselines(self, batch: DataProto) -> DataProto:
-        """ReMax: the reward of each prompt's greedy response, broadcast to its n samples by uid."""
+    def _greedy_baselines(self, batch: DataProto) -> Callable[[DataProto], DataProto]:
+        """ReMax: generates each prompt's greedy response and scores it in the background; returns a
+        function giving a batch (any row order) the reward of its prompt's greedy response, by uid."""
         uids = batch.non_tensor_batch["uid"]
         first_rows = sorted({uid: row for row, uid in reversed(list(enumerate(uids)))}.values())
         prompts = batch[first_rows].select(
@@ -496,10 +500,17 @@ class RayPPOTrainer:
         greedy = self.actor.dispatch(
             "generate", prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
         )
-        scores = self.rewards.collect(self.rewards.launch(greedy)).batch["token_level_scores"].sum(-1)
-        baseline_of = dict(zip(greedy.non_tensor_batch["uid"], scores.tolist()))
-        baselines = torch.tensor([baseline_of[uid] for uid in uids], dtype=torch.float32)
-        return DataProto.from_dict(tensors={"reward_baselines": baselines})
+        pending = self.rewards.launch(greedy)
+
+        def collect(rows: DataProto) -> DataProto:
+            scores = self.rewards.collect(pending).batch["token_level_scores"].sum(-1)
+            baseline_of = dict(zip(greedy.non_tensor_batch["uid"], scores.tolist()))
+            baselines = [baseline_of[uid] for uid in rows.non_tensor_batch["uid"]]
+            return DataProto.from_dict(
+                tensors={"reward_baselines": torch.tensor(baselines, dtype=torch.float32)}
+            )
+
+        return collect
 
     def validate(self) -> dict[str, float]:
         """Generate for every validation prompt (validation sampling) and score; means per data source."""
@@ -614,6 +625,11 @@ class RayPPOTrainer:
     @staticmethod
     def _worker_metrics(output: DataProto) -> dict[str, float]:
         return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
+
+    def _rollout_counters(self) -> dict[str, float]:
+        """The workers' rollout counters since the last step, the largest over the ranks."""
+        per_rank = self.actor.call("take_rollout_counters")
+        return {key: max(counters[key] for counters in per_rank) for key in per_rank[0]}
 
     def _memory_peaks(self) -> dict[str, float]:
         """Memory per phase since the last step over the ranks (GiB; mmrl.workers.memory): the largest

@@ -3,7 +3,8 @@
 
 Batch columns (:mod:`mmrl.columns`): the forward columns of :mod:`mmrl.workers.forward`; the update
 also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_probs`` (and
-``ref_log_probs`` with the KL loss), all [B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
+``ref_log_probs`` with the KL loss, ``rollout_log_probs`` with ``algorithm.rollout_correction``), all
+[B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
 
 The actor takes its config section (:class:`~mmrl.config.ActorConfig`: loss, clipping,
 aggregation, packing) and the algorithm section (the KL loss). The policy loss receives the section
@@ -38,6 +39,7 @@ from mmrl.core_algos import (
     get_kl_estimator,
     kl_penalty,
     log_probs_from_logits,
+    rollout_correction_weights,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
 from mmrl.models.token_scoring import token_scoring_head
@@ -50,9 +52,17 @@ from mmrl.workers.forward import (
     role_micro_batches,
     train_role,
 )
-from mmrl.workers.fsdp_engine import all_reduce_sum, token_share
+from mmrl.workers.fsdp_engine import all_reduce_sum, reshard_after_no_grad, token_share
 
 ROW_KEY = "_row"  # each row's place in the update's batch (on-policy updates return per-row outputs)
+# token means of rollout_correction_weights' diagnostics, logged as actor/<name>_mean or _frac
+CORRECTION_METRICS = {
+    "rollout_is_weight": "rollout_is_weight_mean",
+    "rollout_is_truncated": "rollout_is_truncated_frac",
+    "rollout_rs_masked": "rollout_rs_masked_frac",
+    "rollout_kl_k1": "rollout_kl_k1",
+    "rollout_kl_k3": "rollout_kl_k3",
+}
 
 
 @dataclass
@@ -98,6 +108,10 @@ class PolicyActor:
         self.kl_penalty, self.kl_coef = algorithm.kl_penalty, algorithm.kl_coef
         if self.use_kl_loss:
             get_kl_estimator(self.kl_penalty)  # fail at construction, not in the middle of the first update
+        # weights on the policy loss from the rollout engine's log-probs (None: no correction)
+        self.rollout_correction = (
+            algorithm.rollout_correction if algorithm.rollout_correction.enabled else None
+        )
         if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
             raise ValueError(
                 f"log_prob_chunk_tokens={config.log_prob_chunk_tokens} scores tokens in the model's head, "
@@ -160,6 +174,7 @@ class PolicyActor:
             log_probs.append(scatter_response_tokens(token_log_probs, response_valid).cpu())
             if with_entropy:
                 entropies.append(scatter_response_tokens(entropy, response_valid).cpu())
+        reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         restore = torch.from_numpy(restore)
         return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
 
@@ -191,7 +206,10 @@ class PolicyActor:
         (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
         ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free), and with
         ``mask_truncated_responses`` ``truncated_masked_ratio`` (fraction of the rows left out of the
-        loss; they need the ``truncated`` column).
+        loss; they need the ``truncated`` column), and with ``algorithm.rollout_correction`` (the batch
+        then needs ``rollout_log_probs``) the token means ``rollout_is_weight_mean``,
+        ``rollout_is_truncated_frac``, ``rollout_rs_masked_frac``, ``rollout_kl_k1``, ``rollout_kl_k3``
+        and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``.
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -205,6 +223,7 @@ class PolicyActor:
             )
         extra_keys = ("response_mask", "advantages") + (() if on_policy else ("old_log_probs",))
         extra_keys += ("ref_log_probs",) if self.use_kl_loss else ()
+        extra_keys += ("rollout_log_probs",) if self.rollout_correction is not None else ()
         columns = forward_columns(data, extra_keys)
         truncated_ratio = None
         if self.config.mask_truncated_responses:
@@ -273,6 +292,11 @@ class PolicyActor:
         pg_loss_mat, diagnostics = compute_policy_loss(
             old_log_probs, log_probs, batch["advantages"], response_mask, config
         )
+        correction_shares = {}
+        if self.rollout_correction is not None:
+            pg_loss_mat, correction_shares = self._corrected(
+                pg_loss_mat, old_log_probs, batch["rollout_log_probs"], response_mask, num_tokens, num_seqs
+            )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss
         if entropy_bonus:
@@ -286,9 +310,33 @@ class PolicyActor:
             "pg_loss": pg_loss.detach(),
             **{key: token_share(value, response_mask, num_tokens) for key, value in diagnostics.items()},
             "entropy": token_share(entropy, response_mask, num_tokens),
+            **correction_shares,
         }
         if self.use_kl_loss:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))
             loss = loss + self.kl_coef * kl_loss
             shares["kl_loss"] = kl_loss.detach()
         return loss, shares
+
+    def _corrected(
+        self,
+        pg_loss_mat: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        rollout_log_probs: torch.Tensor,
+        response_mask: torch.Tensor,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token policy loss [b, R] times the rollout-correction weights, and the micro-batch's
+        shares of their metrics (token means; ``rollout_rs_masked_seq_frac``: responses rejected whole)."""
+        weights, diagnostics = rollout_correction_weights(
+            old_log_probs, rollout_log_probs, response_mask, self.rollout_correction
+        )
+        shares = {
+            name: token_share(diagnostics[key], response_mask, num_tokens)
+            for key, name in CORRECTION_METRICS.items()
+        }
+        if self.rollout_correction.rollout_rs in ("sequence", "geometric"):
+            rejected = (diagnostics["rollout_rs_masked"].sum(-1) > 0).float()  # [b]: whole responses
+            shares["rollout_rs_masked_seq_frac"] = rejected.sum() / num_seqs.clamp(min=1.0)
+        return pg_loss_mat * weights, shares

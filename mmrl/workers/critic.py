@@ -23,7 +23,7 @@ from mmrl.workers.forward import (
     role_micro_batches,
     train_role,
 )
-from mmrl.workers.fsdp_engine import token_share
+from mmrl.workers.fsdp_engine import reshard_after_no_grad, token_share
 
 
 class ValueCritic:
@@ -70,6 +70,7 @@ class ValueCritic:
         self.module.eval()
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         values = [self._values(micro_batch.to(self.device)).cpu() for micro_batch in micro_batches]
+        reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         return torch.cat(values)[torch.from_numpy(restore)]
 
     def update_critic(

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -95,6 +101,76 @@ def apply_fsdp2(
     shard(model, reshard_after_forward=None if reshard_after_forward else False)
     model.set_reduce_scatter_unused_params(True)
     return model
+
+
+def broadcast_from_rank0(model: nn.Module, device: torch.device | str, cpu_offload: bool = False) -> None:
+    """Give every rank rank 0's weights, one tensor at a time (collective), as verl's rank-0 init does.
+
+    On rank 0 ``model`` is the loaded model, not yet sharded: each of its tensors is broadcast as it is
+    (shard it afterwards; sharding frees each whole tensor as it goes). On the other ranks it is the
+    same model built on the meta device (``load_model(..., empty=True)``) and already sharded
+    (``apply_fsdp2``): its shards are allocated here (on the host with ``cpu_offload``) and each keeps
+    its slice of every tensor received. So only rank 0 ever holds the whole model; another rank holds
+    its shards and one whole tensor at a time. Buffers are not sharded and not all in the state dict
+    (rotary frequencies): every one of rank 0's is broadcast whole. NCCL broadcasts device tensors, so
+    each travels through ``device``.
+    """
+    device = torch.device(device)
+    source = dist.get_rank() == 0
+    if not source:
+        model.to_empty(device="cpu" if cpu_offload else device)
+        for module in model.modules():  # buffers on the device even with offload, as fully_shard puts them
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.device != device:
+                    setattr(module, name, buffer.to(device))
+    # parameters as themselves (keep_vars): a tied one is the same object under both names, on every rank
+    state = {id(tensor): (name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()}
+    layout = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in state.values()]
+    senders = [layout if source else None]
+    dist.broadcast_object_list(senders, src=0)
+    mismatch = all_reduce_max(torch.tensor([float(senders[0] != layout)], device=device))
+    if mismatch.item():  # every rank stops, rank 0 too, rather than broadcasting into wrong shapes
+        differ = [(mine, theirs) for mine, theirs in zip(layout, senders[0]) if mine != theirs][:1]
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: a rank built the model on the meta device unlike rank 0 loaded it "
+            f"({differ or 'on another rank'}); build it with rank0_init=False and report the model family"
+        )
+    for _, tensor in state.values():  # the same names and order on every rank
+        whole = (
+            tensor.detach().to(device)
+            if source
+            else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        )
+        dist.broadcast(whole, src=0)
+        if not source:
+            _keep_own_part(tensor, whole)
+    for buffer in model.buffers():
+        carrier = buffer.to(device)
+        dist.broadcast(carrier, src=0)
+        if not source:
+            buffer.copy_(carrier)
+
+
+def _keep_own_part(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's part of ``whole`` into ``target`` (a DTensor shard, or a tensor kept whole)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(target, DTensor):
+        target.detach().copy_(whole)
+        return
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh, target.placements)
+    part = whole[tuple(slice(start, start + size) for size, start in zip(shape, offset))]
+    target.to_local().detach().copy_(part)
+
+
+def reshard_after_no_grad(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit of ``model`` after a no-grad pass (log-probs,
+    reference, values). No backward follows it to reshard them, so the root unit (embeddings, head,
+    vision towers: ``reshard_after_forward=None`` keeps them for a backward) would stay gathered until
+    the next pass, every layer too with ``enable_full_shard=false``. A no-op for an unsharded model."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

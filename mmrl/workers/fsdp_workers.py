@@ -23,6 +23,7 @@ declared once on the method (:mod:`mmrl.dispatch`). The columns each phase adds 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -62,6 +63,7 @@ from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_engine import (
     PhaseOffload,
     apply_fsdp2,
+    broadcast_from_rank0,
     build_lr_scheduler,
     build_optimizer,
     enable_gradient_checkpointing,
@@ -119,16 +121,25 @@ def build_fsdp_model(
     padding_free: bool,
     sequence_parallel: bool,
     lora: LoraConfig | None = None,
+    rank0_init: bool = True,
 ) -> torch.nn.Module:
     """Load the Hugging Face model at ``model_path``, prepare it for the passes it runs (packed with
     ``padding_free``, rows split over ranks with ``sequence_parallel``), give it a LoRA adapter when
-    ``lora.rank`` > 0 (only the adapter trains) and shard it with FSDP2."""
+    ``lora.rank`` > 0 (only the adapter trains) and shard it with FSDP2.
+
+    ``rank0_init`` (with several ranks): only rank 0 reads the weights; the others build the model on
+    the meta device and receive their shards from it
+    (:func:`~mmrl.workers.fsdp_engine.broadcast_from_rank0`), so host memory holds one whole copy, not
+    one per rank (8 x 33 GB for a 7B-VL on one node). ``False`` makes every rank read its own copy
+    (what ``bench/scale_load.py`` compares against)."""
+    from_rank0 = rank0_init and dist.get_world_size() > 1
     module = load_model(
         model_path,
         role=role,
         torch_dtype=storage_dtype(fsdp.torch_dtype, device, trainable),
         trust_remote_code=trust_remote_code,
         override_config=dict(model_config.override_config),
+        empty=from_rank0 and dist.get_rank() != 0,
     )
     prepare_for_training(
         module, packing=padding_free, sequence_parallel=sequence_parallel, score_tokens=role == "actor"
@@ -147,14 +158,21 @@ def build_fsdp_model(
             if buffer is not None and buffer.is_floating_point():
                 setattr(buffer_owner, name, buffer.to(buffer_dtype))
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    return apply_fsdp2(
-        module,
-        mesh,
+    shard = functools.partial(
+        apply_fsdp2,
+        mesh=mesh,
         param_dtype=resolve_dtype(fsdp.mp_param_dtype, device),
         reduce_dtype=resolve_dtype(fsdp.mp_reduce_dtype, device),
         cpu_offload=fsdp.enable_cpu_offload,
         reshard_after_forward=fsdp.enable_full_shard,
     )
+    if not from_rank0:
+        return shard(module)
+    # the receiving ranks shard their meta model first; rank 0 sends its tensors whole, then shards
+    if dist.get_rank() != 0:
+        module = shard(module)
+    broadcast_from_rank0(module, device, cpu_offload=fsdp.enable_cpu_offload)
+    return module if dist.get_rank() != 0 else shard(module)
 
 
 def add_adapter(module: torch.nn.Module, lora: LoraConfig, fsdp: FSDPConfig, device: torch.device) -> None:
@@ -362,6 +380,7 @@ class HybridWorker:
         )
         self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
+        self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
         # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
@@ -479,9 +498,11 @@ class HybridWorker:
         self, prompts: DataProto, mode: GenerationMode, global_step: int, round_index: int = 0
     ) -> DataProto:
         if getattr(self.rollout, "weights_discarded", False):
-            # vLLM slept at level 2 after a generation since the last push (e.g. validation after the
-            # step's sync): its weights are gone and must be pushed again before it can generate
+            # a phase since the last push freed the engine's weights (level-2 sleep) and no update pushed
+            # new ones: a checkpoint save or load, a critic warm-up step. Consecutive generations and
+            # those right after an update's push find the weights in place.
             self.sync_rollout_weights()
+            self.pushes_before_generate += 1
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         output = self.rollout.generate(prompts, self._sampling(mode, global_step, round_index))
         if mode is GenerationMode.TRAIN:
@@ -491,6 +512,7 @@ class HybridWorker:
     @rows_per_data_parallel_share
     @measured("old_log_prob")
     def compute_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        self._release_rollout()
         data = attach_media(data, self.media, self.media_cache)
         with self.actor_offload.loaded():
             log_probs, entropies = self.actor.compute_log_probs(
@@ -504,6 +526,7 @@ class HybridWorker:
     @rows_per_data_parallel_share
     @measured("ref_log_prob")
     def compute_ref_log_probs(self, data: DataProto, *, temperature: float) -> DataProto:
+        self._release_rollout()
         data = attach_media(data, self.media, self.media_cache)
         micro = self.config.worker.ref.micro_batch_size_per_device_for_experience
         micro = micro or self.config.worker.actor.micro_batch_size_per_device_for_experience
@@ -521,6 +544,7 @@ class HybridWorker:
         returns the ones its own forward computed (with their entropies) for the step's metrics.
         ``entropy_coeff``: the step's entropy bonus weight (the driver's controller). The rollout still
         holds the old weights until :meth:`sync_rollout_weights`."""
+        self._release_rollout()
         data = attach_media(data, self.media, self.media_cache)
         actor_cfg = self.config.worker.actor
         with self.actor_offload.loaded():
@@ -544,25 +568,45 @@ class HybridWorker:
     @rows_per_data_parallel_share(role="critic")
     @measured("values")
     def compute_values(self, data: DataProto) -> DataProto:
+        self._release_rollout()
         return self.critic.compute_values(attach_media(data, self.media, self.media_cache))
 
     @rows_per_data_parallel_share(role="critic")
     @measured("update_critic")
     def update_critic(self, data: DataProto) -> DataProto:
+        self._release_rollout()
         return self.critic.update_critic(attach_media(data, self.media, self.media_cache))
 
     @measured("sync")
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
-        of the model's files (what vLLM's loader reads; HFRollout takes either spelling)."""
+        of the model's files (what vLLM's loader reads; HFRollout takes either spelling), each shard cast
+        to the engine's dtype before it is gathered."""
+        rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
         with self.actor_offload.loaded():
             self.rollout.update_weights(
-                iter_full_state_dict(self.actor.module, device=self.device, checkpoint_format=True)
+                iter_full_state_dict(
+                    self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
+                )
             )
+
+    def _release_rollout(self) -> None:
+        """A training phase begins: the rollout engine frees what it holds on the device (vLLM's sleep;
+        the transformers copy's weights). The next update's push brings weights back, so generations
+        between two updates share one push."""
+        if hasattr(self.rollout, "sleep"):
+            self.rollout.sleep()
 
     def take_memory_peaks(self) -> dict[str, float]:
         """This rank's peak memory per phase since the last call (``memory/<phase>_peak_gib``)."""
         return self.peaks.take()
+
+    def take_rollout_counters(self) -> dict[str, float]:
+        """Weight pushes that generations needed since the last call
+        (``rollout/weight_pushes_before_generate``: 0 unless a save, a load or a critic warm-up step freed
+        the engine's weights since the last update)."""
+        pushes, self.pushes_before_generate = self.pushes_before_generate, 0
+        return {"rollout/weight_pushes_before_generate": float(pushes)}
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -575,6 +619,7 @@ class HybridWorker:
         if lora.rank > 0:  # the adapter and its optimizer state; the base stays in model_path
             modules = [name for name, _ in adapter_layers(self.actor.module)]
             adapter = adapter_info(lora.rank, lora.alpha, modules, self.model_path)
+        self._release_rollout()
         with self.actor_offload.loaded():
             reports = {
                 "actor": save_train_state(
@@ -592,6 +637,7 @@ class HybridWorker:
         return {role: {**report, "save_id": save_id} for role, report in reports.items()}
 
     def load_checkpoint(self, directory: str) -> None:
+        self._release_rollout()
         with self.actor_offload.loaded():  # the driver pushes the loaded weights into the rollout next
             load_train_state(
                 Path(directory) / "actor", self.actor.module, self.actor.optimizer, self.actor.lr_scheduler

@@ -68,8 +68,12 @@ def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
     return {key: mapping.get(key, key) for key in keys}
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a sharded (DTensor) one all-gathered on its mesh's device (collective)."""
+def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor, floating-point ones cast to ``dtype`` (None keeps theirs): a sharded (DTensor)
+    one is cast shard by shard, then all-gathered on its mesh's device (collective), so fp32 masters
+    going to a bf16 engine move (and are held whole) as bf16: half the traffic and transient memory."""
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
     if isinstance(tensor, DTensor):
         return tensor.to(collective_device(tensor)).full_tensor()
     return tensor
@@ -84,27 +88,26 @@ def iter_full_state_dict(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter and persistent buffer, one at a time.
 
-    A sharded (DTensor) entry is all-gathered on its mesh's device (``full_tensor``), then moved to
-    ``device`` and cast to ``dtype`` (None keeps it): peak memory is one full tensor (with LoRA, one
-    adapted weight and its adapter), never a second copy of the model. LoRA layers are yielded merged,
-    under the plain model's names (module docstring). Collective: every rank of the mesh must consume
-    the iterator in step.
+    Floating-point entries are cast to ``dtype`` (None keeps theirs) before a sharded (DTensor) one is
+    all-gathered on its mesh's device (``full_tensor``): the shards travel in the rollout's dtype. Each
+    is then moved to ``device``: peak memory is one full tensor (with LoRA, one adapted weight and its
+    adapter, merged in their stored dtype, then cast), never a second copy of the model. Integer
+    buffers keep their dtype. LoRA layers are yielded merged, under the plain model's names (module
+    docstring). Collective: every rank of the mesh must consume the iterator in step.
     """
     key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
     adapters = dict(adapter_layers(model))
     for name, tensor in _unique_state_tensors(model):
         if is_adapter_tensor(name):  # folded into their layer's weight below
             continue
-        full = _full(tensor)
         owner, _, leaf = name.rpartition(".base_layer.")
         if leaf == "weight" and owner in adapters:
             layer = adapters[owner]
             lora_a, lora_b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
-            full = merged_weight(full, lora_a, lora_b, lora_scale(layer))
-        yield (
-            base_name(key_mapping.get(name, name)),
-            full.detach().to(device=device, dtype=dtype or full.dtype),
-        )
+            full = _full(merged_weight(_full(tensor), lora_a, lora_b, lora_scale(layer)), dtype)
+        else:
+            full = _full(tensor, dtype)
+        yield base_name(key_mapping.get(name, name)), full.detach().to(device=device)
 
 
 @torch.no_grad()

@@ -255,6 +255,16 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "trainer.max_try_make_batch=0 must be >= 1",
         ),
         (["worker.critic.fsdp.mp_buffer_dtype=fp16"], "worker.critic.fsdp.mp_buffer_dtype='fp16' is not one"),
+        (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not one of token, sequence"),
+        (["algorithm.rollout_correction.rollout_is_threshold=0"], "rollout_is_threshold=0.0 must be > 0"),
+        (
+            ["algorithm.rollout_correction.rollout_rs_threshold=0.9"],
+            "rollout_rs_threshold=0.9 must be > 1 when rollout_rs_threshold_lower is null",
+        ),
+        (
+            ["algorithm.rollout_correction.rollout_rs_threshold_lower=3"],
+            "[rollout_rs_threshold_lower, rollout_rs_threshold] = [3.0, 2.0]; need 0 <= lower < upper",
+        ),
     ],
 )
 def test_cross_field_rules(run_files, args, expected):

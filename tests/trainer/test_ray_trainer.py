@@ -67,6 +67,8 @@ LEARNING_RATE = 0.02  # large enough for greedy validation answers to change wit
 # metrics of the run rather than of the computation: times, the bytes through Ray (a pickled Ray
 # ref holds its owner's address, whose port differs between runs) and the processes' peak memory
 TIME_BASED_PREFIXES = ("timing_s/", "throughput/", "transfer/", "memory/")
+# counts of what the process did before the step: a resumed run starts with weights just pushed
+PROCESS_HISTORY_KEYS = ("rollout/weight_pushes_before_generate",)
 
 
 def trainer_e2e(test: Callable) -> Callable:
@@ -300,7 +302,11 @@ def latest_committed_step(save_dir: Path) -> int | None:
 
 
 def deterministic_part(metrics: dict[str, float]) -> dict[str, float]:
-    return {key: value for key, value in metrics.items() if not key.startswith(TIME_BASED_PREFIXES)}
+    return {
+        key: value
+        for key, value in metrics.items()
+        if not key.startswith(TIME_BASED_PREFIXES) and key not in PROCESS_HISTORY_KEYS
+    }
 
 
 def val_part(metrics: dict[str, float]) -> dict[str, float]:
@@ -983,7 +989,8 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
 @trainer_e2e
 def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_dir, tmp_path):
     """GAE with one warm-up step: step 1 trains the critic only (the old log-probs come from their own
-    pass, no weight push), step 2 trains both, the actor on-policy, and pushes its weights."""
+    pass, no weight push), step 2 trains both, the actor on-policy, and pushes its weights; step 2's
+    generation first pushes the unchanged ones the warm-up's phases freed."""
     from _trainer_run import run_main
 
     save_dir = tmp_path / "gae"
@@ -995,6 +1002,10 @@ def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_
     assert "timing_s/old_log_prob" in warmup  # no actor update yet to supply them
     assert "actor/pg_loss" in trained and "timing_s/sync" in trained
     assert "timing_s/old_log_prob" not in trained  # on-policy: the update computes them
+    # the warm-up step's critic phases freed the rollout's weights and no update pushed new ones: step
+    # 2's generation pushes them itself (step 1's had the constructor's push)
+    assert warmup["rollout/weight_pushes_before_generate"] == 0
+    assert trained["rollout/weight_pushes_before_generate"] == 1
 
 
 def training_processes() -> int:
@@ -1207,6 +1218,8 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         assert 0 < row["rollout/generated_response_tokens"] <= generated * 4 * 4
         assert row["rollout/zero_adv_group_frac"] == 0.0, step
         assert row["actor/grad_norm"] > 0
+        # the rounds of a step share the last update's push; only the save of step 2 freed the weights
+        assert row["rollout/weight_pushes_before_generate"] == (1.0 if step == 3 else 0.0), step
     assert sum(row["rollout/dropped_groups"] - row["rollout/surplus_groups"] for row in rows.values()) > 0
     state = json.loads((tmp_path / "a" / "global_step_2" / "trainer_state.json").read_text())
     rounds = rows[1]["rollout/rounds"] + rows[2]["rollout/rounds"]

@@ -4,6 +4,8 @@ padded and packed, tied (Qwen2.5-VL) and untied (Qwen2.5-Omni) heads, with the e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
@@ -191,3 +193,34 @@ def test_sapo_on_policy_step_is_the_policy_gradient(training_batches):
     )
     expected = aggregate_loss(-2.0 * advantages / tau, mask, "token_mean").item()
     assert default[0]["pg_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_rollout_correction_weighs_each_tokens_loss(training_batches):
+    # on-policy with the rollout's log-probs log rho below the model's own: token TIS at 2 and token
+    # rejection outside [1/3.5, 3.5] give per-token weights w (by hand, from log rho's pattern), and the
+    # step equals the uncorrected one with advantages * w (every policy loss is linear in a positive
+    # weight on A); the KL and entropy terms are not weighted
+    from mmrl.config import RolloutCorrectionConfig
+
+    path, batch = training_batches["qwen2_5_vl"]
+    own, _ = policy_actor(training_model(path)).compute_log_probs(batch, len(batch), TEMPERATURE)
+    pattern = torch.tensor([math.log(3), 0.0, -math.log(2), math.log(1.5), -math.log(4)])
+    mask = batch.batch["response_mask"].bool()
+    log_rho = pattern.repeat(batch.batch["responses"].shape[1] // 5 + 1)[: mask.shape[1]].expand_as(own)
+    by_hand = torch.tensor([2.0, 1.0, 0.5, 1.5, 0.0]).repeat(3)[: mask.shape[1]].expand_as(own)
+    rollout = DataProto.from_dict(tensors={"rollout_log_probs": (own - log_rho) * mask})
+    correction = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token", rollout_rs_threshold=3.5
+    )
+    corrected = _step(path, batch.union(rollout), on_policy=True, rollout_correction=correction)
+    weighted = batch.select(batch_keys=[key for key in batch.batch.keys() if key != "advantages"])
+    weighted = weighted.union(
+        DataProto.from_dict(tensors={"advantages": batch.batch["advantages"] * by_hand})
+    )
+    weighted.batch["old_log_probs"] = own
+    _assert_same_step(corrected, _step(path, weighted), ("pg_loss", "kl_loss", "entropy", "grad_norm"))
+    valid = by_hand[mask]
+    assert corrected[0]["rollout_rs_masked_frac"] == pytest.approx(float((valid == 0).float().mean()))
+    assert corrected[0]["rollout_is_truncated_frac"] == pytest.approx(float((valid == 2).float().mean()))
+    assert corrected[0]["rollout_kl_k1"] == pytest.approx(float(-log_rho[mask].mean()), abs=1e-5)
+    assert "rollout_rs_masked_seq_frac" not in corrected[0]  # token rejection masks no whole response

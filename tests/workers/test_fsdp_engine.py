@@ -189,7 +189,9 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     results["log_probs"], results["entropy"] = actor.compute_log_probs(
         shard, 1, TEMPERATURE, with_entropy=True
     )
+    results["gathered_after_no_grad"] = _gathered_parameters(model)
     results["state_dict"] = _full_state(model)
+    results["bf16_sync"] = _bf16_sync(model)
     results["checkpoint_names"] = [name for name, _ in iter_full_state_dict(model, checkpoint_format=True)]
 
     # FSDP averages gradients over ranks: scaled by the world size they sum over all rows.
@@ -228,6 +230,31 @@ def _rank_job(rank: int, world_size: int, model_path: str, data: DataProto) -> d
     load_optimizer(critic.optimizer, "cpu")
     results["critic_update"] = (_full_state(critic_model), metrics)
     return results
+
+
+def _gathered_parameters(model) -> list[str]:
+    """Parameters registered unsharded (FSDP2 swaps the sharded DTensor for the gathered tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, parameter in model.named_parameters() if not isinstance(parameter, DTensor)]
+
+
+def _bf16_sync(model) -> dict:
+    """The weight push's tensors in bf16, and the dtype of every sharded tensor when it was gathered."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
+    gathered_dtypes = []
+    full_tensor = DTensor.full_tensor
+
+    def recording(self, *args, **kwargs):  # the real all-gather, its dtype noted
+        gathered_dtypes.append(self.dtype)
+        return full_tensor(self, *args, **kwargs)
+
+    with mock.patch.object(DTensor, "full_tensor", recording):
+        state = dict(iter_full_state_dict(model, dtype=torch.bfloat16))
+    return {"state": state, "gathered_dtypes": set(gathered_dtypes), "gathers": len(gathered_dtypes)}
 
 
 def _bf16_optimizer_update(model_path: str, mesh, shard: DataProto) -> dict:
@@ -689,6 +716,83 @@ def test_full_state_dict_of_sharded_model_loads_into_a_fresh_model(
         torch.testing.assert_close(fresh(**inputs).logits, reference(**inputs).logits, atol=0, rtol=0)
     with pytest.raises(KeyError, match="tensors were not given"):
         load_into(fresh, list(two_rank_results[1]["state_dict"].items())[:-1])
+
+
+@pytest.mark.distributed
+def test_two_rank_no_grad_pass_leaves_no_unit_gathered(two_rank_results):
+    # the root unit (tied embedding/head, vision tower, final norm) has no backward to reshard it after a
+    # log-prob pass: it is resharded explicitly, so between phases every parameter is a shard
+    for result in two_rank_results:
+        assert result["gathered_after_no_grad"] == []
+
+
+@pytest.mark.distributed
+def test_two_rank_weight_push_gathers_shards_already_cast(two_rank_results):
+    # fp32 masters to a bf16 engine: each shard is cast before the all-gather (half the bytes), and the
+    # tensors pushed are the full fp32 ones cast to bf16
+    for result in two_rank_results:
+        sync = result["bf16_sync"]
+        assert sync["gathered_dtypes"] == {torch.bfloat16} and sync["gathers"] == len(sync["state"])
+        for name, tensor in result["state_dict"].items():
+            assert sync["state"][name].dtype == torch.bfloat16, name
+            assert torch.equal(sync["state"][name], tensor.to(torch.bfloat16)), name
+
+
+def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
+    """The worker's builder with rank 0's copy broadcast (rank 1 starts on the meta device) and with every
+    rank reading the weights: actor (tied head), critic (value head, CPU offload), actor with LoRA."""
+    from torch.distributed.tensor import DTensor
+
+    from mmrl.config import FSDPConfig, LoraConfig, ModelConfig
+    from mmrl.workers.fsdp_workers import build_fsdp_model
+
+    results = {}
+    for label, role, lora in (("actor", "actor", None), ("critic", "critic", None), ("lora", "actor", 4)):
+        for rank0_init in (True, False):
+            torch.manual_seed(0)  # the adapter's initialisation
+            model = build_fsdp_model(
+                model_path,
+                ModelConfig(),
+                FSDPConfig(enable_cpu_offload=label == "critic"),
+                role,
+                torch.device("cpu"),
+                trainable=True,
+                trust_remote_code=False,
+                padding_free=True,
+                sequence_parallel=False,
+                lora=LoraConfig(rank=lora) if lora else None,
+                rank0_init=rank0_init,
+            )
+            state = {  # adapters included
+                name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                for name, tensor in model.state_dict().items()
+            }
+            buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+            results[label, rank0_init] = (state, buffers, _gathered_parameters(model))
+    return results
+
+
+@pytest.mark.distributed
+def test_two_rank_build_from_rank0_equals_every_rank_reading_the_weights(tiny_vl_path):
+    results = run_on_ranks(_rank0_build_job, 2, str(tiny_vl_path))
+    reference = load_model(str(tiny_vl_path)).state_dict()
+    for label in ("actor", "critic", "lora"):
+        for result in results:
+            (state, buffers, gathered), (own_state, own_buffers, _) = (
+                result[label, True],
+                result[label, False],
+            )
+            assert gathered == []  # rank 1's meta parameters became real shards
+            assert state.keys() == own_state.keys() and buffers.keys() == own_buffers.keys()
+            for name, tensor in own_state.items():
+                assert torch.equal(state[name], tensor), (label, name)
+            for name, buffer in own_buffers.items():  # rotary frequencies are not in the state dict
+                assert torch.equal(buffers[name], buffer), (label, name)
+            if label == "actor":
+                for name, tensor in state.items():
+                    assert torch.equal(tensor, reference[name]), name
+    adapter = {name: tensor for name, tensor in results[1]["lora", True][0].items() if "lora_A" in name}
+    assert adapter and all(tensor.abs().sum() > 0 for tensor in adapter.values())  # rank 0's random A
 
 
 # ---------------------------------------------------------------- offload between phases

@@ -231,6 +231,28 @@ def test_update_weights_changes_the_policy(vl_parts, prompts):
         rollout.update_weights([("not.a.weight", torch.zeros(1))])
 
 
+def test_sleep_frees_the_weights_until_the_next_push(vl_parts, prompts):
+    # what a training phase does to the rollout's copy (vLLM's level-2 sleep): nothing is left of the
+    # weights or their packed copies; generating refuses until weights are pushed, then it is the
+    # policy it was
+    rollout = make_rollout(vl_parts, return_log_probs=True, prepack=False)
+    packed = prepack_linears(rollout.model, rows=8, min_elements=1)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    before = rollout.generate(prompts, greedy)
+    weights = {name: tensor.clone() for name, tensor in rollout.model.state_dict().items()}
+    rollout.sleep()
+    assert rollout.weights_discarded
+    assert all(parameter.numel() == 0 for parameter in rollout.model.parameters())
+    layers = [module for module in rollout.model.modules() if isinstance(module, PrepackedLinear)]
+    assert len(layers) == packed and all(layer._packed is None for layer in layers)
+    with pytest.raises(RuntimeError, match="push weights with update_weights before generating"):
+        rollout.generate(prompts, greedy)
+    rollout.update_weights(weights.items())
+    after = rollout.generate(prompts, greedy)
+    assert torch.equal(before.batch["responses"], after.batch["responses"])
+    torch.testing.assert_close(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+
+
 # ---------------------------------------------------------------- the decode loop
 
 

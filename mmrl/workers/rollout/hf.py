@@ -2,7 +2,8 @@
 
 It keeps its own unsharded copy of the policy on the worker's device; after every actor update the
 new weights are copied in (``update_weights``), one tensor at a time, exactly as the vLLM backend
-receives them.
+receives them. Between generations and the next push the copy is dead weight: :meth:`HFRollout.sleep`
+frees it while a training phase runs (vLLM's level-2 sleep), and the next push allocates it again.
 
 Sampling is a plain decode loop over the model's forward with a transformers ``DynamicCache`` whose
 layers are preallocated (:class:`PreallocatedLayer`), shaped for GRPO-style rollouts where each prompt
@@ -31,7 +32,7 @@ from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, concat_multi_modal_inputs, next_text_position
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
-from mmrl.workers.rollout.prepack import prepack_linears
+from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears
 from mmrl.workers.weight_sync import load_into
 
 
@@ -137,13 +138,32 @@ class HFRollout:
         # sampling a token only the processor may place breaks re-scoring of the response ("Image
         # features and image tokens do not match"): they are suppressed during generation
         self.blocked_token_ids = self.family.placeholder_token_ids(tokenizer)
+        # every parameter (tied ones once) with the shape it is given back when weights arrive
+        self._parameter_shapes = [(parameter, parameter.shape) for parameter in self.model.parameters()]
+        self.weights_discarded = False  # sleep() freed the weights: push new ones before generating
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.weights_discarded:  # storage again for what arrives (uninitialised: all of it is written)
+            for parameter, shape in self._parameter_shapes:
+                parameter.data = torch.empty(shape, dtype=parameter.dtype, device=parameter.device)
         load_into(self.model, named_tensors)  # every tensor must arrive: a partial sync is an error
+        self.weights_discarded = False
+
+    def sleep(self) -> None:
+        """Free the weights (and packed copies) until the next :meth:`update_weights`: a training phase
+        needs the memory, and the next generation gets the next update's weights anyway."""
+        if self.weights_discarded:
+            return
+        for parameter, _ in self._parameter_shapes:
+            parameter.data = parameter.data.new_empty(0)
+        for module in self.model.modules():
+            if isinstance(module, PrepackedLinear):
+                module.drop_packed()
+        self.weights_discarded = True
 
     def _prefill(
         self, prompts: DataProto, n: int, max_tokens: int
@@ -249,6 +269,11 @@ class HFRollout:
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         """``len(prompts) * n`` responses, the n of a prompt in consecutive rows (``[a, a, b, b]``),
         decoded ``micro_batch_size`` responses (whole prompts) at a time."""
+        if self.weights_discarded:
+            raise RuntimeError(
+                "HFRollout: sleep() freed the weights; push weights with update_weights before generating "
+                "(HybridWorker does so when weights_discarded is set)"
+            )
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)  # per step and rank
         prompts_per_pass = max(1, self.micro_batch_size // sampling.n)
         responses, log_probs = [], []

@@ -52,6 +52,10 @@ class PrepackedLinear(nn.Linear):
             self._packed_from = source
         return self._packed
 
+    def drop_packed(self) -> None:
+        """Free the packed copy (the weight is being freed too); the next forward packs again."""
+        self._packed, self._packed_from = None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)

@@ -9,10 +9,13 @@ Life cycle. The engine is built once, with random (``load_format="dummy"``) weig
 whole run: its shutdown destroys the default process group. The worker pushes the actor's weights
 right after construction and after every update (:meth:`VLLMRollout.update_weights`), one full
 tensor at a time under Hugging Face names (``iter_full_state_dict(..., checkpoint_format=True)``).
-On a GPU with sleep mode, the engine sleeps right after construction and after each generation
-(level 1 offloads the weights to the host and frees the KV cache; level 2 frees both) and wakes what
-the next call needs: a weight push its weights, a generation its KV cache too (after
-``torch.cuda.empty_cache()``). How vLLM sizes its GPU memory: :func:`engine_arguments`.
+On a GPU with sleep mode, the engine sleeps right after construction and whenever a training phase
+begins (the worker calls :meth:`VLLMRollout.sleep`; level 1 offloads the weights to the host and frees
+the KV cache, level 2 frees both) and wakes what the next call needs: a weight push its weights, a
+generation its KV cache too (after ``torch.cuda.empty_cache()``). Consecutive generations
+(online-filtering rounds, validation batches, ReMax's greedy baseline) keep it awake, so with level 2
+the weights are pushed once per update, not once per generation. How vLLM sizes its GPU memory:
+:func:`engine_arguments`.
 
 Sampling. Rows come out interleaved, ``[a, a, b, b]`` for ``n=2``, as :class:`HFRollout` returns them.
 Each prompt gets its own seed (the n samples of one prompt ``seed_i, seed_i + 1, ...`` in vLLM), so
@@ -324,7 +327,8 @@ class VLLMRollout:
 
     def sleep(self) -> None:
         """Free the KV cache and the weights (level 1: offload to the host; 2: discard) until the next
-        weight push or generation. A no-op without sleep mode."""
+        weight push or generation: a training phase needs the memory. A no-op without sleep mode, and
+        while anything sleeps (vLLM puts a partly woken engine to sleep only after a full wake-up)."""
         if not self.sleep_enabled or self.sleeping:
             return
         before = _device_memory_used_gib()
@@ -424,7 +428,6 @@ class VLLMRollout:
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
         with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
             outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
-        self.sleep()
         responses, log_probs = completion_tensors(
             outputs[start : start + len(prompts) * copies],
             sampling.n // copies,
