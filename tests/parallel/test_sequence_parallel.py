@@ -358,13 +358,16 @@ def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
 def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_path):
     """Two workers forming one ring (dp 1): both generate (rollout is not sequence parallel), then the
     actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
-    tokens (whole sequences, transformers) must equal the SP trainer's."""
+    tokens (whole sequences, transformers) must equal the SP trainer's. The vision tower is frozen, so
+    the actor's passes also share one encoding per image (mmrl.models.encoding_cache) over the ring's
+    split of the tower's work (mmrl.parallel.encoders)."""
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "data.max_response_length=6",
         "worker.actor.global_batch_size=2",
         "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.actor.ring_size=2",
+        "worker.actor.model.freeze_vision_tower=true",
         "worker.rollout.name=hf",
         "algorithm.use_kl_loss=true",
         "algorithm.kl_coef=0.1",
