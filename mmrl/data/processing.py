@@ -13,12 +13,14 @@ ids) and :func:`attach_media` runs it on the workers (for ``multi_modal_inputs``
 media tensors, and ``multi_modal_data``, the decoded media a rollout engine takes), so both see the
 same processor outputs. Media reach the Hugging Face processor as transformers v5 expects them:
 
-- images: PIL images (``images=``);
-- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``),
-  with ``video_metadata`` (Qwen2.5-VL derives ``second_per_grid_ts`` from its sampled fps) and ``fps``
-  (Qwen2.5-Omni reads one fps per call; each video's own ``video_second_per_grid`` is set afterwards),
-  and ``size`` = the ``video_min_pixels``/``video_max_pixels`` range, which Qwen2.5-Omni's processor
-  would otherwise replace with its own default;
+- images: PIL images (``images=``), already on the patch grid (:func:`mmrl.data.media.smart_size`),
+  with a ``size`` range holding them, so that the processor keeps their size;
+- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``)
+  and sized as qwen-vl-utils sizes them, with ``video_metadata`` (Qwen2.5-VL derives
+  ``second_per_grid_ts`` from its sampled fps) and ``fps`` (Qwen2.5-Omni reads one fps per call; each
+  video's own ``video_second_per_grid`` is set afterwards), a ``size`` range under which the frames
+  keep their size (read per frame by Qwen2/2.5-VL and Omni, per video by Qwen3-VL) and
+  ``cap_pixels_per_frame=False`` where the processor knows it (the reference's cap is applied);
 - audio: mono float32 waveforms at the feature extractor's rate (``audio=``), in the order of their
   markers; with ``use_audio_in_video`` (Qwen2.5-Omni) each video's sound track joins the list at the
   video's place, as the processor interleaves them.
