@@ -26,9 +26,11 @@ size is the one it was saved with; otherwise training resumes correctly but not 
 from __future__ import annotations
 
 import copy
+import errno
 import fnmatch
 import json
 import logging
+import os
 import random
 import shutil
 import warnings
@@ -54,6 +56,8 @@ from torch.distributed.checkpoint.state_dict import (
 from mmrl.models.lora import adapter_layers
 
 logger = logging.getLogger(__name__)
+
+FULL_DISK_BYTES = 1024**2  # less free space than this after a failed write: the disk is full
 
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
@@ -116,6 +120,14 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
+def _disk_full(directory: Path) -> bool:
+    """Whether the filesystem of ``directory`` has less than ``FULL_DISK_BYTES`` left."""
+    try:
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
 def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], list[str]]:
     """``dcp.save`` of ``state_dict`` into ``directory``; collective, or single-process without a group.
 
@@ -136,6 +148,11 @@ def save_dcp(state_dict: dict[str, Any], directory: Path) -> tuple[list[str], li
                 raise OSError(
                     failure.errno, f"{failure.strerror} (rank {rank}, DCP save)", str(directory)
                 ) from None
+        if _disk_full(directory):  # torch's zip writer reports ENOSPC as "unexpected pos ..." (RuntimeError)
+            rank = min(error.failures)
+            raise OSError(
+                errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (rank {rank}, DCP save)", str(directory)
+            ) from None
         raise RuntimeError(str(error)) from None
     except OSError as error:  # without a process group DCP lets a writer's error through unwrapped
         if error.filename is not None:

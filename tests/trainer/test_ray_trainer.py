@@ -346,8 +346,14 @@ def run_a_config(e2e_dir, tiny_vl_path, shapes_data_dir) -> Path:
 @pytest.fixture(scope="module")
 def run_a(e2e_dir, run_a_config) -> TrainerRun:
     """4 steps on 2 workers, uninterrupted: checkpoints at steps 2 and 4, validation at 0, 2 and 4."""
-    # Ray's log deduplication on, as users have it: its held-back lines must not follow mmrl's last line
-    env = {**offline_tracker_env(e2e_dir / "tracker_home"), "RAY_DEDUP_LOGS": "1"}
+    # Ray's log deduplication on, as users have it: its held-back lines must not follow mmrl's last line.
+    # Since only rank 0 reads the weights, transformers' info lines (the processor's files, the same on
+    # both workers) are what Ray deduplicates.
+    env = {
+        **offline_tracker_env(e2e_dir / "tracker_home"),
+        "RAY_DEDUP_LOGS": "1",
+        "TRANSFORMERS_VERBOSITY": "info",
+    }
     return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log", env=env)
 
 
