@@ -319,34 +319,60 @@ class ToolRunner:
     def run(self, calls: Sequence[tuple[ToolCall, dict[str, Any]]]) -> list[ToolOutput]:
         """The outputs of ``(call, row)`` pairs, in order."""
         results: list[ToolOutput | None] = [self._check(call) for call, _ in calls]
-        pending = [index for index, result in enumerate(results) if result is None]
-        done: queue.Queue = queue.Queue()
-        running: dict[int, float] = {}  # index -> start time
-
-        def work(index: int) -> None:
-            call, row = calls[index]
-            done.put((index, self._run_one(call, row)))
-
-        while pending or running:
-            while pending and len(running) < self.max_concurrency:
-                index = pending.pop(0)
-                running[index] = time.perf_counter()
-                threading.Thread(target=work, args=(index,), daemon=True, name=f"mmrl-tool-{index}").start()
-            next_deadline = min(running.values()) + self.timeout_s
-            try:
-                index, output = done.get(timeout=max(0.0, next_deadline - time.perf_counter()))
-                if index in running:  # not abandoned after its timeout
-                    del running[index]
-                    results[index] = output
-            except queue.Empty:
-                pass
-            now = time.perf_counter()
-            for index, start in list(running.items()):
-                if now - start >= self.timeout_s:  # abandoned: its thread may finish later, unheard
-                    del running[index]
-                    results[index] = error_output(
-                        ERROR_TIMEOUT,
-                        f"tool '{calls[index][0].name}' took longer than {self.timeout_s:g}s",
-                        now - start,
-                    )
+        runnable = [index for index, result in enumerate(results) if result is None]
+        jobs = [
+            lambda call=calls[index][0], row=calls[index][1]: self._run_one(call, row) for index in runnable
+        ]
+        outcomes = run_bounded(jobs, self.timeout_s, self.max_concurrency)
+        for index, (output, seconds) in zip(runnable, outcomes):
+            if output is TIMED_OUT:
+                output = error_output(
+                    ERROR_TIMEOUT,
+                    f"tool '{calls[index][0].name}' took longer than {self.timeout_s:g}s",
+                    seconds,
+                )
+            results[index] = output
         return results
+
+
+TIMED_OUT = object()  # run_bounded's result of a job that ran past its timeout
+
+
+def run_bounded(
+    jobs: Sequence[Callable[[], Any]], timeout_s: float, max_concurrency: int
+) -> list[tuple[Any, float]]:
+    """``(result, seconds)`` of each job, run on at most ``max_concurrency`` threads at once; a job
+    still running ``timeout_s`` after its start gives :data:`TIMED_OUT` and is abandoned: its thread
+    (a daemon) may finish later, unheard, and its slot goes to the next job. A job's exception is
+    raised here: jobs catch their own (see :meth:`ToolRunner._run_one`)."""
+    results: list[tuple[Any, float] | None] = [None] * len(jobs)
+    pending = list(range(len(jobs)))
+    done: queue.Queue = queue.Queue()
+    running: dict[int, float] = {}  # index -> start time
+
+    def work(index: int) -> None:
+        try:
+            done.put((index, jobs[index](), None))
+        except BaseException as err:  # handed to the caller's thread
+            done.put((index, None, err))
+
+    while pending or running:
+        while pending and len(running) < max(1, max_concurrency):
+            index = pending.pop(0)
+            running[index] = time.perf_counter()
+            threading.Thread(target=work, args=(index,), daemon=True, name=f"mmrl-tool-{index}").start()
+        next_deadline = min(running.values()) + timeout_s
+        try:
+            index, value, error = done.get(timeout=max(0.0, next_deadline - time.perf_counter()))
+            if index in running:  # not abandoned after its timeout
+                if error is not None:
+                    raise error
+                results[index] = (value, time.perf_counter() - running.pop(index))
+        except queue.Empty:
+            pass
+        now = time.perf_counter()
+        for index, start in list(running.items()):
+            if now - start >= timeout_s:
+                del running[index]
+                results[index] = (TIMED_OUT, now - start)
+    return results

@@ -312,6 +312,23 @@ def _stream_info(source: str | bytes, ref: Any) -> tuple[float, int, int, int]:
         )
 
 
+def _decoded_frames(ref: dict, min_pixels: int, max_pixels: int, frame_multiple: int) -> DecodedVideo:
+    """Frames already sampled (a tool's ``VideoFrames``), scaled into the pixel range; the last frame
+    repeated up to a multiple of the model's temporal patch."""
+    frames = np.asarray(ref["frames"], dtype=np.uint8)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
+        raise MediaError(f"video frames must be [T, H, W, 3] with T > 0, found shape {frames.shape}")
+    size = scaled_size(frames.shape[2], frames.shape[1], min_pixels, max_pixels)
+    if size != (frames.shape[2], frames.shape[1]):
+        frames = np.stack(
+            [np.asarray(Image.fromarray(frame).resize(size, Image.BICUBIC)) for frame in frames]
+        )
+    missing = -len(frames) % max(1, frame_multiple)
+    if missing:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], missing, axis=0)])
+    return DecodedVideo(frames, float(ref.get("fps", 2.0)), len(frames), tuple(range(len(frames))))
+
+
 def load_video(
     ref: Any,
     min_pixels: int,
@@ -325,7 +342,10 @@ def load_video(
     max_audio_seconds: float = 30.0,
 ) -> DecodedVideo:
     """Sample frames of one video (see the module docstring); with ``audio_sampling_rate``, also its
-    audio track (mono float32 at that rate, the first ``max_audio_seconds``)."""
+    audio track (mono float32 at that rate, the first ``max_audio_seconds``). A ``{"frames", "fps"}``
+    dict (frames a tool returned, ``[T, H, W, 3]`` uint8) is taken as already sampled."""
+    if isinstance(ref, dict) and "frames" in ref:
+        return _decoded_frames(ref, min_pixels, max_pixels, frame_multiple)
     source = _av_source(ref, base_dir, "video")
     try:
         source_fps, total, width, height = _stream_info(source, ref)
