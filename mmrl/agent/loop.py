@@ -44,6 +44,7 @@ from mmrl.agent.trajectory import (
     Trajectory,
     Turn,
 )
+from mmrl.config import MultiTurnConfig
 from mmrl.data.processing import TOKEN_COLUMNS, MediaProcessor, PromptMedia
 
 CUT_MARKER = " [... cut: {count} more tokens]"
@@ -426,7 +427,7 @@ def _call_record(name: str, arguments: Any, output: ToolOutput) -> ToolCallRecor
 
 
 def build_agent_loop(
-    multi_turn: Any, media: MediaProcessor, eos_token_ids: Sequence[int], model_type: str
+    multi_turn: MultiTurnConfig, media: MediaProcessor, eos_token_ids: Sequence[int], model_type: str
 ) -> AgentLoop:
     """The loop of the ``worker.rollout.multi_turn`` section (``enable`` checked by the caller)."""
     from mmrl.agent.environments import load_environment
@@ -452,7 +453,7 @@ def build_agent_loop(
     return AgentLoop(renderer, tool_call_parser(model_type), options, eos_token_ids, tools, environment)
 
 
-def tool_schemas(multi_turn: Any) -> list[dict[str, Any]] | None:
+def tool_schemas(multi_turn: MultiTurnConfig) -> list[dict[str, Any]] | None:
     """The schemas the prompts' chat template shows the model (``tools=``); None without tools."""
     if not multi_turn.enable or not multi_turn.tools:
         return None

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mmrl import core_algos
+from mmrl.agent.loop import tool_schemas
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
     CheckpointSaveError,
@@ -209,7 +210,8 @@ class RayPPOTrainer:
             chat_template_file=config.data.override_chat_template,
         )
         data = config.data
-        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)
+        tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
+        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data, tools=tools)
         collate = self._collate
         self.train_loader = PromptLoader(
             train_set,
@@ -221,7 +223,7 @@ class RayPPOTrainer:
         )
         self.val_loader = None
         if data.val_files:
-            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data)
+            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data, tools=tools)
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(train_set))

@@ -71,7 +71,7 @@ from mmrl.workers.fsdp_engine import (
     storage_dtype,
 )
 from mmrl.workers.memory import PhasePeaks, measured
-from mmrl.workers.rollout import GenerationMode, SamplingParams
+from mmrl.workers.rollout import GenerationMode, SamplingParams, eos_token_ids
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -447,7 +447,15 @@ class HybridWorker:
         ).to(self.device)
         prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
-        return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
+        agent = None
+        if rollout_cfg.multi_turn.enable:
+            from mmrl.agent.loop import build_agent_loop
+
+            eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+            agent = build_agent_loop(rollout_cfg.multi_turn, self.media, eos, model.config.model_type)
+        return HFRollout(
+            model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears, agent=agent
+        )
 
     def _build_critic(self, total_training_steps: int) -> CriticRole:
         critic_cfg, actor_cfg = self.config.worker.critic, self.config.worker.actor
