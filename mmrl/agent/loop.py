@@ -126,9 +126,9 @@ class ObservationRenderer:
 
     def encode(
         self, role: str, outputs: Sequence[ToolOutput], where: str
-    ) -> tuple[dict[str, Any], PromptMedia | None]:
+    ) -> tuple[dict[str, Any], PromptMedia | None, dict[str, list[Any]]]:
         """The processor's outputs for the turn (``input_ids`` [1, T] and, with media, their tensors),
-        and the turn's media in compact form (None without media)."""
+        the turn's media in compact form (None without media) and decoded (an engine's form)."""
         media = PromptMedia(
             prompt=self.text(role, outputs),
             images=tuple(image for output in outputs for image in output.images),
@@ -141,8 +141,8 @@ class ObservationRenderer:
             order=tuple(kind for output in outputs for kind in output.order),
             where=where,
         )
-        encoded, _ = self.media.encode(media)
-        return encoded, media if media.order else None
+        encoded, decoded = self.media.encode(media)
+        return encoded, media if media.order else None, decoded
 
     def text_tokens(self, text: str) -> list[int]:
         return self.media.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -194,7 +194,7 @@ class AgentLoop:
         (the template's own tokens stay); when the media alone are too long the model is told instead.
         Returns the turn and the outputs as shown."""
         limit = self.options.max_observation_tokens
-        encoded, media = self.renderer.encode(role, outputs, where)
+        encoded, media, decoded = self.renderer.encode(role, outputs, where)
         for attempt in range(3):  # text tokens counted alone may merge differently in the turn: recount
             length = encoded["input_ids"].shape[-1]
             if length <= limit:
@@ -209,7 +209,7 @@ class AgentLoop:
             else:
                 shares = [count * max(0, room) // max(1, sum(texts)) if attempt < 2 else 0 for count in texts]
                 outputs = [self._cut_text(output, share) for output, share in zip(outputs, shares)]
-            encoded, media = self.renderer.encode(role, outputs, where)
+            encoded, media, decoded = self.renderer.encode(role, outputs, where)
         types = encoded.get("mm_token_type_ids")
         turn = Turn(
             index,
@@ -220,6 +220,7 @@ class AgentLoop:
             inputs={key: value for key, value in encoded.items() if key not in TOKEN_COLUMNS}
             if media
             else {},
+            engine_media=decoded if media else {},
         )
         return turn, outputs
 
@@ -540,3 +541,30 @@ def turn_until_eos(
             end = position + 1
             break
     return list(tokens[:end]), list(log_probs[:end])
+
+
+def collapse_placeholders(token_ids: Sequence[int], placeholder_ids: Sequence[int]) -> list[int]:
+    """``token_ids`` with each run of one placeholder id (an expanded image, video or audio) cut to a
+    single id: the form an engine that expands placeholders itself (vLLM) takes."""
+    placeholders = set(placeholder_ids)
+    collapsed: list[int] = []
+    for token in token_ids:
+        if token in placeholders and collapsed and collapsed[-1] == token:
+            continue
+        collapsed.append(token)
+    return collapsed
+
+
+def engine_context(
+    prompt: dict[str, Any], trajectory: Trajectory, placeholder_ids: Sequence[int], modalities: dict[str, str]
+) -> dict[str, Any]:
+    """A vLLM token prompt for the next turn: the prompt's engine input (unexpanded ids and decoded
+    media) followed by the trajectory's ids, observation placeholders collapsed, and the observations'
+    decoded media after the prompt's, in turn order (``modalities``: our keys -> the engine's)."""
+    ids = [int(token) for token in prompt["prompt_token_ids"]]
+    data = {key: list(items) for key, items in prompt.get("multi_modal_data", {}).items()}
+    for turn in trajectory.turns:
+        ids += turn.token_ids if turn.by_model else collapse_placeholders(turn.token_ids, placeholder_ids)
+        for key, items in turn.engine_media.items():
+            data.setdefault(modalities[key], []).extend(items)
+    return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {})}

@@ -722,6 +722,11 @@ def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
     _check_multi_turn(errors, rollout.multi_turn)
+    if rollout.multi_turn.enable and rollout.name == "vllm" and rollout.tensor_parallel_size > 1:
+        errors.append(
+            "worker.rollout.multi_turn needs worker.rollout.tensor_parallel_size=1 with the vllm rollout "
+            "(the ranks of one engine would have to agree on every turn of every trajectory)"
+        )
 
 
 def _check_multi_turn(errors: list[str], multi_turn: Any) -> None:

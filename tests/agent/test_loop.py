@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from _batches import policy_actor
 from _models import training_model
 from PIL import Image
@@ -192,6 +193,10 @@ def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
     assert "video_grid_thw" in video_turn.inputs and 2 in video_turn.token_types  # 3 frames padded to 4
     assert "Error (bad_call): the tool call is not valid JSON" in tokenizer.decode(error_turn.token_ids)
     assert [call.error for call in trajectory.record.calls] == [None, "bad_call"]
+    # the compact form (trajectory_media) gives a worker the very same processor outputs
+    remade, _ = parts[2].model_media(video_turn.media)
+    assert remade.keys() == video_turn.inputs.keys()
+    assert all(torch.equal(remade[key], video_turn.inputs[key]) for key in remade)
 
 
 def test_environment_turns_and_rewards(parts, prompts):
