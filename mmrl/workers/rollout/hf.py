@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, concat_multi_modal_inputs, next_text_position
 from mmrl.protocol import DataProto
@@ -182,6 +183,12 @@ class HFRollout:
             media = concat_multi_modal_inputs(list(prompts.non_tensor_batch["multi_modal_inputs"]), device)
         token_types = (
             prompts.batch["mm_token_type_ids"] if "mm_token_type_ids" in prompts.batch.keys() else None
+        )
+        check_media_alignment(
+            self.model.config,
+            input_ids,
+            prompts.non_tensor_batch.get("multi_modal_inputs"),
+            names=[f"prompt row {row}" for row in range(len(prompts))],
         )
         position_ids = compute_position_ids(
             self.model,
