@@ -20,6 +20,7 @@ from PIL import Image
 
 from mmrl.agent.environments import GuessTheNumber
 from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows, trajectory_contexts
+from mmrl.agent.metrics import trajectory_metrics
 from mmrl.agent.parsing import parse_hermes_tool_calls
 from mmrl.agent.tools import ERROR_OVERSIZED, ToolCall, ToolRunner, VideoFrames, tool_from_function
 from mmrl.agent.trajectory import STOP_ANSWER, STOP_BUDGET, STOP_MAX_TURNS, assemble_trajectory_batch
@@ -169,12 +170,23 @@ def test_budget_max_turns_and_oversized_observations(parts, prompts):
     texts = [[long_call, "red"], [CALL.format(x=0)] * 3, [CALL.format(x=0), "red"]]
     generate, _ = scripted(tokenizer, eos, texts)
     loop = make_loop(parts, max_turns=2, max_observation_tokens=64)
-    cut, turns_out, budget = loop.run(rows[:2], 400, generate)[:2] + loop.run(rows[2:], 40, generate)
+    call_tokens = len(tokenizer(CALL.format(x=0), add_special_tokens=False)["input_ids"]) + 1
+    # a budget the call fits in, but not its observation: stopped, the observation not appended
+    cut, turns_out = loop.run(rows[:2], 400, generate)
+    [budget] = loop.run(rows[2:], call_tokens + 8, scripted(tokenizer, eos, texts[2:])[0])
     assert cut.record.stop == STOP_ANSWER and cut.record.calls[0].error == ERROR_OVERSIZED
     assert len(cut.turns[1].token_ids) <= 64 and "[... cut:" in tokenizer.decode(cut.turns[1].token_ids)
     assert turns_out.record.stop == STOP_MAX_TURNS and turns_out.record.model_turns == 2
-    # 40 tokens: the call (about 25) and its observation (about 30) do not fit: stopped, not appended
     assert budget.record.stop == STOP_BUDGET and len(budget.turns) == 1
+    metrics = trajectory_metrics([cut.record, turns_out.record, budget.record])
+    assert metrics["agent/turns/mean"] == 5 / 3 and metrics["agent/tool_calls/mean"] == 1.0
+    assert metrics["agent/tool_calls/zoom"] == 2 and metrics["agent/tool_calls/describe"] == 1
+    assert metrics["agent/errors/oversized"] == 1 and metrics["agent/errors/timeout"] == 0
+    assert [metrics[f"agent/stop/{stop}"] for stop in ("answer", "max_turns", "budget")] == [1 / 3] * 3
+    assert (
+        metrics["agent/observation_tokens/mean"]
+        == sum(r.observation_tokens for r in (cut.record, turns_out.record)) / 3
+    )
 
 
 def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
