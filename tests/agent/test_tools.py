@@ -220,3 +220,18 @@ def test_hermes_parsing():
     assert calls[:2] == [ToolCall("zoom", {"x": 1, "y": 2}), ToolCall("clip", {"seconds": 1})]
     assert calls[2].error and parse_hermes_tool_calls("The answer is 4.") == []
     assert parse_hermes_tool_calls('<tool_call>{"name": "a", "arguments": {}}')[0] == ToolCall("a", {})
+
+
+def test_the_shipped_example_tool_file():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "tools" / "zoom.py"
+    tools = load_tools([str(path)])
+    assert tools["zoom"].schema["function"]["parameters"]["required"] == ["x", "y"]
+    image = Image.new("RGB", (200, 100))
+    [output] = ToolRunner(tools).run([(ToolCall("zoom", {"x": 0.5, "y": 0.0}), {"images": [image]})])
+    assert (
+        output.error is None
+        and output.images[0].size == (25, 25)
+        and output.text == "region (100, 0, 125, 25)"
+    )
