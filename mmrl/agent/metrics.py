@@ -34,3 +34,23 @@ def trajectory_metrics(records: Sequence[TrajectoryRecord | None]) -> dict[str, 
     stops = Counter(record.stop for record in records)
     metrics.update({f"agent/stop/{reason}": stops[reason] / count for reason in STOP_REASONS})
     return metrics
+
+
+def trajectory_log(record: TrajectoryRecord) -> dict:
+    """What the generations log shows of a trajectory: how it ended, each turn's text, and each call
+    (name, arguments, error, seconds, the output text shown, the media returned)."""
+    return {
+        "stop": record.stop,
+        "turns": list(record.turn_texts),
+        "calls": [
+            {
+                "name": call.name,
+                "arguments": call.arguments,
+                "error": call.error,
+                "seconds": round(call.seconds, 4),
+                "output": call.output,
+                "media": list(call.media),
+            }  # fmt: skip
+            for call in record.calls
+        ],
+    }

@@ -24,6 +24,7 @@ import torch
 
 from mmrl import core_algos
 from mmrl.agent.loop import tool_schemas
+from mmrl.agent.metrics import trajectory_log
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
     CheckpointSaveError,
@@ -672,7 +673,7 @@ class RayPPOTrainer:
     def _generation_samples(self, output: DataProto, scored: DataProto) -> list[dict[str, Any]]:
         prompts = self.tokenizer.batch_decode(output.batch["prompts"], skip_special_tokens=True)
         truths = output.non_tensor_batch.get("ground_truth", [None] * len(output))
-        return [
+        samples = [
             {"prompt": prompt, "response": response, "ground_truth": truth, "score": score["overall"]}
             for prompt, response, truth, score in zip(
                 prompts,
@@ -681,6 +682,10 @@ class RayPPOTrainer:
                 scored.non_tensor_batch["reward_scores"],
             )
         ]
+        if "trajectory" in output.non_tensor_batch:  # multi-turn: the turns, calls and returned media
+            for sample, record in zip(samples, output.non_tensor_batch["trajectory"]):
+                sample["trajectory"] = trajectory_log(record)
+        return samples
 
     def stop_workers(self) -> None:
         """Stop the reward workers and the judge server (the training ranks go with the Ray cluster, or,

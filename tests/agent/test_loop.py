@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from PIL import Image
 
 from mmrl.agent.environments import GuessTheNumber
 from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows, trajectory_contexts
-from mmrl.agent.metrics import trajectory_metrics
+from mmrl.agent.metrics import trajectory_log, trajectory_metrics
 from mmrl.agent.parsing import parse_hermes_tool_calls
 from mmrl.agent.tools import ERROR_OVERSIZED, ToolCall, ToolRunner, VideoFrames, tool_from_function
 from mmrl.agent.trajectory import STOP_ANSWER, STOP_BUDGET, STOP_MAX_TURNS, assemble_trajectory_batch
@@ -30,6 +32,7 @@ from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import MediaProcessor, attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.logging.console import ConsoleLogger
 from mmrl.models.loading import load_model
 from mmrl.workers.rollout import SamplingParams
 from mmrl.workers.rollout.hf import HFRollout
@@ -204,6 +207,18 @@ def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
     video_turn, error_turn = trajectory.turns[1], trajectory.turns[3]
     assert "video_grid_thw" in video_turn.inputs and 2 in video_turn.token_types  # 3 frames padded to 4
     assert "Error (bad_call): the tool call is not valid JSON" in tokenizer.decode(error_turn.token_ids)
+    # the generations log shows the calls, what they returned, and how the trajectory ended
+    logged = trajectory_log(trajectory.record)
+    assert logged["stop"] == "answer" and len(logged["turns"]) == 5
+    assert [(c["name"], c["media"], c["error"]) for c in logged["calls"]] == [("frames", ["video 3 frames"], None), ("?", [], "bad_call")]  # fmt: skip
+    stream = io.StringIO()
+    ConsoleLogger(1, stream=stream).log_generations(
+        [{"prompt": "p", "response": "r", "trajectory": logged}], 1
+    )
+    assert (
+        "tools:    frames({'count': 3}) -> video 3 frames; ?(None) -> bad_call | ended by answer"
+        in stream.getvalue()
+    )
     assert [call.error for call in trajectory.record.calls] == [None, "bad_call"]
     # the compact form (trajectory_media) gives a worker the very same processor outputs
     remade, _ = parts[2].model_media(video_turn.media)
