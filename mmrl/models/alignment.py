@@ -62,23 +62,23 @@ def check_media_alignment(
         return
     token_ids, merge = settings
     prompt_length = input_ids.shape[1] - (0 if response_turns is None else response_turns.shape[1])
+    # whole-row counts in one pass (one device sync per kind): all a batch without turns needs
+    row_counts = {key: (input_ids == token).sum(-1).tolist() for key, token in token_ids.items()}
     for row, row_media in enumerate(media):
-        # without turns (a rollout's context) the row is checked whole against its joined outputs
         segments = _segments(row_media) if response_turns is not None else [(0, row_media or {})]
         for turn, outputs in segments:
-            if response_turns is None:  # one response: the whole row (the model never samples placeholders)
-                region = input_ids[row]
-            else:
+            region = None  # the whole row: its only media segment covers every placeholder
+            if len(segments) > 1:
                 in_turn = input_ids[row, prompt_length:][response_turns[row] == turn]
                 region = torch.cat([input_ids[row, :prompt_length], in_turn]) if turn == 0 else in_turn
             for key, token in token_ids.items():
                 grid = outputs.get(key)
-                features = 0 if grid is None else int(torch.as_tensor(grid).prod(-1).sum()) // merge**2
-                placeholders = int((region == token).sum())
+                grids = [] if grid is None else torch.as_tensor(grid).reshape(-1, 3).tolist()
+                features = sum(t * h * w for t, h, w in grids) // merge**2
+                placeholders = row_counts[key][row] if region is None else int((region == token).sum())
                 if placeholders != features:
                     name = names[row] if names is not None else f"row {row}"
                     where = "the prompt" if turn == 0 else f"turn {turn}"
-                    grids = torch.as_tensor(grid).tolist() if grid is not None else []
                     raise MediaAlignmentError(
                         f"{name}, {where}: {placeholders} {GRID_KEYS[key][1]} placeholder tokens but features "
                         f"for {features} ({key} {grids}); its token ids and processor outputs disagree (media "
