@@ -115,22 +115,29 @@ class ObservationRenderer:
         kinds = [{"type": kind} for kind in output.order]
         return [*kinds, {"type": "text", "text": output.text}]
 
-    def text(self, role: str, outputs: Sequence[ToolOutput], final: bool = False) -> str:
-        """The template's text for one message of ``role`` per output, after the model's turn (and
-        the next assistant header, unless ``final``)."""
-        messages = [*self._base_messages(), *({"role": role, "content": self.content(o)} for o in outputs)]
-        rendered = self.chat.apply_chat_template(messages, add_generation_prompt=not final, tokenize=False)
-        if not rendered.startswith(self.prefix):
+    def text(self, role: str, outputs: Sequence[ToolOutput], opening: bool = False) -> str:
+        """The template's text for one message of ``role`` per output after the model's turn, through
+        the next assistant header. ``opening``: an environment's first observation, which follows the
+        prompt's assistant header: the text closes that (empty) assistant turn first."""
+        new = [{"role": role, "content": self.content(output)} for output in outputs]
+        if opening:
+            base = self._base_messages()[:1]
+            prefix = self.chat.apply_chat_template(base, add_generation_prompt=True, tokenize=False)
+            base = [*base, {"role": "assistant", "content": ""}]
+        else:
+            base, prefix = self._base_messages(), self.prefix
+        rendered = self.chat.apply_chat_template([*base, *new], add_generation_prompt=True, tokenize=False)
+        if not rendered.startswith(prefix):
             raise ValueError("the chat template renders earlier turns differently once a tool turn follows")
-        return rendered[len(self.prefix) :]
+        return rendered[len(prefix) :]
 
     def encode(
-        self, role: str, outputs: Sequence[ToolOutput], where: str
+        self, role: str, outputs: Sequence[ToolOutput], where: str, opening: bool = False
     ) -> tuple[dict[str, Any], PromptMedia | None, dict[str, list[Any]]]:
         """The processor's outputs for the turn (``input_ids`` [1, T] and, with media, their tensors),
         the turn's media in compact form (None without media) and decoded (an engine's form)."""
         media = PromptMedia(
-            prompt=self.text(role, outputs),
+            prompt=self.text(role, outputs, opening),
             images=tuple(image for output in outputs for image in output.images),
             videos=tuple({"frames": v.array(), "fps": v.fps} for output in outputs for v in output.videos),
             audios=tuple(
@@ -194,7 +201,7 @@ class AgentLoop:
         (the template's own tokens stay); when the media alone are too long the model is told instead.
         Returns the turn and the outputs as shown."""
         limit = self.options.max_observation_tokens
-        encoded, media, decoded = self.renderer.encode(role, outputs, where)
+        encoded, media, decoded = self.renderer.encode(role, outputs, where, opening=index == 0)
         for attempt in range(3):  # text tokens counted alone may merge differently in the turn: recount
             length = encoded["input_ids"].shape[-1]
             if length <= limit:
@@ -209,7 +216,7 @@ class AgentLoop:
             else:
                 shares = [count * max(0, room) // max(1, sum(texts)) if attempt < 2 else 0 for count in texts]
                 outputs = [self._cut_text(output, share) for output, share in zip(outputs, shares)]
-            encoded, media, decoded = self.renderer.encode(role, outputs, where)
+            encoded, media, decoded = self.renderer.encode(role, outputs, where, opening=index == 0)
         types = encoded.get("mm_token_type_ids")
         turn = Turn(
             index,

@@ -232,6 +232,9 @@ def test_environment_turns_and_rewards(parts, prompts):
     generate, _ = scripted(tokenizer, eos, [["50", "no idea", "42"]])
     [trajectory] = make_loop(parts, environment=GuessTheNumber).run(rows, 400, generate)
     assert trajectory.turns[0].index == 0 and not trajectory.turns[0].by_model  # the opening observation
+    # it follows the prompt's assistant header: that (empty) turn is closed first
+    opening = "<|im_end|>\n<|im_start|>user\nGuess my number between 0 and 100. Answer with one number."
+    assert tokenizer.decode(trajectory.turns[0].token_ids) == opening + "<|im_end|>\n<|im_start|>assistant\n"
     assert trajectory.turn_rewards == [0.0, 0.0, 1.0] and trajectory.record.stop == STOP_ANSWER
     assert (
         "go lower" in tokenizer.decode(trajectory.turns[2].token_ids)
