@@ -262,3 +262,18 @@ def test_hf_rollout_log_probs_match_the_trainer_on_trajectories_with_images(part
     assert (batch.batch["response_turns"][mask] % 2 == 1).all()
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
     assert gap.max() < 1e-5
+
+
+def test_prompts_show_the_tool_schemas(parts, shapes_data_dir):
+    tokenizer, processor, _, _ = parts
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    path = str(shapes_data_dir / "train.jsonl")
+    schemas = [TOOLS["zoom"].schema]
+    with_tools = PromptDataset(path, tokenizer, processor, config, tools=schemas)[0]
+    plain = PromptDataset(path, tokenizer, processor, config)[0]
+    text = tokenizer.decode(with_tools["raw_prompt_ids"])
+    assert (
+        '"name": "zoom"' in text
+        and "<tools>" in text
+        and "<tools>" not in tokenizer.decode(plain["raw_prompt_ids"])
+    )
