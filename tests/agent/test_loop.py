@@ -277,3 +277,27 @@ def test_prompts_show_the_tool_schemas(parts, shapes_data_dir):
         and "<tools>" in text
         and "<tools>" not in tokenizer.decode(plain["raw_prompt_ids"])
     )
+
+
+class _BrokenEnvironment:
+    """Opens fine, then fails on its first step."""
+
+    def reset(self, row):
+        return ""  # no opening observation
+
+    def step(self, action_text):
+        raise RuntimeError("simulator crashed")
+
+
+def test_a_failing_environment_ends_its_episode_not_the_run(parts, prompts):
+    tokenizer, _, _, eos = parts
+    generate, _ = scripted(tokenizer, eos, [["left"]])
+    [trajectory] = make_loop(parts, environment=_BrokenEnvironment).run(
+        sample_rows(prompts[:1]), 400, generate
+    )
+    assert [turn.index for turn in trajectory.turns] == [1] and trajectory.turn_rewards == [0.0]
+    assert trajectory.record.stop == STOP_ANSWER
+    assert (
+        trajectory.record.calls[0].error == "raised"
+        and "simulator crashed" in trajectory.record.calls[0].output
+    )
