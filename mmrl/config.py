@@ -288,6 +288,23 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "seed")
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn agentic rollouts (mmrl.agent): the model calls tools or acts in an environment."""
+
+    enable: bool = False  # off: one prompt, one response (the single-turn path, unchanged)
+    tools: list[str] = field(default_factory=list)  # tool files: each public function is a tool
+    environment: str | None = None  # path.py:ClassName of an environment (reset/step); instead of tools
+    max_turns: int = 4  # model turns per trajectory
+    tool_timeout: float = (
+        30.0  # seconds one tool call (environment step) may run before it is answered as an error
+    )
+    max_concurrency: int = 8  # tool calls (environment steps) running at once on a worker
+    max_observation_tokens: int = (
+        1024  # tokens of one tool/environment turn; longer text is cut with a marker
+    )
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = "vllm"  # generation backend: vllm | hf (transformers generate)
     n: int = 5  # responses sampled per prompt
@@ -313,6 +330,7 @@ class RolloutConfig:
     val_override_config: dict[str, Any] = field(
         default_factory=dict
     )  # sampling keys for validation, e.g. {temperature: 0, n: 1}
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def sampling_for_validation(self) -> dict[str, Any]:
         """Sampling parameters for validation: the training ones with val_override_config applied."""

@@ -44,6 +44,9 @@ class Turn:
     token_types: list[int] | None = None
     media: PromptMedia | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
+    # the decoded media a rollout engine takes (multi_modal_data's form), for the vLLM backend's next
+    # turns; never part of the batch
+    engine_media: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass

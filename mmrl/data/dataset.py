@@ -227,12 +227,21 @@ class PromptDataset(torch.utils.data.Dataset):
     ``data_files``: ``data.train_files`` or ``data.val_files``; ``config``: the ``data`` section, whose
     columns, prompt, image, video and audio keys mean what their comments in :mod:`mmrl.data.config` say.
     ``processor`` is the model's Hugging Face processor (None for text-only models, then the
-    tokenizer's chat template is used). Overlong prompts are dropped at construction when
+    tokenizer's chat template is used). ``tools``: the function schemas of multi-turn rollouts'
+    tools, rendered into each prompt by the chat template (``tools=``). Overlong prompts are dropped at construction when
     ``filter_overlong_prompts`` (their count is logged and kept in ``num_filtered``), else they raise.
     """
 
-    def __init__(self, data_files: str, tokenizer: Any, processor: Any | None, config: DataConfig):
+    def __init__(
+        self,
+        data_files: str,
+        tokenizer: Any,
+        processor: Any | None,
+        config: DataConfig,
+        tools: list[dict[str, Any]] | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.tools = tools  # function schemas the chat template shows the model (multi-turn rollouts)
         self.processor = processor
         self.config = config
         self.media_keys = {"image": config.image_key, "video": config.video_key, "audio": config.audio_key}
@@ -371,7 +380,8 @@ class PromptDataset(torch.utils.data.Dataset):
         self._check_model_takes(refs, where)
         chat = self.processor if self.processor is not None else self.tokenizer
         try:
-            prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            tools = {"tools": self.tools} if self.tools else {}  # single-turn prompts render as before
+            prompt = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
         except TemplateError as err:  # a broken data.override_chat_template surfaces here
             source = self.config.override_chat_template or "the tokenizer's chat template"
             line = f" line {err.lineno}" if getattr(err, "lineno", None) else ""

@@ -402,6 +402,27 @@ def _stream_info(source: str | bytes, ref: Any) -> tuple[float, int, int, int]:
         )
 
 
+def _decoded_frames(
+    ref: dict, min_pixels: int, max_pixels: int, frame_multiple: int, total_pixels: int | None, factor: int
+) -> DecodedVideo:
+    """Frames already sampled (a tool's ``VideoFrames``), sized as :func:`load_video` sizes decoded
+    ones; the last frame repeated up to a multiple of the model's temporal patch."""
+    frames = np.asarray(ref["frames"], dtype=np.uint8)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
+        raise MediaError(f"video frames must be [T, H, W, 3] with T > 0, found shape {frames.shape}")
+    count = len(frames) + (-len(frames) % max(1, frame_multiple))
+    frame_max = video_frame_max_pixels(count, min_pixels, max_pixels, total_pixels, frame_multiple)
+    size = smart_size(frames.shape[2], frames.shape[1], factor, min_pixels, frame_max)
+    if size != (frames.shape[2], frames.shape[1]):
+        frames = np.stack(
+            [np.asarray(Image.fromarray(frame).resize(size, Image.BICUBIC)) for frame in frames]
+        )
+    missing = -len(frames) % max(1, frame_multiple)
+    if missing:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], missing, axis=0)])
+    return DecodedVideo(frames, float(ref.get("fps", 2.0)), len(frames), tuple(range(len(frames))))
+
+
 def load_video(
     ref: Any,
     min_pixels: int,
@@ -421,7 +442,10 @@ def load_video(
     :func:`smart_size` within ``min_pixels`` and :func:`video_frame_max_pixels` (the per-frame cap
     ``max_pixels``, lowered to the frames' share of ``total_pixels``), as qwen-vl-utils' ``fetch_video``
     sizes them. With ``audio_sampling_rate``, also the audio track (mono float32 at that rate, the
-    first ``max_audio_seconds``)."""
+    first ``max_audio_seconds``). A ``{"frames", "fps"}`` dict (frames a tool returned,
+    ``[T, H, W, 3]`` uint8) is taken as already sampled and only sized."""
+    if isinstance(ref, dict) and "frames" in ref:
+        return _decoded_frames(ref, min_pixels, max_pixels, frame_multiple, total_pixels, factor)
     source = _av_source(ref, base_dir, "video")
     try:
         source_fps, total, width, height = _stream_info(source, ref)

@@ -235,18 +235,27 @@ def chat_template(named_tokens: dict[str, str], system_prompt: str = DEFAULT_SYS
         f"{{% elif content['type'] == '{kind}' or '{kind}' in content or '{kind}_url' in content %}}{text}"
         for kind, text in media.items()
     )
+    # with tools= (multi-turn rollouts): Qwen's way, the schemas in the system message and each tool
+    # answer in a user turn between <tool_response> tags
+    tools_block = (
+        "{% if tools %}{{ '\\n\\n# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+        "{{ '\\n</tools>\\n' }}"
+        'Call a tool as <tool_call>{"name": <name>, "arguments": {...}}</tool_call>{% endif %}'
+    )
     return (
         "{% for message in messages %}"
         "{% if loop.first and message['role'] != 'system' %}"
-        f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
+        f"<|im_start|>system\n{system_prompt}{tools_block}<|im_end|>\n"
         "{% endif %}"
-        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+        "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for content in message['content'] %}"
         "{% if content['type'] == 'text' or ('text' in content and 'type' not in content) %}"
         "{{ content['text'] }}"
         f"{media_branches}"
         "{% endif %}{% endfor %}{% endif %}"
+        "{% if message['role'] == 'tool' %}{{ '\\n' }}</tool_response>{% endif %}"
         "<|im_end|>\n"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -142,6 +142,15 @@ class ConsoleLogger:
             self._write(f"  [{index}/{len(samples)}] score {score_text} | ground truth: {ground_truth}")
             self._write(f"      prompt:   {_shorten(str(sample.get('prompt', '')), self.max_chars)}")
             self._write(f"      response: {_shorten(str(sample.get('response', '')), self.max_chars)}")
+            trajectory = sample.get("trajectory")
+            if trajectory:  # multi-turn: each call, what it returned, how the trajectory ended
+                calls = "; ".join(
+                    f"{call['name']}({call['arguments']}) -> {call['error'] or ', '.join(call['media']) or 'text'}"
+                    for call in trajectory["calls"]
+                )
+                self._write(
+                    f"      tools:    {_shorten(calls or 'none', self.max_chars)} | ended by {trajectory['stop']}"
+                )
 
     def finish(self, failed: bool = False) -> None:
         if self._last_step is not None:

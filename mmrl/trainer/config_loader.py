@@ -726,6 +726,35 @@ def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
+    _check_multi_turn(errors, rollout.multi_turn)
+    if rollout.multi_turn.enable and rollout.name == "vllm" and rollout.tensor_parallel_size > 1:
+        errors.append(
+            "worker.rollout.multi_turn needs worker.rollout.tensor_parallel_size=1 with the vllm rollout "
+            "(the ranks of one engine would have to agree on every turn of every trajectory)"
+        )
+
+
+def _check_multi_turn(errors: list[str], multi_turn: Any) -> None:
+    if not multi_turn.enable:
+        return
+    key = "worker.rollout.multi_turn"
+    if bool(multi_turn.tools) == bool(multi_turn.environment):
+        errors.append(
+            f"{key}.enable=true needs either {key}.tools (tool files) or {key}.environment (path.py:Class)"
+        )
+    for path in multi_turn.tools:
+        if not os.path.isfile(path):
+            errors.append(f"{key}.tools: '{path}' is not a file")
+    if multi_turn.environment and ":" not in multi_turn.environment:
+        errors.append(f"{key}.environment='{multi_turn.environment}' must be path.py:ClassName")
+    if multi_turn.max_turns < 1:
+        errors.append(f"{key}.max_turns={multi_turn.max_turns} must be >= 1")
+    if (
+        multi_turn.tool_timeout <= 0
+        or multi_turn.max_concurrency < 1
+        or multi_turn.max_observation_tokens < 32
+    ):
+        errors.append(f"{key}: tool_timeout must be > 0, max_concurrency >= 1, max_observation_tokens >= 32")
 
 
 def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:

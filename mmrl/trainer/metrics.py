@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from mmrl.agent.metrics import trajectory_metrics
 from mmrl.protocol import DataProto
 
 __all__ = ["compute_data_metrics", "compute_timing_metrics", "reduce_metrics", "timer"]
@@ -86,6 +87,7 @@ def compute_data_metrics(
     }
     if "response_turns" in batch.batch.keys():  # trajectories: how much of the response the model wrote
         metrics.update(_stats("response_length/model_tokens", response_mask.sum(-1)))
+        metrics.update(trajectory_metrics(batch.non_tensor_batch.get("trajectory", ())))
     if use_critic:
         valid_values = batch.batch["values"][response_mask]
         valid_returns = batch.batch["returns"][response_mask]

@@ -152,7 +152,10 @@ def check_dataset(
     from mmrl.data.dataset import PromptDataset
 
     data = config.data
-    dataset = PromptDataset(files, tokenizer, processor, data)  # parses; measures lengths when filtering
+    from mmrl.agent.loop import tool_schemas
+
+    tools = tool_schemas(config.worker.rollout.multi_turn)
+    dataset = PromptDataset(files, tokenizer, processor, data, tools=tools)  # parses; measures lengths
     for rows in dataset.files:
         _check_columns(
             key, rows, (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key))

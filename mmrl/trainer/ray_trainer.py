@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from mmrl import core_algos
+from mmrl.agent.loop import tool_schemas
+from mmrl.agent.metrics import trajectory_log
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
     CheckpointSaveError,
@@ -209,7 +211,8 @@ class RayPPOTrainer:
             chat_template_file=config.data.override_chat_template,
         )
         data = config.data
-        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data)
+        tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
+        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data, tools=tools)
         collate = self._collate
         self.train_loader = PromptLoader(
             train_set,
@@ -221,7 +224,7 @@ class RayPPOTrainer:
         )
         self.val_loader = None
         if data.val_files:
-            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data)
+            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data, tools=tools)
             val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
             self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
         self.total_steps = total_training_steps(config, len(train_set))
@@ -670,7 +673,7 @@ class RayPPOTrainer:
     def _generation_samples(self, output: DataProto, scored: DataProto) -> list[dict[str, Any]]:
         prompts = self.tokenizer.batch_decode(output.batch["prompts"], skip_special_tokens=True)
         truths = output.non_tensor_batch.get("ground_truth", [None] * len(output))
-        return [
+        samples = [
             {"prompt": prompt, "response": response, "ground_truth": truth, "score": score["overall"]}
             for prompt, response, truth, score in zip(
                 prompts,
@@ -679,6 +682,10 @@ class RayPPOTrainer:
                 scored.non_tensor_batch["reward_scores"],
             )
         ]
+        if "trajectory" in output.non_tensor_batch:  # multi-turn: the turns, calls and returned media
+            for sample, record in zip(samples, output.non_tensor_batch["trajectory"]):
+                sample["trajectory"] = trajectory_log(record)
+        return samples
 
     def stop_workers(self) -> None:
         """Stop the reward workers and the judge server (the training ranks go with the Ray cluster, or,

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmrl.models.alignment import check_media_alignment
 from mmrl.models.inputs import ResponseScoring, response_token_outputs, sequence_position_ids
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.workers.fsdp_engine import micro_batch_rows, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
-OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids")
+OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids", "response_turns")
 MEDIA_COLUMN = "multi_modal_inputs"
 
 
@@ -52,8 +53,30 @@ def add_position_ids(module: nn.Module, data: DataProto) -> DataProto:
     """``data`` (a rollout batch) with its ``position_ids`` column, numbered once per distinct prompt by
     :func:`mmrl.models.inputs.sequence_position_ids`; every later pass reads them instead of running
     ``get_rope_index`` per row."""
+    check_alignment(module, data, names=_sample_names(data))
     data.batch["position_ids"] = sequence_position_ids(module, *forward_arguments(data))
     return data
+
+
+def _sample_names(data: DataProto) -> list[str] | None:
+    indices = data.non_tensor_batch.get("sample_index")
+    return (
+        None
+        if indices is None
+        else [f"sample {index} (batch row {row})" for row, index in enumerate(indices)]
+    )
+
+
+def check_alignment(module: nn.Module, data: DataProto, names: list[str] | None = None) -> None:
+    """Placeholder tokens against media features of every row, turn by turn (mmrl.models.alignment)."""
+    batch = data.batch
+    check_media_alignment(
+        getattr(module, "config", None),
+        batch["input_ids"],
+        data.non_tensor_batch.get(MEDIA_COLUMN),
+        batch["response_turns"] if "response_turns" in batch.keys() else None,
+        names,
+    )
 
 
 def micro_batch_token_outputs(
@@ -68,6 +91,7 @@ def micro_batch_token_outputs(
     entropy with ``scoring``), and where those tokens are, ``response_valid`` [b, R] (see
     ``mmrl.models.inputs.response_token_outputs``)."""
     batch = micro_batch.batch
+    check_alignment(module, micro_batch, [f"micro-batch row {row}" for row in range(len(micro_batch))])
     return response_token_outputs(
         module,
         *forward_arguments(micro_batch),

@@ -73,7 +73,7 @@ from mmrl.workers.fsdp_engine import (
     storage_dtype,
 )
 from mmrl.workers.memory import PhasePeaks, measured
-from mmrl.workers.rollout import GenerationMode, SamplingParams
+from mmrl.workers.rollout import GenerationMode, SamplingParams, eos_token_ids
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -440,7 +440,7 @@ class HybridWorker:
             from mmrl.workers.rollout.vllm_spmd import VLLMRollout
 
             data = self.config.data
-            return VLLMRollout(
+            rollout = VLLMRollout(
                 self.model_path,
                 tokenizer,
                 rollout_cfg,
@@ -450,6 +450,10 @@ class HybridWorker:
                 trust_remote_code=model_cfg.trust_remote_code,
                 override_config=dict(model_cfg.override_config),
             )
+            if rollout_cfg.multi_turn.enable:
+                hf_config = rollout.llm.llm_engine.model_config.hf_config
+                rollout.agent = self._build_agent(rollout.eos_token_ids, hf_config.model_type)
+            return rollout
         from mmrl.workers.rollout.hf import HFRollout
 
         model = load_model(
@@ -460,7 +464,19 @@ class HybridWorker:
         ).to(self.device)
         prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
-        return HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
+        agent = None
+        if rollout_cfg.multi_turn.enable:
+            eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+            agent = self._build_agent(eos, model.config.model_type)
+        return HFRollout(
+            model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears, agent=agent
+        )
+
+    def _build_agent(self, eos: list[int], model_type: str):
+        """The agent loop of ``worker.rollout.multi_turn`` (multi-turn trajectories), for either backend."""
+        from mmrl.agent.loop import build_agent_loop
+
+        return build_agent_loop(self.config.worker.rollout.multi_turn, self.media, eos, model_type)
 
     def _build_critic(self, total_training_steps: int) -> CriticRole:
         critic_cfg, actor_cfg = self.config.worker.critic, self.config.worker.actor

@@ -157,3 +157,38 @@ def test_packed_log_probs_equal_padded_on_trajectories(
     mask = trajectory_batch.batch["response_mask"].bool()
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
     assert (padded[mask] < 0).all()
+
+
+def test_media_alignment_check_names_the_sample_the_turn_and_both_counts(tiny_vl_path, trajectory_batch):
+    from transformers import AutoConfig
+
+    from mmrl.models.alignment import MediaAlignmentError, check_media_alignment
+
+    config = AutoConfig.from_pretrained(tiny_vl_path)
+    batch = trajectory_batch.batch
+    media = list(trajectory_batch.non_tensor_batch["multi_modal_inputs"])
+    turns = batch["response_turns"]
+    check_media_alignment(config, batch["input_ids"], media, turns)  # the real batch is aligned
+    check_media_alignment(config, batch["input_ids"], media)  # and each row whole, as a rollout sees it
+    # the features of turn 4's image say twice as many tokens as the turn holds
+    row = media[0]
+    segments = list(row.segments)
+    turn, outputs = segments[2]
+    assert turn == 4
+    grid = outputs["image_grid_thw"] * torch.tensor([1, 1, 2])
+    segments[2] = (turn, dict(outputs, image_grid_thw=grid))
+    wrong = TrajectoryInputs(dict(row), row.prompt, row.response, tuple(segments))
+    expected = int(outputs["image_grid_thw"].prod()) // 4
+    message = f"sample 7, turn 4: {expected} image placeholder tokens but features for {2 * expected}"
+    with pytest.raises(MediaAlignmentError, match=message):
+        check_media_alignment(
+            config, batch["input_ids"], [wrong, *media[1:]], turns, ["sample 7", "b", "c", "d"]
+        )
+    # a prompt whose image lost a placeholder token
+    ids = batch["input_ids"].clone()
+    first = int(torch.nonzero(ids[0] == config.image_token_id)[0])
+    ids[0, first] = PAD
+    with pytest.raises(
+        MediaAlignmentError, match="row 0, the prompt: .* image placeholder tokens but features"
+    ):
+        check_media_alignment(config, ids, media, turns)

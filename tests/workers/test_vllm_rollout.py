@@ -249,9 +249,48 @@ def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[
     return {kind: _media_checks(paths[kind], kind_prompts) for kind, kind_prompts in prompts.items()}
 
 
+def _trajectory_checks(rollout, model_path: str, prompts: DataProto) -> dict:
+    """Multi-turn trajectories whose tool returns an image (every turn calls it; a quarter of the
+    vocabulary ends a turn, so the perturbed model's turns are short): greedy trajectories of vLLM and
+    HFRollout, and sampled-token log-probs of vLLM against the trainer's."""
+    from _batches import policy_actor
+
+    from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer
+    from mmrl.agent.tools import ToolCall, ToolRunner, tool_from_function
+    from mmrl.data.processing import MediaProcessor
+    from mmrl.workers.rollout.hf import HFRollout
+
+    def zoom(x: int, row: dict = None):
+        """Crop the image."""
+        return row["images"][0].crop((x, 0, x + 28, 28))
+
+    tokenizer, processor = load_tokenizer_and_processor(model_path)
+    media = MediaProcessor(tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
+    ends = [*rollout.eos_token_ids, *range(0, len(tokenizer), 4)]
+    loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), lambda text: [ToolCall("zoom", {"x": 0})],
+                     LoopOptions(max_turns=3), ends, ToolRunner({"zoom": tool_from_function(zoom)}))  # fmt: skip
+    saved = rollout.eos_token_ids
+    rollout.agent, rollout.eos_token_ids = loop, ends
+    hf = HFRollout(_perturbed_model(model_path), tokenizer, agent=loop)
+    hf.eos_token_ids = ends
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=64)
+    sampled = rollout.generate(prompts, SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=64, seed=3))
+    results = {
+        "vllm": rollout.generate(prompts, greedy),
+        "hf": hf.generate(prompts, greedy),
+        "sampled": sampled,
+    }
+    rollout.agent, rollout.eos_token_ids = None, saved
+    log_probs, _ = policy_actor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
+    mask = sampled.batch["response_mask"].bool()
+    results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
+    return results
+
+
 def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
     results = {"text": _greedy_against_hf(text_path, text_prompts)}
     results["vl"] = _greedy_against_hf(vl_path, vl_prompts)
+    results["trajectories"] = _trajectory_checks(results["vl"]["rollout"], vl_path, vl_prompts[:3])
     results["sampling"] = _sampling_checks(results["vl"].pop("rollout"), vl_prompts)
     results["text"].pop("rollout")
     results["training"] = _training_run(rank, world_size, vl_path, vl_prompts, tp_size=1)
@@ -354,6 +393,18 @@ def test_greedy_responses_equal_transformers(one_rank):
     # the perturbed models do not just repeat one token
     responses = one_rank["vl"]["vllm"].batch["responses"]
     assert len(torch.unique(responses[responses != 0])) > 5
+
+
+def test_trajectories_with_tool_images_equal_transformers_and_match_the_trainer(one_rank):
+    results = one_rank["trajectories"]
+    vllm, hf = results["vllm"], results["hf"]
+    calls = [len(record.calls) for record in vllm.non_tensor_batch["trajectory"]]
+    assert sum(calls) >= 3 and [len(r.calls) for r in hf.non_tensor_batch["trajectory"]] == calls
+    for key in ("responses", "response_mask", "response_turns", "mm_token_type_ids"):
+        assert torch.equal(vllm.batch[key], hf.batch[key]), key
+    sampled = results["sampled"]
+    assert any(len(record.calls) >= 1 for record in sampled.non_tensor_batch["trajectory"])
+    assert results["sampled_gap"] < 1e-5
 
 
 def test_rows_are_interleaved_per_prompt(one_rank, vl_prompts):

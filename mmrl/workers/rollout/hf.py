@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, concat_multi_modal_inputs, next_text_position
 from mmrl.protocol import DataProto
@@ -123,8 +124,10 @@ class HFRollout:
         micro_batch_size: int = 64,
         return_log_probs: bool = False,
         prepack: bool = True,
+        agent: Any | None = None,
     ):
         self.model = model.eval()
+        self.agent = agent  # a mmrl.agent.loop.AgentLoop: multi-turn trajectories (None: one response)
         if prepack:  # on a CPU: large linear layers multiply by oneDNN-prepacked weights
             prepack_linears(self.model, rows=micro_batch_size)
         self.tokenizer = tokenizer
@@ -180,6 +183,12 @@ class HFRollout:
             media = concat_multi_modal_inputs(list(prompts.non_tensor_batch["multi_modal_inputs"]), device)
         token_types = (
             prompts.batch["mm_token_type_ids"] if "mm_token_type_ids" in prompts.batch.keys() else None
+        )
+        check_media_alignment(
+            self.model.config,
+            input_ids,
+            prompts.non_tensor_batch.get("multi_modal_inputs"),
+            names=[f"prompt row {row}" for row in range(len(prompts))],
         )
         position_ids = compute_position_ids(
             self.model,
@@ -275,6 +284,8 @@ class HFRollout:
                 "(HybridWorker does so when weights_discarded is set)"
             )
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)  # per step and rank
+        if self.agent is not None:
+            return self._generate_trajectories(prompts, sampling, generator)
         prompts_per_pass = max(1, self.micro_batch_size // sampling.n)
         responses, log_probs = [], []
         for part in prompts.split(prompts_per_pass):
@@ -290,3 +301,32 @@ class HFRollout:
             ignore_eos=sampling.ignore_eos,
             rollout_log_probs=torch.cat(log_probs, dim=0) if log_probs else None,
         )
+
+    def _generate_trajectories(
+        self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
+    ) -> DataProto:
+        """``len(prompts) * n`` multi-turn trajectories (:mod:`mmrl.agent.loop`): each model turn is
+        sampled here from the prompt and the trajectory so far (media of every turn included), up to
+        ``micro_batch_size`` contexts at a time; the response budget is ``max_tokens``."""
+        from mmrl.agent.loop import sample_rows, trajectory_contexts, turn_until_eos
+        from mmrl.agent.trajectory import assemble_trajectory_batch
+
+        repeated = prompts.repeat(sampling.n, interleave=True)
+        eos = set(self.eos_token_ids)
+
+        def generate_turns(requests):
+            turns = []
+            for start in range(0, len(requests), self.micro_batch_size):
+                part = requests[start : start + self.micro_batch_size]
+                contexts = trajectory_contexts(repeated, part, self.pad_token_id)
+                turn_sampling = sampling.override(n=1, max_tokens=max(request.max_tokens for request in part))
+                tokens, log_probs = self._generate_micro_batch(contexts, turn_sampling, generator)
+                for row, request in enumerate(part):
+                    row_log_probs = (
+                        log_probs[row].tolist() if log_probs is not None else [0.0] * tokens.shape[1]
+                    )
+                    turns.append(turn_until_eos(tokens[row].tolist(), row_log_probs, eos, request.max_tokens))
+            return turns
+
+        trajectories = self.agent.run(sample_rows(repeated), sampling.max_tokens, generate_turns)
+        return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, self.pad_token_id)

@@ -250,6 +250,8 @@ class VLLMRollout:
         override_config: dict[str, Any] | None = None,
     ):
         from transformers import GenerationConfig
+
+        self.agent = None  # a mmrl.agent.loop.AgentLoop: multi-turn trajectories (None: one response)
         from vllm import LLM
 
         config = config or RolloutConfig(name="vllm")
@@ -421,6 +423,8 @@ class VLLMRollout:
         """``len(prompts) * n`` responses, rows interleaved; ``rollout_log_probs`` are
         ``log_softmax(logits / T)`` (T = 1 when greedy) of the sampled tokens, as the trainer scores them."""
         self.wake_up()
+        if self.agent is not None:
+            return self._generate_trajectories(prompts, sampling)
         # vLLM refuses n > 1 when greedy: each prompt is then sent n times (sharing its cached KV)
         copies = sampling.n if sampling.greedy else 1
         inputs = [item for item in engine_prompts(prompts) for _ in range(copies)]
@@ -442,6 +446,44 @@ class VLLMRollout:
             ignore_eos=sampling.ignore_eos,
             rollout_log_probs=log_probs,
         )
+
+    def _generate_trajectories(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        """``len(prompts) * n`` multi-turn trajectories (:mod:`mmrl.agent.loop`); each model turn is one
+        engine request per trajectory: the prompt and the trajectory so far as token ids (observation
+        placeholders collapsed, their media after the prompt's), seeded per row and turn. One engine
+        per rank (``tensor_parallel_size`` 1: ranks of a TP group would have to agree on every turn)."""
+        from mmrl.agent.loop import engine_context, sample_rows, turn_until_eos
+        from mmrl.agent.trajectory import assemble_trajectory_batch
+
+        repeated = prompts.repeat(sampling.n, interleave=True)
+        bases = engine_prompts(repeated)
+        row_seeds = prompt_seeds(sampling.seed, len(repeated), 1)
+        eos = set(self.eos_token_ids)
+
+        def generate_turns(requests):
+            inputs = [
+                engine_context(bases[r.row], r.trajectory, self.blocked_token_ids, ENGINE_MODALITIES)
+                for r in requests
+            ]
+            engine_sampling = [
+                self._engine_sampling(
+                    sampling.override(n=1, max_tokens=r.max_tokens),
+                    (row_seeds[r.row] + SEED_STRIDE * r.trajectory.record.model_turns) % MAX_SEED,
+                )
+                for r in requests
+            ]
+            with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+                outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
+            turns = []
+            for request, output in zip(requests, outputs):
+                completion = output.outputs[0]
+                ids = list(completion.token_ids)
+                log_probs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+                turns.append(turn_until_eos(ids, log_probs, eos, request.max_tokens))
+            return turns
+
+        trajectories = self.agent.run(sample_rows(repeated), sampling.max_tokens, generate_turns)
+        return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, self.pad_token_id)
 
     def shutdown(self) -> None:
         """Stop the engine. This destroys the default process group too (vLLM's teardown)."""

@@ -1,0 +1,577 @@
+"""The agent loop, token-in/token-out: generate a model turn → parse its tool calls → run them → append
+the tool turn as token ids → generate again, until a final answer, ``max_turns`` or the response budget.
+
+The loop never holds a model: a rollout backend hands it a ``generate`` function (:data:`GenerateTurns`)
+that samples one model turn for each of a list of trajectories, continuing from the prompt and the
+trajectory's ids (and media) so far, and returns the sampled ids with their log-probs. The loop keeps
+those ids as they are; the tool or environment turn is the chat template's text for the new messages
+only (everything after the model's end-of-turn token, up to and including the next assistant header),
+run through the model's processor with its media, so image/video/audio placeholders are expanded as
+in a prompt. Decoded text is used to *read* a model turn (tool calls, an environment's action), never
+to rebuild its ids.
+
+The response budget (``max_response_length``) counts model and observation tokens: a model turn gets
+the budget left, an observation longer than ``max_observation_tokens`` has its text cut (with a
+marker) or, when its media alone are too long, is replaced by an error text, and an observation that
+would leave no room for the next model turn ends the trajectory (``budget``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mmrl.agent.tools import (
+    ERROR_BAD_RETURN,
+    ERROR_OVERSIZED,
+    ERROR_RAISED,
+    ERROR_TIMEOUT,
+    TIMED_OUT,
+    ToolCall,
+    ToolOutput,
+    ToolRunner,
+    error_output,
+    run_bounded,
+    tool_output,
+)
+from mmrl.agent.trajectory import (
+    STOP_ANSWER,
+    STOP_BUDGET,
+    STOP_MAX_TURNS,
+    ToolCallRecord,
+    Trajectory,
+    Turn,
+)
+from mmrl.config import MultiTurnConfig
+from mmrl.data.processing import TOKEN_COLUMNS, MediaProcessor, PromptMedia
+
+CUT_MARKER = " [... cut: {count} more tokens]"
+LOGGED_OUTPUT_CHARS = 300  # of each tool output, in the trajectory record
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One model turn to sample: trajectory ``row`` (its prompt is row ``row`` of the prompt batch)
+    continued from its ids so far, with at most ``max_tokens`` new ids."""
+
+    row: int
+    trajectory: Trajectory
+    max_tokens: int
+
+
+# a backend's token generation: the (ids, log-probs) of one model turn per request, in order
+GenerateTurns = Callable[[Sequence[TurnRequest]], list[tuple[list[int], list[float]]]]
+
+
+class Environment(Protocol):
+    """A task that is not function calls (a game, a GUI simulator, a simulated user). Observations are
+    what a tool may return (text, PIL images, :class:`~mmrl.agent.tools.VideoFrames`,
+    :class:`~mmrl.agent.tools.Audio`, or a list of them); None or "" for no observation."""
+
+    def reset(self, row: dict[str, Any]) -> Any:
+        """Start an episode for the sample ``row``; the opening observation (turn 0)."""
+
+    def step(self, action_text: str) -> tuple[Any, float, bool]:
+        """The model's turn as text → (observation, reward of this turn, whether the episode ended)."""
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The ``worker.rollout.multi_turn`` settings the loop uses (plain values, see mmrl.config)."""
+
+    max_turns: int = 4  # model turns per trajectory
+    max_observation_tokens: int = 1024  # of one tool/environment turn; longer ones are cut
+    timeout_s: float = 30.0  # of one tool call or environment step
+    max_concurrency: int = 8  # tool calls (environment steps) running at once
+
+
+class ObservationRenderer:
+    """Renders tool and environment turns with the model's chat template and processor, as token ids.
+
+    The turn's text is found by rendering a short conversation with and without the new messages: the
+    text after the model's end-of-turn token is what the template puts between the model's turn and
+    the next one (for Qwen: ``\\n<|im_start|>user\\n<tool_response>\\n...<|im_start|>assistant\\n``)."""
+
+    def __init__(self, media: MediaProcessor, end_of_turn_token: str):
+        self.media = media
+        self.chat = media.processor if media.processor is not None else media.tokenizer
+        base = self._base_messages()
+        rendered = self.chat.apply_chat_template(base, tokenize=False)
+        if end_of_turn_token not in rendered:
+            raise ValueError(
+                f"the chat template does not end an assistant turn with '{end_of_turn_token}' (the model's "
+                "EOS): multi-turn rollouts need it to join turns (data.override_chat_template)"
+            )
+        self.prefix = rendered[: rendered.rindex(end_of_turn_token) + len(end_of_turn_token)]
+
+    @staticmethod
+    def _base_messages() -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+    @staticmethod
+    def content(output: ToolOutput) -> list[dict[str, Any]]:
+        kinds = [{"type": kind} for kind in output.order]
+        return [*kinds, {"type": "text", "text": output.text}]
+
+    def text(self, role: str, outputs: Sequence[ToolOutput], opening: bool = False) -> str:
+        """The template's text for one message of ``role`` per output after the model's turn, through
+        the next assistant header. ``opening``: an environment's first observation, which follows the
+        prompt's assistant header: the text closes that (empty) assistant turn first."""
+        new = [{"role": role, "content": self.content(output)} for output in outputs]
+        if opening:
+            base = self._base_messages()[:1]
+            prefix = self.chat.apply_chat_template(base, add_generation_prompt=True, tokenize=False)
+            base = [*base, {"role": "assistant", "content": ""}]
+        else:
+            base, prefix = self._base_messages(), self.prefix
+        rendered = self.chat.apply_chat_template([*base, *new], add_generation_prompt=True, tokenize=False)
+        if not rendered.startswith(prefix):
+            raise ValueError("the chat template renders earlier turns differently once a tool turn follows")
+        return rendered[len(prefix) :]
+
+    def encode(
+        self, role: str, outputs: Sequence[ToolOutput], where: str, opening: bool = False
+    ) -> tuple[dict[str, Any], PromptMedia | None, dict[str, list[Any]]]:
+        """The processor's outputs for the turn (``input_ids`` [1, T] and, with media, their tensors),
+        the turn's media in compact form (None without media) and decoded (an engine's form)."""
+        media = PromptMedia(
+            prompt=self.text(role, outputs, opening),
+            images=tuple(image for output in outputs for image in output.images),
+            videos=tuple({"frames": v.array(), "fps": v.fps} for output in outputs for v in output.videos),
+            audios=tuple(
+                {"array": a.waveform, "sampling_rate": a.sampling_rate}
+                for output in outputs
+                for a in output.audios
+            ),
+            order=tuple(kind for output in outputs for kind in output.order),
+            where=where,
+        )
+        encoded, decoded = self.media.encode(media)
+        return encoded, media if media.order else None, decoded
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self.media.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class AgentLoop:
+    """Runs the trajectories of one batch (see the module docstring). ``tools`` or ``environment`` (a
+    factory of one :class:`Environment` per trajectory) says what answers the model."""
+
+    def __init__(
+        self,
+        renderer: ObservationRenderer,
+        parse: Callable[[str], list[ToolCall]],
+        options: LoopOptions,
+        end_of_turn_ids: Sequence[int],
+        tools: ToolRunner | None = None,
+        environment: Callable[[], Environment] | None = None,
+    ):
+        if (tools is None) == (environment is None):
+            raise ValueError(
+                "an agent loop answers the model with tools or with an environment (one of them)"
+            )
+        self.renderer = renderer
+        self.parse = parse
+        self.options = options
+        self.tools = tools
+        self.environment = environment
+        self.tokenizer = renderer.media.tokenizer
+        self.end_of_turn_ids = set(end_of_turn_ids)  # the model's EOS ids: a turn ending in one is complete
+
+    # ---- observations ---------------------------------------------------------------------------
+
+    def _cut_text(self, output: ToolOutput, keep: int) -> ToolOutput:
+        """``output`` with its text cut to ``keep`` tokens, the marker included; flagged oversized."""
+        ids = self.renderer.text_tokens(output.text)
+        if len(ids) <= keep:
+            return output
+        marker = CUT_MARKER.format(count=len(ids))
+        room = keep - len(self.renderer.text_tokens(marker))
+        text = self.tokenizer.decode(ids[:room]) + marker if room > 0 else ""
+        return ToolOutput(
+            text, output.images, output.videos, output.audios, output.error or ERROR_OVERSIZED, output.seconds
+        )
+
+    def _observation(
+        self, index: int, role: str, outputs: list[ToolOutput], where: str
+    ) -> tuple[Turn, list[ToolOutput]]:
+        """The observation turn of ``outputs``, cut to ``max_observation_tokens``: the texts are cut
+        (the template's own tokens stay); when the media alone are too long the model is told instead.
+        Returns the turn and the outputs as shown."""
+        limit = self.options.max_observation_tokens
+        encoded, media, decoded = self.renderer.encode(role, outputs, where, opening=index == 0)
+        for attempt in range(3):  # text tokens counted alone may merge differently in the turn: recount
+            length = encoded["input_ids"].shape[-1]
+            if length <= limit:
+                break
+            texts = [len(self.renderer.text_tokens(output.text)) for output in outputs]
+            room = sum(texts) - (length - limit)
+            if room < 0 and attempt == 0 and any(output.order for output in outputs):
+                message = (
+                    f"the result had {length} tokens, over the limit of {limit} (max_observation_tokens)"
+                )
+                outputs = [error_output(ERROR_OVERSIZED, message, output.seconds) for output in outputs]
+            else:
+                shares = [count * max(0, room) // max(1, sum(texts)) if attempt < 2 else 0 for count in texts]
+                outputs = [self._cut_text(output, share) for output, share in zip(outputs, shares)]
+            encoded, media, decoded = self.renderer.encode(role, outputs, where, opening=index == 0)
+        types = encoded.get("mm_token_type_ids")
+        turn = Turn(
+            index,
+            encoded["input_ids"][0].tolist(),
+            False,
+            token_types=None if types is None else types[0].tolist(),
+            media=media,
+            inputs={key: value for key, value in encoded.items() if key not in TOKEN_COLUMNS}
+            if media
+            else {},
+            engine_media=decoded if media else {},
+        )
+        return turn, outputs
+
+    def _append_observation(
+        self, trajectory: Trajectory, role: str, outputs: list[ToolOutput], budget: int, where: str
+    ) -> tuple[bool, list[ToolOutput]]:
+        """Append the observation unless it leaves no room for a model turn (then: stop, budget)."""
+        turn, outputs = self._observation(trajectory.next_turn, role, outputs, where)
+        if trajectory.length + len(turn.token_ids) >= budget:
+            trajectory.record.stop = STOP_BUDGET
+            return False, outputs
+        trajectory.turns.append(turn)
+        trajectory.record.observation_tokens += len(turn.token_ids)
+        trajectory.record.turn_texts.append(self.tokenizer.decode(turn.token_ids))
+        return True, outputs
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self, rows: Sequence[dict[str, Any]], budget: int, generate: GenerateTurns) -> list[Trajectory]:
+        """One trajectory per row (the sample's row: what tools and environments get) within ``budget``
+        response tokens each."""
+        trajectories = [Trajectory(media_key=uuid.uuid4().hex) for _ in rows]
+        environments = [self.environment() for _ in rows] if self.environment is not None else None
+        active = list(range(len(rows)))
+        if environments is not None:
+            active = self._reset(environments, rows, trajectories, budget)
+        while active:
+            requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in active]
+            generated = generate(requests)
+            answered: dict[int, str] = {}
+            for request, (ids, log_probs) in zip(requests, generated):
+                text = self._model_turn(request, ids, log_probs)
+                if text is not None:
+                    answered[request.row] = text
+            if environments is not None:
+                active = self._step_environments(environments, answered, rows, trajectories, budget)
+            else:
+                active = self._call_tools(answered, rows, trajectories, budget)
+        return trajectories
+
+    def _model_turn(self, request: TurnRequest, ids: list[int], log_probs: list[float]) -> str | None:
+        """Append a model turn; its text when the trajectory may go on, else None (stop recorded)."""
+        trajectory = request.trajectory
+        ids, log_probs = ids[: request.max_tokens], log_probs[: request.max_tokens]
+        trajectory.turns.append(Turn(trajectory.next_turn, list(ids), True, list(log_probs)))
+        record = trajectory.record
+        record.model_turns += 1
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        record.turn_texts.append(text)
+        ended = bool(ids) and ids[-1] in self.end_of_turn_ids
+        if not ended:  # cut by the budget mid-turn
+            record.stop = STOP_BUDGET
+            return None
+        return text
+
+    def _call_tools(
+        self,
+        answered: dict[int, str],
+        rows: Sequence[dict[str, Any]],
+        trajectories: list[Trajectory],
+        budget: int,
+    ) -> list[int]:
+        """Run the calls of every answered turn (all at once, bounded); the rows that go on."""
+        calls: dict[int, list[ToolCall]] = {}
+        for row, text in answered.items():
+            parsed = self.parse(text)
+            record = trajectories[row].record
+            if not parsed:
+                record.stop = STOP_ANSWER
+            elif record.model_turns >= self.options.max_turns:
+                record.stop = STOP_MAX_TURNS
+            else:
+                calls[row] = parsed
+        jobs = [(call, rows[row]) for row, row_calls in calls.items() for call in row_calls]
+        outputs = iter(self.tools.run(jobs))
+        active = []
+        for row, row_calls in calls.items():
+            trajectory = trajectories[row]
+            shown_outputs = [next(outputs) for _ in row_calls]
+            where = f"row {row}, turn {trajectory.next_turn}"
+            appended, shown_outputs = self._append_observation(
+                trajectory, "tool", shown_outputs, budget, where
+            )
+            for call, output in zip(row_calls, shown_outputs):
+                trajectory.record.calls.append(_call_record(call.name or "?", call.arguments, output))
+            if appended:
+                active.append(row)
+        return active
+
+    # ---- environments ---------------------------------------------------------------------------
+
+    def _env_outputs(self, jobs: list[Callable[[], Any]]) -> list[tuple[Any, ToolOutput]]:
+        """``(value, observation)`` of each environment call, bounded and with the timeout; a call that
+        raises, hangs or returns an unusable observation gives value None and an error observation."""
+        results = []
+        wrapped = [lambda job=job: _guarded(job) for job in jobs]
+        for (value, seconds), _ in zip(
+            run_bounded(wrapped, self.options.timeout_s, self.options.max_concurrency), jobs
+        ):
+            if value is TIMED_OUT:
+                results.append(
+                    (
+                        None,
+                        error_output(
+                            ERROR_TIMEOUT,
+                            f"the environment took longer than {self.options.timeout_s:g}s",
+                            seconds,
+                        ),
+                    )
+                )
+            elif isinstance(value, ToolOutput):  # an error
+                value.seconds = seconds
+                results.append((None, value))
+            else:
+                observation, extra = value
+                results.append((extra, observation))
+                observation.seconds = seconds
+        return results
+
+    def _reset(
+        self,
+        environments: list[Environment],
+        rows: Sequence[dict[str, Any]],
+        trajectories: list[Trajectory],
+        budget: int,
+    ) -> list[int]:
+        """Each episode's opening observation as turn 0 (none when it is empty); the rows that go on."""
+        jobs = [lambda env=env, row=row: (env.reset(row), None) for env, row in zip(environments, rows)]
+        active = []
+        for row, (_, observation) in enumerate(self._env_outputs(jobs)):
+            trajectory = trajectories[row]
+            if observation.error is not None:
+                trajectory.record.calls.append(_call_record("reset", None, observation))
+                trajectory.record.stop = STOP_ANSWER
+                continue
+            if observation.text or observation.order:
+                turn, _ = self._observation(0, "user", [observation], f"row {row}, turn 0")
+                trajectory.turns.append(turn)
+                trajectory.record.observation_tokens += len(turn.token_ids)
+                if trajectory.length >= budget:
+                    trajectory.turns.clear()
+                    trajectory.record.stop = STOP_BUDGET
+                    continue
+            active.append(row)
+        return active
+
+    def _step_environments(
+        self,
+        environments: list[Environment],
+        answered: dict[int, str],
+        rows: Sequence[dict[str, Any]],
+        trajectories: list[Trajectory],
+        budget: int,
+    ) -> list[int]:
+        rows_stepped = list(answered)
+        jobs = [
+            lambda env=environments[row], text=answered[row]: _env_step(env, text) for row in rows_stepped
+        ]
+        active = []
+        for row, (extra, observation) in zip(rows_stepped, self._env_outputs(jobs)):
+            trajectory = trajectories[row]
+            reward, done = extra if extra is not None else (0.0, True)
+            trajectory.turn_rewards.append(float(reward))
+            trajectory.record.calls.append(_call_record("step", None, observation))
+            if done:
+                trajectory.record.stop = STOP_ANSWER
+            elif trajectory.record.model_turns >= self.options.max_turns:
+                trajectory.record.stop = STOP_MAX_TURNS
+            else:
+                where = f"row {row}, turn {trajectory.next_turn}"
+                if self._append_observation(trajectory, "user", [observation], budget, where)[0]:
+                    active.append(row)
+        return active
+
+
+def _env_step(env: Environment, text: str) -> tuple[Any, tuple[float, bool]]:
+    observation, reward, done = env.step(text)
+    return observation, (reward, done)
+
+
+def _guarded(job: Callable[[], Any]) -> Any:
+    """``(observation as ToolOutput, extra)`` of an environment call, or an error ToolOutput."""
+    try:
+        observation, extra = job()
+    except Exception as err:  # the environment's failure ends its episode, never the run
+        return error_output(ERROR_RAISED, f"{type(err).__name__}: {err}"[:500])
+    try:
+        return tool_output("" if observation is None else observation), extra
+    except TypeError as err:
+        return error_output(ERROR_BAD_RETURN, f"the environment returned {err}"[:500])
+
+
+def _call_record(name: str, arguments: Any, output: ToolOutput) -> ToolCallRecord:
+    return ToolCallRecord(
+        name=name,
+        arguments=arguments,
+        seconds=output.seconds,
+        error=output.error,
+        output=output.text[:LOGGED_OUTPUT_CHARS],
+        media=output.describe_media(),
+    )
+
+
+# ---- for the backends ---------------------------------------------------------------------------
+
+
+def build_agent_loop(
+    multi_turn: MultiTurnConfig, media: MediaProcessor, eos_token_ids: Sequence[int], model_type: str
+) -> AgentLoop:
+    """The loop of the ``worker.rollout.multi_turn`` section (``enable`` checked by the caller)."""
+    from mmrl.agent.environments import load_environment
+    from mmrl.agent.parsing import tool_call_parser
+    from mmrl.agent.tools import load_tools
+
+    options = LoopOptions(
+        max_turns=multi_turn.max_turns,
+        max_observation_tokens=multi_turn.max_observation_tokens,
+        timeout_s=multi_turn.tool_timeout,
+        max_concurrency=multi_turn.max_concurrency,
+    )
+    end_of_turn = media.tokenizer.convert_ids_to_tokens(eos_token_ids[0])
+    tokenizer_eos = media.tokenizer.eos_token_id
+    if tokenizer_eos in eos_token_ids:  # the chat template ends a turn with the tokenizer's EOS
+        end_of_turn = media.tokenizer.convert_ids_to_tokens(tokenizer_eos)
+    renderer = ObservationRenderer(media, end_of_turn)
+    tools = environment = None
+    if multi_turn.environment:
+        environment = load_environment(multi_turn.environment)
+    else:
+        tools = ToolRunner(load_tools(multi_turn.tools), multi_turn.tool_timeout, multi_turn.max_concurrency)
+    return AgentLoop(renderer, tool_call_parser(model_type), options, eos_token_ids, tools, environment)
+
+
+def tool_schemas(multi_turn: MultiTurnConfig) -> list[dict[str, Any]] | None:
+    """The schemas the prompts' chat template shows the model (``tools=``); None without tools."""
+    if not multi_turn.enable or not multi_turn.tools:
+        return None
+    from mmrl.agent.tools import load_tools
+
+    return [tool.schema for tool in load_tools(multi_turn.tools).values()]
+
+
+HIDDEN_COLUMNS = (
+    "multi_modal_inputs",
+    "multi_modal_data",
+    "prompt_media",
+    "raw_prompt_ids",
+    "trajectory_media",
+)
+
+
+def sample_rows(prompts: Any) -> list[dict[str, Any]]:
+    """What tools and environments get of each prompt row (a DataProto): its columns (ground truth,
+    uid, the dataset's other columns) and its decoded ``images``, ``videos`` (``[T, H, W, 3]`` frames)
+    and ``audios`` (waveforms)."""
+    columns = {key: value for key, value in prompts.non_tensor_batch.items() if key not in HIDDEN_COLUMNS}
+    data = prompts.non_tensor_batch.get("multi_modal_data")
+    rows = []
+    for index in range(len(prompts)):
+        row = {key: value[index] for key, value in columns.items()}
+        decoded = data[index] if data is not None else {}
+        row["images"] = list(decoded.get("images", []))
+        row["videos"] = [frames for frames, _ in decoded.get("videos", [])]
+        row["audios"] = [waveform for waveform, _ in decoded.get("audios", [])]
+        rows.append(row)
+    return rows
+
+
+def trajectory_contexts(prompts: Any, requests: Sequence[TurnRequest], pad_token_id: int) -> Any:
+    """The left-padded context of each request, prompt and trajectory so far, as a prompt batch
+    (``input_ids``, ``attention_mask``, ``mm_token_type_ids`` where the prompts have them, and
+    ``multi_modal_inputs``: the prompt's media joined with the observations')."""
+    import torch
+
+    from mmrl.data.processing import trajectory_inputs
+    from mmrl.protocol import DataProto
+
+    batch, columns = prompts.batch, prompts.non_tensor_batch
+    has_types = "mm_token_type_ids" in batch.keys()
+    ids, types, media = [], [], []
+    for request in requests:
+        valid = batch["attention_mask"][request.row].bool()
+        turns = request.trajectory.turns
+        ids.append(batch["input_ids"][request.row][valid].tolist() + request.trajectory.token_ids())
+        if has_types:
+            prompt_types = batch["mm_token_type_ids"][request.row][valid].tolist()
+            types.append(
+                prompt_types + [t for turn in turns for t in (turn.token_types or [0] * len(turn.token_ids))]
+            )
+        if "multi_modal_inputs" in columns:
+            media.append(
+                trajectory_inputs(
+                    columns["multi_modal_inputs"][request.row] or {}, request.trajectory.observation_inputs()
+                )
+            )
+    width = max(len(row) for row in ids)
+    tensors = {
+        "input_ids": torch.full((len(ids), width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros(len(ids), width, dtype=torch.long),
+    }
+    if has_types:
+        tensors["mm_token_type_ids"] = torch.zeros(len(ids), width, dtype=torch.long)
+    for index, row in enumerate(ids):
+        tensors["input_ids"][index, width - len(row) :] = torch.tensor(row)
+        tensors["attention_mask"][index, width - len(row) :] = 1
+        if has_types:
+            tensors["mm_token_type_ids"][index, width - len(row) :] = torch.tensor(types[index])
+    return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": media} if media else None)
+
+
+def turn_until_eos(
+    tokens: Sequence[int], log_probs: Sequence[float], eos_token_ids: set[int], max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """A sampled turn up to and including its first EOS token, at most ``max_tokens`` long."""
+    end = min(len(tokens), max_tokens)
+    for position, token in enumerate(tokens[:end]):
+        if token in eos_token_ids:
+            end = position + 1
+            break
+    return list(tokens[:end]), list(log_probs[:end])
+
+
+def collapse_placeholders(token_ids: Sequence[int], placeholder_ids: Sequence[int]) -> list[int]:
+    """``token_ids`` with each run of one placeholder id (an expanded image, video or audio) cut to a
+    single id: the form an engine that expands placeholders itself (vLLM) takes."""
+    placeholders = set(placeholder_ids)
+    collapsed: list[int] = []
+    for token in token_ids:
+        if token in placeholders and collapsed and collapsed[-1] == token:
+            continue
+        collapsed.append(token)
+    return collapsed
+
+
+def engine_context(
+    prompt: dict[str, Any], trajectory: Trajectory, placeholder_ids: Sequence[int], modalities: dict[str, str]
+) -> dict[str, Any]:
+    """A vLLM token prompt for the next turn: the prompt's engine input (unexpanded ids and decoded
+    media) followed by the trajectory's ids, observation placeholders collapsed, and the observations'
+    decoded media after the prompt's, in turn order (``modalities``: our keys -> the engine's)."""
+    ids = [int(token) for token in prompt["prompt_token_ids"]]
+    data = {key: list(items) for key, items in prompt.get("multi_modal_data", {}).items()}
+    for turn in trajectory.turns:
+        ids += turn.token_ids if turn.by_model else collapse_placeholders(turn.token_ids, placeholder_ids)
+        for key, items in turn.engine_media.items():
+            data.setdefault(modalities[key], []).extend(items)
+    return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {})}

@@ -1,0 +1,86 @@
+"""Media alignment, checked before a forward pass: the placeholder tokens of each image and video in a
+row against the features its processor outputs give them.
+
+A mismatch would otherwise surface deep in a worker as the model's "Image features and image tokens
+do not match"; here it stops with the sample, the turn (0: the prompt; a trajectory's observation
+turns by number) and both counts. Qwen-VL families: an image or video of grid ``(t, h, w)`` takes
+``t * h * w / merge_size**2`` placeholder tokens. Audio is not checked (Qwen2.5-Omni's count depends
+on its feature extractor's lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mmrl.errors import UserInputError
+
+# processor output of the grids -> (the config's placeholder token id attribute, what it is called)
+GRID_KEYS = {"image_grid_thw": ("image_token_id", "image"), "video_grid_thw": ("video_token_id", "video")}
+ID_ALIASES = {"image_token_id": "image_token_index", "video_token_id": "video_token_index"}  # Qwen2.5-Omni
+
+
+class MediaAlignmentError(UserInputError, ValueError):
+    """Placeholder tokens and media features of a sample disagree; the message names both counts."""
+
+
+def _segments(row_media: Any) -> list[tuple[int, dict[str, Any]]]:
+    segments = getattr(row_media, "segments", None)  # a trajectory's TrajectoryInputs
+    return list(segments) if segments is not None else [(0, row_media or {})]
+
+
+def alignment_settings(config: Any) -> tuple[dict[str, int], int] | None:
+    """``({grid key: placeholder id}, merge size)`` of a model config, or None when it has no grids."""
+    vision = getattr(config, "vision_config", None)
+    merge = getattr(vision, "spatial_merge_size", None)
+    ids = {
+        key: getattr(config, attribute, getattr(config, ID_ALIASES[attribute], None))
+        for key, (attribute, _) in GRID_KEYS.items()
+    }
+    ids = {key: token for key, token in ids.items() if token is not None}
+    if merge is None or not ids:
+        return None
+    return ids, int(merge)
+
+
+def check_media_alignment(
+    config: Any,
+    input_ids: torch.Tensor,
+    media: Sequence[Any] | None,
+    response_turns: torch.Tensor | None = None,
+    names: Sequence[str] | None = None,
+) -> None:
+    """Raise :class:`MediaAlignmentError` where a row's placeholder count of an image/video kind in
+    a turn differs from its features. ``input_ids`` [B, L]; ``media``: each row's processor outputs
+    (a trajectory row's :class:`~mmrl.columns.TrajectoryInputs` is checked turn by turn, with
+    ``response_turns`` [B, R] saying which response token belongs to which turn); ``names``: how the
+    message names each row (default "row i")."""
+    settings = alignment_settings(config)
+    if media is None or settings is None:
+        return
+    token_ids, merge = settings
+    prompt_length = input_ids.shape[1] - (0 if response_turns is None else response_turns.shape[1])
+    # whole-row counts in one pass (one device sync per kind): all a batch without turns needs
+    row_counts = {key: (input_ids == token).sum(-1).tolist() for key, token in token_ids.items()}
+    for row, row_media in enumerate(media):
+        segments = _segments(row_media) if response_turns is not None else [(0, row_media or {})]
+        for turn, outputs in segments:
+            region = None  # the whole row: its only media segment covers every placeholder
+            if len(segments) > 1:
+                in_turn = input_ids[row, prompt_length:][response_turns[row] == turn]
+                region = torch.cat([input_ids[row, :prompt_length], in_turn]) if turn == 0 else in_turn
+            for key, token in token_ids.items():
+                grid = outputs.get(key)
+                grids = [] if grid is None else torch.as_tensor(grid).reshape(-1, 3).tolist()
+                features = sum(t * h * w for t, h, w in grids) // merge**2
+                placeholders = row_counts[key][row] if region is None else int((region == token).sum())
+                if placeholders != features:
+                    name = names[row] if names is not None else f"row {row}"
+                    where = "the prompt" if turn == 0 else f"turn {turn}"
+                    raise MediaAlignmentError(
+                        f"{name}, {where}: {placeholders} {GRID_KEYS[key][1]} placeholder tokens but features "
+                        f"for {features} ({key} {grids}); its token ids and processor outputs disagree (media "
+                        "processed with other settings than the prompt's, or a turn re-tokenized?)"
+                    )

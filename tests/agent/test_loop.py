@@ -1,0 +1,303 @@
+"""The agent loop on the tiny Qwen2.5-VL, token-in/token-out:
+
+- a two-tool-call trajectory worked by hand: masks, turn boundaries, the observation turns' ids (the
+  chat template's tool turn with the image placeholders expanded by the processor), and the batch's
+  response equal to what was generated plus what was appended (nothing re-tokenized);
+- the response budget (model and tool tokens) and overlong observations cut with a marker;
+- an environment's opening observation, per-turn rewards and its end;
+- through the transformers backend: rollout log-probs equal the trainer's on trajectories whose tool
+  returned an image.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from _batches import policy_actor
+from _models import training_model
+from PIL import Image
+
+from mmrl.agent.environments import GuessTheNumber
+from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows, trajectory_contexts
+from mmrl.agent.metrics import trajectory_log, trajectory_metrics
+from mmrl.agent.parsing import parse_hermes_tool_calls
+from mmrl.agent.tools import ERROR_OVERSIZED, ToolCall, ToolRunner, VideoFrames, tool_from_function
+from mmrl.agent.trajectory import STOP_ANSWER, STOP_BUDGET, STOP_MAX_TURNS, assemble_trajectory_batch
+from mmrl.columns import TrajectoryInputs, check_batch
+from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import MediaProcessor, attach_media, load_tokenizer_and_processor
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.logging.console import ConsoleLogger
+from mmrl.models.loading import load_model
+from mmrl.workers.rollout import SamplingParams
+from mmrl.workers.rollout.hf import HFRollout
+
+
+def zoom(x: int, y: int, row: dict = None) -> Image.Image:
+    """Crop a 28x28 region of the image.
+
+    Args:
+        x: left edge
+        y: top edge
+    """
+    return row["images"][0].crop((x, y, x + 28, y + 28))
+
+
+def describe(topic: str) -> str:
+    """A long description."""
+    return " ".join([topic] * 400)
+
+
+def frames(count: int) -> VideoFrames:
+    """Frames of a clip."""
+    return VideoFrames(np.full((count, 28, 28, 3), 128, np.uint8), fps=2.0)
+
+
+TOOLS = {f.__name__: tool_from_function(f) for f in (zoom, describe, frames)}
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_vl_path):
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    media = MediaProcessor(tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer, processor, media, eos
+
+
+@pytest.fixture(scope="module")
+def prompts(parts, shapes_data_dir):
+    tokenizer, processor, media, _ = parts
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config)
+    batch = collate_prompts([dataset[i] for i in range(2)], tokenizer.pad_token_id)
+    return attach_media(batch, media, rollout_media=True)
+
+
+def make_loop(parts, tools=TOOLS, parse=parse_hermes_tool_calls, environment=None, **options) -> AgentLoop:
+    _, _, media, eos = parts
+    runner = ToolRunner(tools, timeout_s=5) if environment is None else None
+    return AgentLoop(
+        ObservationRenderer(media, "<|im_end|>"), parse, LoopOptions(**options), [eos], runner, environment
+    )
+
+
+def scripted(tokenizer, eos, texts_per_row):
+    """A generate function that answers each row's turns with the given texts (and records requests)."""
+    seen = []
+
+    def generate(requests):
+        seen.append([(request.row, request.trajectory.length, request.max_tokens) for request in requests])
+        out = []
+        for request in requests:
+            text = texts_per_row[request.row][request.trajectory.record.model_turns]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return generate, seen
+
+
+CALL = '<tool_call>{{"name": "zoom", "arguments": {{"x": {x}, "y": 0}}}}</tool_call>'
+
+
+def test_two_tool_calls_by_hand(parts, prompts):
+    tokenizer, processor, _, eos = parts
+    texts = [[CALL.format(x=0), CALL.format(x=14), "red"]]
+    generate, seen = scripted(tokenizer, eos, texts)
+    rows = sample_rows(prompts[:1])
+    [trajectory] = make_loop(parts).run(rows, 400, generate)
+    assert trajectory.record.stop == STOP_ANSWER and trajectory.record.model_turns == 3
+    assert [call.name for call in trajectory.record.calls] == ["zoom", "zoom"]
+    assert trajectory.record.calls[0].media == ("image 28x28",)  # as returned (the processor sees 56x56)
+    model = [tokenizer(text, add_special_tokens=False)["input_ids"] + [eos] for text in texts[0]]
+    observations = [turn.token_ids for turn in trajectory.turns if not turn.by_model]
+    # the observation turn: the chat template's tool turn, the image placeholder expanded (56x56 -> 4)
+    expected_text = (
+        "\n<|im_start|>user\n<tool_response>\n<|vision_start|>" + "<|image_pad|>" * 4
+        + "<|vision_end|>\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )  # fmt: skip
+    assert tokenizer.decode(observations[0]) == expected_text
+    crop = rows[0]["images"][0].crop((0, 0, 28, 28))
+    own = processor(text=[ObservationRenderer(parts[2], "<|im_end|>").text("tool", [_image_output(crop)])],
+                    images=[crop.resize((56, 56), Image.BICUBIC)], return_tensors="pt")  # fmt: skip
+    assert observations[0] == own["input_ids"][0].tolist()
+    # requests: each turn continues from the trajectory so far, with the budget left
+    lengths = [len(model[0]), len(model[0]) + len(observations[0])]
+    assert seen == [[(0, 0, 400)], [(0, lengths[0] + len(observations[0]), 400 - lengths[1])],
+                    [(0, sum(map(len, model[:2])) + sum(map(len, observations)), 400 - sum(map(len, model[:2])) - sum(map(len, observations)))]]  # fmt: skip
+
+    batch = assemble_trajectory_batch(prompts[:1], [trajectory], 400, tokenizer.pad_token_id)
+    response = batch.batch["responses"][0]
+    valid = batch.batch["attention_mask"][0, -400:].bool()
+    # nothing re-tokenized: the response is exactly the ids generated plus the ids appended
+    assert response[valid].tolist() == model[0] + observations[0] + model[1] + observations[1] + model[2]
+    a, b, c, o1, o2 = len(model[0]), len(model[1]), len(model[2]), len(observations[0]), len(observations[1])
+    expected_mask = [1] * a + [0] * o1 + [1] * b + [0] * o2 + [1] * c
+    assert batch.batch["response_mask"][0][valid].tolist() == expected_mask
+    expected_turns = [1] * a + [2] * o1 + [3] * b + [4] * o2 + [5] * c
+    assert batch.batch["response_turns"][0][valid].tolist() == expected_turns
+    types = batch.batch["mm_token_type_ids"][0, -400:][valid]
+    assert types.tolist().count(1) == 8 and (types[batch.batch["response_mask"][0][valid].bool()] == 0).all()
+    media = batch.non_tensor_batch["multi_modal_inputs"][0]
+    assert isinstance(media, TrajectoryInputs) and [turn for turn, _ in media.segments] == [0, 2, 4]
+    assert batch.non_tensor_batch["trajectory_media"][0].turns == (2, 4)
+    assert check_batch(batch) == []
+    # the next turn's context: the prompt and the trajectory, media joined
+    context = trajectory_contexts(prompts[:1], [_request(0, trajectory)], tokenizer.pad_token_id)
+    prompt_ids = prompts.batch["input_ids"][0][prompts.batch["attention_mask"][0].bool()].tolist()
+    assert context.batch["input_ids"][0].tolist() == prompt_ids + trajectory.token_ids()
+    assert len(context.non_tensor_batch["multi_modal_inputs"][0]["image_grid_thw"]) == 3
+
+
+def _image_output(image):
+    from mmrl.agent.tools import tool_output
+
+    return tool_output(image)
+
+
+def _request(row, trajectory):
+    from mmrl.agent.loop import TurnRequest
+
+    return TurnRequest(row, trajectory, 1)
+
+
+def test_budget_max_turns_and_oversized_observations(parts, prompts):
+    tokenizer, _, _, eos = parts
+    rows = sample_rows(prompts[:1]) * 3
+    long_call = '<tool_call>{"name": "describe", "arguments": {"topic": "red"}}</tool_call>'
+    texts = [[long_call, "red"], [CALL.format(x=0)] * 3, [CALL.format(x=0), "red"]]
+    generate, _ = scripted(tokenizer, eos, texts)
+    loop = make_loop(parts, max_turns=2, max_observation_tokens=64)
+    call_tokens = len(tokenizer(CALL.format(x=0), add_special_tokens=False)["input_ids"]) + 1
+    # a budget the call fits in, but not its observation: stopped, the observation not appended
+    cut, turns_out = loop.run(rows[:2], 400, generate)
+    [budget] = loop.run(rows[2:], call_tokens + 8, scripted(tokenizer, eos, texts[2:])[0])
+    assert cut.record.stop == STOP_ANSWER and cut.record.calls[0].error == ERROR_OVERSIZED
+    assert len(cut.turns[1].token_ids) <= 64 and "[... cut:" in tokenizer.decode(cut.turns[1].token_ids)
+    assert turns_out.record.stop == STOP_MAX_TURNS and turns_out.record.model_turns == 2
+    assert budget.record.stop == STOP_BUDGET and len(budget.turns) == 1
+    metrics = trajectory_metrics([cut.record, turns_out.record, budget.record])
+    assert metrics["agent/turns/mean"] == 5 / 3 and metrics["agent/tool_calls/mean"] == 1.0
+    assert metrics["agent/tool_calls/zoom"] == 2 and metrics["agent/tool_calls/describe"] == 1
+    assert metrics["agent/errors/oversized"] == 1 and metrics["agent/errors/timeout"] == 0
+    assert [metrics[f"agent/stop/{stop}"] for stop in ("answer", "max_turns", "budget")] == [1 / 3] * 3
+    assert (
+        metrics["agent/observation_tokens/mean"]
+        == sum(r.observation_tokens for r in (cut.record, turns_out.record)) / 3
+    )
+
+
+def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
+    tokenizer, _, _, eos = parts
+    texts = [
+        [
+            '<tool_call>{"name": "frames", "arguments": {"count": 3}}</tool_call>',
+            "<tool_call>{oops</tool_call>",
+            "red",
+        ]
+    ]
+    generate, _ = scripted(tokenizer, eos, texts)
+    [trajectory] = make_loop(parts).run(sample_rows(prompts[:1]), 2000, generate)
+    assert trajectory.record.stop == STOP_ANSWER
+    video_turn, error_turn = trajectory.turns[1], trajectory.turns[3]
+    assert "video_grid_thw" in video_turn.inputs and 2 in video_turn.token_types  # 3 frames padded to 4
+    assert "Error (bad_call): the tool call is not valid JSON" in tokenizer.decode(error_turn.token_ids)
+    # the generations log shows the calls, what they returned, and how the trajectory ended
+    logged = trajectory_log(trajectory.record)
+    assert logged["stop"] == "answer" and len(logged["turns"]) == 5
+    assert [(c["name"], c["media"], c["error"]) for c in logged["calls"]] == [("frames", ["video 3 frames"], None), ("?", [], "bad_call")]  # fmt: skip
+    stream = io.StringIO()
+    ConsoleLogger(1, stream=stream).log_generations(
+        [{"prompt": "p", "response": "r", "trajectory": logged}], 1
+    )
+    assert (
+        "tools:    frames({'count': 3}) -> video 3 frames; ?(None) -> bad_call | ended by answer"
+        in stream.getvalue()
+    )
+    assert [call.error for call in trajectory.record.calls] == [None, "bad_call"]
+    # the compact form (trajectory_media) gives a worker the very same processor outputs
+    remade, _ = parts[2].model_media(video_turn.media)
+    assert remade.keys() == video_turn.inputs.keys()
+    assert all(torch.equal(remade[key], video_turn.inputs[key]) for key in remade)
+
+
+def test_environment_turns_and_rewards(parts, prompts):
+    tokenizer, _, _, eos = parts
+    rows = [dict(row, ground_truth="42") for row in sample_rows(prompts[:1])]
+    generate, _ = scripted(tokenizer, eos, [["50", "no idea", "42"]])
+    [trajectory] = make_loop(parts, environment=GuessTheNumber).run(rows, 400, generate)
+    assert trajectory.turns[0].index == 0 and not trajectory.turns[0].by_model  # the opening observation
+    # it follows the prompt's assistant header: that (empty) turn is closed first
+    opening = "<|im_end|>\n<|im_start|>user\nGuess my number between 0 and 100. Answer with one number."
+    assert tokenizer.decode(trajectory.turns[0].token_ids) == opening + "<|im_end|>\n<|im_start|>assistant\n"
+    assert trajectory.turn_rewards == [0.0, 0.0, 1.0] and trajectory.record.stop == STOP_ANSWER
+    assert (
+        "go lower" in tokenizer.decode(trajectory.turns[2].token_ids)
+        and trajectory.turns[2].media is not None
+    )
+    assert [turn.index for turn in trajectory.turns] == [0, 1, 2, 3, 4, 5]
+
+
+def test_hf_rollout_log_probs_match_the_trainer_on_trajectories_with_images(parts, prompts, tiny_vl_path):
+    tokenizer, _, _, _ = parts
+    # every model turn asks for a zoom (a random model writes no calls), so images arrive mid-trajectory
+    # and a quarter of the vocabulary ends a turn, so that the random model's turns are short
+    _, _, media, eos = parts
+    ends = [eos, *range(0, len(tokenizer), 4)]
+    loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), lambda text: [ToolCall("zoom", {"x": 0, "y": 0})],
+                     LoopOptions(max_turns=3), ends, ToolRunner(TOOLS, timeout_s=5))  # fmt: skip
+    rollout = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True, agent=loop)
+    rollout.eos_token_ids = ends
+    batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=96, seed=3))
+    records = batch.non_tensor_batch["trajectory"]
+    assert sum(len(record.calls) for record in records) >= 4 and check_batch(batch) == []
+    actor = policy_actor(training_model(tiny_vl_path))
+    log_probs, _ = actor.compute_log_probs(batch, micro_batch_size=4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    assert (batch.batch["response_turns"][mask] % 2 == 1).all()
+    gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
+    assert gap.max() < 1e-5
+
+
+def test_prompts_show_the_tool_schemas(parts, shapes_data_dir):
+    tokenizer, processor, _, _ = parts
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    path = str(shapes_data_dir / "train.jsonl")
+    schemas = [TOOLS["zoom"].schema]
+    with_tools = PromptDataset(path, tokenizer, processor, config, tools=schemas)[0]
+    plain = PromptDataset(path, tokenizer, processor, config)[0]
+    text = tokenizer.decode(with_tools["raw_prompt_ids"])
+    assert (
+        '"name": "zoom"' in text
+        and "<tools>" in text
+        and "<tools>" not in tokenizer.decode(plain["raw_prompt_ids"])
+    )
+
+
+class _BrokenEnvironment:
+    """Opens fine, then fails on its first step."""
+
+    def reset(self, row):
+        return ""  # no opening observation
+
+    def step(self, action_text):
+        raise RuntimeError("simulator crashed")
+
+
+def test_a_failing_environment_ends_its_episode_not_the_run(parts, prompts):
+    tokenizer, _, _, eos = parts
+    generate, _ = scripted(tokenizer, eos, [["left"]])
+    [trajectory] = make_loop(parts, environment=_BrokenEnvironment).run(
+        sample_rows(prompts[:1]), 400, generate
+    )
+    assert [turn.index for turn in trajectory.turns] == [1] and trajectory.turn_rewards == [0.0]
+    assert trajectory.record.stop == STOP_ANSWER
+    assert (
+        trajectory.record.calls[0].error == "raised"
+        and "simulator crashed" in trajectory.record.calls[0].output
+    )
