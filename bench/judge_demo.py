@@ -137,6 +137,21 @@ def run_numbers(metrics_file: Path) -> dict:
     return {"validations": validations, "steps": steps, "time": share}
 
 
+def agreement(generations_file: Path) -> dict[int, float]:
+    """Per validation step: the fraction of the policy's answers on which the judge's verdict (the logged
+    score) equals the rule file's accuracy."""
+    sys.path.insert(0, str(REPO / "reward_functions"))
+    from shapes import accuracy_reward
+
+    same: dict[int, list[bool]] = {}
+    for line in generations_file.read_text().splitlines():
+        if line.strip():
+            sample = json.loads(line)
+            rule = accuracy_reward(sample["response"], sample["ground_truth"])
+            same.setdefault(sample["step"], []).append(rule == sample["score"])
+    return {step: sum(values) / len(values) for step, values in same.items()}
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -176,8 +191,16 @@ def main() -> None:
         run = run_numbers(Path(args.metrics))
         results["run"] = run
         print("\nThe policy, trained on the judge's verdict alone (rule accuracy: a yardstick, weight 0)\n")
-        table = [[v["step"], _fmt(v["rule_accuracy"]), _fmt(v["judge_yes"])] for v in run["validations"]]
-        print(markdown_table(["step", "val accuracy (rule)", "val judge says yes"], table))
+        generations = Path(args.metrics).with_name("generations.jsonl")
+        agree = agreement(generations) if generations.is_file() else {}
+        for validation in run["validations"]:
+            validation["judge_agrees"] = agree.get(validation["step"])
+        table = [
+            [v["step"], _fmt(v["rule_accuracy"]), _fmt(v["judge_yes"]), _fmt(v["judge_agrees"])]
+            for v in run["validations"]
+        ]
+        headers = ["step", "val accuracy (rule)", "val judge says yes", "judge agrees with the rule"]
+        print(markdown_table(headers, table))
         time_share = run["time"]
         print(
             f"\njudge share of step time over {time_share['steps']} steps: {_fmt(time_share['judge_share'])} "

@@ -14,7 +14,7 @@ Held-out accuracy (``val`` images, every colour as the response) is measured in-
 again through the served judge.
 
 CLI: ``python -m mmrl.demo.judge --model assets/models/tiny-qwen2.5-vl --data_dir
-assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 300]``
+assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 150]``
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def render_prompt(template: str, question: str, response: str) -> str:
     return environment.from_string(template).render(question=question, response=response, ground_truth="")
 
 
-def judge_rows(data_file: Path, template: str, not_colours: tuple[str, ...]) -> list[dict]:
-    """Judge rows for every image of ``data_file``: each colour of the task and each of ``not_colours`` as
-    the response, ``answer`` yes for the true colour and no otherwise; ``images`` keep their paths."""
+def judge_rows(
+    data_file: Path, template: str, colours: list[str], not_colours: tuple[str, ...] = ()
+) -> list[dict]:
+    """Judge rows for every image of ``data_file``: each of ``colours`` and of ``not_colours`` as the
+    response, ``answer`` yes for the true colour and no otherwise; ``images`` keep their paths."""
     rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
-    colours = sorted({row["answer"] for row in rows})
     out = []
     for row in rows:
         for response in [*colours, *not_colours]:
@@ -119,7 +120,7 @@ def train_judge(
     model_dir: str,
     data_dir: str,
     out_dir: str,
-    steps: int = 300,
+    steps: int = 150,
     batch_size: int = 16,
     lr: float = 2e-3,
     seed: int = 0,
@@ -144,18 +145,20 @@ def train_judge(
     model = load_model(model_dir)
     width = max(len(tokenizer.encode(label, add_special_tokens=False)) for label in LABELS) + 1
     colour_width = 4  # the colour words and EOS
-    train_lines = (data / "train.jsonl").read_text().splitlines()[:max_train_images]
+    all_train_lines = [line for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
+    colours = sorted({json.loads(line)["answer"] for line in all_train_lines})
+    train_lines = all_train_lines[:max_train_images]
     with tempfile.TemporaryDirectory(prefix="mmrl-judge-") as folder:
         (Path(folder) / "train_images.jsonl").write_text("\n".join(train_lines) + "\n")
-        rows = judge_rows(Path(folder) / "train_images.jsonl", template, not_colours)
+        rows = judge_rows(Path(folder) / "train_images.jsonl", template, colours, not_colours)
         by_label = {label: [i for i, row in enumerate(rows) if row["answer"] == label] for label in LABELS}
         train = _dataset(rows, Path(folder), "train", data, tokenizer, processor)
         val_lines = (data / "val.jsonl").read_text().splitlines()[:max_val_images]
         (Path(folder) / "val_images.jsonl").write_text("\n".join(val_lines) + "\n")
-        val_rows = judge_rows(Path(folder) / "val_images.jsonl", template, ())
+        val_rows = judge_rows(Path(folder) / "val_images.jsonl", template, colours)
         held_out = _dataset(val_rows, Path(folder), "val", data, tokenizer, processor)
         colour_rows = [json.loads(line) for line in train_lines]
-        colours = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
+        colour_data = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
         half = max(1, batch_size // 2)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         model.train()
@@ -165,10 +168,10 @@ def train_judge(
             loss = answer_loss(
                 model, train, items, [str(it["ground_truth"]) for it in items], 1, tokenizer, width
             )
-            colour_items = [colours[int(i)] for i in rng.choice(len(colours), half, replace=False)]
+            colour_items = [colour_data[int(i)] for i in rng.choice(len(colour_data), half, replace=False)]
             colour_answers = [str(item["ground_truth"]) for item in colour_items]
             loss = loss + answer_loss(
-                model, colours, colour_items, colour_answers, 1, tokenizer, colour_width
+                model, colour_data, colour_items, colour_answers, 1, tokenizer, colour_width
             )
             optimizer.zero_grad()
             loss.backward()
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="tiny model folder to start from")
     parser.add_argument("--data_dir", required=True, help="the colour task's folder (train.jsonl, val.jsonl)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)

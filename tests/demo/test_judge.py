@@ -14,6 +14,8 @@ from mmrl.demo.judge import TEMPLATE, judge_rows, render_prompt, train_judge
 from mmrl.rewards.judge import JudgeSource, build_judge
 from mmrl.rewards.source import SampleFailure
 
+COLOURS = ["blue", "green", "red", "yellow"]
+
 
 def _images(data_dir):
     return [json.loads(line) for line in (data_dir / "val.jsonl").read_text().splitlines()]
@@ -21,7 +23,7 @@ def _images(data_dir):
 
 def test_judge_rows_say_yes_to_the_true_colour_only_and_never_show_it(shapes_data_dir):
     images = _images(shapes_data_dir)
-    rows = judge_rows(shapes_data_dir / "val.jsonl", TEMPLATE.read_text(), ("shape",))
+    rows = judge_rows(shapes_data_dir / "val.jsonl", TEMPLATE.read_text(), COLOURS, ("shape",))
     assert len(rows) == 5 * len(images)  # four colours and one word that is no colour, per image
     for index, image in enumerate(images):
         group = rows[5 * index : 5 * index + 5]
