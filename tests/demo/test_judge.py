@@ -63,7 +63,9 @@ def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data
         max_val_images=2,
     )  # fmt: skip
     assert again == evaluation and "is up to date" in capsys.readouterr().out
-    server = VllmServer(str(out), "judge", ["--max-model-len", "512", "--enforce-eager"], {})
+    server = VllmServer(
+        str(out), "judge", ["--max-model-len", "512", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     try:
         base_url = server.start(timeout_s=300)
         judge = build_judge(
