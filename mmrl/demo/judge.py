@@ -14,7 +14,8 @@ Held-out accuracy (``val`` images, every colour as the response) is measured in-
 again through the served judge.
 
 CLI: ``python -m mmrl.demo.judge --model assets/models/tiny-qwen2.5-vl --data_dir
-assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 150]``
+assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 150]``; ``make assets-judge``
+runs it twice, the second time from the first judge with ``--seed 1`` (300 steps in all).
 """
 
 from __future__ import annotations
