@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--template", default=str(TEMPLATE), help="the judge prompt's Jinja file")
+    parser.add_argument(
+        "--not_colours", nargs="*", default=list(NOT_COLOURS), help="responses that are no colour"
+    )
     args = parser.parse_args(argv)
     train_judge(
         args.model,
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         seed=args.seed,
         template_file=args.template,
+        not_colours=tuple(args.not_colours),
     )
 
 
