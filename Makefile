@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 
 GPU_PYTHON ?= python
 
-.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial bench-recipes bench bench-scale test test-fast quality style clean
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge bench-recipes bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -62,6 +62,20 @@ assets-spatial: install
 
 demo-spatial: assets-spatial
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)
+
+# A judge teaches (examples/tiny_cpu_judge.yaml): a tiny judge that sees the image answers whether a
+# response names the shape's colour; served by vLLM's OpenAI-compatible server, its yes/no is the only reward.
+# bench/judge_demo.py then prints the judge's held-out accuracy (served), the policy's curve and the judge's time.
+# The judge: 150 supervised steps from the random tiny model, then 150 more from there (seed 1), the
+# judge the README's numbers were measured with.
+assets-judge: assets
+	@$(PY) -m mmrl.demo.judge --model $(ASSETS)/models/tiny-qwen2.5-vl --data_dir $(ASSETS)/data/shapes-color \
+		--out $(ASSETS)/models/tiny-judge-colour-150 --steps 150
+	@$(PY) -m mmrl.demo.judge --model $(ASSETS)/models/tiny-judge-colour-150 --data_dir $(ASSETS)/data/shapes-color \
+		--out $(ASSETS)/models/tiny-judge-colour --steps 150 --seed 1
+
+demo-judge: assets-judge
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_judge.yaml $(ARGS)
 
 # seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
 bench-recipes: assets-spatial

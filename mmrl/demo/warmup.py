@@ -74,11 +74,12 @@ def _dataset(data_file: str, tokenizer, processor) -> PromptDataset:
     return PromptDataset(data_file, tokenizer, processor, config)
 
 
-def _answer_loss(
+def answer_token_losses(
     model, dataset: PromptDataset, items: list[dict], answers: list[str], repeat: int, tokenizer, width: int
-) -> torch.Tensor:
-    """Mean cross-entropy of ``answers`` (then EOS) after the prompts ``items``, each repeated ``repeat``
-    times in a row (``answers`` has one entry per repeated prompt)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy ``[B, width]`` of each token of ``answers`` (then EOS) after the prompts ``items``,
+    each repeated ``repeat`` times in a row (``answers`` has one entry per repeated prompt), and the
+    mask ``[B, width]`` of the tokens that count (up to and including EOS)."""
     prompts = collate_prompts(items, tokenizer.pad_token_id).repeat(repeat, interleave=True)
     prompts = attach_media(prompts, dataset.media)  # multi_modal_inputs, as a worker makes them
     responses = answer_batch(answers, tokenizer, width)
@@ -98,7 +99,15 @@ def _answer_loss(
         mm_types,
     )
     token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses, reduction="none")
-    return (token_loss * mask).sum() / mask.sum()
+    return token_loss * mask, mask
+
+
+def answer_loss(
+    model, dataset: PromptDataset, items: list[dict], answers: list[str], repeat: int, tokenizer, width: int
+) -> torch.Tensor:
+    """Mean cross-entropy of ``answers`` (then EOS) over their tokens (see :func:`answer_token_losses`)."""
+    token_loss, mask = answer_token_losses(model, dataset, items, answers, repeat, tokenizer, width)
+    return token_loss.sum() / mask.sum()
 
 
 def warm_up(
@@ -143,11 +152,11 @@ def warm_up(
     for step in range(steps):
         items = [dataset[int(i)] for i in rng.choice(len(dataset), batch_size, replace=False)]
         # every answer for every prompt: the target is uniform over the answers, whatever the image
-        loss = _answer_loss(model, dataset, items, answer_set * batch_size, len(answer_set), tokenizer, width)
+        loss = answer_loss(model, dataset, items, answer_set * batch_size, len(answer_set), tokenizer, width)
         if aux is not None:  # true labels of the auxiliary task: the vision path learns to see
             aux_items = [aux[int(i)] for i in rng.choice(len(aux), batch_size, replace=False)]
             answers = [str(item["ground_truth"]) for item in aux_items]
-            loss = loss + _answer_loss(model, aux, aux_items, answers, 1, tokenizer, width)
+            loss = loss + answer_loss(model, aux, aux_items, answers, 1, tokenizer, width)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -131,10 +131,12 @@ def build_entropy_controller(config: PPOConfig) -> core_algos.EntropyController:
 def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
-    per device holds every model role, the critic's included."""
+    per device holds every model role, the critic's included; a judge mmrl serves has CPUs of its own."""
     workers = config.trainer.world_size * max(1.0, config.trainer.cpus_per_worker or 1.0)
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
-    return max(os.cpu_count() or 1, math.ceil(workers + rewards + 1))
+    judge = config.worker.reward.judge
+    served_judge = judge.serve.num_cpus if judge.enable and judge.serve.model_path else 0.0
+    return max(os.cpu_count() or 1, math.ceil(workers + rewards + served_judge + 1))
 
 
 def placement_line(node_ids: list[str]) -> str:

@@ -7,6 +7,7 @@ cluster with logical GPUs in tests/single_controller/test_worker_group.py.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,23 @@ def test_constraints_gpu_pins_the_tested_set():
             name, _, version = line.partition("==")
             pins[name] = version
     assert {name: pins[name] for name in TESTED} == TESTED
+
+
+def test_a_local_cluster_has_cpus_for_the_judge_mmrl_serves():
+    from mmrl.trainer.config_loader import load_config
+    from mmrl.trainer.ray_trainer import local_cluster_cpus
+
+    judge_run = ["config=" + str(REPO_ROOT / "examples" / "tiny_cpu_judge.yaml")]
+    # 2 training processes, 1 reward worker, the judge server's 9, one spare
+    served = load_config(judge_run + ["worker.reward.judge.serve.num_cpus=9"], check_paths=False)
+    assert local_cluster_cpus(served) == max(os.cpu_count() or 1, 2 + 1 + 9 + 1)
+    unserved = load_config(
+        judge_run
+        + [
+            "worker.reward.judge.serve.model_path=null",
+            "worker.reward.judge.base_url=http://127.0.0.1:1/v1",
+            "worker.reward.judge.model=judge",
+        ],
+        check_paths=False,
+    )
+    assert local_cluster_cpus(unserved) == max(os.cpu_count() or 1, 2 + 1 + 1)

@@ -1,0 +1,228 @@
+"""A tiny vision-language judge for the colour task: it sees the image and a response and answers whether
+the response names the shape's colour (``yes`` / ``no``). ``examples/tiny_cpu_judge.yaml`` serves it with
+vLLM's OpenAI-compatible server and trains the policy on its answers alone.
+
+The judge is a tiny Qwen2.5-VL trained supervised from random weights. Its prompt is the run's judge
+template (``format_prompts/judge_colour.jinja``) rendered with the row's question and a response, and no
+ground truth: the judge has to look at the image. Per training image it is shown the true colour (label
+``yes``), each other colour and a few words that are no colour (``no``); each step draws as many ``yes``
+as ``no`` rows. Like the spatial warm-up (:mod:`mmrl.demo.warmup`), every step also trains the plain
+colour question with its true answer, which opens the tiny model's image path.
+
+Held-out accuracy (``val`` images, every colour as the response) is measured in-process: the judge says
+``yes`` when the answer ``yes`` (then EOS) is more likely than ``no``. ``bench/judge_demo.py`` measures it
+again through the served judge.
+
+CLI: ``python -m mmrl.demo.judge --model assets/models/tiny-qwen2.5-vl --data_dir
+assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 150]``; ``make assets-judge``
+runs it twice, the second time from the first judge with ``--seed 1`` (300 steps in all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmrl.data.config import DataConfig
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import load_tokenizer_and_processor
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.demo.warmup import MARKER, answer_loss, answer_token_losses
+from mmrl.models.loading import as_source_class, load_model
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "format_prompts" / "judge_colour.jinja"
+NOT_COLOURS = ("shape", "circle", "square", "no", "white")  # responses that name no colour: "no"
+LABELS = ("yes", "no")
+
+
+def render_prompt(template: str, question: str, response: str) -> str:
+    """The judge's prompt text, rendered as :class:`mmrl.rewards.judge.JudgeSource` renders it."""
+    import jinja2
+
+    environment = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    return environment.from_string(template).render(question=question, response=response, ground_truth="")
+
+
+def judge_rows(
+    data_file: Path, template: str, colours: list[str], not_colours: tuple[str, ...] = ()
+) -> list[dict]:
+    """Judge rows for every image of ``data_file``: each of ``colours`` and of ``not_colours`` as the
+    response, ``answer`` yes for the true colour and no otherwise; ``images`` keep their paths."""
+    rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
+    out = []
+    for row in rows:
+        for response in [*colours, *not_colours]:
+            out.append(
+                {
+                    "problem": render_prompt(template, row["problem"], response),
+                    "answer": "yes" if response == row["answer"] else "no",
+                    "images": row["images"],
+                }
+            )
+    return out
+
+
+def _dataset(
+    rows: list[dict], folder: Path, name: str, media_dir: Path, tokenizer, processor
+) -> PromptDataset:
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pixels = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+    config = DataConfig(media_dir=str(media_dir), filter_overlong_prompts=False, **pixels)
+    return PromptDataset(str(path), tokenizer, processor, config)
+
+
+@torch.no_grad()
+def judge_accuracy(model, dataset: PromptDataset, tokenizer, width: int, batch_size: int = 32) -> dict:
+    """Accuracy of the judge's yes/no (the likelier of the two answers) over ``dataset``: all rows, the
+    rows whose answer is yes, those whose answer is no."""
+    model.eval()
+    correct = {"yes": [], "no": []}
+    for start in range(0, len(dataset), batch_size):
+        items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        token_loss, _ = answer_token_losses(
+            model, dataset, items, list(LABELS) * len(items), 2, tokenizer, width
+        )
+        loss = token_loss.sum(-1).view(len(items), 2)  # [B, (yes, no)]: minus the answer's log-likelihood
+        says_yes = (loss[:, 0] < loss[:, 1]).tolist()
+        for item, yes in zip(items, says_yes):
+            truth = str(item["ground_truth"])
+            correct[truth].append(yes == (truth == "yes"))
+    model.train()
+    every = correct["yes"] + correct["no"]
+    return {
+        "accuracy": float(np.mean(every)),
+        "yes_accuracy": float(np.mean(correct["yes"])),
+        "no_accuracy": float(np.mean(correct["no"])),
+        "rows": len(every),
+    }
+
+
+def _settings(model_dir: Path, data_dir: Path, template: str, **options) -> dict:
+    digest = hashlib.sha256(template.encode())
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(data_dir.glob("*.jsonl")):
+        digest.update(path.read_bytes())
+    return {
+        "model_dir": str(model_dir),
+        "data_dir": str(data_dir),
+        "inputs": digest.hexdigest()[:16],
+        **options,
+    }
+
+
+def train_judge(
+    model_dir: str,
+    data_dir: str,
+    out_dir: str,
+    steps: int = 150,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    seed: int = 0,
+    template_file: str | Path = TEMPLATE,
+    max_train_images: int | None = None,
+    max_val_images: int | None = None,
+    not_colours: tuple[str, ...] = NOT_COLOURS,
+) -> dict:
+    """Trains the judge (module docstring) and writes a Hugging Face folder to ``out_dir``; returns its
+    held-out accuracy (also in ``out_dir/judge_eval.json``). Up to date when the inputs did not change."""
+    out, data, template = Path(out_dir), Path(data_dir), Path(template_file).read_text()
+    settings = _settings(
+        Path(model_dir), data, template, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+        max_train_images=max_train_images, max_val_images=max_val_images, not_colours=list(not_colours),
+    )  # fmt: skip
+    if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
+        print(f"[mmrl.demo.judge] {out} is up to date")
+        return json.loads((out / "judge_eval.json").read_text())
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tokenizer, processor = load_tokenizer_and_processor(model_dir)
+    model = load_model(model_dir)
+    width = max(len(tokenizer.encode(label, add_special_tokens=False)) for label in LABELS) + 1
+    colour_width = 4  # the colour words and EOS
+    all_train_lines = [line for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
+    colours = sorted({json.loads(line)["answer"] for line in all_train_lines})
+    train_lines = all_train_lines[:max_train_images]
+    with tempfile.TemporaryDirectory(prefix="mmrl-judge-") as folder:
+        (Path(folder) / "train_images.jsonl").write_text("\n".join(train_lines) + "\n")
+        rows = judge_rows(Path(folder) / "train_images.jsonl", template, colours, not_colours)
+        by_label = {label: [i for i, row in enumerate(rows) if row["answer"] == label] for label in LABELS}
+        train = _dataset(rows, Path(folder), "train", data, tokenizer, processor)
+        val_lines = (data / "val.jsonl").read_text().splitlines()[:max_val_images]
+        (Path(folder) / "val_images.jsonl").write_text("\n".join(val_lines) + "\n")
+        val_rows = judge_rows(Path(folder) / "val_images.jsonl", template, colours)
+        held_out = _dataset(val_rows, Path(folder), "val", data, tokenizer, processor)
+        colour_rows = [json.loads(line) for line in train_lines]
+        colour_data = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
+        half = max(1, batch_size // 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        model.train()
+        for step in range(steps):
+            picked = [int(i) for label in LABELS for i in rng.choice(by_label[label], half, replace=False)]
+            items = [train[i] for i in picked]
+            loss = answer_loss(
+                model, train, items, [str(it["ground_truth"]) for it in items], 1, tokenizer, width
+            )
+            colour_items = [colour_data[int(i)] for i in rng.choice(len(colour_data), half, replace=False)]
+            colour_answers = [str(item["ground_truth"]) for item in colour_items]
+            loss = loss + answer_loss(
+                model, colour_data, colour_items, colour_answers, 1, tokenizer, colour_width
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % 25 == 0 or step == steps - 1:
+                print(f"[mmrl.demo.judge] step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
+        evaluation = judge_accuracy(model, held_out, tokenizer, width)
+    print(
+        f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
+        f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f})"
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    as_source_class(model.eval(), model_dir).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    (tmp / "judge_eval.json").write_text(json.dumps(evaluation))
+    (tmp / MARKER).write_text(json.dumps(settings))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"[mmrl.demo.judge] wrote {out}")
+    return evaluation
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="tiny model folder to start from")
+    parser.add_argument("--data_dir", required=True, help="the colour task's folder (train.jsonl, val.jsonl)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--template", default=str(TEMPLATE), help="the judge prompt's Jinja file")
+    parser.add_argument(
+        "--not_colours", nargs="*", default=list(NOT_COLOURS), help="responses that are no colour"
+    )
+    args = parser.parse_args(argv)
+    train_judge(
+        args.model,
+        args.data_dir,
+        args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        template_file=args.template,
+        not_colours=tuple(args.not_colours),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The judge demo's pieces: its training rows, its prompt equal to what the served judge is sent, and a
+judge the training script writes that vLLM's OpenAI-compatible server loads and answers through the
+run's judge client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrl.config import JudgeConfig
+from mmrl.data.processing import PromptMedia
+from mmrl.demo.judge import TEMPLATE, judge_rows, render_prompt, train_judge
+from mmrl.rewards.judge import JudgeSource, build_judge
+from mmrl.rewards.source import SampleFailure
+
+COLOURS = ["blue", "green", "red", "yellow"]
+
+
+def _images(data_dir):
+    return [json.loads(line) for line in (data_dir / "val.jsonl").read_text().splitlines()]
+
+
+def test_judge_rows_say_yes_to_the_true_colour_only_and_never_show_it(shapes_data_dir):
+    images = _images(shapes_data_dir)
+    rows = judge_rows(shapes_data_dir / "val.jsonl", TEMPLATE.read_text(), COLOURS, ("shape",))
+    assert len(rows) == 5 * len(images)  # four colours and one word that is no colour, per image
+    for index, image in enumerate(images):
+        group = rows[5 * index : 5 * index + 5]
+        assert [row["answer"] for row in group].count("yes") == 1
+        for row in group:
+            response = row["problem"].split("Answer given: ")[1].split("\n")[0]
+            assert (row["answer"] == "yes") == (response == image["answer"])
+            assert row["images"] == image["images"] and row["problem"].startswith("<image>")
+            if response != image["answer"]:  # the prompt names no colour but the response's
+                assert image["answer"] not in row["problem"]
+
+
+def test_the_judge_is_trained_on_the_text_the_served_judge_is_sent(shapes_data_dir):
+    image = _images(shapes_data_dir)[0]
+    trained = render_prompt(TEMPLATE.read_text(), image["problem"], "blue")
+    source = JudgeSource(client=None, model="judge", template=TEMPLATE.read_text())
+    sample = {"problem": image["problem"], "response": "blue", "ground_truth": image["answer"]}
+    sample["media"] = PromptMedia(prompt="", images=(str(shapes_data_dir / image["images"][0]),))
+    content = source.request(0, sample)["messages"][0]["content"]
+    assert [part["type"] for part in content] == ["image_url", "text"]
+    assert trained == "<image>" + content[1]["text"]
+
+
+@pytest.mark.slow
+def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data_dir, tmp_path, capsys):
+    from mmrl.rewards.judge_server import VllmServer
+
+    out = tmp_path / "judge"
+    evaluation = train_judge(
+        str(tiny_vl_path), str(shapes_data_dir), str(out), steps=1, batch_size=4, max_train_images=8,
+        max_val_images=2,
+    )  # fmt: skip
+    assert evaluation["rows"] == 2 * 4 and 0.0 <= evaluation["accuracy"] <= 1.0
+    capsys.readouterr()
+    again = train_judge(
+        str(tiny_vl_path), str(shapes_data_dir), str(out), steps=1, batch_size=4, max_train_images=8,
+        max_val_images=2,
+    )  # fmt: skip
+    assert again == evaluation and "is up to date" in capsys.readouterr().out
+    server = VllmServer(
+        str(out), "judge", ["--max-model-len", "512", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    try:
+        base_url = server.start(timeout_s=300)
+        judge = build_judge(
+            JudgeConfig(prompt_template=str(TEMPLATE), max_tokens=4, cache=False),
+            base_url,
+            "judge",
+            None,
+            "problem",
+        )
+        image = _images(shapes_data_dir)[0]
+        media = PromptMedia(prompt="", images=(str(shapes_data_dir / image["images"][0]),))
+        samples = [
+            {"problem": image["problem"], "response": word, "media": media} for word in ("red", "blue")
+        ]
+        results = judge.score(samples)
+        judge.close()
+    finally:
+        server.stop()
+    # answered (one trained step leaves the judge's words unreadable or not: either is scored)
+    assert not any(isinstance(result, SampleFailure) for result in results)
+    assert all(result["overall"] in (0.0, 1.0) for result in results)
+    assert not server.alive()
