@@ -81,12 +81,14 @@ def _build_job(rank: int, world_size: int, model_path: str, rank0_init: bool, ro
     }
 
 
-def measure(model_path: Path, ranks: int, roles: list[str]) -> list[dict]:
+def measure(model_path: Path, ranks: int, roles: list[str], timeout_s: float) -> list[dict]:
     from mmrl.parallel.spawn import run_on_ranks
 
     rows = []
     for mode, rank0_init in (("before: every rank reads", False), ("after: rank 0 broadcasts", True)):
-        for result in run_on_ranks(_build_job, ranks, str(model_path), rank0_init, roles):
+        for result in run_on_ranks(
+            _build_job, ranks, str(model_path), rank0_init, roles, timeout_s=timeout_s
+        ):
             rows.append({"mode": mode, **result})
             print(f"[scale_load] {mode}: {result}", flush=True)
     return rows
@@ -107,12 +109,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--roles", nargs="+", default=["actor"], choices=["actor", "ref"])
+    parser.add_argument("--timeout_s", type=float, default=900.0, help="per mode (a loaded machine is slow)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from mmrl.demo.tiny import ensure_tiny_model
 
     model = ensure_tiny_model("qwen2_5_vl", "3b-width", root=RESULTS / "models")
-    rows = measure(model, args.ranks, args.roles)
+    rows = measure(model, args.ranks, args.roles, args.timeout_s)
     print(f"\nhost memory of building {'+'.join(args.roles)} at 3B widths on {args.ranks} ranks")
     print(format_table(rows))
     write_json("scale_load.json", {"args": vars(args), "rows": rows})

@@ -66,8 +66,13 @@ class DataConfig:
     video_fps: float = 2.0  # video frames sampled per second of video (unless num_video_frames is set)
     num_video_frames: int | None = None  # frames sampled evenly from each video; null = by video_fps
     max_video_frames: int = 64  # at most this many frames per video (counts are made even for Qwen)
+    min_video_frames: int = 4  # at least this many frames per video sampled by video_fps (qwen-vl-utils' 4)
     video_min_pixels: int = 100352  # video frames smaller than this many pixels are upscaled (aspect kept)
     video_max_pixels: int = 602112  # video frames larger than this many pixels are downscaled (aspect kept)
+    # a video's frames together at most this many pixels (counted per temporal patch of 2 frames, as
+    # qwen-vl-utils' total_pixels): long videos get smaller frames, never under 1.05 × video_min_pixels;
+    # null = qwen-vl-utils' default, 0.9 × 128000 tokens' worth (90316800 pixels at Qwen2.5-VL's 28×28)
+    video_total_pixels: int | None = None
     max_audio_seconds: float = 30.0  # audio and video sound tracks are cut after this many seconds
     use_audio_in_video: bool = False  # Qwen-Omni: also feed each video's sound track, interleaved with frames
     skip_bad_samples: bool = False  # skip bad samples (unreadable media, marker mismatch) and count them

@@ -452,17 +452,20 @@ class PromptDataset(torch.utils.data.Dataset):
         row, base_dir, where, _, refs, prompt = self._render(position)
         if refs["video"] or refs["audio"]:
             return None
+        image_processor = self.processor.image_processor if refs["image"] else None
+        factor = image_processor.patch_size * image_processor.merge_size if image_processor else 1
         try:
             sizes = [
-                image_size(ref, self.config.min_pixels, self.config.max_pixels, base_dir)
+                image_size(ref, self.config.min_pixels, self.config.max_pixels, base_dir, factor=factor)
                 for ref in refs["image"]
             ]
         except MediaError as err:
             raise media_error(where, err) from None
         length = len(self.tokenizer.encode(prompt, add_special_tokens=False))
-        image_processor = self.processor.image_processor if sizes else None
         for width, height in sizes:  # each image's one placeholder becomes one token per merged patch block
-            patches = image_processor.get_number_of_image_patches(height, width, {})
+            # on the grid already (media.smart_size), and the processor is told to keep the size
+            size = {"min_pixels": width * height, "max_pixels": width * height}
+            patches = image_processor.get_number_of_image_patches(height, width, size)
             length += patches // image_processor.merge_size**2 - 1
         return length, len(sizes)
 

@@ -50,6 +50,8 @@ LENGTH_SETTINGS = (
     "video_fps",
     "num_video_frames",
     "max_video_frames",
+    "min_video_frames",
+    "video_total_pixels",
     "video_min_pixels",
     "video_max_pixels",
     "max_audio_seconds",
@@ -135,7 +137,7 @@ def cache_key(dataset: PromptDataset) -> str:
         "settings": {name: getattr(config, name) for name in LENGTH_SETTINGS},
         "format_prompt": _text_digest(config.format_prompt),
         "tokenizer": _tokenizer_digest(dataset.tokenizer, dataset.processor),
-        "version": 1,
+        "version": 2,  # 2: images and frames sized on the patch grid as qwen-vl-utils sizes them
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

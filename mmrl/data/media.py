@@ -4,12 +4,19 @@ References: a path (absolute, or relative to a base folder), raw bytes or a ``{"
 (Hugging Face ``datasets`` columns); images may also be PIL images, audio also a decoded
 ``{"array", "sampling_rate"}`` dict.
 
-- Images (Pillow): RGB, scaled (aspect kept) so that their pixel count lies within
+- Images (Pillow): RGB (transparency onto white), scaled (aspect kept) onto the model's patch grid
+  (``factor``: 28 pixels for Qwen2/2.5-VL, 32 for Qwen3-VL) with their pixel count within
   ``[min_pixels, max_pixels]``.
-- Videos (PyAV): frames sampled evenly at ``fps`` per second of video, or ``num_frames`` per video,
-  at most ``max_frames``, their count a multiple of ``frame_multiple`` (the model's temporal patch:
-  2 for Qwen), scaled into the pixel range like images. The sampling is kept (source fps and frame
-  indices) so that the processor derives the seconds per frame that M-RoPE needs.
+- Videos (PyAV): frames sampled evenly at ``fps`` per second of video (at least ``min_frames``), or
+  ``num_frames`` per video, at most ``max_frames``, their count a multiple of ``frame_multiple`` (the
+  model's temporal patch: 2 for Qwen), sized like images with each frame's cap lowered to its share
+  of the video's ``total_pixels`` budget. The sampling is kept (source fps and frame indices) so that
+  the processor derives the seconds per frame that M-RoPE needs.
+
+Sampling and sizing are those of qwen-vl-utils (Qwen's reference, the way its models saw frames in
+training), written here without its torchvision readers; tests/data/test_media_reference.py proves
+equality against it on many shapes and lengths. The processor is then told to leave the sizes as
+they are (:mod:`mmrl.data.processing`).
 - Audio (PyAV): resampled to the feature extractor's rate, mixed down to mono float32, cut after
   ``max_seconds``; a video's own audio track the same way.
 
@@ -30,7 +37,7 @@ from PIL import Image
 
 from mmrl.errors import UserInputError
 
-MIN_IMAGE_SIDE = 28  # Qwen-VL: one merged patch is 28×28 pixels; smaller images cannot be encoded
+MAX_ASPECT_RATIO = 200  # Qwen-VL (qwen-vl-utils, transformers) refuses longer sides over 200 × the shorter
 
 
 class MediaError(UserInputError, ValueError):
@@ -74,41 +81,74 @@ def _open_image(ref: Any, base_dir: str | None) -> Image.Image:
     )
 
 
+def smart_size(
+    width: int, height: int, factor: int, min_pixels: int | None, max_pixels: int | None
+) -> tuple[int, int]:
+    """``(width, height)`` on the model's patch grid: both sides multiples of ``factor`` (the merged
+    patch: 28 pixels for Qwen2/2.5-VL, 32 for Qwen3-VL), their product within [min_pixels,
+    max_pixels], the aspect kept as closely as the grid allows.
+
+    Equal to qwen-vl-utils' ``smart_resize`` (the sizing Qwen's models were trained with; proved in
+    tests/data/test_media_reference.py), except that a None bound is no bound (EasyR1's null) where
+    the reference would put its defaults. ``factor=1`` is a plain scale into the pixel range.
+    """
+    if factor > 1 and max(width, height) / max(1, min(width, height)) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            f"{width}×{height} has an aspect ratio over {MAX_ASPECT_RATIO}, which Qwen's models cannot encode"
+        )
+    grid_w = max(factor, round(width / factor) * factor)
+    grid_h = max(factor, round(height / factor) * factor)
+    if max_pixels is not None and grid_w * grid_h > max_pixels:
+        beta = math.sqrt(width * height / max_pixels)  # shrink, then floor onto the grid: stays <= max
+        grid_w = math.floor(width / beta / factor) * factor
+        grid_h = math.floor(height / beta / factor) * factor
+    elif min_pixels is not None and grid_w * grid_h < min_pixels:
+        beta = math.sqrt(min_pixels / (width * height))  # grow, then ceil onto the grid: stays >= min
+        grid_w = math.ceil(width * beta / factor) * factor
+        grid_h = math.ceil(height * beta / factor) * factor
+    return grid_w, grid_h
+
+
 def scaled_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
     """``(width, height)`` scaled (aspect kept) so that width × height lies within [min_pixels, max_pixels];
-    a None bound is no bound (EasyR1's null)."""
-    pixels = width * height
-    if max_pixels is not None and pixels > max_pixels:
-        scale = math.sqrt(max_pixels / pixels)
-    elif min_pixels is not None and pixels < min_pixels:
-        scale = math.sqrt(min_pixels / pixels)
-    else:
-        return width, height
-    # floor when shrinking and ceil when growing keeps the result inside the range
-    rounding = math.floor if scale < 1 else math.ceil
-    return max(1, rounding(width * scale)), max(1, rounding(height * scale))
+    a None bound is no bound (EasyR1's null). :func:`smart_size` with no grid."""
+    return smart_size(width, height, 1, min_pixels, max_pixels)
 
 
-def resize_to_pixel_range(image: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
-    """Scale ``image`` (aspect kept) so that width × height lies within [min_pixels, max_pixels]."""
-    size = scaled_size(image.width, image.height, min_pixels, max_pixels)
+def resize_to_pixel_range(
+    image: Image.Image, min_pixels: int | None, max_pixels: int | None, factor: int = 1
+) -> Image.Image:
+    """Scale ``image`` onto the ``factor`` grid, its pixel count within [min_pixels, max_pixels]
+    (:func:`smart_size`)."""
+    size = smart_size(image.width, image.height, factor, min_pixels, max_pixels)
     if size == image.size:
         return image
     return image.resize(size, Image.Resampling.BICUBIC)
 
 
-def _check_patch_size(width: int, height: int, ref: Any, kind: str, min_pixels_key: str) -> None:
-    if min(width, height) < MIN_IMAGE_SIDE:
+def _check_patch_size(width: int, height: int, ref: Any, kind: str, min_pixels_key: str, factor: int) -> None:
+    min_side = max(factor, 1)
+    if min(width, height) < min_side:  # only a downscale of a very long, thin image gets here
         raise MediaError(
             f"{kind} {_describe(ref)} is {width}×{height} after resizing; both sides must be "
-            f">= {MIN_IMAGE_SIDE} pixels (raise {min_pixels_key} or pad the {kind})"
+            f">= {min_side} pixels (raise {min_pixels_key} or pad the {kind})"
         )
 
 
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB; transparent pixels become white, as qwen-vl-utils' ``to_rgb`` makes them."""
+    if image.mode == "RGBA":
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.split()[3])
+        return white
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
 def load_image(
-    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None
+    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None, factor: int = 1
 ) -> Image.Image:
-    """Decode one image reference into an RGB PIL image within the pixel range."""
+    """Decode one image reference into an RGB PIL image on the ``factor`` grid within the pixel range
+    (:func:`smart_size`)."""
     try:
         image = _open_image(ref, base_dir)
         image.load()  # decode now, so a truncated file fails here and not inside the processor
@@ -116,15 +156,17 @@ def load_image(
         raise
     except Exception as err:  # PIL raises many types for corrupt data
         raise MediaError(f"cannot decode image {_describe(ref)}: {err}") from err
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    image = resize_to_pixel_range(image, min_pixels, max_pixels)
-    _check_patch_size(image.width, image.height, ref, "image", "data.min_pixels")
-    return image
+    try:
+        size = smart_size(image.width, image.height, factor, min_pixels, max_pixels)
+    except MediaError as err:
+        raise MediaError(f"image {_describe(ref)}: {err}") from None
+    _check_patch_size(*size, ref, "image", "data.min_pixels", factor)
+    image = _to_rgb(image)
+    return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
 
 
 def image_size(
-    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None
+    ref: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None, factor: int = 1
 ) -> tuple[int, int]:
     """``(width, height)`` that :func:`load_image` would return, read from the file's header alone (no
     pixels decoded): what a prompt's length needs. A truncated file passes here and fails at load."""
@@ -137,8 +179,11 @@ def image_size(
         raise
     except Exception as err:  # PIL raises many types for data that is no image
         raise MediaError(f"cannot decode image {_describe(ref)}: {err}") from err
-    width, height = scaled_size(width, height, min_pixels, max_pixels)
-    _check_patch_size(width, height, ref, "image", "data.min_pixels")
+    try:
+        width, height = smart_size(width, height, factor, min_pixels, max_pixels)
+    except MediaError as err:
+        raise MediaError(f"image {_describe(ref)}: {err}") from None
+    _check_patch_size(width, height, ref, "image", "data.min_pixels", factor)
     return width, height
 
 
@@ -263,6 +308,38 @@ class DecodedVideo:
         }
 
 
+def video_frame_count(
+    total_frames: int,
+    source_fps: float,
+    fps: float,
+    num_frames: int | None,
+    max_frames: int,
+    frame_multiple: int,
+    min_frames: int = 1,
+) -> int:
+    """How many frames to sample, as qwen-vl-utils' ``smart_nframes`` counts them (with the same
+    arithmetic, so float edges fall the same way):
+
+    - ``num_frames`` given: rounded to the nearest multiple of ``frame_multiple`` (the temporal patch);
+    - else the duration × ``fps``, at least ``min_frames`` (rounded up to the multiple), at most
+      ``max_frames`` and the video's frames (rounded down), then floored to the multiple.
+
+    Where the reference refuses (more frames asked than the video has, a video shorter than one
+    temporal patch), mmrl caps ``num_frames`` at the video's and ``max_frames``, and a too-short video
+    repeats frames up to ``frame_multiple``.
+    """
+    multiple = max(1, frame_multiple)
+    if num_frames is not None:
+        count = round(num_frames / multiple) * multiple
+        count = min(count, math.floor(min(max_frames, total_frames) / multiple) * multiple)
+    else:
+        low = math.ceil(min_frames / multiple) * multiple
+        high = math.floor(min(max_frames, total_frames) / multiple) * multiple
+        wanted = total_frames / source_fps * fps
+        count = math.floor(min(max(wanted, low), high, total_frames) / multiple) * multiple
+    return max(multiple, count)
+
+
 def sample_frame_indices(
     total_frames: int,
     source_fps: float,
@@ -270,22 +347,35 @@ def sample_frame_indices(
     num_frames: int | None,
     max_frames: int,
     frame_multiple: int,
+    min_frames: int = 1,
 ) -> list[int]:
-    """Evenly spaced frame indices ``round(linspace(0, total_frames - 1, count))``.
+    """Evenly spaced frame indices ``round(linspace(0, total_frames - 1, count))``, ``count`` from
+    :func:`video_frame_count` (a video shorter than ``count`` repeats frames). The linspace is torch's
+    in float32, as in qwen-vl-utils' readers: float64 picks a neighbouring frame in long videos."""
+    import torch
 
-    ``count`` is ``num_frames`` when given, else the duration ``total_frames / source_fps`` × ``fps``;
-    capped by ``max_frames`` and ``total_frames``, floored to a multiple of ``frame_multiple``, and at
-    least ``frame_multiple`` (a shorter video repeats frames).
-    """
-    wanted = num_frames if num_frames is not None else total_frames / source_fps * fps
-    count = min(wanted, max_frames, total_frames)
-    count = max(frame_multiple, math.floor(count / frame_multiple + 1e-9) * frame_multiple)
-    return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
+    count = video_frame_count(
+        total_frames, source_fps, fps, num_frames, max_frames, frame_multiple, min_frames
+    )
+    return torch.linspace(0, total_frames - 1, count, dtype=torch.float32).round().long().tolist()
 
 
-def _decode_frames(source: str | bytes, wanted: set[int], size: tuple[int, int]) -> tuple[dict, int]:
+def video_frame_max_pixels(
+    num_frames: int, min_pixels: int, max_pixels: int, total_pixels: int | None, frame_multiple: int
+) -> int:
+    """The pixel cap of each of a video's ``num_frames`` frames: ``max_pixels`` (the per-frame cap),
+    lowered to the video's even share of ``total_pixels`` (counted per temporal patch of
+    ``frame_multiple`` frames, as qwen-vl-utils counts its ``total_pixels``) but never below
+    1.05 × ``min_pixels``. ``total_pixels=None``: no total budget."""
+    if total_pixels is None:
+        return max_pixels
+    share = total_pixels / num_frames * max(1, frame_multiple)
+    return min(max_pixels, max(share, int(min_pixels * 1.05)))
+
+
+def _decode_frames(source: str | bytes, wanted: set[int], size: tuple[int, int] | None) -> tuple[dict, int]:
     """RGB arrays ``[H, W, 3]`` of the ``wanted`` frame indices at ``size = (width, height)``, and
-    the number of frames decoded."""
+    the number of frames decoded (``size`` None: count only)."""
     frames, count = {}, 0
     with _open_container(source) as container:
         for count, frame in enumerate(container.decode(video=0), start=1):
@@ -323,23 +413,37 @@ def load_video(
     base_dir: str | None = None,
     audio_sampling_rate: int | None = None,
     max_audio_seconds: float = 30.0,
+    min_frames: int = 1,
+    total_pixels: int | None = None,
+    factor: int = 1,
 ) -> DecodedVideo:
-    """Sample frames of one video (see the module docstring); with ``audio_sampling_rate``, also its
-    audio track (mono float32 at that rate, the first ``max_audio_seconds``)."""
+    """Sample frames of one video (see the module docstring) and size them on the ``factor`` grid:
+    :func:`smart_size` within ``min_pixels`` and :func:`video_frame_max_pixels` (the per-frame cap
+    ``max_pixels``, lowered to the frames' share of ``total_pixels``), as qwen-vl-utils' ``fetch_video``
+    sizes them. With ``audio_sampling_rate``, also the audio track (mono float32 at that rate, the
+    first ``max_audio_seconds``)."""
     source = _av_source(ref, base_dir, "video")
     try:
         source_fps, total, width, height = _stream_info(source, ref)
-        size = scaled_size(width, height, min_pixels, max_pixels)
-        _check_patch_size(*size, ref, "video frame", "data.video_min_pixels")
         if total <= 0:  # containers such as mkv don't store a frame count: count by decoding
-            total = _decode_frames(source, set(), size)[1]
+            total = _decode_frames(source, set(), None)[1]
         if source_fps <= 0:
             raise MediaError(f"video {_describe(ref)} has no frame rate in its header")
         indices, decoded = [], {}
         for _ in range(2):  # a second pass when the header's frame count was wrong
             if total == 0:
                 raise MediaError(f"video {_describe(ref)} has no decodable frames")
-            indices = sample_frame_indices(total, source_fps, fps, num_frames, max_frames, frame_multiple)
+            indices = sample_frame_indices(
+                total, source_fps, fps, num_frames, max_frames, frame_multiple, min_frames
+            )
+            frame_max = video_frame_max_pixels(
+                len(indices), min_pixels, max_pixels, total_pixels, frame_multiple
+            )
+            try:
+                size = smart_size(width, height, factor, min_pixels, frame_max)
+            except MediaError as err:
+                raise MediaError(f"video {_describe(ref)}: {err}") from None
+            _check_patch_size(*size, ref, "video frame", "data.video_min_pixels", factor)
             decoded, found = _decode_frames(source, set(indices), size)
             if found == total:
                 break

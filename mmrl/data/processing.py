@@ -13,12 +13,14 @@ ids) and :func:`attach_media` runs it on the workers (for ``multi_modal_inputs``
 media tensors, and ``multi_modal_data``, the decoded media a rollout engine takes), so both see the
 same processor outputs. Media reach the Hugging Face processor as transformers v5 expects them:
 
-- images: PIL images (``images=``);
-- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``),
-  with ``video_metadata`` (Qwen2.5-VL derives ``second_per_grid_ts`` from its sampled fps) and ``fps``
-  (Qwen2.5-Omni reads one fps per call; each video's own ``video_second_per_grid`` is set afterwards),
-  and ``size`` = the ``video_min_pixels``/``video_max_pixels`` range, which Qwen2.5-Omni's processor
-  would otherwise replace with its own default;
+- images: PIL images (``images=``), already on the patch grid (:func:`mmrl.data.media.smart_size`),
+  with a ``size`` range holding them, so that the processor keeps their size;
+- videos: ``[T, H, W, 3]`` uint8 frames (``videos=``), already sampled (``do_sample_frames=False``)
+  and sized as qwen-vl-utils sizes them, with ``video_metadata`` (Qwen2.5-VL derives
+  ``second_per_grid_ts`` from its sampled fps) and ``fps`` (Qwen2.5-Omni reads one fps per call; each
+  video's own ``video_second_per_grid`` is set afterwards), a ``size`` range under which the frames
+  keep their size (read per frame by Qwen2/2.5-VL and Omni, per video by Qwen3-VL) and
+  ``cap_pixels_per_frame=False`` where the processor knows it (the reference's cap is applied);
 - audio: mono float32 waveforms at the feature extractor's rate (``audio=``), in the order of their
   markers; with ``use_audio_in_video`` (Qwen2.5-Omni) each video's sound track joins the list at the
   video's place, as the processor interleaves them.
@@ -182,6 +184,26 @@ def compact_media_ref(ref: Any, base_dir: str | None, kind: str) -> Any:
     return ref
 
 
+REFERENCE_VIDEO_TOKENS = 128000  # qwen-vl-utils' MODEL_SEQ_LEN: its default video budget is 90% of it
+
+
+def _grid_factor(processor: Any | None) -> int:
+    """Pixels per side of one merged patch (patch_size × merge_size: 28 for Qwen2/2.5-VL, 32 for
+    Qwen3-VL); 1 for a processor without a patch grid."""
+    if processor is None or not hasattr(processor, "patch_size"):
+        return 1
+    return int(processor.patch_size) * int(getattr(processor, "merge_size", 1) or 1)
+
+
+def _unchanged_video_size(frames: list[np.ndarray]) -> dict[str, int]:
+    """A processor ``size`` under which frames already on the grid keep their size: the range holds
+    each video's per-frame pixels (Qwen2/2.5-VL read the range per frame) and its whole-video pixels
+    (Qwen3-VL reads it for all of a video's frames together)."""
+    per_frame = [int(video.shape[1] * video.shape[2]) for video in frames]  # [T, H, W, 3]
+    whole = [pixels * int(video.shape[0]) for pixels, video in zip(per_frame, frames)]
+    return {"shortest_edge": min(per_frame), "longest_edge": max(whole)}
+
+
 class MediaProcessor:
     """Decodes a prompt's media and runs the model's processor on them, with the ``data`` section's
     settings (pixel ranges, video sampling, audio length); the same on the driver and on the workers.
@@ -194,6 +216,8 @@ class MediaProcessor:
         self.processor = processor
         self.config = config
         self.video_processor = getattr(processor, "video_processor", None)
+        self.image_factor = _grid_factor(getattr(processor, "image_processor", None))
+        self.video_factor = _grid_factor(self.video_processor)
         self.feature_extractor = getattr(processor, "feature_extractor", None)  # Qwen-Omni's audio features
         self.audio_seconds = self._audio_seconds(config.max_audio_seconds)
         if config.use_audio_in_video and self.feature_extractor is None:
@@ -224,7 +248,10 @@ class MediaProcessor:
         config = self.config
         sampling_rate = getattr(self.feature_extractor, "sampling_rate", None)
         try:
-            images = [load_image(ref, config.min_pixels, config.max_pixels) for ref in media.images]
+            images = [
+                load_image(ref, config.min_pixels, config.max_pixels, factor=self.image_factor)
+                for ref in media.images
+            ]
             videos = [
                 load_video(
                     ref,
@@ -236,6 +263,9 @@ class MediaProcessor:
                     frame_multiple=getattr(self.video_processor, "temporal_patch_size", 1),
                     audio_sampling_rate=sampling_rate if config.use_audio_in_video else None,
                     max_audio_seconds=self.audio_seconds,
+                    min_frames=config.min_video_frames,
+                    total_pixels=self._video_total_pixels(),
+                    factor=self.video_factor,
                 )
                 for ref in media.videos
             ]
@@ -243,6 +273,12 @@ class MediaProcessor:
         except MediaError as err:
             raise media_error(media.where, err) from None
         return images, videos, audios
+
+    def _video_total_pixels(self) -> int:
+        """``data.video_total_pixels``, or qwen-vl-utils' default: 90% of 128,000 tokens' pixels."""
+        if self.config.video_total_pixels is not None:
+            return self.config.video_total_pixels
+        return int(REFERENCE_VIDEO_TOKENS * 0.9 * self.video_factor**2)
 
     def _audio_inputs(self, order: Sequence[str], videos: list[DecodedVideo], audios: list[Any]) -> list[Any]:
         """The processor's audio list: clips, and with ``use_audio_in_video`` the videos' sound tracks,
@@ -265,6 +301,9 @@ class MediaProcessor:
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = images
+            # already on the grid (media.smart_size): a range holding every image leaves them as they are
+            pixels = [image.width * image.height for image in images]
+            kwargs["images_kwargs"] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
         if videos:
             if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
                 raise DataError(
@@ -277,11 +316,12 @@ class MediaProcessor:
                 "do_sample_frames": False,
                 "video_metadata": [video.metadata() for video in videos],
                 "fps": videos[0].sampled_fps,
-                "size": {
-                    "shortest_edge": self.config.video_min_pixels,
-                    "longest_edge": self.config.video_max_pixels,
-                },
+                "size": _unchanged_video_size([video.frames for video in videos]),
             }
+            if hasattr(self.video_processor, "cap_pixels_per_frame"):
+                # the reference's per-frame cap is applied when the frames are sized (media.load_video):
+                # the processor must not cap them a second time (transformers >= 5.19 asks to choose)
+                videos_kwargs["cap_pixels_per_frame"] = False
             if self.feature_extractor is not None:
                 videos_kwargs["use_audio_in_video"] = self.config.use_audio_in_video
             kwargs["videos_kwargs"] = videos_kwargs

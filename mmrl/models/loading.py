@@ -117,7 +117,8 @@ def check_model_folder(folder: str, key: str, trust_remote_code: bool = False) -
 
 def attention_heads(folder: str, trust_remote_code: bool = False) -> tuple[int, int]:
     """``(attention heads, key/value heads)`` of the text decoder mmrl trains from ``folder`` (the heads
-    sequence parallelism splits; the vision and audio towers run whole on every rank)."""
+    sequence parallelism splits; the towers are not head-split: the vision towers split their frames
+    over the SP ranks instead, mmrl.parallel.encoders)."""
     import transformers
 
     folder_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)

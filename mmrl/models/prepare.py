@@ -2,7 +2,8 @@
 
 :func:`prepare_for_training` applies its family's fix (:class:`~mmrl.models.families.ModelFamily`
 ``fix_model``), switches the text decoder to packed attention (``packing``), installs the
-sequence-parallel input sharding (``sequence_parallel``) and, for a policy (``score_tokens``), the
+sequence-parallel input sharding and the vision towers' split of their frames over the SP ranks
+(``sequence_parallel``; :mod:`mmrl.parallel.encoders`) and, for a policy (``score_tokens``), the
 output head that computes log-probs and entropies in token chunks
 (:mod:`mmrl.models.token_scoring`). The forward helpers of
 :mod:`mmrl.models.inputs` never change a model: handed an unprepared one for a packed or
@@ -16,6 +17,7 @@ from torch import nn
 from mmrl.models.attention import enable_packed_attention, packed_attention_enabled
 from mmrl.models.families import family_of
 from mmrl.models.token_scoring import install_token_scoring_head
+from mmrl.parallel.encoders import enable_sharded_encoders
 from mmrl.parallel.sequence import enable_sequence_parallel, sequence_parallel_enabled
 
 PREPARE_HINT = (
@@ -40,6 +42,7 @@ def prepare_for_training(
         enable_packed_attention(model)
     if sequence_parallel:
         enable_sequence_parallel(model, family.shard_decoder_inputs)
+        enable_sharded_encoders([tower for _, tower in family.tower_modules(model)])
     if score_tokens:
         install_token_scoring_head(model)
     return model

@@ -12,9 +12,10 @@ and each computes the decoder on a slice of the packed row (:class:`ShardLayout`
   all-to-all turns "all heads, 1/U of the tokens" into "1/U of the heads, all of the ring rank's
   tokens", and back afterwards (:func:`seq_to_head` / :func:`head_to_seq`).
 
-Everything before the decoder (embeddings, vision/audio towers, M-RoPE ids of the whole sequence)
-runs on the whole row on every SP rank; a forward pre-hook on the text decoder then keeps this rank's
-tokens (:func:`enable_sequence_parallel`, installed where the model is built). The head's outputs at
+Everything before the decoder (embeddings, M-RoPE ids of the whole sequence, audio towers) runs on
+the whole row on every SP rank, but for the vision towers, which encode each rank's share of the
+frames and gather the embeddings (:mod:`mmrl.parallel.encoders`); a forward pre-hook on the text
+decoder then keeps this rank's tokens (:func:`enable_sequence_parallel`, installed where the model is built). The head's outputs at
 the response tokens are gathered back in the row's order (:func:`gather_token_outputs`), so every SP rank computes the same loss; the
 gather's backward keeps each rank's own rows, so the SP ranks' gradients add up to the whole row's.
 """

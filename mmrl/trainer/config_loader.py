@@ -678,6 +678,7 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
     positive = {
         "data.video_fps": data.video_fps,
         "data.max_video_frames": data.max_video_frames,
+        "data.min_video_frames": data.min_video_frames,
         "data.video_min_pixels": data.video_min_pixels,
         "data.max_audio_seconds": data.max_audio_seconds,
     }
@@ -687,6 +688,10 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
     if data.num_video_frames is not None and data.num_video_frames <= 0:
         errors.append(
             f"data.num_video_frames={data.num_video_frames} must be > 0 (or null to sample by video_fps)"
+        )
+    if data.video_total_pixels is not None and data.video_total_pixels <= 0:
+        errors.append(
+            f"data.video_total_pixels={data.video_total_pixels} must be > 0 (or null for qwen-vl-utils' budget)"
         )
     if data.video_min_pixels > data.video_max_pixels:
         errors.append(

@@ -43,6 +43,7 @@ from mmrl.workers.optim import AdamWBf16
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 SCHEDULER_TYPES = ("constant", "cosine")
+BROADCAST_CHUNK_BYTES = 64 * 1024**2  # rank-0 init: the most of a tensor in flight at once
 
 # A micro-batch loss: (micro-batch, global valid-token count, global sequence count) ->
 # (its share of the mini-batch loss, {metric name: its share of the metric}).
@@ -110,8 +111,9 @@ def broadcast_from_rank0(model: nn.Module, device: torch.device | str, cpu_offlo
     (shard it afterwards; sharding frees each whole tensor as it goes). On the other ranks it is the
     same model built on the meta device (``load_model(..., empty=True)``) and already sharded
     (``apply_fsdp2``): its shards are allocated here (on the host with ``cpu_offload``) and each keeps
-    its slice of every tensor received. So only rank 0 ever holds the whole model; another rank holds
-    its shards and one whole tensor at a time. Buffers are not sharded and not all in the state dict
+    its slice of every tensor received. Tensors travel in row chunks of at most
+    ``BROADCAST_CHUNK_BYTES``, so only rank 0 ever holds the whole model; another rank holds its shards
+    and one chunk. Buffers are not sharded and not all in the state dict
     (rotary frequencies): every one of rank 0's is broadcast whole. NCCL broadcasts device tensors, so
     each travels through ``device``.
     """
@@ -136,14 +138,15 @@ def broadcast_from_rank0(model: nn.Module, device: torch.device | str, cpu_offlo
             f"({differ or 'on another rank'}); build it with rank0_init=False and report the model family"
         )
     for _, tensor in state.values():  # the same names and order on every rank
-        whole = (
-            tensor.detach().to(device)
-            if source
-            else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        )
-        dist.broadcast(whole, src=0)
-        if not source:
-            _keep_own_part(tensor, whole)
+        for start, stop in _row_chunks(tensor):
+            shape = (stop - start, *tensor.shape[1:]) if tensor.dim() else ()
+            if source:
+                rows = (tensor.detach()[start:stop] if tensor.dim() else tensor.detach()).to(device)
+            else:
+                rows = torch.empty(shape, dtype=tensor.dtype, device=device)
+            dist.broadcast(rows, src=0)
+            if not source:
+                _keep_own_rows(tensor, rows, start)
     for buffer in model.buffers():
         carrier = buffer.to(device)
         dist.broadcast(carrier, src=0)
@@ -151,16 +154,36 @@ def broadcast_from_rank0(model: nn.Module, device: torch.device | str, cpu_offlo
             buffer.copy_(carrier)
 
 
-def _keep_own_part(target: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's part of ``whole`` into ``target`` (a DTensor shard, or a tensor kept whole)."""
+def _row_chunks(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of ``tensor``'s first dimension of at most ``BROADCAST_CHUNK_BYTES``
+    each (one range for a scalar): the receivers' transient buffer, whatever the largest tensor (a
+    151,936-row embedding is 1.2 GB in fp32 at 2,048 columns)."""
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        return [(0, 1 if tensor.dim() == 0 else 0)]
+    row_bytes = max(1, math.prod(tensor.shape[1:]) * tensor.element_size())  # shapes: a DTensor's global
+    step = max(1, BROADCAST_CHUNK_BYTES // row_bytes)
+    return [(start, min(start + step, tensor.shape[0])) for start in range(0, tensor.shape[0], step)]
+
+
+def _keep_own_rows(target: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+    """Copy this rank's part of ``rows`` (rows ``start`` on of the whole tensor) into ``target``: a
+    tensor kept whole, or a DTensor shard (its own slice of every dimension)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if not isinstance(target, DTensor):
-        target.detach().copy_(whole)
+    if target.dim() == 0:
+        target.detach().copy_(rows)
         return
-    shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh, target.placements)
-    part = whole[tuple(slice(start, start + size) for size, start in zip(shape, offset))]
-    target.to_local().detach().copy_(part)
+    stop = start + rows.shape[0]
+    if not isinstance(target, DTensor):
+        target.detach()[start:stop].copy_(rows)
+        return
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    first, last = max(start, offset[0]), min(stop, offset[0] + shape[0])
+    if first >= last:
+        return  # none of these rows are this rank's
+    others = tuple(slice(begin, begin + size) for size, begin in zip(shape[1:], offset[1:]))
+    part = rows[(slice(first - start, last - start), *others)]
+    target.to_local().detach()[first - offset[0] : last - offset[0]].copy_(part)
 
 
 def reshard_after_no_grad(model: nn.Module) -> None:

@@ -37,6 +37,7 @@ from mmrl.checkpoint.tracker import read_save_id
 from mmrl.config import (
     SAMPLING_KEYS,
     ActorConfig,
+    ActorModelConfig,
     CriticConfig,
     FSDPConfig,
     LoraConfig,
@@ -51,7 +52,8 @@ from mmrl.data.processing import (
     without_model_media,
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
-from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path
+from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache
+from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path, vision_modules
 from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
 from mmrl.models.prepare import prepare_for_training
 from mmrl.parallel.sequence import SequenceParallelGroups, init_sequence_parallel
@@ -187,6 +189,16 @@ def add_adapter(module: torch.nn.Module, lora: LoraConfig, fsdp: FSDPConfig, dev
                 parameter.data = parameter.data.to(frozen_dtype)
     trainable = sum(parameter.numel() for parameter in module.parameters() if parameter.requires_grad)
     logger.info("LoRA rank %d on %d modules: %d trainable parameters", lora.rank, len(names), trainable)
+
+
+def build_encoding_cache(module: torch.nn.Module, model_config: ActorModelConfig) -> EncodingCache | None:
+    """With ``freeze_vision_tower`` (and no LoRA adapter, which could reach into the tower and is
+    switched off for the reference), the actor's passes of a step share one encoding of each distinct
+    image or video (:mod:`mmrl.models.encoding_cache`); None otherwise."""
+    if not model_config.freeze_vision_tower or model_config.lora.rank > 0:
+        return None
+    cache = EncodingCache()
+    return cache if enable_encoding_cache(vision_modules(module), cache) else None
 
 
 def build_optimization(module: torch.nn.Module, actor: ActorConfig | CriticConfig, total_steps: int):
@@ -359,6 +371,7 @@ class HybridWorker:
             **passes,
         )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
+        self.encoding_cache = build_encoding_cache(module, model_cfg)  # cleared as each step begins
         self.actor = PolicyActor(
             module,
             actor_cfg,
@@ -491,6 +504,8 @@ class HybridWorker:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
         ``position_ids`` (validation and greedy baselines are only scored). ``round_index``: the
         generation round within the step (online filtering), for a sampling stream of its own."""
+        if self.encoding_cache is not None:
+            self.encoding_cache.clear()  # a step begins: the last one's media are not asked again
         with self.peaks.phase("gen" if mode is GenerationMode.TRAIN else f"gen_{mode.value}"):
             return self._generate(prompts, mode, global_step, round_index)
 

@@ -210,8 +210,14 @@ def test_bad_samples_name_file_and_row(tmp_path, vl, row, message):
 
 def test_image_too_small_for_a_patch(tmp_path, vl):
     data = write_jsonl(tmp_path / "d.jsonl", [{"problem": "<image>x", "answer": "a", "images": ["tiny.png"]}])
-    (tmp_path / "tiny.png").write_bytes(png_bytes((10, 200)))
+    # a thin image shrunk under max_pixels floors its short side to 0 patches (qwen-vl-utils would crash)
+    (tmp_path / "tiny.png").write_bytes(png_bytes((5000, 26)))
     with pytest.raises(DataError, match=r"d\.jsonl row 0: image .* both sides must be >= 28 pixels"):
+        make_dataset(data, vl, min_pixels=1, max_pixels=3136, filter_overlong_prompts=False)[0]
+    (tmp_path / "tiny.png").write_bytes(png_bytes((10, 200)))  # small sides are padded up to one patch
+    assert make_dataset(data, vl, min_pixels=1, filter_overlong_prompts=False)[0]["input_ids"].numel()
+    (tmp_path / "tiny.png").write_bytes(png_bytes((2010, 10)))
+    with pytest.raises(DataError, match=r"row 0: image .*aspect ratio over 200"):
         make_dataset(data, vl, min_pixels=1, filter_overlong_prompts=False)[0]
     with pytest.raises(MediaError, match="neither 'bytes' nor 'path'"):
         load_image({}, 1, 10**6)

@@ -265,7 +265,7 @@ def _bad_row(tmp_path: Path, case: str) -> dict:
     if case == "audios_over_markers":
         return {"problem": "<audio>x", "audios": ["good.wav", "good.wav"]}
     if case == "image_too_small":
-        Image.new("RGB", (20, 200)).save(tmp_path / "small.png")
+        Image.new("RGB", (2010, 10)).save(tmp_path / "small.png")  # longer than 200 × its height
         return {"problem": "<image>x", "images": ["small.png"]}
     return {"problem": "<audio>x", "audios": ["good.wav"]}  # audio for a model without an audio tower
 
@@ -277,7 +277,7 @@ BAD_CASES = [
     ("zero_length_audio", "omni", r"audio '.*silent\.wav' is empty \(zero samples\)"),
     ("videos_over_markers", "vl", r"the prompt has 1 <video> marker\(s\) but the sample has 2 video\(s\)"),
     ("audios_over_markers", "omni", r"the prompt has 1 <audio> marker\(s\) but the sample has 2 audio\(s\)"),
-    ("image_too_small", "vl", r"image '.*small\.png' is 20×200 after resizing; both sides must be >= 28"),
+    ("image_too_small", "vl", r"image '.*small\.png': 2010×10 has an aspect ratio over 200"),
     (
         "audio_for_a_vision_model",
         "vl",

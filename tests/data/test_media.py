@@ -16,7 +16,9 @@ from mmrl.data.media import MediaError, load_audio, load_video, sample_frame_ind
         ((8, 2.0, 2.0, None, 64, 2), list(range(8))),  # 4 s at 2 fps: every frame
         ((30, 30.0, 2.0, None, 64, 2), [0, 29]),  # 1 s at 2 fps: first and last
         ((100, 25.0, 2.0, None, 64, 2), [0, 14, 28, 42, 57, 71, 85, 99]),  # 4 s: round(k · 99/7)
-        ((100, 25.0, 2.0, 7, 64, 2), [0, 20, 40, 59, 79, 99]),  # 7 frames asked: 6, the even count below
+        ((100, 25.0, 2.0, 7, 64, 2), [0, 14, 28, 42, 57, 71, 85, 99]),  # 7 asked: round(3.5) = 4 pairs
+        ((100, 25.0, 2.0, 5, 64, 2), [0, 33, 66, 99]),  # 5 asked: round(2.5) = 2 pairs (to even)
+        ((30, 30.0, 2.0, None, 64, 2, 4), [0, 10, 19, 29]),  # 1 s at 2 fps, at least 4 frames
         ((100, 25.0, 2.0, None, 4, 2), [0, 33, 66, 99]),  # capped by max_frames
         ((1, 25.0, 2.0, None, 64, 2), [0, 0]),  # one frame: repeated up to the temporal patch
         ((10, 5.0, 2.0, 5, 64, 1), [0, 2, 4, 7, 9]),  # no temporal patch: odd counts allowed
@@ -104,7 +106,7 @@ def _write_case(tmp_path, case: str):
     if case == "silent_video":
         return write_video(tmp_path / "silent.mp4", grey_frames(2), fps=2).name
     if case == "thin":
-        return write_video(tmp_path / "thin.mp4", grey_frames(2, width=200, height=20), fps=2).name
+        return write_video(tmp_path / "thin.mp4", grey_frames(2, width=1000, height=20), fps=2).name
     return "nowhere.mp4"
 
 
@@ -122,8 +124,8 @@ def _write_case(tmp_path, case: str):
         ),
         (
             "thin",
-            {"min_pixels": 1},
-            r"is 200×20 after resizing; both sides must be >= 28 .*data.video_min_pixels",
+            {"min_pixels": 1, "max_pixels": 3136, "factor": 28},  # shrunk: the short side floors to 0
+            r"is 392×0 after resizing; both sides must be >= 28 .*data.video_min_pixels",
         ),
     ],
 )

@@ -9,7 +9,9 @@ Two levels:
 - the tiny Qwen2.5-VL under FSDP2 with a ``PolicyActor``: log-probs, entropies, every loss term and
   every parameter's gradient of one update on a batch of text, image and video rows of uneven
   lengths, against the same actor on one rank (fp32, within 1e-5 relative); the same for the tiny
-  Qwen3-VL, whose deepstack features must follow the tokens each rank holds.
+  Qwen3-VL, whose deepstack features must follow the tokens each rank holds. The vision towers
+  encode each SP rank's share of the frames and images (:mod:`mmrl.parallel.encoders`): the shares
+  add up to the whole, and the tower's gradients equal one rank's.
 """
 
 from __future__ import annotations
@@ -200,6 +202,10 @@ def _actor_job(
     decoder_layers(module)[0].register_forward_hook(
         lambda m, args, out: layer_tokens.append(args[0].shape[1])
     )
+    vision_patches = []  # patches each vision block call encoded: this rank's share of the frames
+    module.model.visual.blocks[0].register_forward_hook(
+        lambda m, args, out: vision_patches.append(args[0].shape[0])
+    )
     actor = policy_actor(
         module,
         recorder,
@@ -218,6 +224,7 @@ def _actor_job(
         "metrics": metrics,
         "grads": recorder.grads[0],
         "layer_tokens": layer_tokens,
+        "vision_patches": vision_patches,
     }
 
 
@@ -255,11 +262,19 @@ def _assert_same_step(run: dict, reference: dict, metric_abs: float = 1e-7) -> N
 
 
 def _assert_tokens_split(runs: list[dict], reference: dict) -> None:
-    """The decoder layers of the SP ranks together computed each packed row once, in equal shares."""
+    """The decoder layers of the SP ranks together computed each packed row once, in equal shares; so
+    did the vision towers with the frames and images (mmrl.parallel.encoders)."""
     for call in range(len(reference["layer_tokens"])):
         shares = [run["layer_tokens"][call] for run in runs]
         assert sum(shares) == reference["layer_tokens"][call]
         assert max(shares) - min(shares) <= 2 * len(MIXED_ROWS)  # chunks differ by at most one token
+    split = 0
+    for call, whole in enumerate(reference["vision_patches"]):
+        shares = [run["vision_patches"][call] for run in runs]
+        if shares != [whole] * len(runs):  # else one image: fewer temporal patches than ranks
+            assert sum(shares) == whole and all(0 < share < whole for share in shares), (call, shares, whole)
+            split += 1
+    assert split > 0, [run["vision_patches"] for run in runs]
 
 
 @pytest.mark.distributed
@@ -339,8 +354,8 @@ def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
 
 
 def ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring: int) -> list[str]:
-    """The actor in one ring of 2 workers (dp 1) with the KL loss against a reference, and a GAE critic
-    colocated in the same processes with ring size ``critic_ring``."""
+    """The actor in one ring of 2 workers (dp 1) with the KL loss against a reference and its vision
+    tower frozen, and a GAE critic colocated in the same processes with ring size ``critic_ring``."""
     return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "data.max_response_length=6",
         "algorithm.adv_estimator=gae",
@@ -349,6 +364,7 @@ def ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring: int
         "worker.actor.global_batch_size=2",
         "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.actor.ring_size=2",
+        "worker.actor.model.freeze_vision_tower=true",
         "worker.critic.global_batch_size=4",  # one critic step: the same rows whatever the split
         "worker.critic.micro_batch_size_per_device_for_update=4",
         f"worker.critic.ring_size={critic_ring}",
@@ -372,7 +388,9 @@ def ring_run(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> list[dict]:
 def test_trainer_with_ring_sequence_parallel(ring_run):
     """Two workers forming one ring (dp 1): both generate (rollout is not sequence parallel), then the
     actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
-    tokens (whole sequences, transformers) must equal the SP trainer's."""
+    tokens (whole sequences, transformers) must equal the SP trainer's. The vision tower is frozen, so
+    the actor's passes also share one encoding per image (mmrl.models.encoding_cache) over the ring's
+    split of the tower's work (mmrl.parallel.encoders)."""
     steps = ring_run
     assert len(steps) == 2
     for row in steps:

@@ -164,6 +164,8 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["trainer.logger=[console,tensorbord]"], "did you mean 'tensorboard'"),
         (["data.min_pixels=100", "data.max_pixels=10"], "exceeds data.max_pixels"),
         (["data.max_response_length=0"], "data.max_response_length=0 must be > 0"),
+        (["data.min_video_frames=0"], "data.min_video_frames=0 must be > 0"),
+        (["data.video_total_pixels=0"], "data.video_total_pixels=0 must be > 0 (or null"),
         (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker=0.0 must be > 0 (CPUs per"),
         (["data.preprocess_num_workers=0"], "data.preprocess_num_workers=0 must be >= 1"),
         (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "use_kl_loss=false"),

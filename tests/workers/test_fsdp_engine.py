@@ -740,11 +740,15 @@ def test_two_rank_weight_push_gathers_shards_already_cast(two_rank_results):
 
 def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
     """The worker's builder with rank 0's copy broadcast (rank 1 starts on the meta device) and with every
-    rank reading the weights: actor (tied head), critic (value head, CPU offload), actor with LoRA."""
+    rank reading the weights: actor (tied head), critic (value head, CPU offload), actor with LoRA.
+    Broadcast chunks of 1 MiB: the embedding travels in several, one across the shard boundary."""
     from torch.distributed.tensor import DTensor
 
     from mmrl.config import FSDPConfig, LoraConfig, ModelConfig
+    from mmrl.workers import fsdp_engine
     from mmrl.workers.fsdp_workers import build_fsdp_model
+
+    fsdp_engine.BROADCAST_CHUNK_BYTES = 1024**2
 
     results = {}
     for label, role, lora in (("actor", "actor", None), ("critic", "critic", None), ("lora", "actor", 4)):
