@@ -1144,10 +1144,6 @@ def test_media_cross_ray_once_per_step_as_their_files(tiny_vl_path, tmp_path):
         "data.max_prompt_length=128",
         "algorithm.use_kl_loss=true",
         "worker.actor.skip_old_log_prob_on_policy=false",
-        # the vLLM rollout (the default) without torch.compile, which adds ~40 s of start-up and
-        # nothing that moves through Ray
-        "worker.rollout.enforce_eager=true",
-        "worker.rollout.cpu_kv_cache_gib=0.125",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
     ]
