@@ -353,29 +353,45 @@ def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
 # ---------------------------------------------------------------- the trainer
 
 
+def ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring: int) -> list[str]:
+    """The actor in one ring of 2 workers (dp 1) with the KL loss against a reference and its vision
+    tower frozen, and a GAE critic colocated in the same processes with ring size ``critic_ring``."""
+    return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "data.max_response_length=6",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_loss=true",
+        "algorithm.kl_coef=0.1",
+        "worker.actor.global_batch_size=2",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.actor.ring_size=2",
+        "worker.actor.model.freeze_vision_tower=true",
+        "worker.critic.global_batch_size=4",  # one critic step: the same rows whatever the split
+        "worker.critic.micro_batch_size_per_device_for_update=4",
+        f"worker.critic.ring_size={critic_ring}",
+        "worker.critic.model.enable_gradient_checkpointing=false",
+        "worker.rollout.name=hf",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def ring_run(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> list[dict]:
+    """2 steps with the critic in the actor's ring: the metrics lines of its steps."""
+    save_dir = tmp_path_factory.mktemp("ring_run")
+    overrides = ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring=2)
+    return [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_path):
+def test_trainer_with_ring_sequence_parallel(ring_run):
     """Two workers forming one ring (dp 1): both generate (rollout is not sequence parallel), then the
     actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
     tokens (whole sequences, transformers) must equal the SP trainer's. The vision tower is frozen, so
     the actor's passes also share one encoding per image (mmrl.models.encoding_cache) over the ring's
     split of the tower's work (mmrl.parallel.encoders)."""
-    save_dir = tmp_path / "run"
-    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-        "data.max_response_length=6",
-        "worker.actor.global_batch_size=2",
-        "worker.actor.micro_batch_size_per_device_for_update=4",
-        "worker.actor.ring_size=2",
-        "worker.actor.model.freeze_vision_tower=true",
-        "worker.rollout.name=hf",
-        "algorithm.use_kl_loss=true",
-        "algorithm.kl_coef=0.1",
-        "trainer.val_before_train=false",
-        "trainer.val_freq=-1",
-    ]
-    metrics = run_main(overrides, save_dir)
-    steps = [row for row in metrics if "actor/grad_norm" in row]
+    steps = ring_run
     assert len(steps) == 2
     for row in steps:
         assert row["rollout/log_prob_gap_max"] < 1e-5, row["rollout/log_prob_gap_max"]
@@ -385,29 +401,20 @@ def test_trainer_with_ring_sequence_parallel(tiny_vl_path, shapes_data_dir, tmp_
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_colocated_critic_keeps_its_own_sequence_parallel_size(tiny_vl_path, shapes_data_dir, tmp_path):
+def test_colocated_critic_keeps_its_own_sequence_parallel_size(
+    ring_run, tiny_vl_path, shapes_data_dir, tmp_path
+):
     """The critic lives in the actor's processes but splits rows by its own layout: with the actor in
     one ring of 2 (dp 1), a critic without sequence parallelism (dp 2: each rank half the rows) and one
-    in the actor's ring (its groups shared) compute the same values and the same first value loss."""
-    runs = {}
-    for critic_ring in (1, 2):
-        save_dir = tmp_path / f"critic_ring_{critic_ring}"
-        overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-            "algorithm.adv_estimator=gae",
-            "algorithm.disable_kl=true",
-            "worker.actor.global_batch_size=2",
-            "worker.actor.micro_batch_size_per_device_for_update=4",
-            "worker.actor.ring_size=2",
-            "worker.critic.global_batch_size=4",  # one critic step: the same rows whatever the split
-            "worker.critic.micro_batch_size_per_device_for_update=4",
-            f"worker.critic.ring_size={critic_ring}",
-            "worker.critic.model.enable_gradient_checkpointing=false",
-            "worker.rollout.name=hf",
-            "trainer.max_steps=1",
-            "trainer.val_before_train=false",
-            "trainer.val_freq=-1",
-        ]
-        (runs[critic_ring],) = [row for row in run_main(overrides, save_dir) if "critic/vf_loss" in row]
-    assert runs[1]["critic/score/mean"] == runs[2]["critic/score/mean"]  # the same rollouts
+    in the actor's ring (its groups shared, the ring test's run) compute the same values and the same
+    first value loss."""
+    overrides = ring_run_overrides(tiny_vl_path, shapes_data_dir, tmp_path / "critic_ring_1", critic_ring=1)
+    (own_layout,) = [
+        row
+        for row in run_main([*overrides, "trainer.max_steps=1"], tmp_path / "critic_ring_1")
+        if "critic/vf_loss" in row
+    ]
+    shared = ring_run[0]
+    assert own_layout["critic/score/mean"] == shared["critic/score/mean"]  # the same rollouts
     for key in ("critic/values/mean", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm"):
-        assert runs[2][key] == pytest.approx(runs[1][key], rel=1e-4, abs=1e-6), key
+        assert shared[key] == pytest.approx(own_layout[key], rel=1e-4, abs=1e-6), key

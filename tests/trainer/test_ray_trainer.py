@@ -992,16 +992,39 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
         assert skipped["rollout/log_prob_gap_max"] < 1e-5
 
 
+@dataclass
+class GaeHubRun:
+    """A 2-step GAE run whose model path is a hub id read offline from a local cache, with one critic
+    warm-up step, saved at step 2 (``rows``: its metrics lines)."""
+
+    snapshot: Path  # the cache's snapshot folder of the hub id
+    env: dict[str, str]  # the offline cache's environment
+    overrides: list[str]
+    save_dir: Path
+    rows: list[dict]
+
+
+@pytest.fixture(scope="module")
+def gae_hub_run(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> GaeHubRun:
+    """Shared by the warm-up test (the step plan) and the hub-id test (save, resume, merge)."""
+    from _models import build_hub_cache
+    from _trainer_run import run_main
+
+    root = tmp_path_factory.mktemp("gae_hub")
+    hub_cache = root / "hub"
+    snapshot = build_hub_cache(tiny_vl_path, hub_cache, "mmrl-tests/tiny-vl")
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    save_dir = root / "run"
+    overrides = gae_overrides("mmrl-tests/tiny-vl", shapes_data_dir, save_dir) + ["trainer.critic_warmup=1"]
+    return GaeHubRun(snapshot, env, overrides, save_dir, run_main(overrides, save_dir, env=env))
+
+
 @trainer_e2e
-def test_gae_with_critic_warmup_follows_the_step_plan(tiny_vl_path, shapes_data_dir, tmp_path):
+def test_gae_with_critic_warmup_follows_the_step_plan(gae_hub_run):
     """GAE with one warm-up step: step 1 trains the critic only (the old log-probs come from their own
     pass, no weight push), step 2 trains both, the actor on-policy, and pushes its weights; step 2's
     generation first pushes the unchanged ones the warm-up's phases freed."""
-    from _trainer_run import run_main
-
-    save_dir = tmp_path / "gae"
-    overrides = gae_overrides(tiny_vl_path, shapes_data_dir, save_dir) + ["trainer.critic_warmup=1"]
-    warmup, trained = [row for row in run_main(overrides, save_dir) if "critic/vf_loss" in row]
+    warmup, trained = [row for row in gae_hub_run.rows if "critic/vf_loss" in row]
     for step in (warmup, trained):
         assert {"timing_s/values", "timing_s/update_critic", "critic/values/mean"} <= set(step)
     assert "actor/pg_loss" not in warmup and "timing_s/sync" not in warmup
@@ -1080,29 +1103,24 @@ def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_
 
 
 @trainer_e2e
-def test_hub_id_model_path_saves_resumes_and_merges(tiny_vl_path, shapes_data_dir, tmp_path):
+def test_hub_id_model_path_saves_resumes_and_merges(gae_hub_run, tmp_path):
     """worker.actor.model.model_path is a hub id, read offline from a local Hugging Face cache (the
-    layout snapshot_download leaves): a GAE run saves actor and critic at step 2, a second run resumes
-    them and trains step 3, and the merged step-3 actor holds exactly the trained weights."""
-    from _models import build_hub_cache
+    layout snapshot_download leaves): a GAE run (the warm-up test's) saves actor and critic at step 2, a
+    second run resumes them and trains step 3, and the merged step-3 actor holds exactly the trained
+    weights."""
     from _trainer_run import run_main
     from transformers import AutoModelForImageTextToText
 
     from mmrl.checkpoint.merger import load_full_state_dict
 
-    hub_cache = tmp_path / "hub"
-    snapshot = build_hub_cache(tiny_vl_path, hub_cache, "mmrl-tests/tiny-vl")
-    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    save_dir = tmp_path / "run"
-    overrides = gae_overrides("mmrl-tests/tiny-vl", shapes_data_dir, save_dir)
-    run_main(overrides, save_dir, env=env)
+    snapshot, env, save_dir = gae_hub_run.snapshot, gae_hub_run.env, gae_hub_run.save_dir
     step_2 = save_dir / "global_step_2"
     assert (step_2 / "actor" / "huggingface" / "config.json").read_text() == (
         snapshot / "config.json"
     ).read_text()
     assert (step_2 / "critic" / "model" / ".metadata").is_file()
 
-    rows = run_main([*overrides, "trainer.max_steps=3"], save_dir, env=env)
+    rows = run_main([*gae_hub_run.overrides, "trainer.max_steps=3"], save_dir, env=env)
     assert [row["step"] for row in rows] == [1, 2, 3]  # resumed after step 2
     actor_dir = save_dir / "global_step_3" / "actor"
     merge_checkpoint(actor_dir, tmp_path / "merged", env=env)

@@ -307,23 +307,47 @@ def _training_job(rank: int, world_size: int, vl_path: str, rank_prompts: list, 
     return results
 
 
-def _engine_killed_while_starting(rank: int, world_size: int, vl_path: str, tp_size: int) -> None:
-    """Start a tensor-parallel engine and die by SIGKILL as soon as its shared memory exists (before the
-    engine unlinks it): what a run killed during start-up leaves behind."""
+def _mapped_cpu_shared_memory(pid: int | str = "self") -> set[str]:
+    """vLLM's CPU shared-memory segments that process ``pid`` maps (none once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return {line.split(maxsplit=5)[-1].strip() for line in maps if "-cpushm_" in line}
+    except OSError:
+        return set()
+
+
+def _engine_killed_while_starting(
+    rank: int, world_size: int, vl_path: str, tp_size: int, record_dir: str
+) -> None:
+    """Start a tensor-parallel engine and die by SIGKILL as soon as this rank maps its shared memory
+    (before the engine unlinks it): what a run killed during start-up leaves behind. The segments it
+    mapped are written to ``record_dir/rank{rank}`` first: its own, not another run's that the name
+    pattern also matches."""
     import signal
     import threading
 
     from mmrl.workers.rollout.vllm_spmd import VLLMRollout
 
-    def kill_when_the_segment_exists():
-        while not glob.glob(CPU_SHM_PATTERN):
+    def kill_when_the_segment_is_mapped():
+        while not (segments := _mapped_cpu_shared_memory()):
             time.sleep(0.002)
+        Path(record_dir, f"rank{rank}").write_text("\n".join(sorted(segments)))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=kill_when_the_segment_exists, daemon=True).start()
+    threading.Thread(target=kill_when_the_segment_is_mapped, daemon=True).start()
     tokenizer, _ = load_tokenizer_and_processor(vl_path)
     VLLMRollout(vl_path, tokenizer, RolloutConfig(tensor_parallel_size=tp_size, seed=7, **ENGINE_ARGS))
     time.sleep(60)  # not reached: the engine creates its segments while it starts
+
+
+def _wait_until_unmapped(segments: set[str], timeout_s: float = 30) -> None:
+    """Wait until no process maps ``segments`` (the killed ranks are reaped; nothing of theirs lives on)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_mapped_cpu_shared_memory(pid) & segments for pid in os.listdir("/proc") if pid.isdigit()):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes still map the killed engines' shared memory {sorted(segments)}")
 
 
 # ---------------------------------------------------------------- fixtures
@@ -491,11 +515,17 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size):
+def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size, tmp_path):
     if tp_size == 2:  # a TP=2 run SIGKILLed while its engines start: vLLM never unlinks its segments
         with pytest.raises(RuntimeError, match="exited with codes"):
-            run_on_ranks(_engine_killed_while_starting, 2, str(tiny_vl_path), tp_size, timeout_s=120)
-        assert glob.glob(CPU_SHM_PATTERN), "the killed engines left no shared memory to clean"
+            run_on_ranks(
+                _engine_killed_while_starting, 2, str(tiny_vl_path), tp_size, str(tmp_path), timeout_s=120
+            )
+        killed = {name for record in tmp_path.glob("rank*") for name in record.read_text().splitlines()}
+        assert killed, "no rank mapped shared memory before it was killed"
+        _wait_until_unmapped(killed)  # checked once the killed processes are gone
+        left = set(glob.glob(CPU_SHM_PATTERN))
+        assert killed <= left, f"the killed engines left no shared memory to clean: {sorted(killed - left)}"
     runs = _two_ranks(tiny_vl_path, vl_prompts, tp_size)
     # the next engines started; nothing of theirs is left: no segment, no socket folder
     assert not glob.glob(CPU_SHM_PATTERN), "the run left shared memory behind"
