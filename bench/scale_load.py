@@ -2,7 +2,7 @@
 the whole model (before) against rank 0 reading it and broadcasting each tensor to ranks built on the
 meta device (after).
 
-    python bench/scale_load.py [--ranks 2] [--roles actor ref]
+    python bench/scale_load.py [--ranks 2] [--roles actor ref] [--checkpoint_dtype bf16]
 
 Model: the ``3b-width`` Qwen2.5-VL of :mod:`mmrl.demo.tiny` (Qwen2.5-VL-3B's widths and 151,936-row
 tied vocabulary, 2 decoder layers, 2 vision blocks; 0.55B fp32 parameters, 2.2 GB), built under
@@ -13,7 +13,10 @@ and, with ``--roles actor ref``, the frozen reference too (fp32 on a CPU).
 
 Per rank: ``rss_before_mb`` (after imports and the process group), ``peak_mb`` (the resident-set
 high-water mark while building: ``VmHWM`` reset first) and ``rss_after_mb`` (what stays: the shards).
-The machine's peak is bounded by the sum of the ranks' peaks. At 7B (33 GB of fp32 weights) the same
+The machine's peak is bounded by the sum of the ranks' peaks. ``--checkpoint_dtype bf16`` (the
+default) reads a bf16 copy of the weights, as hub checkpoints are stored: loading them into fp32
+masters allocates a converted copy on every rank that reads them, where an fp32 file is memory-mapped
+and its pages, shared between ranks and reclaimable, are resident only where touched. At 7B (33 GB of fp32 weights) the same
 ratio gives 8 x 33 GB before and 33 GB + 7 x a shard after on one 8-GPU node. Prints the table and
 writes ``bench/results/scale_load.json``.
 """
@@ -105,16 +108,40 @@ def format_table(rows: list[dict]) -> str:
     return markdown_table(["mode", "rank", "RSS before MB", "peak while building MB", "RSS after MB"], table)
 
 
+def _bf16_copy(model_path: Path) -> Path:
+    """The model at ``model_path`` saved in bf16 beside it (once), with its processor files."""
+    import shutil
+
+    out = model_path.with_name(model_path.name + "-bf16")
+    if (out / "config.json").exists():
+        return out
+    import torch
+
+    from mmrl.models.loading import load_model
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    load_model(str(model_path), torch_dtype=torch.bfloat16).save_pretrained(tmp)
+    for path in model_path.iterdir():
+        if path.is_file() and "safetensors" not in path.name and not (tmp / path.name).exists():
+            shutil.copy(path, tmp / path.name)
+    tmp.rename(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--roles", nargs="+", default=["actor"], choices=["actor", "ref"])
+    parser.add_argument("--checkpoint_dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--timeout_s", type=float, default=900.0, help="per mode (a loaded machine is slow)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from mmrl.demo.tiny import ensure_tiny_model
 
     model = ensure_tiny_model("qwen2_5_vl", "3b-width", root=RESULTS / "models")
+    if args.checkpoint_dtype == "bf16":
+        model = _bf16_copy(model)
     rows = measure(model, args.ranks, args.roles, args.timeout_s)
     print(f"\nhost memory of building {'+'.join(args.roles)} at 3B widths on {args.ranks} ranks")
     print(format_table(rows))
