@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.demo.warmup import MARKER, answer_loss, answer_token_losses
-from mmrl.models.loading import as_source_class, load_model
+from mmrl.demo.warmup import MARKER, answer_loss, answer_token_losses, save_trained
+from mmrl.models.loading import load_model
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "format_prompts" / "judge_colour.jinja"
 NOT_COLOURS = ("shape", "circle", "square", "no", "white")  # responses that name no colour: "no"
@@ -184,15 +183,9 @@ def train_judge(
         f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
         f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f})"
     )
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    as_source_class(model.eval(), model_dir).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    (tmp / "judge_eval.json").write_text(json.dumps(evaluation))
-    (tmp / MARKER).write_text(json.dumps(settings))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    save_trained(
+        out, model, model_dir, tokenizer, processor, settings, {"judge_eval.json": json.dumps(evaluation)}
+    )
     print(f"[mmrl.demo.judge] wrote {out}")
     return evaluation
 

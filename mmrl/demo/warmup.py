@@ -162,18 +162,35 @@ def warm_up(
         optimizer.step()
         if step % 20 == 0 or step == steps - 1:
             print(f"[mmrl.demo.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
+    save_trained(out, model, model_dir, tokenizer, processor, settings)
+    print(f"[mmrl.demo.warmup] wrote {out} (answers: {', '.join(answer_set)})")
+    return out
+
+
+def save_trained(
+    out: Path,
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    tokenizer,
+    processor,
+    settings: dict,
+    extra_files: dict[str, str] | None = None,
+) -> None:
+    """Write the trained model with its tokenizer, processor, ``extra_files`` (name -> text) and the
+    ``settings`` marker to ``out``, through a temporary folder renamed at the end (a killed run leaves
+    no half folder that looks complete). In the base folder's layout: an Omni thinker is saved inside
+    its full model, as vLLM loads it."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    # in the base folder's layout: an Omni thinker is saved inside its full model, as vLLM loads it
     as_source_class(model.eval(), model_dir).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if processor is not None:
         processor.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     (tmp / MARKER).write_text(json.dumps(settings))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"[mmrl.demo.warmup] wrote {out} (answers: {', '.join(answer_set)})")
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
