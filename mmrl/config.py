@@ -117,6 +117,11 @@ class ActorModelConfig(ModelConfig):
     # run (actor, reference, rollout, reward workers, critic)
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)  # PEFT LoRA adapter (rank 0 = none)
+    # folder of frozen-tower embeddings kept across epochs (the reference's tower, and the actor's with
+    # freeze_vision_tower), shared by every rank and node; keyed by media bytes, media settings and the
+    # tower's weights. null = none
+    encoding_cache_dir: str | None = None
+    encoding_cache_max_gb: float = 50.0  # size bound of encoding_cache_dir (least recently used go first)
 
     @property
     def tokenizer_or_model_path(self) -> str | None:

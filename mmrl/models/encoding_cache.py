@@ -12,17 +12,29 @@ trains (``freeze_vision_tower``); otherwise the tower runs as before and nothing
 
 The owner calls :meth:`EncodingCache.clear` where the weights may have changed or a step begins; the
 cache holds at most ``max_bytes`` of rows (the oldest entries go first).
+
+A tower labelled with the digest of the weights it computes with (:func:`label_weights`, set where a
+frozen model is built) is keyed by that digest instead of by the module: two towers of equal weights
+(the actor's frozen tower and the reference's) then share each other's encodings, and with a
+:class:`~mmrl.models.encoding_store.EncodingStore` its encodings are also kept on disk across epochs
+(read before encoding, written after). Under sequence parallelism the ranks of an SP group agree on
+which items the disk gave every one of them (another rank's eviction may remove a file between two
+reads): the sharded tower's collectives need the same items encoded on every rank of the group.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from mmrl.models.encoding_store import EncodingStore
 
 
 def media_key(grid: list[int], rows: torch.Tensor) -> tuple:
@@ -31,11 +43,51 @@ def media_key(grid: list[int], rows: torch.Tensor) -> tuple:
     return (*grid, str(rows.dtype), hashlib.blake2b(memoryview(data), digest_size=16).hexdigest())
 
 
-class EncodingCache:
-    """Tower output rows per media item (see the module docstring); ``hits``/``misses`` count items."""
+def weights_digest(tower: nn.Module, compute_dtype: torch.dtype) -> str:
+    """A digest of the weights ``tower`` computes with: its parameters cast to ``compute_dtype`` (what
+    mixed precision hands the kernels, whatever the stored dtype) and its buffers as they are, by name.
+    Call it on whole tensors (before sharding)."""
+    digest = hashlib.blake2b(str(compute_dtype).encode(), digest_size=16)
+    named = [(name, p.detach().to(compute_dtype)) for name, p in tower.named_parameters()]
+    named += [(name, b) for name, b in tower.named_buffers() if b is not None]
+    for name, tensor in named:
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        digest.update(memoryview(data))
+    return digest.hexdigest()
 
-    def __init__(self, max_bytes: int = 4 << 30):
+
+def label_weights(tower: nn.Module, digest: str) -> None:
+    """Key ``tower``'s encodings by ``digest`` (:func:`weights_digest`) rather than by the module."""
+    tower._mmrl_weights_digest = digest
+
+
+def _output_type(tower: nn.Module, deepstack: bool) -> type:
+    """The tower's output class where every item came from disk (no call of the tower to learn it)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    name = "BaseModelOutputWithDeepstackFeatures" if deepstack else "BaseModelOutputWithPooling"
+    return getattr(sys.modules[type(tower).__module__], name, BaseModelOutputWithPooling)
+
+
+def _agreed(found: list[bool], sharded: Any, device: torch.device) -> list[bool]:
+    """``found`` and-ed over the SP group of a sequence-parallel call (its ``packed_sequences``)."""
+    groups = getattr(sharded, "groups", None)
+    if groups is None or groups.size == 1:
+        return found
+    flags = torch.tensor(found, dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=groups.sp_group)
+    return [bool(flag) for flag in flags.tolist()]
+
+
+class EncodingCache:
+    """Tower output rows per media item (see the module docstring); ``hits`` counts items reused from
+    memory, ``loaded`` those read from ``store``, ``misses`` those encoded."""
+
+    def __init__(self, max_bytes: int = 4 << 30, store: EncodingStore | None = None):
         self.max_bytes = max_bytes
+        self.store = store
+        self.loaded = 0
         self.entries: OrderedDict[tuple, tuple[torch.Tensor, list[torch.Tensor] | None]] = OrderedDict()
         self.stored_bytes = 0
         self.hits = self.misses = 0
@@ -68,23 +120,50 @@ class EncodingCache:
         grids = grid_thw.tolist()
         patches = [t * h * w for t, h, w in grids]
         starts = [sum(patches[:i]) for i in range(len(patches))]
-        keys = [media_key(g, hidden_states[s : s + n]) for g, s, n in zip(grids, starts, patches)]
+        weights = getattr(tower, "_mmrl_weights_digest", None)
+        identity = weights or f"module-{id(tower)}"  # an unlabelled tower shares with no other
+        keys = [
+            (identity, *media_key(g, hidden_states[s : s + n])) for g, s, n in zip(grids, starts, patches)
+        ]
+        merge = tower.spatial_merge_size**2
         found = {key: self.entries[key] for key in keys if key in self.entries}
-        missing = list({key: i for i, key in reversed(list(enumerate(keys))) if key not in found}.values())
-        missing.sort()  # the first item of each distinct missing key, in call order
-        self.hits += len(keys) - len(missing)
+        first: dict[tuple, int] = {}  # each distinct key not in memory: its first item in call order
+        for i, key in enumerate(keys):
+            if key not in found:
+                first.setdefault(key, i)
+        sharded = kwargs.get("packed_sequences")
+        stored = self.store if weights is not None else None  # an unlabelled tower's key lives one run
+        loaded = 0
+        if stored is not None and first:
+            read = {
+                key: stored.load(key, patches[i] // merge, hidden_states.device) for key, i in first.items()
+            }
+            agreed = _agreed([rows is not None for rows in read.values()], sharded, hidden_states.device)
+            for (key, rows), ok in zip(read.items(), agreed):
+                if ok:
+                    found[key] = rows
+                    self._store(key, *rows)
+                    del first[key]
+                    loaded += 1
+        missing = sorted(first.values())
         self.misses += len(missing)
+        self.loaded += loaded
+        self.hits += len(keys) - len(missing) - loaded
         if missing:
             rows = torch.cat([hidden_states[starts[i] : starts[i] + patches[i]] for i in missing])
             output = forward(rows, grid_thw[missing], **kwargs)
             self.output_type = type(output)
-            counts = [patches[i] // tower.spatial_merge_size**2 for i in missing]
+            counts = [patches[i] // merge for i in missing]
             pooled = output.pooler_output.detach().split(counts)
             deepstack = getattr(output, "deepstack_features", None)
             deep_parts = [f.detach().split(counts) for f in deepstack] if deepstack is not None else None
+            groups = getattr(sharded, "groups", None)
+            write = stored is not None and (groups is None or groups.rank == 0)  # one writer per SP group
             for n, i in enumerate(missing):
                 found[keys[i]] = (pooled[n], [parts[n] for parts in deep_parts] if deep_parts else None)
                 self._store(keys[i], *found[keys[i]])
+                if write:
+                    stored.save(keys[i], *found[keys[i]])
         for key in found:
             if key in self.entries:
                 self.entries.move_to_end(key)
@@ -94,7 +173,9 @@ class EncodingCache:
             result["deepstack_features"] = [
                 torch.cat([deep[layer] for _, deep in parts]) for layer in range(len(parts[0][1]))
             ]
-        return self.output_type(last_hidden_state=None, **result)
+        return (self.output_type or _output_type(tower, "deepstack_features" in result))(
+            last_hidden_state=None, **result
+        )
 
 
 def enable_encoding_cache(towers: list[nn.Module], cache: EncodingCache) -> int:

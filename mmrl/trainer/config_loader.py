@@ -252,6 +252,7 @@ def _resolve_paths(cfg: DictConfig) -> None:
             section.model_path = os.path.abspath(section.model_path)
     cfg.trainer.save_checkpoint_path = _absolute(cfg.trainer.save_checkpoint_path)
     cfg.trainer.load_checkpoint_path = _absolute(cfg.trainer.load_checkpoint_path)
+    cfg.worker.actor.model.encoding_cache_dir = _absolute(cfg.worker.actor.model.encoding_cache_dir)
 
 
 def load_config(
@@ -819,6 +820,25 @@ def _check_lora(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(PEFT_HINT)
 
 
+def _check_encoding_cache(errors: list[str], cfg: PPOConfig) -> None:
+    """The disk cache holds frozen towers' encodings: some tower must be frozen and free of adapters."""
+    model, key = cfg.worker.actor.model, "worker.actor.model"
+    if model.encoding_cache_max_gb <= 0:
+        errors.append(f"{key}.encoding_cache_max_gb={model.encoding_cache_max_gb} must be > 0")
+    if model.encoding_cache_dir is None:
+        return
+    if model.lora.rank > 0:
+        errors.append(
+            f"{key}.encoding_cache_dir is set with {key}.lora.rank={model.lora.rank}: an adapter may reach "
+            "into the vision tower, so no encoding is cached; unset encoding_cache_dir"
+        )
+    elif not model.freeze_vision_tower and not cfg.algorithm.use_reference:
+        errors.append(
+            f"{key}.encoding_cache_dir is set but no tower is frozen: set {key}.freeze_vision_tower=true "
+            "(or use a reference model, algorithm.disable_kl=false), or unset encoding_cache_dir"
+        )
+
+
 def _check_online_filtering(errors: list[str], cfg: PPOConfig) -> None:
     algo, data = cfg.algorithm, cfg.data
     if algo.adv_estimator not in GROUP_ESTIMATORS:
@@ -991,6 +1011,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_rollout(errors, cfg)
     _check_algorithm(errors, cfg)
     _check_lora(errors, cfg)
+    _check_encoding_cache(errors, cfg)
     _check_policy_loss(errors, cfg)
     _check_entropy(errors, cfg)
     _check_overlong(errors, cfg)

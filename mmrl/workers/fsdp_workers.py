@@ -52,7 +52,8 @@ from mmrl.data.processing import (
     without_model_media,
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
-from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache
+from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, label_weights, weights_digest
+from mmrl.models.encoding_store import EncodingStore
 from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path, vision_modules
 from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
 from mmrl.models.prepare import prepare_for_training
@@ -124,6 +125,7 @@ def build_fsdp_model(
     sequence_parallel: bool,
     lora: LoraConfig | None = None,
     rank0_init: bool = True,
+    label_towers: bool = False,
 ) -> torch.nn.Module:
     """Load the Hugging Face model at ``model_path``, prepare it for the passes it runs (packed with
     ``padding_free``, rows split over ranks with ``sequence_parallel``), give it a LoRA adapter when
@@ -133,7 +135,8 @@ def build_fsdp_model(
     the meta device and receive their shards from it
     (:func:`~mmrl.workers.fsdp_engine.broadcast_from_rank0`), so host memory holds one whole copy, not
     one per rank (8 x 33 GB for a 7B-VL on one node). ``False`` makes every rank read its own copy
-    (what ``bench/scale_load.py`` compares against)."""
+    (what ``bench/scale_load.py`` compares against). ``label_towers`` (for frozen towers): key their
+    encodings by their weights (:func:`label_frozen_towers`)."""
     from_rank0 = rank0_init and dist.get_world_size() > 1
     module = load_model(
         model_path,
@@ -159,6 +162,8 @@ def build_fsdp_model(
         for name, buffer in buffer_owner.named_buffers(recurse=False):
             if buffer is not None and buffer.is_floating_point():
                 setattr(buffer_owner, name, buffer.to(buffer_dtype))
+    if label_towers:
+        label_frozen_towers(module, resolve_dtype(fsdp.mp_param_dtype, device), from_rank0)
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     shard = functools.partial(
         apply_fsdp2,
@@ -191,13 +196,57 @@ def add_adapter(module: torch.nn.Module, lora: LoraConfig, fsdp: FSDPConfig, dev
     logger.info("LoRA rank %d on %d modules: %d trainable parameters", lora.rank, len(names), trainable)
 
 
-def build_encoding_cache(module: torch.nn.Module, model_config: ActorModelConfig) -> EncodingCache | None:
+def label_frozen_towers(module: torch.nn.Module, compute_dtype: torch.dtype, from_rank0: bool) -> None:
+    """Label each vision tower of the whole (unsharded) ``module`` with the digest of its weights, so
+    that equal frozen towers (the actor's and the reference's) share encodings and the disk cache
+    never serves another model's. With ``from_rank0`` only rank 0 holds weights: it sends the digests."""
+    towers = [tower for tower in vision_modules(module) if hasattr(tower, "spatial_merge_size")]
+    digests: list[str | None] = [None] * len(towers)
+    if not from_rank0 or dist.get_rank() == 0:
+        digests = [weights_digest(tower, compute_dtype) for tower in towers]
+    if from_rank0:
+        dist.broadcast_object_list(digests, src=0)
+    for tower, digest in zip(towers, digests):
+        label_weights(tower, digest)
+
+
+# the data keys that shape a media item's pixel rows (the rows' own digest is in every key as well)
+MEDIA_SETTINGS = (
+    "min_pixels",
+    "max_pixels",
+    "video_fps",
+    "num_video_frames",
+    "max_video_frames",
+    "min_video_frames",
+    "video_total_pixels",
+    "video_min_pixels",
+    "video_max_pixels",
+)
+
+
+def build_encoding_store(config: PPOConfig, processor: Any, device: torch.device) -> EncodingStore | None:
+    """The disk cache of frozen-tower encodings (``worker.actor.model.encoding_cache_dir``), its
+    entries keyed by the media settings, the processor and the device kind too; None when unset."""
+    model_cfg = config.worker.actor.model
+    if model_cfg.encoding_cache_dir is None:
+        return None
+    settings = {key: getattr(config.data, key) for key in MEDIA_SETTINGS}
+    settings["processor"] = type(processor).__name__ if processor is not None else None
+    settings["device"] = device.type  # kernels differ between device kinds
+    max_bytes = int(model_cfg.encoding_cache_max_gb * (1 << 30))
+    return EncodingStore(model_cfg.encoding_cache_dir, max_bytes, repr(sorted(settings.items())))
+
+
+def build_encoding_cache(
+    module: torch.nn.Module, model_config: ActorModelConfig, store: EncodingStore | None = None
+) -> EncodingCache | None:
     """With ``freeze_vision_tower`` (and no LoRA adapter, which could reach into the tower and is
     switched off for the reference), the actor's passes of a step share one encoding of each distinct
-    image or video (:mod:`mmrl.models.encoding_cache`); None otherwise."""
+    image or video (:mod:`mmrl.models.encoding_cache`), read from and written to ``store`` when given
+    and the towers carry their weights' digest; None otherwise."""
     if not model_config.freeze_vision_tower or model_config.lora.rank > 0:
         return None
-    cache = EncodingCache()
+    cache = EncodingCache(store=store)
     return cache if enable_encoding_cache(vision_modules(module), cache) else None
 
 
@@ -368,10 +417,14 @@ class HybridWorker:
             self.device,
             trainable=True,
             lora=model_cfg.lora,
+            label_towers=model_cfg.freeze_vision_tower and model_cfg.lora.rank == 0,
             **passes,
         )
         optimizer, scheduler = build_optimization(module, actor_cfg, total_training_steps)
-        self.encoding_cache = build_encoding_cache(module, model_cfg)  # cleared as each step begins
+        self.media, self.media_cache = build_media_processor(config), MediaCache()
+        self.encoding_store = build_encoding_store(config, self.media.processor, self.device)
+        # cleared as each step begins; the reference's tower joins it (_build_ref)
+        self.encoding_cache = build_encoding_cache(module, model_cfg, self.encoding_store)
         self.actor = PolicyActor(
             module,
             actor_cfg,
@@ -391,7 +444,6 @@ class HybridWorker:
             optimizer=optimizer,
             optimizer_state=actor_offload.offload_optimizer,
         )
-        self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.rollout = self._build_rollout()
         self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
@@ -416,8 +468,12 @@ class HybridWorker:
                 "actor",
                 self.device,
                 trainable=False,
+                label_towers=True,
                 **passes,
             )
+            # frozen: its encodings are shared with the actor's frozen tower where the weights are equal
+            self.encoding_cache = self.encoding_cache or EncodingCache(store=self.encoding_store)
+            enable_encoding_cache(vision_modules(ref_module), self.encoding_cache)
             offload_params = ref_cfg.offload.offload_params
         # frozen: only its weights can move, and they are needed for its log-prob pass alone
         self.ref_offload = PhaseOffload(ref_module, self.device, params=offload_params)

@@ -810,3 +810,28 @@ def test_stage_errors_name_the_stage_and_the_key(run_files):
     assert "trainer.stages[0] (a): a stage cannot change ['trainer.save_checkpoint_path=/x']" in errors[1]
     assert any(e.startswith("trainer.stages[1]: ") and "set worker.rollout.n >= 2" in e for e in errors)
     assert any("unknown key 'worker.rollout.temprature' in its overrides" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["worker.actor.model.encoding_cache_max_gb=0"], "encoding_cache_max_gb=0.0 must be > 0"),
+        (
+            ["worker.actor.model.encoding_cache_dir=enc", "worker.actor.model.lora.rank=8"],
+            "encoding_cache_dir is set with worker.actor.model.lora.rank=8",
+        ),
+        (
+            ["worker.actor.model.encoding_cache_dir=enc", "algorithm.disable_kl=true"],
+            "encoding_cache_dir is set but no tower is frozen",
+        ),
+    ],
+)
+def test_encoding_cache_settings_are_checked_at_load(run_files, extra, expected):
+    assert any(expected in error for error in errors_of(valid_args(run_files, *extra)))
+
+
+def test_encoding_cache_dir_is_made_absolute(run_files, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ("worker.actor.model.encoding_cache_dir=enc", "worker.actor.model.freeze_vision_tower=true")
+    cfg = load_config(valid_args(run_files, *args))
+    assert cfg.worker.actor.model.encoding_cache_dir == str(tmp_path / "enc")

@@ -750,7 +750,7 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
 
     fsdp_engine.BROADCAST_CHUNK_BYTES = 1024**2
 
-    results = {}
+    results, digests = {}, {}
     for label, role, lora in (("actor", "actor", None), ("critic", "critic", None), ("lora", "actor", 4)):
         for rank0_init in (True, False):
             torch.manual_seed(0)  # the adapter's initialisation
@@ -766,13 +766,18 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
                 sequence_parallel=False,
                 lora=LoraConfig(rank=lora) if lora else None,
                 rank0_init=rank0_init,
+                label_towers=lora is None,
             )
+            digests[label, rank0_init] = [
+                getattr(t, "_mmrl_weights_digest", None) for t in vision_modules(model)
+            ]
             state = {  # adapters included
                 name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 for name, tensor in model.state_dict().items()
             }
             buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
             results[label, rank0_init] = (state, buffers, _gathered_parameters(model))
+    results["digests"] = digests
     return results
 
 
@@ -795,6 +800,12 @@ def test_two_rank_build_from_rank0_equals_every_rank_reading_the_weights(tiny_vl
             if label == "actor":
                 for name, tensor in state.items():
                     assert torch.equal(tensor, reference[name]), name
+    # the towers' weight digests (mmrl.models.encoding_cache keys): rank 1's meta model gets rank 0's,
+    # equal to every rank's own; actor and critic load the same tower
+    digests = [result["digests"] for result in results]
+    labelled = [digest for ranks in digests for key, digest in ranks.items() if key[0] != "lora"]
+    assert len(labelled) == 8 and labelled[0][0] is not None and all(d == labelled[0] for d in labelled)
+    assert all(ranks["lora", init] == [None] for ranks in digests for init in (True, False))
     adapter = {name: tensor for name, tensor in results[1]["lora", True][0].items() if "lora_A" in name}
     assert adapter and all(tensor.abs().sum() > 0 for tensor in adapter.values())  # rank 0's random A
 
