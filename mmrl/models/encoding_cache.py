@@ -97,6 +97,12 @@ class EncodingCache:
         self.entries.clear()
         self.stored_bytes = 0
 
+    def take_counts(self) -> dict[str, int]:
+        """Items encoded, reused from memory and read from disk since the last call (then zeroed)."""
+        counts = {"encoded_items": self.misses, "reused_items": self.hits, "disk_read_items": self.loaded}
+        self.misses = self.hits = self.loaded = 0
+        return counts
+
     def _store(self, key: tuple, pooled: torch.Tensor, deepstack: list[torch.Tensor] | None) -> None:
         size = pooled.numel() * pooled.element_size() + sum(
             f.numel() * f.element_size() for f in deepstack or []

@@ -10,8 +10,11 @@ evicted as the oldest.
 Safe with several ranks and nodes on one folder without a lock: a file is written under a temporary
 name and renamed into place (``os.replace`` is atomic on one file system), and two writers of one key
 write the same content. A file that cannot be read back whole, or holds another key, is skipped with
-a warning and removed. The folder is kept under ``max_bytes``: after a write, the files read or
+a warning and removed. The folder is kept under ``max_bytes``: when this process's count of the
+folder's bytes (its last scan plus what it wrote since) passes the bound, or every
+``SCAN_EVERY_WRITES`` writes (other writers' files), the folder is scanned and the files read or
 written longest ago (their modification time, refreshed on every read) are removed until it fits.
+Several writers may overshoot the bound by what they wrote between two scans.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".pt"
 STALE_TEMPORARY_S = 3600  # a temporary file this old belongs to a writer that died
+SCAN_EVERY_WRITES = 64  # a folder of 100k items costs 100k stat calls a scan: not one per write
 
 
 def digest(text: str) -> str:
@@ -52,6 +56,8 @@ class EncodingStore:
         self.max_bytes = max_bytes
         self.settings = digest(settings)
         self.reads = self.writes = 0
+        self.counted_bytes: int | None = None  # the folder's bytes as this process last counted them
+        self.writes_since_scan = 0
 
     def path(self, key: tuple) -> Path:
         return self.directory / f"{digest(repr((self.settings, key)))}{SUFFIX}"
@@ -90,14 +96,25 @@ class EncodingStore:
         }
         try:
             torch.save(entry, temporary)
+            size = temporary.stat().st_size
             os.replace(temporary, path)  # readers see the whole file or none
-            _touch(path)
-        except OSError as error:  # a full disk or a read-only folder costs the cache, not the run
+        except (OSError, RuntimeError) as error:  # a full disk (torch.save: RuntimeError), a read-only
+            # folder: they cost the cache, not the run
             logger.warning("encoding cache: cannot write %s (%s)", path, error)
             temporary.unlink(missing_ok=True)
             return
+        with contextlib.suppress(FileNotFoundError):  # evicted at once by another writer
+            _touch(path)
         self.writes += 1
-        self.evict()
+        self.writes_since_scan += 1
+        if self.counted_bytes is not None:
+            self.counted_bytes += size
+        if (
+            self.counted_bytes is None
+            or self.counted_bytes > self.max_bytes
+            or self.writes_since_scan >= SCAN_EVERY_WRITES
+        ):
+            self.evict()
 
     def evict(self) -> None:
         """Remove the least recently used files until the folder holds at most ``max_bytes``."""
@@ -120,3 +137,4 @@ class EncodingStore:
                 break
             Path(path).unlink(missing_ok=True)
             total -= size
+        self.counted_bytes, self.writes_since_scan = total, 0

@@ -647,6 +647,9 @@ class HybridWorker:
                 entropy_coeff=entropy_coeff,
             )
         metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
+        if self.encoding_cache is not None:  # the step's media items: its last pass that encodes ends here
+            counts = self.encoding_cache.take_counts()
+            metrics["metrics"].update({f"encoders/{key}": value for key, value in counts.items()})
         if not on_policy:
             return DataProto(meta_info=metrics)
         tensors = {"old_log_probs": update.log_probs, "entropies": update.entropies}

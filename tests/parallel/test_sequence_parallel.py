@@ -16,6 +16,8 @@ Two levels:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _batches import (
@@ -358,8 +360,13 @@ def test_policy_step_with_ulysses_inside_ring_on_four_ranks_equals_one_rank(
 
 def ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring: int) -> list[str]:
     """The actor in one ring of 2 workers (dp 1) with the KL loss against a reference and its vision
-    tower frozen, and a GAE critic colocated in the same processes with ring size ``critic_ring``."""
+    tower frozen, and a GAE critic colocated in the same processes with ring size ``critic_ring``. The
+    training set is one step's 4 prompts: the second step is the second epoch."""
+    one_step = Path(shapes_data_dir) / "train_4.jsonl"
+    lines = (Path(shapes_data_dir) / "train.jsonl").read_text().splitlines(keepends=True)
+    one_step.write_text("".join(lines[:4]))
     return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        f"data.train_files={one_step}",
         "data.max_response_length=6",
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_loss=true",
@@ -383,7 +390,12 @@ def ring_run(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> list[dict]:
     """2 steps with the critic in the actor's ring: the metrics lines of its steps."""
     save_dir = tmp_path_factory.mktemp("ring_run")
     overrides = ring_run_overrides(tiny_vl_path, shapes_data_dir, save_dir, critic_ring=2)
-    return [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
+    # the frozen towers' encodings on disk too (mmrl.models.encoding_store): the ring's ranks agree on
+    # what they read, one of them writes
+    overrides.append(f"worker.actor.model.encoding_cache_dir={save_dir / 'encodings'}")
+    return [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row] + [
+        {"encodings": sorted(path.name for path in (save_dir / "encodings").iterdir())}
+    ]
 
 
 @pytest.mark.slow
@@ -393,9 +405,18 @@ def test_trainer_with_ring_sequence_parallel(ring_run):
     actor and ref passes split every row over the ring. The rollout's own log-probs of the sampled
     tokens (whole sequences, transformers) must equal the SP trainer's. The vision tower is frozen, so
     the actor's passes also share one encoding per image (mmrl.models.encoding_cache) over the ring's
-    split of the tower's work (mmrl.parallel.encoders)."""
-    steps = ring_run
+    split of the tower's work (mmrl.parallel.encoders), and keep them on disk: whole files only."""
+    *steps, files = ring_run
+    assert files["encodings"] and all(name.endswith(".pt") for name in files["encodings"])
     assert len(steps) == 2
+    # per rank: the 4 images encoded once in the first epoch and reused by every other forward of the
+    # step (the reference's included); read from disk in the second, none encoded
+    encoders = {key: [row[key] for row in steps] for key in steps[0] if key.startswith("encoders/")}
+    assert encoders == {
+        "encoders/encoded_items": [4, 0],
+        "encoders/disk_read_items": [0, 4],
+        "encoders/reused_items": [44, 44],
+    }
     for row in steps:
         assert row["rollout/log_prob_gap_max"] < 1e-5, row["rollout/log_prob_gap_max"]
         assert row["actor/grad_norm"] > 0 and row["actor/kl_loss"] >= 0
@@ -417,7 +438,7 @@ def test_colocated_critic_keeps_its_own_sequence_parallel_size(
         for row in run_main([*overrides, "trainer.max_steps=1"], tmp_path / "critic_ring_1")
         if "critic/vf_loss" in row
     ]
-    shared = ring_run[0]
+    shared = ring_run[0]  # its first step
     assert own_layout["critic/score/mean"] == shared["critic/score/mean"]  # the same rollouts
     for key in ("critic/values/mean", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm"):
         assert shared[key] == pytest.approx(own_layout[key], rel=1e-4, abs=1e-6), key

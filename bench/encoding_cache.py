@@ -1,0 +1,178 @@
+"""Seconds of a frozen vision tower per GRPO step on a long video: every pass encoding (before), the
+step's passes sharing one encoding (:class:`mmrl.models.encoding_cache.EncodingCache`), and a later
+epoch reading the encodings from disk (:class:`mmrl.models.encoding_store.EncodingStore`).
+
+    python bench/encoding_cache.py [--frames 32 64] [--frame_size 112] [--depth 2] [--n 4] [--micro 2]
+
+The tower is Qwen2.5-VL-3B's (``Qwen2_5_VisionTransformerPretrainedModel`` at its config's widths:
+hidden 1280, 16 heads, MLP 3420, output 2048, 14-pixel patches, 2x2 merge, 112-pixel windows), random
+weights, with its depth cut to ``--depth`` blocks (32 in the real model: the tower's seconds scale
+about linearly with the depth, the reuse ratios do not change). One prompt holds a video of
+``--frames`` frames of ``--frame_size``² pixels; the step scores its ``--n`` responses in micro-batches
+of ``--micro`` rows in three passes that each run the tower: old log-probs and reference log-probs
+(no grad) and the update (grad on, tower frozen). The rollout is not counted (vLLM encodes there, once
+per prompt through its own encoder cache).
+
+Rows: tower calls, items encoded, seconds in the tower's wrapper per step (hashing the pixel rows and
+disk reads included), the embeddings' file size; and the one-off digest of the tower's weights (per GB
+of weights, to scale to the 0.67B-parameter tower). Prints the table; writes
+``bench/results/encoding_cache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+from harness import markdown_table, write_json
+
+from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, label_weights, weights_digest
+from mmrl.models.encoding_store import EncodingStore
+
+PATCH, TEMPORAL, MERGE = 14, 2, 2
+
+
+def build_tower(depth: int) -> torch.nn.Module:
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(  # Qwen2.5-VL-3B-Instruct's vision_config, depth cut
+        depth=depth,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=2048,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        hidden_act="silu",
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config).eval()
+    tower.requires_grad_(False)  # freeze_vision_tower
+    return tower
+
+
+def video(frames: int, frame_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A video's pixel rows [t*h*w, 3*2*14*14] and grid [1, 3], as the processor hands them over."""
+    side = frame_size // PATCH
+    grid = torch.tensor([[frames // TEMPORAL, side, side]])
+    rows = torch.randn(
+        int(grid.prod()), 3 * TEMPORAL * PATCH * PATCH, generator=torch.Generator().manual_seed(1)
+    )
+    return rows, grid
+
+
+def step(tower, rows, grid, n: int, micro: int, grad_update: bool = True) -> tuple[int, float]:
+    """The step's three passes over n responses of one video prompt: tower calls and seconds."""
+    calls, seconds = 0, 0.0
+    for no_grad in (True, True, not grad_update):  # old log-probs, reference, update
+        for _ in range(0, n, micro):
+            batch_rows, batch_grid = rows.repeat(micro, 1), grid.repeat(micro, 1)
+            with torch.set_grad_enabled(not no_grad):
+                start = time.perf_counter()
+                tower(batch_rows, batch_grid)
+                seconds += time.perf_counter() - start
+            calls += 1
+    return calls, seconds
+
+
+def measure(frames: int, args) -> list[dict]:
+    rows, grid = video(frames, args.frame_size)
+    patches = int(grid.prod())
+    tokens = patches // MERGE**2
+    results = []
+    tower = build_tower(args.depth)
+    encoded = []
+    with torch.no_grad():
+        tower(rows, grid)  # warm-up: the first call's one-off costs are no pass's
+    tower.blocks[0].register_forward_hook(lambda m, a, out: encoded.append(a[0].shape[0]))
+    calls, seconds = step(tower, rows, grid, args.n, args.micro)
+    results.append(
+        {
+            "case": "every pass encodes (before)",
+            "calls": calls,
+            "encoded": sum(encoded) // patches,
+            "s": seconds,
+        }
+    )
+
+    label_weights(tower, weights_digest(tower, torch.float32))
+    with tempfile.TemporaryDirectory() as folder:
+        store = EncodingStore(folder, max_bytes=1 << 34)
+        cache = EncodingCache(store=store)
+        enable_encoding_cache([tower], cache)
+        encoded.clear()
+        calls, seconds = step(tower, rows, grid, args.n, args.micro)
+        results.append(
+            {
+                "case": "encoded once per step (+ disk write)",
+                "calls": calls,
+                "encoded": sum(encoded) // patches,
+                "s": seconds,
+            }
+        )
+        file_mb = sum(path.stat().st_size for path in store.directory.glob("*.pt")) / 1e6
+        cache.clear()  # the next epoch: memory empty, the disk holds the video
+        encoded.clear()
+        calls, seconds = step(tower, rows, grid, args.n, args.micro)
+        results.append(
+            {
+                "case": "later epoch: read from disk",
+                "calls": calls,
+                "encoded": sum(encoded) // patches,
+                "s": seconds,
+            }
+        )
+        assert store.reads == 1
+    for result in results:
+        result.update(frames=frames, tokens=tokens, file_mb=round(file_mb, 1))
+    return results
+
+
+def digest_seconds_per_gb(tower: torch.nn.Module) -> float:
+    weight_bytes = sum(p.numel() * p.element_size() for p in tower.parameters())
+    start = time.perf_counter()
+    weights_digest(tower, torch.bfloat16)  # the GPU case: fp32 masters cast to the bf16 compute dtype
+    return (time.perf_counter() - start) / (weight_bytes / 2 / 1e9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--frames", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--frame_size", type=int, default=112)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [result for frames in args.frames for result in measure(frames, args)]
+    digest_s = digest_seconds_per_gb(build_tower(args.depth))
+    print(
+        f"Qwen2.5-VL-3B vision widths, {args.depth} of 32 blocks, CPU ({args.threads} threads), one video "
+        f"prompt of {args.frame_size}x{args.frame_size} frames, n={args.n}, micro-batch {args.micro}, passes: "
+        "old log-probs, reference, update"
+    )
+    print(
+        markdown_table(
+            ["frames", "video tokens", "case", "tower calls", "items encoded", "tower s/step", "file MB"],
+            [
+                [r["frames"], r["tokens"], r["case"], r["calls"], r["encoded"], f"{r['s']:.2f}", r["file_mb"]]
+                for r in rows
+            ],
+        )
+    )
+    print(f"weights digest (once per run and model): {digest_s:.2f} s per GB of bf16 weights")
+    write_json("encoding_cache.json", {"args": vars(args), "rows": rows, "digest_s_per_gb": digest_s})
+
+
+if __name__ == "__main__":
+    main()
