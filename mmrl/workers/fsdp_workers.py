@@ -472,8 +472,9 @@ class HybridWorker:
                 **passes,
             )
             # frozen: its encodings are shared with the actor's frozen tower where the weights are equal
-            self.encoding_cache = self.encoding_cache or EncodingCache(store=self.encoding_store)
-            enable_encoding_cache(vision_modules(ref_module), self.encoding_cache)
+            cache = self.encoding_cache or EncodingCache(store=self.encoding_store)
+            if enable_encoding_cache(vision_modules(ref_module), cache):
+                self.encoding_cache = cache
             offload_params = ref_cfg.offload.offload_params
         # frozen: only its weights can move, and they are needed for its log-prob pass alone
         self.ref_offload = PhaseOffload(ref_module, self.device, params=offload_params)
@@ -620,6 +621,9 @@ class HybridWorker:
         # with LoRA the reference is the actor's model: its base weights, the adapter switched off
         with self.ref_offload.loaded(), adapters_disabled(self.ref.module):
             log_probs, _ = self.ref.compute_log_probs(data, micro, temperature)
+        if self.encoding_cache is not None and not self.config.worker.actor.model.freeze_vision_tower:
+            # the reference's encodings alone (the actor's tower trains): no later pass asks for them
+            self.encoding_cache.clear()
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
 
     @rows_per_data_parallel_share
