@@ -29,7 +29,13 @@ import time
 import torch
 from harness import markdown_table, write_json
 
-from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, label_weights, weights_digest
+from mmrl.models.encoding_cache import (
+    EncodingCache,
+    enable_encoding_cache,
+    label_weights,
+    media_key,
+    weights_digest,
+)
 from mmrl.models.encoding_store import EncodingStore
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
@@ -151,6 +157,11 @@ def disk_row(frames: int, frame_size: int) -> dict:
         assert store.load(("w", frames), tokens, torch.device("cpu")) is not None
         read_s = time.perf_counter() - start
         file_mb = store.path(("w", frames)).stat().st_size / 1e6
+    # every cached call digests its items' pixel rows (fp32, 1176 per patch): timed on a quarter of them
+    quarter = torch.randn(frames // TEMPORAL * side * side // 4, 3 * TEMPORAL * PATCH * PATCH)
+    start = time.perf_counter()
+    media_key([1, 1, 1], quarter)
+    pixel_digest_s = 4 * (time.perf_counter() - start)
     return {
         "frames": frames,
         "frame_size": frame_size,
@@ -158,6 +169,8 @@ def disk_row(frames: int, frame_size: int) -> dict:
         "write_s": write_s,
         "read_s": read_s,
         "file_mb": file_mb,
+        "pixel_mb": 4 * quarter.numel() * 4 / 1e6,
+        "pixel_digest_s": pixel_digest_s,
     }
 
 
@@ -202,7 +215,8 @@ def main() -> None:
     print(f"weights digest (once per run and model): {digest_s:.2f} s per GB of bf16 weights")
     print(
         f"disk cache, one video of {disk['frames']} frames at {disk['frame_size']}px ({disk['tokens']} tokens, "
-        f"bf16): {disk['file_mb']:.0f} MB, written in {disk['write_s']:.2f} s, read in {disk['read_s']:.2f} s"
+        f"bf16): {disk['file_mb']:.0f} MB, written in {disk['write_s']:.2f} s, read in {disk['read_s']:.2f} s; "
+        f"digesting its {disk['pixel_mb']:.0f} MB of pixel rows (once per cached call): {disk['pixel_digest_s']:.2f} s"
     )
     write_json(
         "encoding_cache.json", {"args": vars(args), "rows": rows, "digest_s_per_gb": digest_s, "disk": disk}
