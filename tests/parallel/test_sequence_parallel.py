@@ -442,3 +442,63 @@ def test_colocated_critic_keeps_its_own_sequence_parallel_size(
     assert own_layout["critic/score/mean"] == shared["critic/score/mean"]  # the same rollouts
     for key in ("critic/values/mean", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm"):
         assert shared[key] == pytest.approx(own_layout[key], rel=1e-4, abs=1e-6), key
+
+
+def _disk_cache_job(rank: int, world_size: int, model_path: str, batch, folders: list[list[str]]) -> dict:
+    """One ring of 2 with a frozen tower whose encodings go through a disk cache: one log-prob pass per
+    entry of ``folders[rank]`` (this rank's cache folder in that epoch), memory emptied between them."""
+    from _models import training_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, label_weights, weights_digest
+    from mmrl.models.encoding_store import EncodingStore
+    from mmrl.models.loading import freeze_vision_tower, vision_modules
+    from mmrl.workers.fsdp_engine import apply_fsdp2
+
+    groups = init_sequence_parallel(1, 2)
+    model = training_model(model_path, sequence_parallel=True)
+    freeze_vision_tower(model)
+    (tower,) = vision_modules(model)
+    label_weights(tower, weights_digest(tower, torch.float32))
+    module = apply_fsdp2(model, init_device_mesh("cpu", (world_size,)), torch.float32, torch.float32)
+    cache = EncodingCache()
+    enable_encoding_cache([tower], cache)
+    vision_patches = []
+    tower.blocks[0].register_forward_hook(lambda m, args, out: vision_patches.append(args[0].shape[0]))
+    actor = policy_actor(
+        module,
+        dp_group=groups.dp_group,
+        sequence_parallel=groups,
+        padding_free=True,
+        share_prompts=False,
+        **ACTOR_SETTINGS,
+    )
+    epochs = []
+    for folder in folders[rank]:
+        cache.clear()
+        cache.store = EncodingStore(folder, max_bytes=1 << 30)
+        vision_patches.clear()
+        log_probs, _ = actor.compute_log_probs(batch, 6, TEMPERATURE)
+        epochs.append({"log_probs": log_probs, "patches": sum(vision_patches), **cache.take_counts()})
+    return {"epochs": epochs}
+
+
+@pytest.mark.distributed
+def test_ring_ranks_agree_on_disk_hits_and_encode_together(tiny_vl_path, sp_batch, single_rank, tmp_path):
+    """Epoch 1 writes the encodings (SP rank 0 alone); in epoch 2 rank 1's folder lacks them (another
+    rank's eviction between two reads): both ranks encode, none hangs in the sharded tower's gather;
+    in epoch 3 both read and the tower does not run. Log-probs equal one rank's throughout."""
+    shared, empty = str(tmp_path / "shared"), str(tmp_path / "empty")
+    folders = [[shared, shared, shared], [shared, empty, shared]]
+    runs = run_on_ranks(_disk_cache_job, 2, str(tiny_vl_path), sp_batch, folders, timeout_s=180)
+    items = 4  # MIXED_ROWS: two images, two videos
+    for run in runs:
+        for epoch in run["epochs"]:
+            torch.testing.assert_close(epoch["log_probs"], single_rank["log_probs"], rtol=1e-5, atol=1e-5)
+        first, second, third = run["epochs"]
+        assert (first["encoded_items"], first["disk_read_items"]) == (items, 0)
+        assert (second["encoded_items"], second["disk_read_items"]) == (items, 0)  # rank 1 missed
+        assert (third["encoded_items"], third["disk_read_items"], third["patches"]) == (0, items, 0)
+        assert first["patches"] > 0 and second["patches"] == first["patches"]
+    assert len(list((tmp_path / "shared").glob("*.pt"))) == items
+    assert not any((tmp_path / "empty").iterdir())  # rank 0 of the ring alone writes
