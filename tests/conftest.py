@@ -152,7 +152,7 @@ def pytest_collection_modifyitems(config, items):
         scopes[item.nodeid] = find(links[item.nodeid][0]) if links[item.nodeid] else item.nodeid
         if links[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(scopes[item.nodeid]))
-    if getattr(config.option, "dist", "no") == "no":
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the workers' order is the one the groups go out in
         return
     cost, first = {}, {}
     for index, item in enumerate(items):

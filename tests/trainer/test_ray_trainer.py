@@ -956,28 +956,28 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_da
 
 @trainer_e2e
 def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
-    tiny_vl_path, shapes_data_dir, tmp_path
+    run_a, e2e_dir, tiny_vl_path, shapes_data_dir
 ):
-    """One optimizer step per rollout and the KL as a loss: the step skips the old-log-prob pass and the
-    update supplies those log-probs. The run's numbers equal a run with the separate pass (same seeds,
-    so the same rollouts): losses, gradient norms, entropies and the rollout/trainer log-prob gap."""
-    from _trainer_run import run_main, small_run_overrides
-
-    runs = {}
-    for skip in (True, False):
-        save_dir = tmp_path / f"skip_{skip}"
-        overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-            "algorithm.use_kl_loss=true",
-            "algorithm.kl_coef=0.1",
-            "worker.rollout.name=hf",
-            f"worker.actor.skip_old_log_prob_on_policy={str(skip).lower()}",
-            "trainer.val_before_train=false",
-            "trainer.val_freq=-1",
-        ]
-        runs[skip] = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
-    assert len(runs[True]) == len(runs[False]) == 2
-    for skipped, separate in zip(runs[True], runs[False]):
-        assert "timing_s/old_log_prob" in separate and "timing_s/old_log_prob" not in skipped
+    """Run A trains on-policy (one optimizer step per rollout, the KL as a loss), so its steps skip the
+    old-log-prob pass and the update supplies those log-probs. Its config with the separate pass (same
+    seeds, so the same rollouts; no validation or checkpoints, which change no training number) gives
+    the same numbers at every step: losses, gradient norms, entropies and the rollout/trainer log-prob
+    gap."""
+    assert_succeeded(run_a)
+    save_dir = e2e_dir / "run_separate_old_log_prob"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "worker.actor.skip_old_log_prob_on_policy=false",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_freq=-1",
+    ]
+    config_file = write_config(e2e_dir / "run_separate_old_log_prob.yaml", overrides)
+    assert_succeeded(run_trainer(config_file, save_dir, e2e_dir / "run_separate_old_log_prob.log"))
+    skipping = [row for row in metrics_lines(run_a.save_dir) if "actor/grad_norm" in row]
+    separate = [row for row in metrics_lines(save_dir) if "actor/grad_norm" in row]
+    assert [row["step"] for row in skipping] == [row["step"] for row in separate] == [1, 2, 3, 4]
+    for skipped, passed in zip(skipping, separate):
+        assert "timing_s/old_log_prob" in passed and "timing_s/old_log_prob" not in skipped
         for key in (
             "actor/pg_loss",
             "actor/kl_loss",
@@ -988,7 +988,7 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
             "rollout/log_prob_gap_max",
             "critic/score/mean",
         ):
-            assert skipped[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
+            assert skipped[key] == pytest.approx(passed[key], rel=1e-4, abs=1e-6), key
         assert skipped["rollout/log_prob_gap_max"] < 1e-5
 
 
