@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ASSETS ?= assets
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (groups of tests that share a run or a machine-wide resource stay
+# in one; tests/conftest.py); TEST_WORKERS=0 runs the suite in this process alone
+TEST_WORKERS ?= 2
 
 GPU_PYTHON ?= python
 
@@ -104,10 +107,10 @@ bench-scale: install
 	RAY_AUTH_MODE=disabled $(PY) bench/scale.py --run memory media startup smoke
 
 test: install
-	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -m "not slow" -x -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" -x -q $(PYTEST_ARGS)
 
 # lint style and formatting, and the layer rules of DESIGN.md (contracts in pyproject.toml)
 quality: install

@@ -106,3 +106,57 @@ def shapes_data_dir(tmp_path_factory) -> Path:
 
     out_dir = tmp_path_factory.mktemp("data") / "shapes-color"
     return generate_shapes_dataset("color", out_dir, n_train=32, n_val=8, seed=0, fmt="jsonl")
+
+
+# ---- parallel workers (pytest-xdist: `make test` runs `-n 2 --dist loadgroup`) --------------------------
+
+SHARED_SCOPES = ("module", "class", "package")
+# session fixtures too costly to build in every worker: their users run in one (the 2.2 GB model)
+COSTLY_SESSION_FIXTURES = {"real_width_vl_path": "real_width"}
+
+
+def _cost(item) -> float:
+    """A rough guess of an item's seconds, to hand the workers their longest groups first."""
+    return 25.0 if item.get_closest_marker("slow") else 2.0 if item.get_closest_marker("distributed") else 0.2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each item gets the pytest-xdist group of the tests it must run beside in one worker: those that
+    share a module-scoped fixture instance (a trainer run read by several tests is made once) or a
+    costly session fixture, or name the same machine-wide resource with ``@pytest.mark.shares(name)``
+    (vLLM engines' shared-memory names, sandboxed processes counted machine-wide). Items sharing nothing
+    spread over the workers one by one; under xdist the groups go out longest first."""
+    parent: dict[str, str] = {}
+
+    def find(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    links = {}
+    for item in items:
+        nodes = [f"resource:{mark.args[0]}" for mark in item.iter_markers("shares")]
+        fixtures = getattr(item, "_fixtureinfo", None)
+        for name, defs in fixtures.name2fixturedefs.items() if fixtures else ():
+            if defs and defs[-1].scope in SHARED_SCOPES:
+                nodes.append(f"fixture:{item.module.__name__}:{name}")
+            elif name in COSTLY_SESSION_FIXTURES:
+                nodes.append(f"resource:{COSTLY_SESSION_FIXTURES[name]}")
+        links[item.nodeid] = nodes
+        for node in nodes[1:]:
+            parent[find(node)] = find(nodes[0])
+    scopes = {}
+    for item in items:
+        scopes[item.nodeid] = find(links[item.nodeid][0]) if links[item.nodeid] else item.nodeid
+        if links[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(scopes[item.nodeid]))
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the workers' order is the one the groups go out in
+        return
+    cost, first = {}, {}
+    for index, item in enumerate(items):
+        scope = scopes[item.nodeid]
+        cost[scope] = cost.get(scope, 0.0) + _cost(item)
+        first.setdefault(scope, index)
+    items.sort(key=lambda item: (-cost[scopes[item.nodeid]], first[scopes[item.nodeid]]))

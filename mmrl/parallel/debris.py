@@ -18,13 +18,15 @@ A run makes four kinds of files and processes outside its output folder:
 
 :func:`clean_stale_debris` removes what earlier runs left: only debris whose owner is dead (no process
 maps the segment; the folder's pid is not running; a session whose starting process is dead and
-whose GCS server and raylet are gone), so that it never touches a run that is still going.
+whose GCS server and raylet are gone), so that it never touches a run that is still going. Cleanings on
+one machine run one at a time (:func:`cleaning_lock`, a lock file in the temp folder).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import functools
 import glob
 import importlib.util
@@ -34,6 +36,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +44,7 @@ from pathlib import Path
 __all__ = [
     "CPU_SHM_PATTERN",
     "clean_stale_debris",
+    "cleaning_lock",
     "make_temp_dir",
     "remove_ray_session_at_exit",
     "unlink_cpu_shared_memory",
@@ -235,9 +239,34 @@ def remove_ray_session_at_exit() -> None:
     atexit.register(shut_down)
 
 
+_lock_depth = threading.local()
+
+
+@contextlib.contextmanager
+def cleaning_lock() -> Iterator[None]:
+    """While held, no other process on this machine cleans debris (two runs starting together take turns;
+    whoever must look at a dead run's debris before it goes holds it). Reentrant within a thread."""
+    if getattr(_lock_depth, "n", 0):
+        _lock_depth.n += 1
+        try:
+            yield
+        finally:
+            _lock_depth.n -= 1
+        return
+    with open(os.path.join(tempfile.gettempdir(), "mmrl-debris.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock_depth.n = 1
+        try:
+            yield
+        finally:
+            _lock_depth.n = 0
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def clean_stale_debris() -> None:
     """Remove what runs that died left behind (see the module docstring); never anything of a live run."""
-    unlink_cpu_shared_memory(stale_only=True)
-    _remove_stale_temp_dirs(tempfile.gettempdir())
-    _remove_unbound_uuid_sockets(tempfile.gettempdir())
-    _remove_stale_ray_sessions(ray_temp_dir())
+    with cleaning_lock():
+        unlink_cpu_shared_memory(stale_only=True)
+        _remove_stale_temp_dirs(tempfile.gettempdir())
+        _remove_unbound_uuid_sockets(tempfile.gettempdir())
+        _remove_stale_ray_sessions(ray_temp_dir())

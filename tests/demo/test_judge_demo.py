@@ -48,6 +48,7 @@ def test_the_judge_is_trained_on_the_text_the_served_judge_is_sent(shapes_data_d
 
 
 @pytest.mark.slow
+@pytest.mark.shares("vllm")
 def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data_dir, tmp_path, capsys):
     from mmrl.rewards.judge_server import VllmServer
 

@@ -266,7 +266,14 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
 
 
 @pytest.mark.parametrize(
-    "path_fixture", ["tiny_vl_path", "tiny_omni_path", "tiny_text_path", "real_width_vl_path"]
+    "path_fixture",
+    [
+        "tiny_vl_path",
+        "tiny_omni_path",
+        "tiny_text_path",
+        # built in the pytest-xdist worker of the other tests of that costly model
+        pytest.param("real_width_vl_path", marks=pytest.mark.shares("real_width")),
+    ],
 )
 def test_reloaded_tokenizer_keeps_answers_single_tokens(path_fixture, request):
     from transformers import AutoTokenizer

@@ -24,6 +24,8 @@ from mmrl.rewards.code import (
 from mmrl.rewards.source import SampleFailure, check_source_results
 from mmrl.sandbox import Sandbox, SandboxLimits
 
+pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processes on the machine
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -17,6 +17,8 @@ from mmrl.trainer.config_loader import load_config
 sys.path.insert(0, str(Path(__file__).parents[1] / "sandbox"))
 from _sandboxed import foreign_processes  # noqa: E402
 
+pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processes on the machine
+
 REPO = Path(__file__).parents[2]
 TESTS = '{"inputs": ["1 2\\n", "20 22\\n"], "outputs": ["3", "42"]}'
 GOOD = "<think>add them</think>```python\nprint(sum(map(int, input().split())))\n```"

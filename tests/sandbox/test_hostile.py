@@ -22,6 +22,8 @@ from _sandboxed import foreign_processes
 from mmrl.rewards.code import CodeGrader, CodeTests
 from mmrl.sandbox import Sandbox, SandboxLimits
 
+pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processes on the machine
+
 LIMITS = SandboxLimits(
     cpu_time_s=1.0,
     wall_time_s=2.0,

@@ -17,6 +17,8 @@ from _sandboxed import foreign_processes
 from mmrl.sandbox import Sandbox, SandboxError, SandboxLimits
 from mmrl.sandbox.runner import PROGRAM_ENV
 
+pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processes on the machine
+
 FAST = SandboxLimits(cpu_time_s=1.0, wall_time_s=8.0, memory_bytes=256 << 20)
 
 WHAT_IT_SEES = r"""

@@ -88,15 +88,17 @@ def test_start_up_cleans_what_a_sigkilled_driver_left_and_nothing_live(tmp_path)
         sessions = list(Path(debris.ray_temp_dir()).glob(f"session_*_{driver.pid}"))
         assert len(sessions) == 1, sessions
         session = str(sessions[0]) + os.sep
-        os.kill(driver.pid, signal.SIGKILL)  # the driver alone, as a crash or the OOM killer does
-        driver.wait(timeout=30)
-        # what it left: Ray's session folder, its segment (mapped by nobody now), folder and socket file
-        left = [sessions[0], Path(made["segment"]), Path(made["folder"]), Path(made["socket"])]
-        assert all(path.exists() for path in left)
+        # no other run or test starting beside this one cleans the killed driver's debris before this does
+        with debris.cleaning_lock():
+            os.kill(driver.pid, signal.SIGKILL)  # the driver alone, as a crash or the OOM killer does
+            driver.wait(timeout=30)
+            # what it left: Ray's session folder, its segment (mapped by nobody now), folder and socket file
+            left = [sessions[0], Path(made["segment"]), Path(made["folder"]), Path(made["socket"])]
+            assert all(path.exists() for path in left)
 
-        start = time.perf_counter()
-        debris.clean_stale_debris()
-        clean_s = time.perf_counter() - start
+            start = time.perf_counter()
+            debris.clean_stale_debris()  # the lock is reentrant
+            clean_s = time.perf_counter() - start
         assert [path for path in left if path.exists()] == []
         deadline = time.monotonic() + 10  # SIGKILLed orphans vanish from /proc once reaped
         while (holders := _holders(session)) and time.monotonic() < deadline:
@@ -161,3 +163,17 @@ def test_only_temp_folders_of_dead_owners_go(tmp_path, monkeypatch):
     debris._remove_stale_temp_dirs(str(tmp_path))
     assert live.name.startswith(f"mmrl-dist-{os.getpid()}-")
     assert live.is_dir() and foreign.is_dir() and not dead.exists()
+
+
+def test_cleanings_on_one_machine_take_turns(tmp_path):
+    """A cleaning started while another process holds the lock waits for it; a nested hold in one
+    thread does not wait for itself."""
+    done = tmp_path / "cleaned"
+    code = f"from mmrl.parallel import debris; debris.clean_stale_debris(); open({str(done)!r}, 'w').close()"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with debris.cleaning_lock(), debris.cleaning_lock():  # reentrant
+        cleaner = subprocess.Popen([sys.executable, "-c", code], env=env)
+        time.sleep(1.5)
+        assert cleaner.poll() is None and not done.exists(), "a cleaning ran while the lock was held"
+    assert cleaner.wait(timeout=30) == 0
+    assert done.exists()

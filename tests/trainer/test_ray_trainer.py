@@ -736,20 +736,20 @@ def test_merged_trainer_checkpoint_loads_with_from_pretrained(run_a, e2e_dir, ti
 
 
 def kill_a_process_of_an_endless_run(
-    e2e_dir: Path, tiny_vl_path: Path, shapes_data_dir: Path, name: str, find_victim
+    folder: Path, tiny_vl_path: Path, shapes_data_dir: Path, name: str, find_victim
 ) -> tuple[int, float, str, list]:
     """Starts a run that would never end, waits for its first logged step, SIGKILLs the process that
     ``find_victim(trainer process, log path)`` picks and waits for the trainer's exit: (its exit code,
     seconds from the kill to the exit, its output, processes of its session still running)."""
-    save_dir = e2e_dir / name
+    save_dir = folder / name
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "trainer.max_steps=1000",  # never reached: the run must end because of the kill
         "trainer.val_before_train=false",
         "trainer.val_freq=0",
         "trainer.save_freq=0",
     ]
-    config_file = write_config(e2e_dir / f"{name}.yaml", overrides)
-    log_path = e2e_dir / f"{name}.log"
+    config_file = write_config(folder / f"{name}.yaml", overrides)
+    log_path = folder / f"{name}.log"
     process = start_trainer(config_file, log_path)
     try:
         wait_until(lambda: logged_steps(save_dir) >= 1, process, log_path, "logged step", RUN_TIMEOUT_S)
@@ -764,7 +764,7 @@ def kill_a_process_of_an_endless_run(
 
 
 @trainer_e2e
-def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny_vl_path, shapes_data_dir):
+def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(tmp_path, tiny_vl_path, shapes_data_dir):
     """SIGKILL of rank 1's process mid-run: the trainer exits 1 within a bounded time, naming the rank."""
     rank1 = re.compile(r"\(actor_rank1 pid=(\d+)\)")
 
@@ -778,7 +778,7 @@ def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny
         return worker
 
     returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
-        e2e_dir, tiny_vl_path, shapes_data_dir, "run_worker_dies", rank1_process
+        tmp_path, tiny_vl_path, shapes_data_dir, "run_worker_dies", rank1_process
     )
     print(f"rank 1 killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
@@ -789,14 +789,14 @@ def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(e2e_dir, tiny
 
 @trainer_e2e
 def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
-    e2e_dir, tiny_vl_path, shapes_data_dir
+    tmp_path, tiny_vl_path, shapes_data_dir
 ):
     """The reward raises on the answer of train row 2; unshuffled, the first batch holds rows 0-3 and
     response i belongs to prompt i // n, so the first failing sample is n x (first row with that answer)."""
     first_batch = first_batch_answers(shapes_data_dir)
     fail_on = first_batch[2]
     first_failing_sample = first_batch.index(fail_on) * RESPONSES_PER_PROMPT
-    save_dir = e2e_dir / "run_raising_reward"
+    save_dir = tmp_path / "run_raising_reward"
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"worker.reward.reward_function={RAISING_REWARD}",
         f"worker.reward.reward_function_kwargs.fail_on_answer={fail_on}",
@@ -804,9 +804,9 @@ def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
         "trainer.val_before_train=false",
         "trainer.logger=[console,jsonl,wandb]",
     ]
-    config_file = write_config(e2e_dir / "run_raising_reward.yaml", overrides)
-    env = {**offline_tracker_env(e2e_dir / "tracker_home_raising"), "RAY_DEDUP_LOGS": "1"}
-    run = run_trainer(config_file, save_dir, e2e_dir / "run_raising_reward.log", env=env)
+    config_file = write_config(tmp_path / "run_raising_reward.yaml", overrides)
+    env = {**offline_tracker_env(tmp_path / "tracker_home_raising"), "RAY_DEDUP_LOGS": "1"}
+    run = run_trainer(config_file, save_dir, tmp_path / "run_raising_reward.log", env=env)
 
     assert run.returncode == 1, run.output[-4000:]
     assert wandb_offline_exit_code(save_dir / "logs") == 1  # the W&B app shows the run as Failed
@@ -833,7 +833,7 @@ def first_batch_answers(shapes_data_dir: Path) -> list[str]:
 
 @trainer_e2e
 def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
-    e2e_dir, tiny_vl_path, shapes_data_dir
+    tmp_path, tiny_vl_path, shapes_data_dir
 ):
     """The reward never returns on the answer of train row 2: the run exits 1 soon after
     worker.reward.timeout_s, naming the reward file, function and the sample being scored, and the
@@ -841,24 +841,24 @@ def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
     answers = first_batch_answers(shapes_data_dir)
     hang_on = answers[2]
     hung_sample = answers.index(hang_on) * RESPONSES_PER_PROMPT
-    save_dir = e2e_dir / "run_hanging_reward"
+    save_dir = tmp_path / "run_hanging_reward"
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"worker.reward.reward_function={HANGING_REWARD}",
         f"worker.reward.reward_function_kwargs.hang_on_answer={hang_on}",
-        f"worker.reward.reward_function_kwargs.hang_marker={e2e_dir / 'reward_hangs'}",
+        f"worker.reward.reward_function_kwargs.hang_marker={tmp_path / 'reward_hangs'}",
         f"worker.reward.timeout_s={REWARD_TIMEOUT_S}",
         "data.shuffle=false",
         "trainer.val_before_train=false",
     ]
-    config_file = write_config(e2e_dir / "run_hanging_reward.yaml", overrides)
-    process = start_trainer(config_file, e2e_dir / "run_hanging_reward.log")
+    config_file = write_config(tmp_path / "run_hanging_reward.yaml", overrides)
+    process = start_trainer(config_file, tmp_path / "run_hanging_reward.log")
     try:
-        returncode = wait_for_exit(process, e2e_dir / "run_hanging_reward.log", RUN_TIMEOUT_S)
-        seconds_to_exit = time.time() - (e2e_dir / "reward_hangs").stat().st_mtime
+        returncode = wait_for_exit(process, tmp_path / "run_hanging_reward.log", RUN_TIMEOUT_S)
+        seconds_to_exit = time.time() - (tmp_path / "reward_hangs").stat().st_mtime
         leftovers = leftover_processes(process.pid, SESSION_EXIT_TIMEOUT_S)
     finally:
         kill_session(process)
-    run = TrainerRun(returncode, read_log(e2e_dir / "run_hanging_reward.log"), save_dir, leftovers)
+    run = TrainerRun(returncode, read_log(tmp_path / "run_hanging_reward.log"), save_dir, leftovers)
     print(f"hanging reward: the trainer exited {seconds_to_exit:.1f} s after the hang began")
 
     assert run.returncode == 1, run.output[-4000:]
@@ -878,7 +878,7 @@ def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
 
 
 @trainer_e2e
-def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(e2e_dir, tiny_vl_path, shapes_data_dir):
+def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(tmp_path, tiny_vl_path, shapes_data_dir):
     """SIGKILL of the reward actor's process between steps: the next step's scoring fails, and the
     trainer exits 1 within seconds naming the reward worker."""
 
@@ -888,7 +888,7 @@ def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(e2e_dir, tin
         return scorers[0]
 
     returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
-        e2e_dir, tiny_vl_path, shapes_data_dir, "run_reward_worker_dies", reward_scorer
+        tmp_path, tiny_vl_path, shapes_data_dir, "run_reward_worker_dies", reward_scorer
     )
     print(f"reward worker killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
@@ -956,28 +956,28 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_da
 
 @trainer_e2e
 def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
-    tiny_vl_path, shapes_data_dir, tmp_path
+    run_a, e2e_dir, tiny_vl_path, shapes_data_dir
 ):
-    """One optimizer step per rollout and the KL as a loss: the step skips the old-log-prob pass and the
-    update supplies those log-probs. The run's numbers equal a run with the separate pass (same seeds,
-    so the same rollouts): losses, gradient norms, entropies and the rollout/trainer log-prob gap."""
-    from _trainer_run import run_main, small_run_overrides
-
-    runs = {}
-    for skip in (True, False):
-        save_dir = tmp_path / f"skip_{skip}"
-        overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
-            "algorithm.use_kl_loss=true",
-            "algorithm.kl_coef=0.1",
-            "worker.rollout.name=hf",
-            f"worker.actor.skip_old_log_prob_on_policy={str(skip).lower()}",
-            "trainer.val_before_train=false",
-            "trainer.val_freq=-1",
-        ]
-        runs[skip] = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
-    assert len(runs[True]) == len(runs[False]) == 2
-    for skipped, separate in zip(runs[True], runs[False]):
-        assert "timing_s/old_log_prob" in separate and "timing_s/old_log_prob" not in skipped
+    """Run A trains on-policy (one optimizer step per rollout, the KL as a loss), so its steps skip the
+    old-log-prob pass and the update supplies those log-probs. Its config with the separate pass (same
+    seeds, so the same rollouts; no validation or checkpoints, which change no training number) gives
+    the same numbers at every step: losses, gradient norms, entropies and the rollout/trainer log-prob
+    gap."""
+    assert_succeeded(run_a)
+    save_dir = e2e_dir / "run_separate_old_log_prob"
+    overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "worker.actor.skip_old_log_prob_on_policy=false",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_freq=-1",
+    ]
+    config_file = write_config(e2e_dir / "run_separate_old_log_prob.yaml", overrides)
+    assert_succeeded(run_trainer(config_file, save_dir, e2e_dir / "run_separate_old_log_prob.log"))
+    skipping = [row for row in metrics_lines(run_a.save_dir) if "actor/grad_norm" in row]
+    separate = [row for row in metrics_lines(save_dir) if "actor/grad_norm" in row]
+    assert [row["step"] for row in skipping] == [row["step"] for row in separate] == [1, 2, 3, 4]
+    for skipped, passed in zip(skipping, separate):
+        assert "timing_s/old_log_prob" in passed and "timing_s/old_log_prob" not in skipped
         for key in (
             "actor/pg_loss",
             "actor/kl_loss",
@@ -988,7 +988,7 @@ def test_on_policy_update_without_the_old_log_prob_pass_reproduces_it(
             "rollout/log_prob_gap_max",
             "critic/score/mean",
         ):
-            assert skipped[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
+            assert skipped[key] == pytest.approx(passed[key], rel=1e-4, abs=1e-6), key
         assert skipped["rollout/log_prob_gap_max"] < 1e-5
 
 
@@ -1135,6 +1135,7 @@ def test_hub_id_model_path_saves_resumes_and_merges(gae_hub_run, tmp_path):
 
 
 @trainer_e2e
+@pytest.mark.shares("vllm")  # its rollout is vLLM's
 def test_media_cross_ray_once_per_step_as_their_files(tiny_vl_path, tmp_path):
     """Photo-sized JPEGs (~100 kB, each 1.2 MB of pixel_values at 224 px): every step moves each prompt's
     file bytes through Ray once, and its dispatches (generate, old and reference log-probs, update,

@@ -21,11 +21,14 @@ move far from where they started; vLLM's sampled-token log-probs must still equa
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,10 +41,12 @@ from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.parallel.debris import CPU_SHM_PATTERN, unlink_cpu_shared_memory
+from mmrl.parallel.debris import CPU_SHM_PATTERN, cleaning_lock, unlink_cpu_shared_memory
 from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams
+
+pytestmark = pytest.mark.shares("vllm")  # engines side by side share TP shared-memory names
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
@@ -340,6 +345,30 @@ def _engine_killed_while_starting(
     time.sleep(60)  # not reached: the engine creates its segments while it starts
 
 
+@contextlib.contextmanager
+def _no_cleaning_once_recorded(record_dir: Path) -> Iterator[None]:
+    """Holds the machine's debris-cleaning lock from the moment a killed rank recorded its segments (the
+    ranks cleaned at their engine's start, before any segment existed) to the end of the block: no
+    other test or run starting beside this one removes the dead engines' segments before they are
+    looked at."""
+    recorded, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        while not any(record_dir.glob("rank*")) and not done.is_set():
+            time.sleep(0.001)
+        with cleaning_lock():
+            recorded.set()
+            done.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join()
+
+
 def _wait_until_unmapped(segments: set[str], timeout_s: float = 30) -> None:
     """Wait until no process maps ``segments`` (the killed ranks are reaped; nothing of theirs lives on)."""
     deadline = time.monotonic() + timeout_s
@@ -517,15 +546,18 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_log_probs_match_the_trainer_after_updates_two_ranks(tiny_vl_path, vl_prompts, tp_size, tmp_path):
     if tp_size == 2:  # a TP=2 run SIGKILLed while its engines start: vLLM never unlinks its segments
-        with pytest.raises(RuntimeError, match="exited with codes"):
-            run_on_ranks(
-                _engine_killed_while_starting, 2, str(tiny_vl_path), tp_size, str(tmp_path), timeout_s=120
+        with _no_cleaning_once_recorded(tmp_path):
+            with pytest.raises(RuntimeError, match="exited with codes"):
+                run_on_ranks(
+                    _engine_killed_while_starting, 2, str(tiny_vl_path), tp_size, str(tmp_path), timeout_s=120
+                )
+            killed = {name for record in tmp_path.glob("rank*") for name in record.read_text().splitlines()}
+            assert killed, "no rank mapped shared memory before it was killed"
+            _wait_until_unmapped(killed)  # checked once the killed processes are gone
+            left = set(glob.glob(CPU_SHM_PATTERN))
+            assert killed <= left, (
+                f"the killed engines left no shared memory to clean: {sorted(killed - left)}"
             )
-        killed = {name for record in tmp_path.glob("rank*") for name in record.read_text().splitlines()}
-        assert killed, "no rank mapped shared memory before it was killed"
-        _wait_until_unmapped(killed)  # checked once the killed processes are gone
-        left = set(glob.glob(CPU_SHM_PATTERN))
-        assert killed <= left, f"the killed engines left no shared memory to clean: {sorted(killed - left)}"
     runs = _two_ranks(tiny_vl_path, vl_prompts, tp_size)
     # the next engines started; nothing of theirs is left: no segment, no socket folder
     assert not glob.glob(CPU_SHM_PATTERN), "the run left shared memory behind"
