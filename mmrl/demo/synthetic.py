@@ -18,6 +18,12 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "Is the <shape> on the left or the right? Answer left or right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
+- ``small_mark``: a 1120×1120 white image with one small filled shape (side 40-53 px, one of the 4
+  colours) inside the 56×56 square at its centre. "What colour is the small mark at the centre of the
+  image? Answer with one word." -> the colour. At a pixel budget of 56×56 (``data.max_pixels=3136``)
+  the processor shrinks the image 20 times and the mark to a 2-3 px smudge; a tool that returns the
+  centre square at full resolution (``examples/tools/zoom_center.py``) shows it as the ``color`` task
+  does (the multi-turn demo, ``examples/tiny_cpu_agent.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
@@ -100,6 +106,8 @@ AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
 MAX_BEEPS = 3
 LANDMARK_RGB = (0, 0, 0)  # spatial: the left half's background (see draw_spatial_image)
 SPATIAL_MIN_SIDE = 20  # px; the largest shape fills its 28-px half
+MARK_IMAGE_SIZE = 1120  # px, small_mark: 20 times the 56-px pixel budget of the agent demo
+MARK_WINDOW = 56  # px, small_mark: the centre square the mark lies in (what zoom_center returns)
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,14 @@ def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_
     ImageDraw.Draw(image).rectangle((0, 0, half - 1, size - 1), fill=LANDMARK_RGB)
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), rgb)
     return Drawn(image, {"shape": shape})
+
+
+def draw_mark_image(answer: str, rng: np.random.Generator, size: int = MARK_IMAGE_SIZE) -> Image.Image:
+    """small_mark: a ``size``-px white image with one shape of colour ``answer`` drawn as the ``color``
+    task draws it, inside the ``MARK_WINDOW``-px square at the centre (see the module docstring)."""
+    image = _blank_image(size)
+    image.paste(draw_color_image(answer, rng, MARK_WINDOW), ((size - MARK_WINDOW) // 2,) * 2)
+    return image
 
 
 def place_circles(
@@ -329,6 +345,12 @@ TASKS: dict[str, SyntheticTask] = {
         question="<image>Is the {shape} on the left or the right? Answer left or right.",
         answers=("left", "right"),
         draw=draw_spatial_image,
+    ),
+    "small_mark": SyntheticTask(
+        name="small_mark",
+        question="<image>What colour is the small mark at the centre of the image? Answer with one word.",
+        answers=tuple(COLORS),
+        draw=draw_mark_image,
     ),
     "video_flashes": SyntheticTask(
         name="video_flashes",
