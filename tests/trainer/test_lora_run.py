@@ -1,6 +1,11 @@
 """A LoRA run of the trainer: two FSDP2 workers train the actor's adapter, the reference is the same
 model with the adapter switched off, the rollout gets the merged weights after every update, and the
-checkpoint holds the adapter alone and merges into a Hugging Face folder."""
+checkpoint holds the adapter alone and merges into a Hugging Face folder.
+
+The run is also the trainer's multi-turn run (``worker.rollout.multi_turn`` with the demo's tool file,
+``examples/tools/zoom_center.py``, which returns an image): the tiny model is first taught the call
+format (``mmrl.demo.warmup.warm_up_tool_calls``, a few seconds), so the rollouts call the tool, see its
+image mid-trajectory and answer; the metrics show the calls and the step trains on the model's tokens."""
 
 from __future__ import annotations
 
@@ -13,15 +18,37 @@ import torch
 from _trainer_run import REPO_ROOT, run_main, small_run_overrides
 from torch.distributed.checkpoint import FileSystemReader
 
+WARMUP_STEPS = 20
+TOOL_FILE = REPO_ROOT / "examples/tools/zoom_center.py"
+
+
+@pytest.fixture(scope="module")
+def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
+    """The tiny Qwen2.5-VL taught to call ``zoom`` first and answer after the tool's image."""
+    from mmrl.demo.warmup import warm_up_tool_calls
+
+    out = tmp_path_factory.mktemp("tool-warm") / "model"
+    return warm_up_tool_calls(
+        str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(out), str(TOOL_FILE),
+        steps=WARMUP_STEPS, batch_size=1, lr=1e-2, call_rate=1.0,
+    )  # fmt: skip
+
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_lora_run_trains_the_adapter_against_the_base_reference(tiny_vl_path, shapes_data_dir, tmp_path):
+def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajectories(
+    tool_calling_vl_path, shapes_data_dir, tmp_path
+):
     from transformers import AutoModelForImageTextToText
 
     save_dir = tmp_path / "run"
-    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+    overrides = small_run_overrides(tool_calling_vl_path, shapes_data_dir, save_dir) + [
+        "data.max_prompt_length=320",  # the tool's schema in the system prompt
+        "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the answer
+        "worker.rollout.multi_turn.enable=true",
+        f"worker.rollout.multi_turn.tools=[{TOOL_FILE}]",
+        "worker.rollout.multi_turn.max_turns=2",
         "worker.actor.model.lora.rank=4",
         "worker.actor.model.lora.alpha=32",
         "worker.actor.model.lora.target_modules=q_proj,v_proj,qkv",
@@ -35,7 +62,13 @@ def test_lora_run_trains_the_adapter_against_the_base_reference(tiny_vl_path, sh
     ]
     rows = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
     assert len(rows) == 2
-    assert all(row["rollout/log_prob_gap_max"] < 1e-5 for row in rows)  # merged weights pushed each step
+    # merged weights pushed each step; the trajectories' log-probs (tool images mid-way) as trained
+    assert all(row["rollout/log_prob_gap_max"] < 1e-5 for row in rows)
+    for row in rows:  # the rollouts called the tool, saw its image (observation tokens) and trained
+        assert row["agent/tool_calls/zoom"] > 0 and row["agent/observation_tokens/mean"] > 0, row
+        assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
+        assert 0 < row["response_length/model_tokens/mean"] < row["response_length/mean"]
+        assert row["actor/grad_norm"] > 0
     # step 1: the adapter starts as a no-op (B = 0), so policy and reference are the same model, exactly
     assert rows[0]["actor/kl_loss"] == 0.0 and rows[1]["actor/kl_loss"] > 0.0
 
@@ -61,7 +94,7 @@ def test_lora_run_trains_the_adapter_against_the_base_reference(tiny_vl_path, sh
         timeout=120,
     )
     merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
-    base = AutoModelForImageTextToText.from_pretrained(tiny_vl_path, dtype=torch.float32).state_dict()
+    base = AutoModelForImageTextToText.from_pretrained(tool_calling_vl_path, dtype=torch.float32).state_dict()
     changed = {key for key in base if not torch.equal(base[key], merged[key])}
     assert "model.language_model.layers.0.self_attn.q_proj.weight" in changed
     assert "model.visual.blocks.0.attn.qkv.weight" in changed
