@@ -18,12 +18,15 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "Is the <shape> on the left or the right? Answer left or right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
-- ``small_mark``: a 1120×1120 white image with one small filled shape (side 40-53 px, one of the 4
-  colours) inside the 56×56 square at its centre. "What colour is the small mark at the centre of the
-  image? Answer with one word." -> the colour. At a pixel budget of 56×56 (``data.max_pixels=3136``)
-  the processor shrinks the image 20 times and the mark to a 2-3 px smudge; a tool that returns the
-  centre square at full resolution (``examples/tools/zoom_center.py``) shows it as the ``color`` task
-  does (the multi-turn demo, ``examples/tiny_cpu_agent.yaml``).
+- ``small_mark``: a 1120×1120 image of faintly tinted 20-px blocks (decoys: each block white mixed
+  with up to 12 % of one of the 4 colours) with one small filled shape (side 5-6 px, one of the 4
+  colours, drawn as ``color`` draws it) inside the white 7×7 square at its centre. "What colour is the
+  small mark at the centre of the image? Answer with one word." -> the colour. At a pixel budget of
+  56×56 (``data.max_pixels=3136``) the processor shrinks the image 20 times: the mark is a tint of at
+  most 9 % on the centre pixel(s), among blocks tinted as much. The tool
+  ``examples/tools/zoom_center.py`` returns the centre 7×7 square enlarged 8 times (56×56 pixels), in
+  which the mark fills 50-70 % of the side as in the ``color`` task (the multi-turn demo,
+  ``examples/tiny_cpu_agent.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
@@ -107,7 +110,9 @@ MAX_BEEPS = 3
 LANDMARK_RGB = (0, 0, 0)  # spatial: the left half's background (see draw_spatial_image)
 SPATIAL_MIN_SIDE = 20  # px; the largest shape fills its 28-px half
 MARK_IMAGE_SIZE = 1120  # px, small_mark: 20 times the 56-px pixel budget of the agent demo
-MARK_WINDOW = 56  # px, small_mark: the centre square the mark lies in (what zoom_center returns)
+MARK_WINDOW = 7  # px, small_mark: the white centre square the mark lies in (what zoom_center enlarges)
+MARK_BLOCK = 20  # px, small_mark: side of the decoy blocks (one pixel at the 56-px budget)
+MARK_MAX_TINT = 0.12  # small_mark: the strongest decoy tint (the mark's own at the budget is <= 9 %)
 
 
 @dataclass(frozen=True)
@@ -210,10 +215,21 @@ def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_
 
 
 def draw_mark_image(answer: str, rng: np.random.Generator, size: int = MARK_IMAGE_SIZE) -> Image.Image:
-    """small_mark: a ``size``-px white image with one shape of colour ``answer`` drawn as the ``color``
-    task draws it, inside the ``MARK_WINDOW``-px square at the centre (see the module docstring)."""
-    image = _blank_image(size)
-    image.paste(draw_color_image(answer, rng, MARK_WINDOW), ((size - MARK_WINDOW) // 2,) * 2)
+    """small_mark: decoy blocks with one shape of colour ``answer`` in the white ``MARK_WINDOW``-px
+    square at the centre (see the module docstring)."""
+    blocks = size // MARK_BLOCK
+    palette = np.array(list(COLORS.values()), dtype=np.float32)  # [4, 3]
+    tints = rng.uniform(0, MARK_MAX_TINT, size=(blocks, blocks, 1)).astype(np.float32)
+    colours = palette[rng.integers(len(palette), size=(blocks, blocks))]  # [b, b, 3]
+    mixed = (1 - tints) * np.array(BACKGROUND_RGB, dtype=np.float32) + tints * colours
+    pixels = np.repeat(np.repeat(np.round(mixed).astype(np.uint8), MARK_BLOCK, 0), MARK_BLOCK, 1)
+    image = Image.fromarray(pixels)
+    side = int(rng.integers(5, MARK_WINDOW))  # 5 or 6 px
+    window = _blank_image(MARK_WINDOW)
+    left, top = (int(v) for v in rng.integers(0, MARK_WINDOW - side + 1, size=2))
+    draw_shape(window, SHAPES[int(rng.integers(len(SHAPES)))], (left, top, left + side - 1, top + side - 1),
+               COLORS[answer])  # fmt: skip
+    image.paste(window, ((size - MARK_WINDOW) // 2,) * 2)
     return image
 
 

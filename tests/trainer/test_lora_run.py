@@ -65,7 +65,7 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
     # merged weights pushed each step; the trajectories' log-probs (tool images mid-way) as trained
     assert all(row["rollout/log_prob_gap_max"] < 1e-5 for row in rows)
     for row in rows:  # the rollouts called the tool, saw its image (observation tokens) and trained
-        assert row["agent/tool_calls/zoom"] > 0 and row["agent/observation_tokens/mean"] > 0, row
+        assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
         assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
         assert 0 < row["response_length/model_tokens/mean"] < row["response_length/mean"]
         assert row["actor/grad_norm"] > 0
