@@ -1,6 +1,6 @@
 """A demo that needs the tool: the numbers of ``make demo-agent`` (``examples/tiny_cpu_agent.yaml``).
 
-    python bench/agent_demo.py [--steps 40] [--val_freq 5] [--skip_runs] [--out_dir outputs/agent_demo]
+    python bench/agent_demo.py [--steps 80] [--val_freq 10] [--skip_runs] [--out_dir outputs/agent_demo]
         [--variants tool no_tool] [-- extra trainer overrides]
 
 Runs the demo's job twice, one after the other, from the same call-format warm-up model: ``tool``
@@ -92,8 +92,8 @@ def window_means(steps: list[dict], key: str, width: int) -> list[tuple[str, flo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--val_freq", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--val_freq", type=int, default=10)
     parser.add_argument("--out_dir", default="outputs/agent_demo")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--skip_runs", action="store_true", help="only read the runs' logs")

@@ -4,8 +4,8 @@ checkpoint holds the adapter alone and merges into a Hugging Face folder.
 
 The run is also the trainer's multi-turn run (``worker.rollout.multi_turn`` with the demo's tool file,
 ``examples/tools/zoom_center.py``, which returns an image): the tiny model is first taught the call
-format (``mmrl.demo.warmup.warm_up_tool_calls``, a few seconds), so the rollouts call the tool, see its
-image mid-trajectory and answer; the metrics show the calls and the step trains on the model's tokens."""
+format (a few seconds of supervised steps), so the rollouts call the tool and see its image
+mid-trajectory; the metrics show the calls and the step trains on the model's tokens."""
 
 from __future__ import annotations
 
@@ -18,20 +18,50 @@ import torch
 from _trainer_run import REPO_ROOT, run_main, small_run_overrides
 from torch.distributed.checkpoint import FileSystemReader
 
-WARMUP_STEPS = 20
+WARMUP_STEPS = 60
+WARMUP_LR = 1e-2
 TOOL_FILE = REPO_ROOT / "examples/tools/zoom_center.py"
 
 
 @pytest.fixture(scope="module")
 def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
-    """The tiny Qwen2.5-VL taught to call ``zoom`` first and answer after the tool's image."""
-    from mmrl.demo.warmup import warm_up_tool_calls
+    """The tiny Qwen2.5-VL taught to open every turn with a call of ``zoom`` (supervised on the first
+    turn of 2 training prompts: after the tool's image it calls again, and ``max_turns`` ends it)."""
+    from mmrl.agent.loop import tool_schemas
+    from mmrl.config import MultiTurnConfig
+    from mmrl.data.collate import collate_prompts
+    from mmrl.data.config import DataConfig
+    from mmrl.data.dataset import PromptDataset
+    from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+    from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+    from mmrl.demo.warmup import answer_batch, save_trained, tool_call_text
+    from mmrl.models.inputs import response_head_outputs
+    from mmrl.models.loading import load_model
 
-    out = tmp_path_factory.mktemp("tool-warm") / "model"
-    return warm_up_tool_calls(
-        str(tiny_vl_path), str(shapes_data_dir / "train.jsonl"), str(out), str(TOOL_FILE),
-        steps=WARMUP_STEPS, batch_size=1, lr=1e-2, call_rate=1.0,
-    )  # fmt: skip
+    torch.manual_seed(0)
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    model = load_model(str(tiny_vl_path))
+    schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[str(TOOL_FILE)]))
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas)
+    prompts = attach_media(collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id), dataset.media)
+    call = tool_call_text("zoom")
+    width = len(tokenizer.encode(call, add_special_tokens=False)) + 1
+    responses = answer_batch([call, call], tokenizer, width)  # the call, then EOS
+    input_ids = torch.cat([prompts.batch["input_ids"], responses], dim=-1)
+    attention_mask = torch.cat([prompts.batch["attention_mask"], torch.ones_like(responses)], dim=-1)
+    types = torch.cat([prompts.batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
+    media = list(prompts.non_tensor_batch["multi_modal_inputs"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
+    for _ in range(WARMUP_STEPS):
+        logits = response_head_outputs(model, input_ids, attention_mask, width, media, types)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = tmp_path_factory.mktemp("tool-calling") / "model"
+    save_trained(out, model, tiny_vl_path, tokenizer, processor, {"call": call, "loss": loss.item()})
+    return out
 
 
 @pytest.mark.slow
