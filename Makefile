@@ -86,7 +86,7 @@ assets-agent: install
 	@$(PY) -m mmrl.demo.synthetic --task small_mark --out $(ASSETS)/data/small-mark --n_train 512 --n_val 64
 	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
 		--data $(ASSETS)/data/small-mark/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-agent-warm \
-		--tool_file examples/tools/zoom_center.py --call_rate 0.8 --steps 300
+		--tool_file examples/tools/zoom_center.py --call_rate 0.8 --steps 150
 
 demo-agent: assets-agent
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def run(variant: str, out_dir: Path, steps: int, val_freq: int, extra: list[str]
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    shutil.rmtree(out_dir / variant, ignore_errors=True)  # metrics.jsonl is appended to
     start = time.perf_counter()
     log = out_dir / f"{variant}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ import torch
 from _trainer_run import REPO_ROOT, run_main, small_run_overrides
 from torch.distributed.checkpoint import FileSystemReader
 
-WARMUP_STEPS = 60
-WARMUP_LR = 1e-2
+WARMUP_STEPS = 80
+WARMUP_LR = 5e-3
 TOOL_FILE = REPO_ROOT / "examples/tools/zoom_center.py"
 
 
@@ -92,8 +92,10 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
     ]
     rows = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
     assert len(rows) == 2
-    # merged weights pushed each step; the trajectories' log-probs (tool images mid-way) as trained
-    assert all(row["rollout/log_prob_gap_max"] < 1e-5 for row in rows)
+    # merged weights pushed each step (else step 2's gap is ~1e-2); the trajectories' log-probs (tool
+    # images mid-way, ~300-token prompts) as trained, within the prepacked rollout's tolerance
+    # (tests/workers/test_hf_rollout.py): measured 6e-6 and 1.2e-5, where 64-token prompts stay < 1e-5
+    assert all(row["rollout/log_prob_gap_max"] < 1e-4 for row in rows)
     for row in rows:  # the rollouts called the tool, saw its image (observation tokens) and trained
         assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
         assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
