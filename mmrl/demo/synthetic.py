@@ -24,8 +24,8 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   small mark at the centre of the image? Answer with one word." -> the colour. At a pixel budget of
   56×56 (``data.max_pixels=3136``) the processor shrinks the image 20 times: the mark is a tint of at
   most 9 % on the centre pixel(s), among blocks tinted as much. The tool
-  ``examples/tools/zoom_center.py`` returns the centre 7×7 square enlarged 8 times (56×56 pixels), in
-  which the mark fills 50-70 % of the side as in the ``color`` task (the multi-turn demo,
+  ``examples/tools/zoom_center.py`` returns the object in the centre 7×7 square at full resolution,
+  enlarged to 56×56 pixels, which it fills as the ``color`` task's shapes do (the multi-turn demo,
   ``examples/tiny_cpu_agent.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.

@@ -90,9 +90,11 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
         "trainer.val_freq=-1",
         "trainer.save_freq=2",
     ]
-    rows = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
+    lines = run_main(overrides, save_dir)
+    rows = [row for row in lines if "actor/grad_norm" in row]
     assert len(rows) == 2
-    # merged weights pushed each step (else step 2's gap is ~1e-2); the trajectories' log-probs (tool
+    assert lines[-1]["val/agent/turns/max"] == 2  # the final validation's trajectories (greedy)
+    # merged weights pushed each step (a stale push shows in step 2's gap); the trajectories' log-probs (tool
     # images mid-way, ~300-token prompts) as trained, within the prepacked rollout's tolerance
     # (tests/workers/test_hf_rollout.py): measured 6e-6 and 1.2e-5, where 64-token prompts stay < 1e-5
     assert all(row["rollout/log_prob_gap_max"] < 1e-4 for row in rows)
