@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 
 GPU_PYTHON ?= python
 
-.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge bench-recipes bench bench-scale test test-fast quality style clean
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent bench-recipes bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -79,6 +79,20 @@ assets-judge: assets
 
 demo-judge: assets-judge
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_judge.yaml $(ARGS)
+
+# A demo that needs the tool (examples/tiny_cpu_agent.yaml): "What colour is the small mark at the centre?" on
+# 1120-px images seen at a 56x56 pixel budget, with a tool that returns the centre at full resolution. The
+# warm-up teaches the call format only (calls 80 % of the time, answers uniformly). `python bench/agent_demo.py`
+# runs the job with and without the tool and prints accuracy, tool-call rate and seconds per step.
+assets-agent: install
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task small_mark --out $(ASSETS)/data/small-mark --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/small-mark/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-agent-warm \
+		--tool_file examples/tools/zoom_center.py --call_rate 0.8 --steps 150
+
+demo-agent: assets-agent
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)
 
 # seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
 bench-recipes: assets-spatial

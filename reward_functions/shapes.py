@@ -12,6 +12,10 @@ punctuation becomes spaces, and number words ``zero`` .. ``ten`` become digits. 
 - ``overall = (1 - format_weight) * accuracy + format_weight * format``; ``format_weight`` defaults
   to 0.0, so ``overall = accuracy``.
 
+A multi-turn trajectory (``worker.rollout.multi_turn``: the sample has a ``trajectory`` record) is
+scored on its last model turn, the answer after the tool calls; a last turn that still calls a tool
+scores 0.
+
 The file is self-contained (standard library only) so it can be copied and edited freely.
 """
 
@@ -46,6 +50,14 @@ def format_reward(response: str, max_words: int = 3) -> float:
     return 1.0 if 1 <= len(normalize_words(response)) <= max_words else 0.0
 
 
+def answer_text(reward_input: dict[str, Any]) -> str:
+    """The response, or a trajectory's last model turn (its record's last turn text: the loop records
+    no observation after the last model turn)."""
+    record = reward_input.get("trajectory")
+    texts = getattr(record, "turn_texts", None)
+    return str(texts[-1]) if texts else str(reward_input["response"])
+
+
 def compute_score(
     reward_inputs: list[dict[str, Any]], format_weight: float = 0.0, max_words: int = 3
 ) -> list[dict[str, float]]:
@@ -54,8 +66,9 @@ def compute_score(
         raise ValueError('shapes.py scores whole batches: keep REWARD_TYPE = "batch".')
     scores = []
     for reward_input in reward_inputs:
-        accuracy_score = accuracy_reward(reward_input["response"], reward_input["ground_truth"])
-        format_score = format_reward(reward_input["response"], max_words)
+        response = answer_text(reward_input)
+        accuracy_score = accuracy_reward(response, reward_input["ground_truth"])
+        format_score = format_reward(response, max_words)
         scores.append(
             {
                 "overall": (1 - format_weight) * accuracy_score + format_weight * format_score,

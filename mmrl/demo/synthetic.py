@@ -18,6 +18,15 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "Is the <shape> on the left or the right? Answer left or right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
+- ``small_mark``: a 1120×1120 image of faintly tinted 20-px blocks (decoys: each block white mixed
+  with up to 12 % of one of the 4 colours) with one small filled shape (side 5-6 px, one of the 4
+  colours, drawn as ``color`` draws it) inside the white 7×7 square at its centre. "What colour is the
+  small mark at the centre of the image? Answer with one word." -> the colour. At a pixel budget of
+  56×56 (``data.max_pixels=3136``) the processor shrinks the image 20 times: the mark is a tint of at
+  most 9 % on the centre pixel(s), among blocks tinted as much. The tool
+  ``examples/tools/zoom_center.py`` returns the object in the centre 7×7 square at full resolution,
+  enlarged to 56×56 pixels, which it fills as the ``color`` task's shapes do (the multi-turn demo,
+  ``examples/tiny_cpu_agent.yaml``).
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
@@ -100,6 +109,10 @@ AUDIO_MARGIN_SECONDS = 0.1  # silence before the first and after the last beep
 MAX_BEEPS = 3
 LANDMARK_RGB = (0, 0, 0)  # spatial: the left half's background (see draw_spatial_image)
 SPATIAL_MIN_SIDE = 20  # px; the largest shape fills its 28-px half
+MARK_IMAGE_SIZE = 1120  # px, small_mark: 20 times the 56-px pixel budget of the agent demo
+MARK_WINDOW = 7  # px, small_mark: the white centre square the mark lies in (what zoom_center enlarges)
+MARK_BLOCK = 20  # px, small_mark: side of the decoy blocks (one pixel at the 56-px budget)
+MARK_MAX_TINT = 0.12  # small_mark: the strongest decoy tint (the mark's own at the budget is <= 9 %)
 
 
 @dataclass(frozen=True)
@@ -199,6 +212,25 @@ def draw_spatial_image(answer: str, rng: np.random.Generator, size: int = IMAGE_
     ImageDraw.Draw(image).rectangle((0, 0, half - 1, size - 1), fill=LANDMARK_RGB)
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), rgb)
     return Drawn(image, {"shape": shape})
+
+
+def draw_mark_image(answer: str, rng: np.random.Generator, size: int = MARK_IMAGE_SIZE) -> Image.Image:
+    """small_mark: decoy blocks with one shape of colour ``answer`` in the white ``MARK_WINDOW``-px
+    square at the centre (see the module docstring)."""
+    blocks = size // MARK_BLOCK
+    palette = np.array(list(COLORS.values()), dtype=np.float32)  # [4, 3]
+    tints = rng.uniform(0, MARK_MAX_TINT, size=(blocks, blocks, 1)).astype(np.float32)
+    colours = palette[rng.integers(len(palette), size=(blocks, blocks))]  # [b, b, 3]
+    mixed = (1 - tints) * np.array(BACKGROUND_RGB, dtype=np.float32) + tints * colours
+    pixels = np.repeat(np.repeat(np.round(mixed).astype(np.uint8), MARK_BLOCK, 0), MARK_BLOCK, 1)
+    image = Image.fromarray(pixels)
+    side = int(rng.integers(5, MARK_WINDOW))  # 5 or 6 px
+    window = _blank_image(MARK_WINDOW)
+    left, top = (int(v) for v in rng.integers(0, MARK_WINDOW - side + 1, size=2))
+    draw_shape(window, SHAPES[int(rng.integers(len(SHAPES)))], (left, top, left + side - 1, top + side - 1),
+               COLORS[answer])  # fmt: skip
+    image.paste(window, ((size - MARK_WINDOW) // 2,) * 2)
+    return image
 
 
 def place_circles(
@@ -329,6 +361,12 @@ TASKS: dict[str, SyntheticTask] = {
         question="<image>Is the {shape} on the left or the right? Answer left or right.",
         answers=("left", "right"),
         draw=draw_spatial_image,
+    ),
+    "small_mark": SyntheticTask(
+        name="small_mark",
+        question="<image>What colour is the small mark at the centre of the image? Answer with one word.",
+        answers=tuple(COLORS),
+        draw=draw_mark_image,
     ),
     "video_flashes": SyntheticTask(
         name="video_flashes",

@@ -14,9 +14,17 @@ gap over images is ~0.001 nats, and 60 supervised steps of true left/right label
 After a warm-up with the colour task as auxiliary (``--steps 200``), 20 supervised steps reach 0.94 and
 RL learns the spatial task; the spatial answers are still trained uniform, so RL starts near chance.
 
+With ``tool_file`` (the multi-turn demo) the prompts show the file's tools and the warm-up teaches the
+call *format*, not when calling pays: each sample's first turn is, with probability ``call_rate``, a
+call of the file's first tool without arguments (``<tool_call>{"name": ...}</tool_call>``), else
+an answer; the turn after the tool's answer (rendered by the agent loop the trainer runs, the returned
+image in it) is an answer. Answers are uniform as above, wherever they come, so the warmed model calls
+about ``call_rate`` of the time and is at chance with and without the tool's image.
+
 CLI: ``python -m mmrl.demo.warmup --model assets/models/tiny-qwen2.5-vl --data
 assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm [--aux_data
-assets/data/shapes-color/train.jsonl --steps 200]``
+assets/data/shapes-color/train.jsonl --steps 200] [--tool_file examples/tools/zoom_center.py
+--call_rate 0.5]``
 """
 
 from __future__ import annotations
@@ -167,6 +175,117 @@ def warm_up(
     return out
 
 
+def tool_call_text(name: str) -> str:
+    """A call of tool ``name`` without arguments in the hermes format Qwen's chat templates use, in its
+    shortest form (no ``arguments``: the parser reads it as ``{}``): 34 tokens of the tiny vocabulary."""
+    return f"<tool_call>{json.dumps({'name': name})}</tool_call>"
+
+
+def trajectory_batch(loop, prompts, first_turns: list[str], answers: list[str], tokenizer, budget: int):
+    """The training batch of scripted trajectories through the agent ``loop``: row ``i``'s first model
+    turn is ``first_turns[i]``, any later one ``answers[i]`` (each followed by EOS); ``prompts`` carry
+    ``multi_modal_inputs`` and ``multi_modal_data`` (:func:`attach_media` with ``rollout_media``)."""
+    from mmrl.agent.loop import sample_rows
+    from mmrl.agent.trajectory import assemble_trajectory_batch
+
+    def generate(requests):
+        turns = []
+        for request in requests:
+            text = answers[request.row] if request.trajectory.turns else first_turns[request.row]
+            ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            turns.append((ids, [0.0] * len(ids)))
+        return turns
+
+    trajectories = loop.run(sample_rows(prompts), budget, generate)
+    return assemble_trajectory_batch(prompts, trajectories, budget, tokenizer.pad_token_id)
+
+
+def model_turn_loss(model, batch) -> torch.Tensor:
+    """Mean cross-entropy of the model's tokens (``response_mask``) of a trajectory batch."""
+    responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+    types = batch.batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.batch.keys() else None
+    logits = response_head_outputs(
+        model,
+        batch.batch["input_ids"],
+        batch.batch["attention_mask"],
+        responses.shape[-1],
+        list(batch.non_tensor_batch["multi_modal_inputs"]),
+        types,
+    )
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses, reduction="none")
+    return (token_loss * mask).sum() / mask.sum()
+
+
+def warm_up_tool_calls(
+    model_dir: str,
+    data_file: str,
+    out_dir: str,
+    tool_file: str,
+    steps: int = 100,
+    batch_size: int = 4,
+    lr: float = 2e-3,
+    seed: int = 0,
+    call_rate: float = 0.5,
+    max_response_length: int = 96,
+    max_pixels: int = MIN_PIXELS,
+) -> Path:
+    """The call-format warm-up (see the module docstring); writes a Hugging Face folder to ``out_dir``.
+    Images at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories within
+    ``max_response_length`` tokens, as in the RL job."""
+    from mmrl.agent.loop import build_agent_loop, tool_schemas
+    from mmrl.config import MultiTurnConfig
+
+    out = Path(out_dir)
+    settings = {
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "tool_file": str(tool_file),
+        "tool_file_text": Path(tool_file).read_text(),
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+        "call_rate": call_rate,
+        "max_pixels": max_pixels,
+        "base_model": _base_fingerprint(Path(model_dir)),
+        "data_build": _data_marker(Path(data_file).parent),
+        "layout": "source",
+    }
+    if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
+        print(f"[mmrl.demo.warmup] {out} is up to date")
+        return out
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tokenizer, processor = load_tokenizer_and_processor(model_dir)
+    model = load_model(model_dir)
+    multi_turn = MultiTurnConfig(enable=True, tools=[str(tool_file)], max_turns=2)
+    schemas = tool_schemas(multi_turn)
+    config = DataConfig(min_pixels=min(MIN_PIXELS, max_pixels), max_pixels=max_pixels)
+    dataset = PromptDataset(data_file, tokenizer, processor, config, tools=schemas)
+    loop = build_agent_loop(multi_turn, dataset.media, [tokenizer.eos_token_id], model.config.model_type)
+    call = tool_call_text(schemas[0]["function"]["name"])
+    answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        items = [dataset[int(i)] for i in rng.choice(len(dataset), batch_size, replace=False)]
+        prompts = collate_prompts(items, tokenizer.pad_token_id).repeat(len(answer_set), interleave=True)
+        prompts = attach_media(prompts, dataset.media, rollout_media=True)
+        answers = answer_set * batch_size  # every answer for every prompt, after a call or without one
+        first = [call if rng.random() < call_rate else answer for answer in answers]
+        batch = trajectory_batch(loop, prompts, first, answers, tokenizer, max_response_length)
+        loss = model_turn_loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 20 == 0 or step == steps - 1:
+            print(f"[mmrl.demo.warmup] step {step + 1}/{steps} loss {loss.item():.4f}")
+    save_trained(out, model, model_dir, tokenizer, processor, settings)
+    print(
+        f"[mmrl.demo.warmup] wrote {out} (calls {call} at rate {call_rate}; answers: {', '.join(answer_set)})"
+    )
+    return out
+
+
 def save_trained(
     out: Path,
     model: torch.nn.Module,
@@ -202,7 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aux_data", default=None, help="jsonl of a task trained on its true labels too")
+    parser.add_argument("--tool_file", default=None, help="teach calls of this file's first tool instead")
+    parser.add_argument(
+        "--call_rate", type=float, default=0.5, help="with --tool_file: first turns that call"
+    )
     args = parser.parse_args(argv)
+    if args.tool_file:
+        warm_up_tool_calls(
+            args.model, args.data, args.out, args.tool_file, steps=args.steps, lr=args.lr, seed=args.seed,
+            call_rate=args.call_rate,
+        )  # fmt: skip
+        return
     warm_up(
         args.model,
         args.data,

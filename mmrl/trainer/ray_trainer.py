@@ -24,7 +24,7 @@ import torch
 
 from mmrl import core_algos
 from mmrl.agent.loop import tool_schemas
-from mmrl.agent.metrics import trajectory_log
+from mmrl.agent.metrics import trajectory_log, trajectory_metrics
 from mmrl.checkpoint.tracker import (
     CheckpointLayout,
     CheckpointSaveError,
@@ -519,7 +519,7 @@ class RayPPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Generate for every validation prompt (validation sampling) and score; means per data source."""
-        scores, sources, samples = [], [], []
+        scores, sources, samples, records = [], [], [], []
         for batch in self._validation_batches():
             prompts = self._share_media(batch)
             output = self.actor.dispatch(
@@ -531,7 +531,10 @@ class RayPPOTrainer:
                 output.non_tensor_batch.get("data_source", np.full(len(output), "data", dtype=object))
             )
             samples.extend(self._generation_samples(output, scored))
+            records.extend(output.non_tensor_batch.get("trajectory", ()))
         metrics = {f"val/{key}": value for key, value in reduce_reward_metrics(scores).items()}
+        # multi-turn: the validation trajectories' turns, tool calls and stops (val/agent/...)
+        metrics.update({f"val/{key}": value for key, value in trajectory_metrics(records).items()})
         for source in sorted(set(sources)):
             picked = [score["overall"] for score, s in zip(scores, sources) if s == source]
             metrics[f"val/{source}/overall"] = float(np.mean(picked))

@@ -96,6 +96,42 @@ def test_spatial_dataset_is_balanced_and_scored_by_the_shapes_reward(tmp_path):
     assert [score["overall"] for score in scores] == [1.0, 0.0, 1.0, 0.0]
 
 
+def test_small_mark_is_a_decoy_tint_at_the_budget_and_whole_in_the_zoom_tool():
+    from mmrl.agent.tools import load_tools
+
+    shapes_reward = Path(__file__).resolve().parents[2] / "reward_functions" / "shapes.py"
+    zoom_file = Path(__file__).resolve().parents[2] / "examples" / "tools" / "zoom_center.py"
+    zoom = load_tools([str(zoom_file)])["zoom"]
+    assert zoom.schema["function"]["parameters"]["properties"] == {}  # a call without arguments
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        image, question, answer = draw_sample("small_mark", rng)
+        assert image.size == (1120, 1120) and "small mark at the centre" in question
+        zoomed = np.asarray(zoom.function(row={"images": [image]}))
+        assert zoomed.shape == (56, 56, 3)
+        mark = _foreground(Image.fromarray(zoomed))
+        assert 0.5 <= mark.mean() <= 1.0  # the 5-6 px mark fills the view (its bounding box)
+        assert {tuple(rgb) for rgb in zoomed[mark]} == {COLORS[answer]}
+        # at the 56 x 56 budget the centre is tinted no more than the decoy blocks around it
+        small = np.abs(np.asarray(image.resize((56, 56), Image.BICUBIC)).astype(int) - 255).max(-1)
+        assert small[26:30, 26:30].max() <= small.max() and small.max() <= 0.12 * 255 + 2
+    compute_score = load_reward_function_from(shapes_reward)
+    from mmrl.agent.trajectory import TrajectoryRecord
+
+    record = TrajectoryRecord(
+        model_turns=2, turn_texts=['<tool_call>{"name": "zoom"}</tool_call>', "x", "red"]
+    )
+    scores = compute_score([{"response": "junk red", "ground_truth": "red", "trajectory": record},
+                            {"response": "red", "ground_truth": "red"}])  # fmt: skip
+    assert [score["overall"] for score in scores] == [1.0, 1.0]  # a trajectory's last model turn
+
+
+def load_reward_function_from(path: Path):
+    from mmrl.rewards.rule import load_reward_function
+
+    return load_reward_function(f"{path}:compute_score")
+
+
 def test_circle_count_matches_connected_components_and_area():
     one_circle = Image.new("RGB", (56, 56), BACKGROUND_RGB)
     synthetic.draw_shape(one_circle, "circle", (10, 10, 24, 24), synthetic.COUNT_RGB)  # radius 7
