@@ -177,13 +177,19 @@ SIZES: dict[str, ModelSize] = {
 }  # fmt: skip
 
 
+# The tasks whose questions and answers the tokenizer learns from (those of BUILD_VERSION 2): a task added
+# later is tokenized with these merges, so that it changes no tiny tokenizer, nor any token count, golden
+# value or demo number measured with one.
+CORPUS_TASKS = ("color", "count", "spatial", "video_flashes", "video_direction", "audio_beeps")
+
+
 def _answer_words() -> list[str]:
-    return sorted({answer for task in TASKS.values() for answer in task.answers})
+    return sorted({answer for name in CORPUS_TASKS for answer in TASKS[name].answers})
 
 
 def _build_corpus() -> list[str]:
     """Short English lines: the synthetic tasks' questions and answers, prompt templates, reasoning."""
-    questions = [re.sub(r"<(image|video|audio)>", "", task.question) for task in TASKS.values()]
+    questions = [re.sub(r"<(image|video|audio)>", "", TASKS[name].question) for name in CORPUS_TASKS]
     answers = _answer_words()
     lines = [
         DEFAULT_SYSTEM_PROMPT,
