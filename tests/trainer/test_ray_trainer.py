@@ -1135,41 +1135,6 @@ def test_hub_id_model_path_saves_resumes_and_merges(gae_hub_run, tmp_path):
 
 
 @trainer_e2e
-@pytest.mark.shares("vllm")  # its rollout is vLLM's
-def test_media_cross_ray_once_per_step_as_their_files(tiny_vl_path, tmp_path):
-    """Photo-sized JPEGs (~100 kB, each 1.2 MB of pixel_values at 224 px): every step moves each prompt's
-    file bytes through Ray once, and its dispatches (generate, old and reference log-probs, update,
-    rewards) carry tensors, refs and small objects only; no media tensors or decoded images."""
-    from _trainer_run import run_main, small_run_overrides
-
-    from mmrl.demo.synthetic import write_photo_dataset
-
-    data_dir = write_photo_dataset(tmp_path / "photos", 8)
-    file_sizes = [path.stat().st_size for path in (data_dir / "images").iterdir()]
-    save_dir = tmp_path / "run"
-    overrides = small_run_overrides(tiny_vl_path, data_dir, save_dir) + [
-        "data.max_prompt_length=128",
-        "algorithm.use_kl_loss=true",
-        "worker.actor.skip_old_log_prob_on_policy=false",
-        "trainer.val_before_train=false",
-        "trainer.val_freq=-1",
-    ]
-    steps = [row for row in run_main(overrides, save_dir) if "transfer/sent_bytes" in row]
-    assert len(steps) == 2
-    for step in steps:
-        assert {"timing_s/old_log_prob", "timing_s/ref_log_prob", "timing_s/update_actor"} <= set(step)
-        encoded, media = step["transfer/encoded_media_bytes"], step["transfer/media_bytes"]
-        assert 4 * min(file_sizes) <= encoded <= 4 * max(file_sizes)  # the step's 4 prompts
-        assert encoded <= media <= encoded + 4 * 1024  # each file once, with its prompt text
-        # beside the tensor columns, the dispatches move objects of < 1 kB per row and transfer (about
-        # 160 row transfers a step: 4 + 16 for generate, 16 + 16 per scoring pass, 16 for the update,
-        # 16 + 16 for the rewards)
-        non_media = step["transfer/tensors_bytes"] + 160 * 1024
-        moved = step["transfer/sent_bytes"] + step["transfer/received_bytes"] + media
-        assert moved <= 2 * encoded + non_media, step
-
-
-@trainer_e2e
 def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     tiny_vl_path, shapes_data_dir, tmp_path
 ):

@@ -40,6 +40,7 @@ from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+from mmrl.demo.synthetic import write_photo_dataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.parallel.debris import CPU_SHM_PATTERN, cleaning_lock, unlink_cpu_shared_memory
 from mmrl.parallel.spawn import run_on_ranks
@@ -591,13 +592,21 @@ def test_only_stale_cpu_shared_memory_is_unlinked(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_trainer_runs_with_the_vllm_rollout(tiny_vl_path, shapes_data_dir, tmp_path):
-    """Two workers, each with its engine: the worker pushes weights at start and after every update,
-    and the trainer's own rollout/trainer log-prob gap stays at float precision."""
+def test_trainer_runs_with_the_vllm_rollout_and_moves_each_media_file_once(tiny_vl_path, tmp_path):
+    """Two workers, each with its (compiled) engine, on photo-sized JPEGs (~100 kB, each 1.2 MB of
+    pixel_values at 224 px): the worker pushes weights at start and after every update, the trainer's own
+    rollout/trainer log-prob gap stays at float precision, validation runs before training and at step
+    2; and every step moves each prompt's file bytes through Ray once, its dispatches (generate, old and
+    reference log-probs, update, rewards) carrying tensors, refs and small objects only: no media
+    tensors or decoded images."""
+    data_dir = write_photo_dataset(tmp_path / "photos", 8)
+    file_sizes = [path.stat().st_size for path in (data_dir / "images").iterdir()]
     save_dir = tmp_path / "run"
-    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+    overrides = small_run_overrides(tiny_vl_path, data_dir, save_dir) + [
+        "data.max_prompt_length=128",
+        "algorithm.use_kl_loss=true",
+        "worker.actor.skip_old_log_prob_on_policy=false",
         "worker.rollout.name=vllm",
-        "worker.rollout.enforce_eager=true",
         "worker.rollout.cpu_kv_cache_gib=0.125",
         "worker.rollout.val_override_config.temperature=0",
         "worker.rollout.val_override_config.n=1",
@@ -609,6 +618,19 @@ def test_trainer_runs_with_the_vllm_rollout(tiny_vl_path, shapes_data_dir, tmp_p
     assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
     assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row)
     assert sum("val/reward/overall" in row for row in metrics) == 2  # before training and at step 2
+    steps = [row for row in metrics if "transfer/sent_bytes" in row]
+    assert len(steps) == 2
+    for step in steps:
+        assert {"timing_s/old_log_prob", "timing_s/ref_log_prob", "timing_s/update_actor"} <= set(step)
+        encoded, media = step["transfer/encoded_media_bytes"], step["transfer/media_bytes"]
+        assert 4 * min(file_sizes) <= encoded <= 4 * max(file_sizes)  # the step's 4 prompts
+        assert encoded <= media <= encoded + 4 * 1024  # each file once, with its prompt text
+        # beside the tensor columns, the dispatches move objects of < 1 kB per row and transfer (about
+        # 160 row transfers a step: 4 + 16 for generate, 16 + 16 per scoring pass, 16 for the update,
+        # 16 + 16 for the rewards)
+        non_media = step["transfer/tensors_bytes"] + 160 * 1024
+        moved = step["transfer/sent_bytes"] + step["transfer/received_bytes"] + media
+        assert moved <= 2 * encoded + non_media, step
 
 
 @pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "cpu"])
