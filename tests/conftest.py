@@ -20,8 +20,11 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Threads of the test process itself; tiny models gain nothing from more.
-TEST_TORCH_THREADS = int(os.environ.get("MMRL_TEST_TORCH_THREADS", "2"))
+# Threads of the test process itself; tiny models gain nothing from more. Under pytest-xdist each
+# worker takes one (the workers share the cores).
+TEST_TORCH_THREADS = int(
+    os.environ.get("MMRL_TEST_TORCH_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")
+)
 
 
 @pytest.fixture(autouse=True, scope="session")
