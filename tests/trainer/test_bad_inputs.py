@@ -272,7 +272,15 @@ CASES: list[tuple[str, Build, str, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("build", "named", "hint"), [case[1:] for case in CASES], ids=[c[0] for c in CASES])
+def _case(name: str, build, named: str, hint: str):
+    """A sandbox case starts a sandboxed process: it runs in the pytest-xdist worker of the tests that
+    count those on the machine."""
+    return pytest.param(
+        build, named, hint, id=name, marks=[pytest.mark.shares("sandbox")] * ("sandbox" in name)
+    )
+
+
+@pytest.mark.parametrize(("build", "named", "hint"), [_case(*case) for case in CASES])
 def test_broken_input_exits_2_with_one_message(inputs, media, capsys, build, named, hint):
     argv = build(inputs, media)
     started = time.perf_counter()
