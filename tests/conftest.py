@@ -163,3 +163,10 @@ def pytest_collection_modifyitems(config, items):
         cost[scope] = cost.get(scope, 0.0) + _cost(item)
         first.setdefault(scope, index)
     items.sort(key=lambda item: (-cost[scopes[item.nodeid]], first[scopes[item.nodeid]]))
+    # the group as loadgroup reads it: the node id's "@" suffix. pytest-xdist 3.8 writes it to
+    # ``item._nodeid``, which pytest 9 no longer reads (node ids are ``item._id``), so it is written here.
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        if links[item.nodeid]:
+            item._id = NodeId.parse(f"{item.nodeid}@{scopes[item.nodeid]}")
