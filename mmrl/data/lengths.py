@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
 
+from mmrl.data.media import MEDIA_SETTINGS
+
 if TYPE_CHECKING:
     from mmrl.data.dataset import PromptDataset
 
@@ -45,15 +47,7 @@ LENGTH_SETTINGS = (
     "audio_key",
     "media_dir",
     "system_prompt",
-    "min_pixels",
-    "max_pixels",
-    "video_fps",
-    "num_video_frames",
-    "max_video_frames",
-    "min_video_frames",
-    "video_total_pixels",
-    "video_min_pixels",
-    "video_max_pixels",
+    *MEDIA_SETTINGS,
     "max_audio_seconds",
     "use_audio_in_video",
 )

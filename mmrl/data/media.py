@@ -39,6 +39,19 @@ from mmrl.errors import UserInputError
 
 MAX_ASPECT_RATIO = 200  # Qwen-VL (qwen-vl-utils, transformers) refuses longer sides over 200 × the shorter
 
+# the DataConfig fields that shape a media item's pixel rows (frames chosen, sizes, budgets)
+MEDIA_SETTINGS = (
+    "min_pixels",
+    "max_pixels",
+    "video_fps",
+    "num_video_frames",
+    "max_video_frames",
+    "min_video_frames",
+    "video_total_pixels",
+    "video_min_pixels",
+    "video_max_pixels",
+)
+
 
 class MediaError(UserInputError, ValueError):
     """A media reference that cannot be decoded; the message says which and why."""

@@ -44,6 +44,7 @@ from mmrl.config import (
     ModelConfig,
     PPOConfig,
 )
+from mmrl.data.media import MEDIA_SETTINGS
 from mmrl.data.processing import (
     MediaCache,
     MediaProcessor,
@@ -208,20 +209,6 @@ def label_frozen_towers(module: torch.nn.Module, compute_dtype: torch.dtype, fro
         dist.broadcast_object_list(digests, src=0)
     for tower, digest in zip(towers, digests):
         label_weights(tower, digest)
-
-
-# the data keys that shape a media item's pixel rows (the rows' own digest is in every key as well)
-MEDIA_SETTINGS = (
-    "min_pixels",
-    "max_pixels",
-    "video_fps",
-    "num_video_frames",
-    "max_video_frames",
-    "min_video_frames",
-    "video_total_pixels",
-    "video_min_pixels",
-    "video_max_pixels",
-)
 
 
 def build_encoding_store(config: PPOConfig, processor: Any, device: torch.device) -> EncodingStore | None:
