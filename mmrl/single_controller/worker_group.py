@@ -3,11 +3,14 @@
 Start-up handshake (composition: the worker class inherits nothing and never sees Ray):
 
 1. one `_WorkerHost` actor starts per bundle and reports its node IP, node id and GPU ids;
-2. rank 0's host picks a free port on its own node → `MASTER_ADDR`, `MASTER_PORT`;
-3. every host sets the torchrun variables `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-   `MASTER_ADDR`, `MASTER_PORT` (and on GPU `CUDA_VISIBLE_DEVICES`, see `distributed_env`) in its
-   environment, then builds `worker_cls(*args, **kwargs)`. Its `__init__` may call
-   `torch.distributed.init_process_group(backend)`, whose default `env://` reads those variables.
+2. every host sets the torchrun variables `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+   `MASTER_ADDR` (and on GPU `CUDA_VISIBLE_DEVICES`, see `distributed_env`) in its environment and
+   imports the worker's module (seconds);
+3. rank 0's host picks a free port on its own node → `MASTER_PORT`, set on every host right before it
+   builds `worker_cls(*args, **kwargs)`: the port is free when picked, and the imports no longer sit
+   between the pick and the bind, where another process of the node could take it. The worker's
+   `__init__` may call `torch.distributed.init_process_group(backend)`, whose default `env://` reads
+   those variables.
 
 Afterwards `call` / `dispatch` run `getattr(worker, method)(...)` on every host.
 
@@ -93,7 +96,8 @@ class _WorkerHost:
         os.environ.update(env)
         self._worker_cls = ray.get(worker_cls_ref[0])
 
-    def start(self, args: tuple, kwargs: dict[str, Any]) -> None:
+    def start(self, master_port: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        os.environ["MASTER_PORT"] = str(master_port)
         self._worker = self._worker_cls(*args, **kwargs)
 
     def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -101,9 +105,10 @@ class _WorkerHost:
 
 
 def distributed_env(
-    node_ids: Sequence[str], gpu_ids: Sequence[str | None], master_addr: str, master_port: int
+    node_ids: Sequence[str], gpu_ids: Sequence[str | None], master_addr: str, master_port: int | None = None
 ) -> list[dict[str, str]]:
-    """The torchrun environment of each rank, given where each rank landed.
+    """The torchrun environment of each rank, given where each rank landed (`MASTER_PORT` only where
+    `master_port` is given: the group sets it when it starts the workers).
 
     `node_ids[r]` is the node of rank r and `gpu_ids[r]` its GPU (None on CPU). `LOCAL_RANK` is r's position
     among the ranks on its node, in rank order. On GPU every rank of a node sees all of that node's GPUs of
@@ -119,12 +124,13 @@ def distributed_env(
         peers = ranks_on_node[node_id]
         env = {
             "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(len(node_ids)),
             "LOCAL_RANK": str(peers.index(rank)),
             "LOCAL_WORLD_SIZE": str(len(peers)),
         }
+        if master_port is not None:
+            env["MASTER_PORT"] = str(master_port)
         if gpu_ids[rank] is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu_ids[peer]) for peer in peers)
         else:  # a CPU rank sees no GPU, even on a GPU machine (Ray leaves the variable alone without GPUs)
@@ -247,9 +253,6 @@ class RayWorkerGroup:
         node_infos = self._collect(
             [host.node_info.remote() for host in self._hosts], "node_info", timeout_s=start_timeout_s
         )
-        master_port = self._collect(
-            [self._hosts[0].free_port.remote()], "free_port", ranks=[0], timeout_s=start_timeout_s
-        )[0]
         gpu_ids = [gpus[0] if resource_pool.use_gpu else None for _, _, gpus in node_infos]
         # where each rank landed, as its own process reported it (the driver logs it; tests check placement)
         self.node_ids: list[str] = [node_id for _, node_id, _ in node_infos]
@@ -257,7 +260,6 @@ class RayWorkerGroup:
             node_ids=self.node_ids,
             gpu_ids=gpu_ids,
             master_addr=node_infos[0][0],
-            master_port=master_port,
         )
         shared_cls = ray.put(worker_cls)
         self._prepare_refs = [host.prepare.remote(env, [shared_cls]) for host, env in zip(self._hosts, envs)]
@@ -272,10 +274,13 @@ class RayWorkerGroup:
             raise RuntimeError(f"{self.name_prefix}: the worker group has already started")
         self._collect(self._prepare_refs, "__init__", timeout_s=self.start_timeout_s)
         self._prepare_refs = None
+        master_port = self._collect(
+            [self._hosts[0].free_port.remote()], "free_port", ranks=[0], timeout_s=self.start_timeout_s
+        )[0]
         args = self._args if args is None else args
         kwargs = self._kwargs if kwargs is None else kwargs
         shared_args, shared_kwargs = ray.put(args), ray.put(kwargs)
-        start_refs = [host.start.remote(shared_args, shared_kwargs) for host in self._hosts]
+        start_refs = [host.start.remote(master_port, shared_args, shared_kwargs) for host in self._hosts]
         self._collect(start_refs, "__init__", timeout_s=self.start_timeout_s)
 
     def _create_hosts(self, env: dict[str, str]) -> list[Any]:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import random
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -212,12 +209,6 @@ def test_trainer_state_must_be_json(tmp_path):
 # ---------------------------------------------------------------- worker-side state, distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _text_batch() -> torch.Tensor:
     # Ids below 400 are ordinary BPE tokens (the special and image tokens sit at the end of the vocab).
     return torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))  # [B, L]
@@ -271,14 +262,10 @@ def _full_state(model, optimizer) -> dict:
     return copy.deepcopy(state)
 
 
-def _fsdp_rank(rank: int, port: int, model_path: str, checkpoint_dir: str, out_dir: str) -> None:
-    """One rank: step, save, note the uninterrupted run's next draws and step; then resume a fresh
-    model from the checkpoint after clobbering the RNGs and note its draws and step."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+def _fsdp_rank(rank: int, world_size: int, model_path: str, checkpoint_dir: str, out_dir: str) -> None:
+    """One rank (of mmrl.parallel.spawn.run_on_ranks): step, save, note the uninterrupted run's next
+    draws and step; then resume a fresh model from the checkpoint after clobbering the RNGs and note its
+    draws and step."""
     _seed_everything(100 + rank)  # different streams per rank, as in training
     out = Path(out_dir)
 
@@ -313,20 +300,16 @@ def _fsdp_rank(rank: int, port: int, model_path: str, checkpoint_dir: str, out_d
             "extra": extra,
         }
         torch.save(results, out / "results.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENVIRONMENT.md)
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_vl_path, tmp_path_factory):
-    import torch.multiprocessing as mp
+    from mmrl.parallel.spawn import run_on_ranks
 
     root = tmp_path_factory.mktemp("fsdp_checkpoint")
     checkpoint_dir, out_dir = root / "global_step_1.tmp" / "actor", root / "out"
     out_dir.mkdir()
-    args = (_free_port(), str(tiny_vl_path), str(checkpoint_dir), str(out_dir))
-    mp.spawn(_fsdp_rank, args=args, nprocs=WORLD_SIZE, join=True)
+    run_on_ranks(_fsdp_rank, WORLD_SIZE, str(tiny_vl_path), str(checkpoint_dir), str(out_dir), timeout_s=300)
     results = torch.load(out_dir / "results.pt", weights_only=False)
     random_draws = [
         torch.load(out_dir / f"random_rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)

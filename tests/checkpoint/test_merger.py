@@ -9,11 +9,8 @@ model class; a critic's value head is refused with a clear error.
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,12 +23,6 @@ from mmrl.checkpoint.merger import MergeNotSupportedError, load_full_state_dict,
 
 WORLD_SIZE = 2
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "model_merger.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _image_prompt(processor) -> dict[str, torch.Tensor]:
@@ -58,14 +49,11 @@ def _token_log_probs(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def _train_rank(rank: int, port: int, model_path: str, actor_dir: str, out_file: str) -> None:
-    import torch.distributed as dist
+def _train_rank(rank: int, world_size: int, model_path: str, actor_dir: str, out_file: str) -> None:
+    """One rank (of mmrl.parallel.spawn.run_on_ranks): a sharded update, saved, then log-probs."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
     model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
     for layer in model.model.language_model.layers:
         fully_shard(layer)
@@ -80,20 +68,16 @@ def _train_rank(rank: int, port: int, model_path: str, actor_dir: str, out_file:
     log_probs = _token_log_probs(model, inputs)
     if rank == 0:
         torch.save({"inputs": inputs, "log_probs": log_probs}, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENVIRONMENT.md)
 
 
 @pytest.mark.distributed
 def test_fsdp2_checkpoint_merges_to_hugging_face(tiny_vl_path, tmp_path):
-    import torch.multiprocessing as mp
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from mmrl.parallel.spawn import run_on_ranks
+
     actor_dir, out_file = tmp_path / "global_step_1" / "actor", tmp_path / "trained.pt"
-    mp.spawn(
-        _train_rank, args=(_free_port(), str(tiny_vl_path), str(actor_dir), str(out_file)), nprocs=WORLD_SIZE
-    )
+    run_on_ranks(_train_rank, WORLD_SIZE, str(tiny_vl_path), str(actor_dir), str(out_file), timeout_s=300)
     trained = torch.load(out_file, weights_only=False)
 
     merged_dir = merge_checkpoint(actor_dir)
