@@ -566,6 +566,8 @@ def test_val_only_validates_logs_to_every_tracker_and_exits(
 # Where the chaos run's driver kills itself (mmrl.trainer.ray_trainer.fault_point), in order, each
 # resumed from the last checkpoint (saved every step): (phase, step, the last checkpoint at the kill).
 # The step of each kill is the first the resumed run has not saved, so that every run moves on.
+# for runs whose point is not the ranks: a second training rank's process costs ~6 CPU-s a run
+ONE_TRAINING_RANK = "trainer.n_gpus_per_node=1"
 CHAOS_FAULTS = (
     ("rollout", 2, 1),
     ("reward", 3, 2),
@@ -736,17 +738,19 @@ def test_merged_trainer_checkpoint_loads_with_from_pretrained(run_a, e2e_dir, ti
 
 
 def kill_a_process_of_an_endless_run(
-    folder: Path, tiny_vl_path: Path, shapes_data_dir: Path, name: str, find_victim
+    folder: Path, tiny_vl_path: Path, shapes_data_dir: Path, name: str, find_victim, extra: Sequence[str] = ()
 ) -> tuple[int, float, str, list]:
-    """Starts a run that would never end, waits for its first logged step, SIGKILLs the process that
-    ``find_victim(trainer process, log path)`` picks and waits for the trainer's exit: (its exit code,
-    seconds from the kill to the exit, its output, processes of its session still running)."""
+    """Starts a run (with the ``extra`` overrides) that would never end, waits for its first logged
+    step, SIGKILLs the process that ``find_victim(trainer process, log path)`` picks and waits for the
+    trainer's exit: (its exit code, seconds from the kill to the exit, its output, processes of its
+    session still running)."""
     save_dir = folder / name
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         "trainer.max_steps=1000",  # never reached: the run must end because of the kill
         "trainer.val_before_train=false",
         "trainer.val_freq=0",
         "trainer.save_freq=0",
+        *extra,
     ]
     config_file = write_config(folder / f"{name}.yaml", overrides)
     log_path = folder / f"{name}.log"
@@ -802,6 +806,7 @@ def test_raising_reward_function_stops_the_run_naming_file_function_and_sample(
         f"worker.reward.reward_function_kwargs.fail_on_answer={fail_on}",
         "data.shuffle=false",
         "trainer.val_before_train=false",
+        ONE_TRAINING_RANK,
         "trainer.logger=[console,jsonl,wandb]",
     ]
     config_file = write_config(tmp_path / "run_raising_reward.yaml", overrides)
@@ -849,6 +854,7 @@ def test_hanging_reward_function_stops_the_run_at_the_timeout_naming_the_sample(
         f"worker.reward.timeout_s={REWARD_TIMEOUT_S}",
         "data.shuffle=false",
         "trainer.val_before_train=false",
+        ONE_TRAINING_RANK,
     ]
     config_file = write_config(tmp_path / "run_hanging_reward.yaml", overrides)
     process = start_trainer(config_file, tmp_path / "run_hanging_reward.log")
@@ -888,7 +894,12 @@ def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(tmp_path, ti
         return scorers[0]
 
     returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
-        tmp_path, tiny_vl_path, shapes_data_dir, "run_reward_worker_dies", reward_scorer
+        tmp_path,
+        tiny_vl_path,
+        shapes_data_dir,
+        "run_reward_worker_dies",
+        reward_scorer,
+        extra=[ONE_TRAINING_RANK],
     )
     print(f"reward worker killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
