@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import typing
@@ -177,23 +178,40 @@ def _leaves(user: DictConfig, cls: type, prefix: str = "") -> Iterator[tuple[str
             yield key, node
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """``PPOConfig``'s defaults as a typed OmegaConf tree, built once (~50 ms): only ever read, as the
+    first config of ``OmegaConf.merge``, which copies it."""
+    return OmegaConf.structured(PPOConfig)
+
+
 def _merge(layers: list[tuple[str, DictConfig]]) -> tuple[DictConfig, list[str], set[str]]:
     """The schema with every layer merged over it, one leaf at a time, so that each unknown key and
     each ill-typed value is reported (and left at its previous value) while the rest merges.
 
     Returns (merged config, error messages, the keys those messages are about).
     """
-    merged: DictConfig = OmegaConf.structured(PPOConfig)
+    merged: DictConfig = _schema()  # OmegaConf.merge copies its first config: the schema stays as built
     errors, bad_keys = [], set()
+    # consecutive layers of one source (the command line's overrides) merge as one: each merge copies
+    # the whole tree, so a merge per override made most of a run's config loading
+    groups: list[tuple[str, list[DictConfig]]] = []
     for source, layer in layers:
-        for key, siblings in _unknown_keys(layer, PPOConfig):
-            errors.append(f"unknown key '{key}' in {source}: {_suggest(key, siblings)}")
-            bad_keys.add(key)
-        leaves = list(_leaves(layer, PPOConfig))
+        if groups and groups[-1][0] == source:
+            groups[-1][1].append(layer)
+        else:
+            groups.append((source, [layer]))
+    for source, group in groups:
+        leaves = []
+        for layer in group:
+            for key, siblings in _unknown_keys(layer, PPOConfig):
+                errors.append(f"unknown key '{key}' in {source}: {_suggest(key, siblings)}")
+                bad_keys.add(key)
+            leaves += _leaves(layer, PPOConfig)
         combined = OmegaConf.create()
-        for key, node in leaves:
+        for key, node in leaves:  # in order: a later override of a key wins, as merged one by one
             OmegaConf.update(combined, key, node, force_add=True)
-        try:  # one merge per layer (each merge copies the whole tree); leaf by leaf only to find errors
+        try:  # one merge per source; leaf by leaf only to find errors
             merged = OmegaConf.merge(merged, combined)
             continue
         except OmegaConfBaseException:
@@ -286,7 +304,7 @@ def load_config(
     notes += apply_derived(plain, derived)
     _resolve_paths(plain)
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
+        cfg = OmegaConf.to_object(OmegaConf.merge(_schema(), plain))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError([*errors, f"'{key}': {str(err).splitlines()[0]}"]) from None

@@ -69,6 +69,23 @@ def errors_of(args) -> list[str]:
     return info.value.errors
 
 
+def test_command_line_overrides_merge_in_order(run_files):
+    """The command line's overrides merge as one layer (one copy of the tree, not one per override):
+    a later override of a key still wins, a dict-valued one merges with the keys set before it."""
+    cfg = load_config(
+        valid_args(
+            run_files,
+            "worker.rollout.n=3",
+            "worker.rollout.temperature=0.5",
+            "worker.rollout.n=5",
+            "worker.reward.reward_function_kwargs.a=1",
+            "worker.reward.reward_function_kwargs={b: 2}",
+        )
+    )
+    assert (cfg.worker.rollout.n, cfg.worker.rollout.temperature) == (5, 0.5)
+    assert cfg.worker.reward.reward_function_kwargs == {"a": 1, "b": 2}
+
+
 def test_defaults_merge_yaml_then_cli(tmp_path, run_files):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("worker:\n  rollout:\n    n: 4\n    temperature: 0.7\ntrainer:\n  max_steps: 9\n")
