@@ -1076,7 +1076,8 @@ def gae_overrides(model_path, data_dir, save_dir) -> list[str]:
 
 @trainer_e2e
 def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_data_dir, tmp_path):
-    """The critic lives in the 2 training processes: Ray holds 2 bundles (not 4) and 2 worker actors;
+    """The critic lives in the 2 training processes: Ray holds 2 bundles (not 4) and 2 worker actors, and
+    starts no idle workers beside them;
     and an 8-step GAE run on the dense fingerprint reward raises the reward clearly above its start.
     The trainer runs in this process, on a real local Ray cluster, so Ray's own tables can be read."""
     import ray
@@ -1099,6 +1100,9 @@ def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_
         assert [len(group["bundles"]) for group in placed] == [WORLD_SIZE]  # one node group of 2 bundles
         assert trainer.actor.world_size == WORLD_SIZE
         assert training_processes() == WORLD_SIZE
+        # and no idle Python worker that Ray would have started for plain tasks (mmrl runs none)
+        idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
+        assert idle == [], idle
         trainer.fit()
     finally:
         if trainer is not None:
