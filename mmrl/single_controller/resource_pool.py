@@ -73,8 +73,9 @@ def init_ray(
             num_gpus=num_gpus,
             include_dashboard=include_dashboard,
             object_store_memory=object_store_memory_bytes,
-            # Ray would start idle Python workers for plain tasks at once (one per CPU); mmrl runs
-            # actors with environments of their own, which never take them: ~0.4 CPU-s and ~80 MB each
+            # Ray would start idle Python workers for plain tasks at once (two on this 2-core machine, more
+            # with more cores); mmrl runs actors with environments of their own, which never take them:
+            # ~0.4 CPU-s and ~80 MB each
             _system_config={"prestart_worker_first_driver": False},
         )
     ray.init(address=address, **options)
