@@ -66,7 +66,7 @@ def real_shape_overrides(
         "trainer.logger=[jsonl]",
         "trainer.n_gpus_per_node=1",
         "trainer.device=cpu",
-        "trainer.save_freq=-1",
+        "trainer.save_freq=0",  # no checkpoint: the end's would write 7.3 GB (fp32 weights, AdamW moments)
         f"trainer.save_checkpoint_path={save_dir}",
     ]
 

@@ -518,7 +518,7 @@ class TrainerConfig:
     val_before_train: bool = True  # validate once before the first step
     val_only: bool = False  # validate and exit
     val_generations_to_log: int = 0  # sample generations written to the loggers per validation
-    save_freq: int = -1  # checkpoint every this many steps; -1 = only at the end
+    save_freq: int = -1  # checkpoint every this many steps and at the end; -1 = only at the end; 0 = never
     save_limit: int = -1  # keep at most this many checkpoints; -1 = all
     save_checkpoint_path: str | None = None  # null = checkpoints/<project_name>/<experiment_name>
     load_checkpoint_path: str | None = None  # a global_step_N folder to resume from

@@ -282,7 +282,8 @@ class RayPPOTrainer:
             if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
                 metrics.update(self.validate() if self.val_loader is not None else {})
             self.tracker.log(metrics, self.global_step)
-            if self._due(self.config.trainer.save_freq) or self.global_step == self.total_steps:
+            save_freq = self.config.trainer.save_freq
+            if self._due(save_freq) or (self.global_step == self.total_steps and save_freq != 0):
                 self.save_checkpoint(metrics.get(VAL_METRIC))
             last_metrics = metrics
         return last_metrics

@@ -49,3 +49,5 @@ def test_two_grpo_steps_at_the_3b_widths_and_real_vocabulary(real_width_vl_path,
     # the two steps trained on different responses (their texts' CRC-32 mean; the distinct-character
     # reward of 1,024-token responses saturates, so two steps can share its mean)
     assert steps[0]["reward/fingerprint"] != steps[1]["reward/fingerprint"]
+    # trainer.save_freq=0: no checkpoint, not even at the end (it would write 7.3 GB: 15 s here)
+    assert sorted(path.name for path in save_dir.iterdir()) == ["logs"]
