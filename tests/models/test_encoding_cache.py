@@ -11,18 +11,11 @@ from _models import training_model
 from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache
 from mmrl.models.inputs import response_token_outputs
 from mmrl.models.loading import freeze_vision_tower, vision_modules
+from mmrl.workers.forward import forward_arguments
 
 
 def _outputs(model, batch):
-    return response_token_outputs(
-        model,
-        batch.batch["input_ids"],
-        batch.batch["attention_mask"],
-        batch.batch["responses"].shape[1],
-        list(batch.non_tensor_batch["multi_modal_inputs"]),
-        batch.batch["mm_token_type_ids"],
-        padding_free=True,
-    )[0]
+    return response_token_outputs(model, *forward_arguments(batch), padding_free=True)[0]
 
 
 def _decoder_grads(model, batch) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, lab
 from mmrl.models.encoding_store import EncodingStore
 from mmrl.models.inputs import response_token_outputs
 from mmrl.models.loading import freeze_vision_tower, vision_modules
+from mmrl.workers.forward import forward_arguments
 
 IMAGE_PATCHES, VIDEO_PATCHES = 4 * 6, 2 * 4 * 4  # the patches of the batch's two media items
 
@@ -33,15 +34,7 @@ def batch(tiny_vl_path):
 
 def _outputs(model, batch):
     with torch.no_grad():
-        return response_token_outputs(
-            model,
-            batch.batch["input_ids"],
-            batch.batch["attention_mask"],
-            batch.batch["responses"].shape[1],
-            list(batch.non_tensor_batch["multi_modal_inputs"]),
-            batch.batch["mm_token_type_ids"],
-            padding_free=True,
-        )[0]
+        return response_token_outputs(model, *forward_arguments(batch), padding_free=True)[0]
 
 
 def _frozen_model(path):
@@ -120,15 +113,7 @@ def test_the_reference_tower_reuses_the_actor_encodings_over_a_step(tiny_vl_path
         enable_encoding_cache(vision_modules(model), cache)
     torch.testing.assert_close(_outputs(actor, batch), expected, rtol=1e-6, atol=1e-6)  # old log-probs
     torch.testing.assert_close(_outputs(ref, batch), expected, rtol=1e-6, atol=1e-6)  # reference
-    actor_update = response_token_outputs(
-        actor,
-        batch.batch["input_ids"],
-        batch.batch["attention_mask"],
-        batch.batch["responses"].shape[1],
-        list(batch.non_tensor_batch["multi_modal_inputs"]),
-        batch.batch["mm_token_type_ids"],
-        padding_free=True,
-    )[0]
+    actor_update = response_token_outputs(actor, *forward_arguments(batch), padding_free=True)[0]
     actor_update.float().pow(2).mean().backward()
     assert actor.encoded == [IMAGE_PATCHES, VIDEO_PATCHES] and ref.encoded == []
     assert (cache.misses, cache.hits) == (2, 3 * 4 - 2)  # 4 items a pass
