@@ -99,43 +99,24 @@ def measure(frames: int, args) -> list[dict]:
     with torch.no_grad():
         tower(rows, grid)  # warm-up: the first call's one-off costs are no pass's
     tower.blocks[0].register_forward_hook(lambda m, a, out: encoded.append(a[0].shape[0]))
-    calls, seconds = step(tower, rows, grid, args.n, args.micro)
-    results.append(
-        {
-            "case": "every pass encodes (before)",
-            "calls": calls,
-            "encoded": sum(encoded) // patches,
-            "s": seconds,
-        }
-    )
+
+    def run_case(case: str) -> None:
+        """One step of passes; its row: tower calls, items encoded, seconds."""
+        encoded.clear()
+        calls, seconds = step(tower, rows, grid, args.n, args.micro)
+        results.append({"case": case, "calls": calls, "encoded": sum(encoded) // patches, "s": seconds})
+
+    run_case("every pass encodes (before)")
 
     label_weights(tower, weights_digest(tower, torch.float32))
     with tempfile.TemporaryDirectory() as folder:
         store = EncodingStore(folder, max_bytes=1 << 34)
         cache = EncodingCache(store=store)
         enable_encoding_cache([tower], cache)
-        encoded.clear()
-        calls, seconds = step(tower, rows, grid, args.n, args.micro)
-        results.append(
-            {
-                "case": "encoded once per step (+ disk write)",
-                "calls": calls,
-                "encoded": sum(encoded) // patches,
-                "s": seconds,
-            }
-        )
+        run_case("encoded once per step (+ disk write)")
         file_mb = sum(path.stat().st_size for path in store.directory.glob("*.pt")) / 1e6
         cache.clear()  # the next epoch: memory empty, the disk holds the video
-        encoded.clear()
-        calls, seconds = step(tower, rows, grid, args.n, args.micro)
-        results.append(
-            {
-                "case": "later epoch: read from disk",
-                "calls": calls,
-                "encoded": sum(encoded) // patches,
-                "s": seconds,
-            }
-        )
+        run_case("later epoch: read from disk")
         assert store.reads == 1
     for result in results:
         result.update(frames=frames, tokens=tokens, file_mb=round(file_mb, 1))
