@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "distributed_env", "merge_dp_outputs"]
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# how long a rank's exception waits for a peer's lost process to be reported: when a rank dies, the ranks
+# blocked with it in a collective fail as soon as the connection drops, often before Ray reports the death
+LOST_PROCESS_GRACE_S = 2.0
 
 
 class WorkerGroupError(RuntimeError):
@@ -465,11 +468,34 @@ class RayWorkerGroup:
                 try:
                     results[index] = ray.get(ref)
                 except RayError as error:
+                    index, error = self._root_failure(index, error, pending, position)
                     message = self._failure_message(ranks[index], method, error)
                     self._abort(message)
                     cause = error.cause if isinstance(error, RayTaskError) else None
                     raise WorkerGroupError(message, rank=ranks[index], method=method, cause=cause) from None
         return results
+
+    @staticmethod
+    def _root_failure(
+        index: int, error: RayError, pending: list[ray.ObjectRef], position: dict[ray.ObjectRef, int]
+    ) -> tuple[int, RayError]:
+        """The failure to report: a rank's exception, unless another rank lost its process within
+        ``LOST_PROCESS_GRACE_S`` (the exception is then a symptom of that death: a collective whose peer
+        vanished); ``(index of the rank's ref, its error)``."""
+        if not isinstance(error, RayTaskError) or not pending:
+            return index, error
+        deadline = time.monotonic() + LOST_PROCESS_GRACE_S
+        waiting = list(pending)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError as lost:
+                    return position[ref], lost
+                except RayError:
+                    pass
+        return index, error
 
     def _failure_message(self, rank: int, method: str, error: RayError) -> str:
         if isinstance(error, RayTaskError):

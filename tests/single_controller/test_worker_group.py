@@ -72,6 +72,14 @@ class GlooWorker:
         dist.barrier()
         return "passed"
 
+    def exit_late_or_raise(self, failing_rank: int) -> str:
+        """The failing rank dies 0.3 s from now; the others raise at once, as a collective does whose
+        peer's connection drops (gloo may fail them before Ray has seen the death)."""
+        if self.rank == failing_rank:
+            time.sleep(0.3)
+            os._exit(1)
+        raise RuntimeError(f"rank {self.rank}: connection to a peer closed")
+
 
 class DataWorker(GlooWorker):
     """Adds a dispatched method; kept apart so the failure tests' processes skip importing tensordict."""
@@ -263,6 +271,19 @@ def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
     assert time.monotonic() - start < FAST_S
     assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
     assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
+    _assert_processes_exit(pids, within_s=FAST_S)
+    group.shutdown()
+
+
+def test_a_dead_rank_is_blamed_rather_than_the_peer_its_death_failed(ray_cluster) -> None:
+    """Rank 1 raises first, rank 0's process dies a moment later: the group names rank 0's lost
+    process (the root cause), not rank 1's exception (its symptom)."""
+    group = make_group(GlooWorker, "dying", timeout_s=60.0)
+    pids = group.call("pid")
+    with pytest.raises(WorkerGroupError) as failure:
+        group.call("exit_late_or_raise", failing_rank=0)
+    assert (failure.value.rank, failure.value.method) == (0, "exit_late_or_raise")
+    assert "dying_rank0 (rank 0 of 2) lost its process" in str(failure.value)
     _assert_processes_exit(pids, within_s=FAST_S)
     group.shutdown()
 
