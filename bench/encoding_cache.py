@@ -3,6 +3,10 @@ step's passes sharing one encoding (:class:`mmrl.models.encoding_cache.EncodingC
 epoch reading the encodings from disk (:class:`mmrl.models.encoding_store.EncodingStore`).
 
     python bench/encoding_cache.py [--frames 32 64] [--frame_size 112] [--depth 2] [--n 4] [--micro 2]
+    python bench/encoding_cache.py --device cuda --depth 32 --frames 64 256 1024 --frame_size 448
+
+On ``--device cuda`` the tower and the pixel rows are bf16 on the GPU (as an FSDP2 step computes),
+seconds are taken between CUDA synchronisations and each case's peak allocated GPU memory is a column.
 
 The tower is Qwen2.5-VL-3B's (``Qwen2_5_VisionTransformerPretrainedModel`` at its config's widths:
 hidden 1280, 16 heads, MLP 3420, output 2048, 14-pixel patches, 2x2 merge, 112-pixel windows), random
@@ -39,9 +43,19 @@ from mmrl.models.encoding_cache import (
 from mmrl.models.encoding_store import EncodingStore
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
+CPU = torch.device("cpu")
 
 
-def build_tower(depth: int) -> torch.nn.Module:
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_tower(depth: int, device: torch.device = CPU) -> torch.nn.Module:
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -62,17 +76,18 @@ def build_tower(depth: int) -> torch.nn.Module:
     torch.manual_seed(0)
     tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config).eval()
     tower.requires_grad_(False)  # freeze_vision_tower
-    return tower
+    return tower.to(device=device, dtype=compute_dtype(device))
 
 
-def video(frames: int, frame_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A video's pixel rows [t*h*w, 3*2*14*14] and grid [1, 3], as the processor hands them over."""
+def video(frames: int, frame_size: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
+    """A video's pixel rows [t*h*w, 3*2*14*14] and grid [1, 3], as the processor hands them over
+    (on ``device``, in its compute dtype)."""
     side = frame_size // PATCH
     grid = torch.tensor([[frames // TEMPORAL, side, side]])
     rows = torch.randn(
         int(grid.prod()), 3 * TEMPORAL * PATCH * PATCH, generator=torch.Generator().manual_seed(1)
     )
-    return rows, grid
+    return rows.to(device=device, dtype=compute_dtype(device)), grid.to(device)
 
 
 def step(tower, rows, grid, n: int, micro: int, grad_update: bool = True) -> tuple[int, float]:
@@ -82,19 +97,22 @@ def step(tower, rows, grid, n: int, micro: int, grad_update: bool = True) -> tup
         for _ in range(0, n, micro):
             batch_rows, batch_grid = rows.repeat(micro, 1), grid.repeat(micro, 1)
             with torch.set_grad_enabled(not no_grad):
+                synchronize(rows.device)
                 start = time.perf_counter()
                 tower(batch_rows, batch_grid)
+                synchronize(rows.device)
                 seconds += time.perf_counter() - start
             calls += 1
     return calls, seconds
 
 
 def measure(frames: int, args) -> list[dict]:
-    rows, grid = video(frames, args.frame_size)
+    device = torch.device(args.device)
+    rows, grid = video(frames, args.frame_size, device)
     patches = int(grid.prod())
     tokens = patches // MERGE**2
     results = []
-    tower = build_tower(args.depth)
+    tower = build_tower(args.depth, device)
     encoded = []
     with torch.no_grad():
         tower(rows, grid)  # warm-up: the first call's one-off costs are no pass's
@@ -103,12 +121,18 @@ def measure(frames: int, args) -> list[dict]:
     def run_case(case: str) -> None:
         """One step of passes; its row: tower calls, items encoded, seconds."""
         encoded.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         calls, seconds = step(tower, rows, grid, args.n, args.micro)
-        results.append({"case": case, "calls": calls, "encoded": sum(encoded) // patches, "s": seconds})
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results.append(
+            {"case": case, "calls": calls, "encoded": sum(encoded) // patches, "s": seconds, "peak_gib": peak}
+        )
+        print(f"{frames} frames, {case}: {seconds:.2f} s", flush=True)  # a long run shows its progress
 
     run_case("every pass encodes (before)")
 
-    label_weights(tower, weights_digest(tower, torch.float32))
+    label_weights(tower, weights_digest(tower, compute_dtype(device)))
     with tempfile.TemporaryDirectory() as folder:
         store = EncodingStore(folder, max_bytes=1 << 34)
         cache = EncodingCache(store=store)
@@ -174,23 +198,45 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--disk_frames", type=int, default=1024)
     parser.add_argument("--disk_frame_size", type=int, default=448)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 tower on the GPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [result for frames in args.frames for result in measure(frames, args)]
-    digest_s = digest_seconds_per_gb(build_tower(args.depth))
+    digest_s = digest_seconds_per_gb(build_tower(args.depth, torch.device(args.device)))
     disk = disk_row(args.disk_frames, args.disk_frame_size)
+    where = (
+        torch.cuda.get_device_name() + ", bf16" if args.device == "cuda" else f"CPU ({args.threads} threads)"
+    )
     print(
-        f"Qwen2.5-VL-3B vision widths, {args.depth} of 32 blocks, CPU ({args.threads} threads), one video "
+        f"Qwen2.5-VL-3B vision widths, {args.depth} of 32 blocks, {where}, one video "
         f"prompt of {args.frame_size}x{args.frame_size} frames, n={args.n}, micro-batch {args.micro}, passes: "
         "old log-probs, reference, update"
     )
     print(
         markdown_table(
-            ["frames", "video tokens", "case", "tower calls", "items encoded", "tower s/step", "file MB"],
             [
-                [r["frames"], r["tokens"], r["case"], r["calls"], r["encoded"], f"{r['s']:.2f}", r["file_mb"]]
-                for r in rows
+                "frames",
+                "video tokens",
+                "case",
+                "tower calls",
+                "items encoded",
+                "tower s/step",
+                "peak GiB",
+                "file MB",
             ],
+            [
+                [
+                    r["frames"],
+                    r["tokens"],
+                    r["case"],
+                    r["calls"],
+                    r["encoded"],
+                    f"{r['s']:.2f}",
+                    "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
+                    r["file_mb"],
+                ]
+                for r in rows
+            ],  # fmt: skip
         )
     )
     print(f"weights digest (once per run and model): {digest_s:.2f} s per GB of bf16 weights")

@@ -23,6 +23,8 @@ No Ray, no vLLM: one process, a one-rank process group (NCCL; gloo with ``--dry`
   computes in bf16 (a linear layer sees bf16 weights in forward while its shard stays fp32).
 - ``cuda rng``: ``capture_rng_state`` / ``restore_rng_state`` (checkpoints) replay the CUDA generator.
 - ``memory figures``: a phase's peak allocated, reserved and device-free figures (``mmrl.workers.memory``).
+- ``torch``: what the installed torch lacks of the pinned one (a GPU image's own older torch): a failed
+  row, and a no-op stands in so that the other checks still run.
 
 A check that raises is a failed row with the error. Writes ``bench/results/gpu_check.json`` (``--dry``:
 ``gpu_check_dry.json``). ``--dry`` also checks that its comparison flags a planted mismatch.
@@ -374,6 +376,18 @@ def flash_attn_kernel(dry: bool, allow_missing: bool) -> tuple[Callable | None, 
     return kernel, [Row("flash-attn", "kernel", f"flash_attn {flash_attn.__version__}", True)]
 
 
+def torch_shims() -> list[Row]:
+    """Rows for what this torch lacks of the pinned one (mmrl/versions.py), stood in so that the other
+    checks still run: a GPU image may carry an older torch than a job installs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        return []
+    FSDPModule.set_reduce_scatter_unused_params = lambda self, enable: None  # torch < 2.13
+    return [Row("torch", f"{torch.__version__}: no FSDPModule.set_reduce_scatter_unused_params (2.13)",
+                "stood in by a no-op for the checks below; a job needs torch 2.13 (mmrl/versions.py)", False)]  # fmt: skip
+
+
 def run_checks(device: torch.device, args: argparse.Namespace) -> list[Row]:
     dry = device.type == "cpu"
     kernel, rows = flash_attn_kernel(dry, args.allow_missing_flash_attn)
@@ -431,11 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import gpu_mfu
 
+    rows = torch_shims()
     device = torch.device("cpu") if args.dry else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpu_mfu._init_one_rank_group("gloo" if args.dry else "nccl")
-    rows = run_checks(device, args)
+    rows += run_checks(device, args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (--dry: plumbing only)"
     print(f"\nmmrl gpu-check on {name}, torch {torch.__version__}\n\n{table(rows)}")
     failed = [row for row in rows if not row.ok]

@@ -104,3 +104,15 @@ def test_only_qwen2_vl_families_are_wrapped(tiny_vl_path, tiny_omni_path, tiny_t
         assert not any(hasattr(owner.get_rope_index, "mmrl_resumes_after_vision_max") for owner in owners)
     # idempotent: a second call leaves the wrapped method alone
     assert not resume_text_after_vision_max(load_model(str(tiny_vl_path)))
+
+
+def test_renumbering_creates_its_tensors_on_the_inputs_device():
+    # On a GPU the inputs are on cuda and the default device is the CPU (a CPU-made range failed there,
+    # found by `make gpu-check`); here the inputs stay on the CPU and the default device is `meta`.
+    positions = torch.tensor([[0, 1, 2, 2, 3, 3, 9]]).expand(3, -1).clone()
+    token_types = torch.tensor([0, 0, 1, 1, 1, 1, 0])
+    valid = torch.ones(7, dtype=torch.bool)
+    with torch.device("meta"):
+        fixed = renumber_text_after_vision(positions, token_types, valid)
+    assert fixed.device.type == "cpu"
+    assert fixed[0].tolist() == [0, 1, 2, 2, 3, 3, 4]

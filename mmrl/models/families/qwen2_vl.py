@@ -55,7 +55,9 @@ def renumber_text_after_vision(
             out[:, columns] = block - start + next_position
             next_position = int(out[:, columns].max()) + 1
         else:
-            out[:, columns] = torch.arange(next_position, next_position + length).expand(3, -1)
+            out[:, columns] = torch.arange(next_position, next_position + length, device=out.device).expand(
+                3, -1
+            )
             next_position += length
         position += length
     return out
