@@ -20,6 +20,13 @@ frozen model is built) is keyed by that digest instead of by the module: two tow
 (read before encoding, written after). Under sequence parallelism the ranks of an SP group agree on
 which items the disk gave every one of them (another rank's eviction may remove a file between two
 reads): the sharded tower's collectives need the same items encoded on every rank of the group.
+
+An item's key needs a digest of its pixel rows. The forward helpers (:mod:`mmrl.models.inputs`)
+announce each call's items to the cache (:func:`announce_media`) with digests taken once per
+processed prompt, on the processor's CPU tensors (:func:`item_digests`, kept while the tensor lives:
+a worker keeps a step's processed media for all its passes); the tower's call then hashes nothing
+(on a GPU, each hashing copied the pixel rows to the host: at 64 frames of 448 px, 0.4 s per call,
+most of a cached step). A call nobody announced is hashed as before.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
+import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,6 +50,63 @@ def media_key(grid: list[int], rows: torch.Tensor) -> tuple:
     """``(t, h, w, digest)``: equal only for equal pixel rows of an item of that grid."""
     data = rows.detach().contiguous().view(torch.uint8).cpu().numpy()
     return (*grid, str(rows.dtype), hashlib.blake2b(memoryview(data), digest_size=16).hexdigest())
+
+
+_SOURCE_DIGESTS: dict[int, tuple[weakref.ref, list[tuple]]] = {}
+
+
+def item_digests(pixels: torch.Tensor, grids: torch.Tensor) -> list[tuple]:
+    """:func:`media_key` of each item of ``pixels`` (split by ``grids``), computed once per tensor
+    object and kept while it lives."""
+    entry = _SOURCE_DIGESTS.get(id(pixels))
+    if entry is not None and entry[0]() is pixels:
+        return entry[1]
+    grid_rows = grids.tolist()
+    sizes = [t * h * w for t, h, w in grid_rows]
+    keys = [media_key(grid, part) for grid, part in zip(grid_rows, pixels.split(sizes))]
+    _SOURCE_DIGESTS[id(pixels)] = (weakref.ref(pixels, functools.partial(_forget, id(pixels))), keys)
+    return keys
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _SOURCE_DIGESTS.get(key, (None,))[0] is ref:
+        del _SOURCE_DIGESTS[key]
+
+
+# processor keys of the towers' inputs: (pixel rows, grid) of images and of videos
+_PIXEL_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def announce_media(
+    towers: Sequence[nn.Module], media: dict[str, Any], parts: Sequence[dict[str, Any]]
+) -> None:
+    """Tell the caches of ``towers`` the item keys of the call ``media`` (the joined processor outputs
+    of ``parts``, in order) is about to make; nothing when no tower has a cache."""
+    caches = {id(c): c for t in towers if (c := getattr(t, "_mmrl_encoding_cache", None)) is not None}
+    for pixels_key, grid_key in _PIXEL_KEYS:
+        joined = media.get(pixels_key)
+        if not caches or joined is None:
+            continue
+        keys = [
+            key
+            for part in parts
+            if part and part.get(pixels_key) is not None
+            for key in item_digests(part[pixels_key], part[grid_key])
+        ]
+        for cache in caches.values():
+            cache.announce(joined, media[grid_key].tolist(), keys)
+
+
+def _same_rows(announced: torch.Tensor, hidden_states: torch.Tensor, chunk: int = 1 << 16) -> bool:
+    """``hidden_states`` is ``announced`` (the model may have cast it to the tower's dtype)."""
+    if announced is hidden_states:
+        return True
+    if announced.shape != hidden_states.shape or announced.device != hidden_states.device:
+        return False
+    return all(
+        torch.equal(a.to(hidden_states.dtype), b)
+        for a, b in zip(announced.split(chunk), hidden_states.split(chunk))
+    )
 
 
 def weights_digest(tower: nn.Module, compute_dtype: torch.dtype) -> str:
@@ -92,15 +158,40 @@ class EncodingCache:
         self.stored_bytes = 0
         self.hits = self.misses = 0
         self.output_type: type | None = None
+        self.announced: list[tuple[weakref.ref, list[list[int]], list[tuple]]] = []
+        self.hashed_items = 0  # items whose pixel rows a tower call hashed (nobody announced them)
 
     def clear(self) -> None:
         self.entries.clear()
         self.stored_bytes = 0
+        self.announced.clear()
+
+    def announce(self, pixels: torch.Tensor, grids: list[list[int]], keys: list[tuple]) -> None:
+        """The next tower call on ``pixels`` (or its cast) of items ``grids`` has item keys ``keys``."""
+        self.announced = [entry for entry in self.announced if entry[0]() is not None][-7:]
+        self.announced.append((weakref.ref(pixels), grids, keys))
+
+    def _media_keys(
+        self, hidden_states: torch.Tensor, grids: list[list[int]], patches: list[int]
+    ) -> list[tuple]:
+        for ref, announced_grids, keys in reversed(self.announced):
+            pixels = ref()
+            if pixels is not None and announced_grids == grids and _same_rows(pixels, hidden_states):
+                return keys
+        self.hashed_items += len(grids)
+        starts = [sum(patches[:i]) for i in range(len(patches))]
+        return [media_key(g, hidden_states[s : s + n]) for g, s, n in zip(grids, starts, patches)]
 
     def take_counts(self) -> dict[str, int]:
-        """Items encoded, reused from memory and read from disk since the last call (then zeroed)."""
-        counts = {"encoded_items": self.misses, "reused_items": self.hits, "disk_read_items": self.loaded}
-        self.misses = self.hits = self.loaded = 0
+        """Items encoded, reused from memory, read from disk and keyed by hashing the tower call's
+        pixel rows (nobody announced them) since the last call (then zeroed)."""
+        counts = {
+            "encoded_items": self.misses,
+            "reused_items": self.hits,
+            "disk_read_items": self.loaded,
+            "hashed_items": self.hashed_items,
+        }
+        self.misses = self.hits = self.loaded = self.hashed_items = 0
         return counts
 
     def _store(self, key: tuple, pooled: torch.Tensor, deepstack: list[torch.Tensor] | None) -> None:
@@ -128,9 +219,7 @@ class EncodingCache:
         starts = [sum(patches[:i]) for i in range(len(patches))]
         weights = getattr(tower, "_mmrl_weights_digest", None)
         identity = weights or f"module-{id(tower)}"  # an unlabelled tower shares with no other
-        keys = [
-            (identity, *media_key(g, hidden_states[s : s + n])) for g, s, n in zip(grids, starts, patches)
-        ]
+        keys = [(identity, *key) for key in self._media_keys(hidden_states, grids, patches)]
         merge = tower.spatial_merge_size**2
         found = {key: self.entries[key] for key in keys if key in self.entries}
         first: dict[tuple, int] = {}  # each distinct key not in memory: its first item in call order

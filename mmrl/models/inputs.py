@@ -30,7 +30,9 @@ from torch import nn
 
 from mmrl.columns import concat_multi_modal_inputs, prompt_inputs, response_inputs
 from mmrl.models.attention import PackedSequences, SharedPrefixSequences
+from mmrl.models.encoding_cache import announce_media
 from mmrl.models.families import family_of
+from mmrl.models.loading import vision_modules
 from mmrl.models.prepare import check_prepared
 from mmrl.models.token_scoring import scoring_tokens
 from mmrl.parallel.sequence import (
@@ -40,6 +42,17 @@ from mmrl.parallel.sequence import (
     gather_token_outputs,
     token_owners,
 )
+
+
+def joined_media(
+    model: nn.Module, parts: Sequence[dict[str, Any]], device: torch.device | str
+) -> dict[str, Any]:
+    """The processor outputs ``parts`` joined in order on ``device`` (what ``model(**inputs)`` takes),
+    their items announced to the towers' encoding caches (:func:`~mmrl.models.encoding_cache.announce_media`)."""
+    media = concat_multi_modal_inputs(parts, device=device)
+    if media:
+        announce_media(vision_modules(model), media, parts)
+    return media
 
 
 def compute_position_ids(
@@ -73,7 +86,7 @@ def build_forward_inputs(
     (the batch column of :func:`sequence_position_ids`), else computed here. Returns ``input_ids``,
     ``attention_mask``, ``position_ids`` and the joined media tensors on ``input_ids.device``.
     """
-    media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
+    media = joined_media(model, multi_modal_inputs or [], input_ids.device)
     if position_ids is None:
         position_ids = compute_position_ids(model, input_ids, attention_mask, media, mm_token_type_ids)
     else:
@@ -259,7 +272,7 @@ def build_packed_forward_inputs(
     """
     check_prepared(model, sequence_parallel=False, where="build_packed_forward_inputs")
     valid = attention_mask.bool()  # [B, L]
-    media = concat_multi_modal_inputs(multi_modal_inputs or [], device=input_ids.device)
+    media = joined_media(model, multi_modal_inputs or [], input_ids.device)
     if position_ids is None:
         packed_positions = packed_position_ids(
             model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids
@@ -333,7 +346,8 @@ def build_shared_prefix_inputs(
             )
             cursor += count
     # in packed order: each prompt's media, then the media inside its rows' responses (trajectories)
-    media = concat_multi_modal_inputs(
+    media = joined_media(
+        model,
         [
             part
             for first, rows in members.items()
@@ -342,7 +356,7 @@ def build_shared_prefix_inputs(
         ]
         if multi_modal_inputs is not None
         else [],
-        device=device,
+        device,
     )
     inputs = {
         "input_ids": torch.cat(token_pieces).unsqueeze(0),  # [1, T]

@@ -8,7 +8,13 @@ import torch
 from _batches import build_batch
 from _models import training_model
 
-from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache
+from mmrl.models.encoding_cache import (
+    EncodingCache,
+    announce_media,
+    enable_encoding_cache,
+    item_digests,
+    media_key,
+)
 from mmrl.models.inputs import response_token_outputs
 from mmrl.models.loading import freeze_vision_tower, vision_modules
 from mmrl.workers.forward import forward_arguments
@@ -49,6 +55,7 @@ def test_frozen_tower_encodes_each_item_once_with_equal_outputs_and_gradients(ti
     image_patches, video_patches = 4 * 6, 2 * 4 * 4
     assert encoded == [image_patches, video_patches]  # each distinct item once; the second pass: none
     assert (cache.misses, cache.hits) == (2, 2 + 4)
+    assert cache.hashed_items == 0  # the forward helpers announced every item: no call hashed pixels
     grads = _decoder_grads(model, batch)  # the update: the frozen tower's encodings reused too
     assert encoded == [image_patches, video_patches]
     assert set(grads) == set(expected_grads) and not any("visual" in name for name in grads)
@@ -72,3 +79,39 @@ def test_the_actor_worker_shares_encodings_only_with_a_frozen_tower_and_no_adapt
     )
     cache = build_encoding_cache(model, ActorModelConfig(freeze_vision_tower=True))
     assert cache is not None and vision_modules(model)[0]._mmrl_encoding_cache is cache
+
+
+def test_announced_items_are_not_hashed_again_and_a_stale_announcement_is_never_used(tiny_vl_path):
+    model = training_model(tiny_vl_path)
+    freeze_vision_tower(model)
+    (tower,) = vision_modules(model)[:1]
+    cache = EncodingCache()
+    enable_encoding_cache([tower], cache)
+    patch_dim = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    grid = torch.tensor([[1, 4, 6], [2, 4, 4]])  # an image, a two-patch video
+    pixels = torch.randn(24 + 32, patch_dim, generator=torch.Generator().manual_seed(0))
+    row = {"pixel_values": pixels, "image_grid_thw": grid}
+    # digests once per processed tensor, kept while it lives, equal to hashing the call's rows
+    keys = item_digests(pixels, grid)
+    assert item_digests(pixels, grid) is keys
+    assert keys == [media_key([1, 4, 6], pixels[:24]), media_key([2, 4, 4], pixels[24:])]
+    with torch.no_grad():
+        expected = tower(pixels, grid).pooler_output  # not announced: hashed
+        assert cache.hashed_items == 2 and cache.misses == 2
+        joined = torch.cat([pixels])  # the micro-batch's joined copy, as the forward helpers make it
+        announce_media([tower], {"pixel_values": joined, "image_grid_thw": grid}, [row])
+        again = tower(joined, grid).pooler_output
+        assert cache.hashed_items == 2 and cache.hits == 2  # the announced keys: the same entries
+        torch.testing.assert_close(again, expected, rtol=0, atol=0)
+        # other pixels of the same grids while the announcement lives: hashed, encoded anew
+        other = pixels + 1
+        fresh = tower(other, grid).pooler_output
+        assert cache.hashed_items == 4 and cache.misses == 4
+        assert not torch.allclose(fresh, expected)
+        # the model cast the announced rows to the tower's dtype: still the announced items
+        cache.clear()
+        announce_media([tower], {"pixel_values": joined, "image_grid_thw": grid}, [row])
+        tower(joined.double(), grid)
+        assert cache.hashed_items == 4
+    del joined, row, pixels, keys
+    assert not cache.announced or all(ref() is None for ref, _, _ in cache.announced)
