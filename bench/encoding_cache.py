@@ -154,9 +154,11 @@ def measure(frames: int, args) -> list[dict]:
         file_mb = sum(path.stat().st_size for path in store.directory.glob("*.pt")) / 1e6
         cache.clear()  # the next epoch: memory empty, the disk holds the video
         run_case("later epoch: read from disk")
+        cache.clear()  # keyed by hashing the call's rows (on a GPU: of their bf16 cast, another key)
+        step(tower, rows.clone(), grid, args.n, args.micro, device, announce=False)
         cache.clear()
         run_case("later epoch, each call hashing its pixels (before announcing)", announce=False)
-        assert store.reads == 2
+        assert store.reads >= 2
     for result in results:
         result.update(frames=frames, tokens=tokens, file_mb=round(file_mb, 1))
     return results
