@@ -95,6 +95,9 @@ _SPECS = (
     # ---- made on the workers from prompt_media (mmrl.data.processing.attach_media); never returned
     Column("multi_modal_data", "attach_media", ("generate",), None, "[B]",
            "decoded media of the prompt (PIL images, frames, waveforms) for the rollout engine"),
+    Column("multi_modal_embeds", "attach_media", ("generate",), None, "[B]",
+           "the actor's frozen-tower encodings of the prompt's images/videos for the vLLM engine "
+           "(worker.rollout.reuse_encodings; mmrl.models.encoding_cache.prompt_encodings); None without"),
     Column("multi_modal_inputs", "attach_media", ("generate", "log_probs", "update"), None, "[B]",
            "the processor's media tensors of the prompt (pixel_values, grids, audio features); of a "
            "trajectory with observation media a TrajectoryInputs (prompt's and observations' joined)"),

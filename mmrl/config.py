@@ -330,6 +330,12 @@ class RolloutConfig:
     enable_chunked_prefill: bool = False  # vLLM chunked prefill
     enable_sleep_mode: bool = True  # vLLM: free KV cache + weights while training (GPU only)
     limit_images: int = 0  # vLLM: max images per prompt; 0 = no limit
+    # vLLM with a frozen vision tower (worker.actor.model.freeze_vision_tower), single-turn, Qwen2-VL and
+    # Qwen2.5-VL: a training rollout's engine gets the actor's encodings of the prompts' images and videos
+    # (made once per step, reused by the step's scoring and update passes) instead of encoding them
+    # itself (vLLM's enable_mm_embeds); videos only at 1 s per temporal patch (vLLM's input has no field
+    # for another interval), others stay media the engine encodes
+    reuse_encodings: bool = False
     disable_tqdm: bool = True  # hide the engine's progress bars
     prepack_cpu_linears: bool = True  # transformers rollout on a CPU: oneDNN-prepacked large linear layers
     val_override_config: dict[str, Any] = field(

@@ -54,7 +54,8 @@ TOKEN_COLUMNS = ("input_ids", "attention_mask", "mm_token_type_ids")
 PROMPT_MEDIA = "prompt_media"  # the compact column: a PromptMedia, a Ray ref to one, or None
 TRAJECTORY_MEDIA = "trajectory_media"  # multi-turn rollouts: a TrajectoryMedia, or None
 # what attach_media adds on a worker; never sent back to the driver (without_model_media)
-MODEL_MEDIA_COLUMNS = ("multi_modal_inputs", "multi_modal_data")
+EMBEDS_COLUMN = "multi_modal_embeds"  # the actor's encodings a rollout engine takes (reuse_encodings)
+MODEL_MEDIA_COLUMNS = ("multi_modal_inputs", "multi_modal_data", EMBEDS_COLUMN)
 
 
 # a folder holding any of these has a tokenizer (fast, sentencepiece, BPE, WordPiece)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmrl.columns import concat_multi_modal_inputs
 from mmrl.models.encoding_store import EncodingStore
 
 
@@ -286,3 +287,48 @@ def enable_encoding_cache(towers: list[nn.Module], cache: EncodingCache) -> int:
         tower._mmrl_encoding_cache = cache
         count += 1
     return count
+
+
+# towers whose encodings vLLM takes as ``{modality}_embeds`` with the grid (its Qwen2-VL parser, 0.32)
+ENGINE_EMBEDS_TOWERS = ("Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel")
+
+
+def prompt_encodings(
+    towers: Sequence[nn.Module], rows: Sequence[dict[str, Any] | None], device: torch.device
+) -> list[dict[str, dict[str, torch.Tensor]] | None]:
+    """Per row of processor outputs ``rows``, the vision tower's encodings of its images and videos
+    as a rollout engine takes them (``{"image": {"image_embeds", "image_grid_thw"}, "video": ...}``,
+    on the CPU), or None where it has none. One tower call per modality over the distinct rows,
+    announced (:func:`announce_media`), so a cache on the tower keeps them for the step's passes.
+
+    Only towers of :data:`ENGINE_EMBEDS_TOWERS`; only videos whose temporal patches are 1 s apart
+    (vLLM's embedding input has no field for the time per patch, and takes 1 s for M-RoPE): other
+    videos stay media that the engine encodes itself."""
+    tower = next((t for t in towers if type(t).__name__ in ENGINE_EMBEDS_TOWERS), None)
+    distinct = {id(row): row for row in rows if row}
+    encodings: dict[int, dict[str, dict[str, torch.Tensor]]] = {key: {} for key in distinct}
+    if tower is None:
+        return [None] * len(rows)
+    for (pixels_key, grid_key), modality in zip(_PIXEL_KEYS, ("image", "video")):
+        members = [
+            key
+            for key, row in distinct.items()
+            if row.get(pixels_key) is not None
+            and (
+                modality == "image"
+                or bool((torch.as_tensor(row.get("second_per_grid_ts", 1.0)) == 1.0).all())
+            )
+        ]
+        if not members:
+            continue
+        parts = [
+            {pixels_key: distinct[key][pixels_key], grid_key: distinct[key][grid_key]} for key in members
+        ]
+        media = concat_multi_modal_inputs(parts, device=device)
+        announce_media([tower], media, parts)
+        pooled = tower(media[pixels_key].to(tower.dtype), grid_thw=media[grid_key]).pooler_output
+        merge = tower.spatial_merge_size**2
+        sizes = [int(part[grid_key].prod(-1).sum()) // merge for part in parts]
+        for key, part, embeds in zip(members, parts, pooled.detach().split(sizes)):
+            encodings[key][modality] = {f"{modality}_embeds": embeds.cpu(), grid_key: part[grid_key].cpu()}
+    return [encodings[id(row)] or None if row else None for row in rows]

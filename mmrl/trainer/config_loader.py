@@ -857,6 +857,23 @@ def _check_encoding_cache(errors: list[str], cfg: PPOConfig) -> None:
         )
 
 
+def _check_reused_encodings(errors: list[str], cfg: PPOConfig) -> None:
+    """The rollout takes the actor's encodings only from a frozen tower, into vLLM, one turn a prompt."""
+    rollout, key = cfg.worker.rollout, "worker.rollout.reuse_encodings"
+    if not rollout.reuse_encodings:
+        return
+    model = cfg.worker.actor.model
+    if rollout.name != "vllm":
+        errors.append(f"{key}=true needs worker.rollout.name=vllm (got {rollout.name!r}); unset it")
+    if not model.freeze_vision_tower or model.lora.rank > 0:
+        errors.append(
+            f"{key}=true needs a frozen tower without an adapter: set worker.actor.model.freeze_vision_tower"
+            "=true and lora.rank=0, or unset it"
+        )
+    if rollout.multi_turn.enable:
+        errors.append(f"{key}=true is for single-turn rollouts (worker.rollout.multi_turn is on); unset it")
+
+
 def _check_online_filtering(errors: list[str], cfg: PPOConfig) -> None:
     algo, data = cfg.algorithm, cfg.data
     if algo.adv_estimator not in GROUP_ESTIMATORS:
@@ -1030,6 +1047,7 @@ def validate_config(cfg: PPOConfig, check_paths: bool = True) -> list[str]:
     _check_algorithm(errors, cfg)
     _check_lora(errors, cfg)
     _check_encoding_cache(errors, cfg)
+    _check_reused_encodings(errors, cfg)
     _check_policy_loss(errors, cfg)
     _check_entropy(errors, cfg)
     _check_overlong(errors, cfg)

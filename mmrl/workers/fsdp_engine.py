@@ -186,6 +186,21 @@ def _keep_own_rows(target: torch.Tensor, rows: torch.Tensor, start: int) -> None
     target.to_local().detach()[first - offset[0] : last - offset[0]].copy_(part)
 
 
+@contextlib.contextmanager
+def root_gathered(model: nn.Module) -> Iterator[None]:
+    """The root FSDP2 unit's parameters (vision towers, embeddings, head) gathered, for a call of one
+    of its submodules outside the model's forward (whose hooks would gather them), then freed. Every
+    rank of the mesh must enter it together. A no-op for an unsharded model."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def reshard_after_no_grad(model: nn.Module) -> None:
     """Free the gathered parameters of every FSDP2 unit of ``model`` after a no-grad pass (log-probs,
     reference, values). No backward follows it to reshard them, so the root unit (embeddings, head,

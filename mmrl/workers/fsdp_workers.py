@@ -46,6 +46,7 @@ from mmrl.config import (
 )
 from mmrl.data.media import MEDIA_SETTINGS
 from mmrl.data.processing import (
+    EMBEDS_COLUMN,
     MediaCache,
     MediaProcessor,
     attach_media,
@@ -53,7 +54,13 @@ from mmrl.data.processing import (
     without_model_media,
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
-from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache, label_weights, weights_digest
+from mmrl.models.encoding_cache import (
+    EncodingCache,
+    enable_encoding_cache,
+    label_weights,
+    prompt_encodings,
+    weights_digest,
+)
 from mmrl.models.encoding_store import EncodingStore
 from mmrl.models.loading import freeze_vision_tower, load_model, resolve_model_path, vision_modules
 from mmrl.models.lora import adapter_layers, adapters_disabled, apply_lora
@@ -72,6 +79,7 @@ from mmrl.workers.fsdp_engine import (
     build_optimizer,
     enable_gradient_checkpointing,
     resolve_dtype,
+    root_gathered,
     storage_dtype,
 )
 from mmrl.workers.memory import PhasePeaks, measured
@@ -412,6 +420,7 @@ class HybridWorker:
         self.encoding_store = build_encoding_store(config, self.media.processor, self.device)
         # cleared as each step begins; the reference's tower joins it (_build_ref)
         self.encoding_cache = build_encoding_cache(module, model_cfg, self.encoding_store)
+        self.rollout_encoded_items = 0  # media items given to the engine as encodings since the update
         self.actor = PolicyActor(
             module,
             actor_cfg,
@@ -579,10 +588,28 @@ class HybridWorker:
             self.sync_rollout_weights()
             self.pushes_before_generate += 1
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
+        reuse = self.config.worker.rollout.reuse_encodings and self.encoding_cache is not None
+        if reuse and mode is GenerationMode.TRAIN:  # the prompts the step's passes score next
+            prompts = self._with_prompt_encodings(prompts)
         output = self.rollout.generate(prompts, self._sampling(mode, global_step, round_index))
         if mode is GenerationMode.TRAIN:
             output = add_position_ids(self.actor.module, output)
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors
+
+    def _with_prompt_encodings(self, prompts: DataProto) -> DataProto:
+        """``prompts`` with the actor's frozen-tower encodings of their images and videos for the
+        engine (``worker.rollout.reuse_encodings``), kept in the step's encoding cache for the training
+        passes. Every rank gathers the root unit, with media or not (a collective)."""
+        rows = prompts.non_tensor_batch.get("multi_modal_inputs")
+        rows = list(rows) if rows is not None else [None] * len(prompts)
+        with self.actor_offload.loaded(), root_gathered(self.actor.module), torch.no_grad():
+            encodings = prompt_encodings(vision_modules(self.actor.module), rows, self.device)
+        distinct = {id(row): row for row in encodings if row}.values()
+        self.rollout_encoded_items += sum(
+            len(item[f"{modality}_grid_thw"]) for row in distinct for modality, item in row.items()
+        )
+        added = DataProto.from_dict(non_tensors={EMBEDS_COLUMN: encodings}).non_tensor_batch
+        return DataProto(prompts.batch, {**prompts.non_tensor_batch, **added}, prompts.meta_info)
 
     @rows_per_data_parallel_share
     @measured("old_log_prob")
@@ -641,6 +668,9 @@ class HybridWorker:
         if self.encoding_cache is not None:  # the step's media items: its last pass that encodes ends here
             counts = self.encoding_cache.take_counts()
             metrics["metrics"].update({f"encoders/{key}": value for key, value in counts.items()})
+            if self.config.worker.rollout.reuse_encodings:  # items the engine got as encodings
+                metrics["metrics"]["encoders/rollout_items"] = self.rollout_encoded_items
+                self.rollout_encoded_items = 0
         if not on_policy:
             return DataProto(meta_info=metrics)
         tensors = {"old_log_probs": update.log_probs, "entropies": update.entropies}

@@ -14,6 +14,7 @@ from mmrl.models.encoding_cache import (
     enable_encoding_cache,
     item_digests,
     media_key,
+    prompt_encodings,
 )
 from mmrl.models.inputs import response_token_outputs
 from mmrl.models.loading import freeze_vision_tower, vision_modules
@@ -115,3 +116,41 @@ def test_announced_items_are_not_hashed_again_and_a_stale_announcement_is_never_
         assert cache.hashed_items == 4
     del joined, row, pixels, keys
     assert not cache.announced or all(ref() is None for ref, _, _ in cache.announced)
+
+
+def test_prompt_encodings_are_the_towers_and_the_step_reuses_them(tiny_vl_path):
+    """What a training rollout's engine gets (worker.rollout.reuse_encodings): each prompt's items as
+    the tower encodes them, kept for the step's passes, which then encode nothing."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    batch = build_batch(
+        processor, [{"image": (84, 56)}, {"video_frames": 4, "video_fps": 2.0}, {}], (3, 2, 4), seed=3
+    ).repeat(2)
+    model = training_model(tiny_vl_path)
+    freeze_vision_tower(model)
+    towers = vision_modules(model)
+    rows = list(batch.non_tensor_batch["multi_modal_inputs"])
+    image, video = rows[0], rows[2]  # rows: the image prompt twice, the video prompt twice, text twice
+    with torch.no_grad():
+        expected = {
+            "image": towers[0](image["pixel_values"], image["image_grid_thw"]).pooler_output,
+            "video": towers[0](video["pixel_values_videos"], video["video_grid_thw"]).pooler_output,
+        }
+        cache = EncodingCache()
+        enable_encoding_cache(towers, cache)
+        encodings = prompt_encodings(towers, rows, torch.device("cpu"))
+        assert (cache.misses, cache.hits, cache.hashed_items) == (2, 0, 0)
+        _outputs(model, batch)  # the step's scoring pass: every item from the rollout's encodings
+    assert (cache.misses, cache.hits, cache.hashed_items) == (2, 4, 0)
+    assert [sorted(row) if row else None for row in encodings] == [["image"]] * 2 + [["video"]] * 2 + [
+        None
+    ] * 2
+    for modality, row in zip(("image", "video"), (image, video)):
+        item = encodings[rows.index(row)][modality]
+        torch.testing.assert_close(item[f"{modality}_embeds"], expected[modality], rtol=1e-6, atol=1e-6)
+        assert torch.equal(item[f"{modality}_grid_thw"], row[f"{modality}_grid_thw"])
+    # a video whose temporal patches are 2 s apart stays media (vLLM's input would number it at 1 s)
+    slow = {**video, "second_per_grid_ts": torch.tensor([2.0])}
+    with torch.no_grad():
+        assert prompt_encodings(towers, [slow], torch.device("cpu")) == [None]

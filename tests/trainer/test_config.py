@@ -841,6 +841,22 @@ def test_stage_errors_name_the_stage_and_the_key(run_files):
             ["worker.actor.model.encoding_cache_dir=enc", "algorithm.disable_kl=true"],
             "encoding_cache_dir is set but no tower is frozen",
         ),
+        (
+            ["worker.rollout.reuse_encodings=true", "worker.rollout.name=hf"],
+            "worker.rollout.reuse_encodings=true needs worker.rollout.name=vllm (got 'hf')",
+        ),
+        (
+            ["worker.rollout.reuse_encodings=true"],
+            "reuse_encodings=true needs a frozen tower without an adapter",
+        ),
+        (
+            [
+                "worker.rollout.reuse_encodings=true",
+                "worker.actor.model.freeze_vision_tower=true",
+                "worker.rollout.multi_turn.enable=true",
+            ],
+            "reuse_encodings=true is for single-turn rollouts",
+        ),
     ],
 )
 def test_encoding_cache_settings_are_checked_at_load(run_files, extra, expected):

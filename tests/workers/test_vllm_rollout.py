@@ -60,6 +60,7 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": 1024,
     "enforce_eager": True,  # no torch.compile: starts in seconds
     "cpu_kv_cache_gib": 0.125,
+    "reuse_encodings": True,  # the engines also take the trainer's encodings (_embeds_checks)
 }
 TEXT_PROBLEMS = (
     "What colour is the sky on a clear day?",
@@ -226,7 +227,52 @@ def _training_run(
     return results
 
 
-def _media_checks(model_path: str, prompts: DataProto) -> dict:
+def _embeds_checks(rollout, model_path: str, prompts: DataProto) -> dict:
+    """The engine (holding ``_perturbed_model``'s weights) given the trainer tower's encodings of the
+    prompts' media instead of the media (``worker.rollout.reuse_encodings``): greedy responses as with
+    the media, zeroed encodings change them (the engine used what it got, not an encoder of its own),
+    and the gap of sampled-token log-probs to the trainer's, with the media and with the encodings."""
+    from _batches import policy_actor
+
+    from mmrl.data.processing import EMBEDS_COLUMN
+    from mmrl.models.encoding_cache import prompt_encodings
+    from mmrl.models.loading import vision_modules
+
+    model = _perturbed_model(model_path)
+    rows = list(prompts.non_tensor_batch["multi_modal_inputs"])
+    with torch.no_grad():
+        encodings = prompt_encodings(vision_modules(model), rows, torch.device("cpu"))
+
+    def with_encodings(scale: float) -> DataProto:
+        scaled = [
+            None if row is None else {
+                modality: {key: value * scale if key.endswith("_embeds") else value for key, value in item.items()}
+                for modality, item in row.items()
+            }
+            for row in encodings
+        ]  # fmt: skip
+        added = DataProto.from_dict(non_tensors={EMBEDS_COLUMN: scaled}).non_tensor_batch
+        return DataProto(prompts.batch, {**prompts.non_tensor_batch, **added}, prompts.meta_info)
+
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    sampling = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=3)
+    gaps = {}
+    for name, batch in (("media", prompts), ("encodings", with_encodings(1.0))):
+        sampled = rollout.generate(batch, sampling)
+        log_probs, _ = policy_actor(model).compute_log_probs(sampled, 4, TEMPERATURE)
+        mask = sampled.batch["response_mask"].bool()
+        gaps[name] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
+    return {
+        "modalities": [sorted(row) if row else [] for row in encodings],
+        "media": rollout.generate(prompts, greedy).batch["responses"],
+        "encodings": rollout.generate(with_encodings(1.0), greedy).batch["responses"],
+        "zeroed": rollout.generate(with_encodings(0.0), greedy).batch["responses"],
+        "sampled_gaps": gaps,
+        "sampled_tokens": int(mask.sum()),
+    }
+
+
+def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> dict:
     """Greedy parity with HFRollout, the engine's expanded prompt ids, and sampled-token log-probs
     against the trainer's, on media prompts (videos or audios) with perturbed weights."""
     from _batches import policy_actor
@@ -248,11 +294,16 @@ def _media_checks(model_path: str, prompts: DataProto) -> dict:
     mask = sampled.batch["response_mask"].bool()
     results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
     results["sampled_tokens"] = int(mask.sum())
+    if embeds:
+        results["embeds"] = _embeds_checks(rollout, model_path, prompts)
     return results
 
 
 def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[str, DataProto]) -> dict:
-    return {kind: _media_checks(paths[kind], kind_prompts) for kind, kind_prompts in prompts.items()}
+    return {
+        kind: _media_checks(paths[kind], kind_prompts, embeds=kind == "video")
+        for kind, kind_prompts in prompts.items()
+    }
 
 
 def _trajectory_checks(rollout, model_path: str, prompts: DataProto) -> dict:
@@ -296,6 +347,7 @@ def _trajectory_checks(rollout, model_path: str, prompts: DataProto) -> dict:
 def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
     results = {"text": _greedy_against_hf(text_path, text_prompts)}
     results["vl"] = _greedy_against_hf(vl_path, vl_prompts)
+    results["embeds"] = _embeds_checks(results["vl"]["rollout"], vl_path, vl_prompts)
     results["trajectories"] = _trajectory_checks(results["vl"]["rollout"], vl_path, vl_prompts[:3])
     results["sampling"] = _sampling_checks(results["vl"].pop("rollout"), vl_prompts)
     results["text"].pop("rollout")
@@ -539,6 +591,26 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     assert run["sampled_gap"] < 1e-4, run["sampled_gap"]
 
 
+def _assert_encodings_taken(run: dict, modality: str, rows: int, tolerance: float) -> None:
+    assert run["modalities"][:rows] == [[modality]] * rows, run["modalities"]
+    assert torch.equal(run["encodings"], run["media"])
+    assert not torch.equal(run["zeroed"], run["media"])  # the engine used the encodings it was given
+    assert run["sampled_tokens"] > 20
+    # sampled-token log-probs against the trainer's: as close as the engine's own encoder gets
+    gaps = run["sampled_gaps"]
+    assert gaps["encodings"] < tolerance and gaps["encodings"] <= 2 * gaps["media"] + 1e-6, gaps
+
+
+def test_the_engine_takes_the_trainers_image_encodings(one_rank):
+    _assert_encodings_taken(one_rank["embeds"], "image", 3, 1e-4)
+    assert one_rank["embeds"]["modalities"][3:] == [[]] * 3  # text-only prompts: nothing
+
+
+def test_the_engine_takes_the_trainers_video_encodings(media_rank):
+    # 1 s per temporal patch (2 frames at 2 fps): vLLM's embedding input takes that time, no other
+    _assert_encodings_taken(media_rank["video"]["embeds"], "video", 3, 1e-4)
+
+
 # ---------------------------------------------------------------- two ranks
 
 
@@ -612,6 +684,9 @@ def test_trainer_runs_with_the_vllm_rollout_and_moves_each_media_file_once(tiny_
         "worker.rollout.val_override_config.n=1",
         "trainer.val_freq=2",
         "trainer.val_before_train=true",
+        # the engines get the frozen tower's encodings of the images, which the scoring passes reuse
+        "worker.actor.model.freeze_vision_tower=true",
+        "worker.rollout.reuse_encodings=true",
     ]
     metrics = run_main(overrides, save_dir)
     gaps = [row["rollout/log_prob_gap_max"] for row in metrics if "rollout/log_prob_gap_max" in row]
@@ -622,6 +697,13 @@ def test_trainer_runs_with_the_vllm_rollout_and_moves_each_media_file_once(tiny_
     assert len(steps) == 2
     for step in steps:
         assert {"timing_s/old_log_prob", "timing_s/ref_log_prob", "timing_s/update_actor"} <= set(step)
+        # each worker's engine got its 2 prompts' images as encodings; no pass hashed pixels; the
+        # scoring passes encoded at most the other worker's 2 prompts (after the batch's balancing)
+        encoders = {key: value for key, value in step.items() if key.startswith("encoders/")}
+        assert encoders["encoders/rollout_items"] == 2 and encoders["encoders/hashed_items"] == 0, encoders
+        assert 2 <= encoders["encoders/encoded_items"] <= 4 and encoders["encoders/reused_items"] > 0, (
+            encoders
+        )
         encoded, media = step["transfer/encoded_media_bytes"], step["transfer/media_bytes"]
         assert 4 * min(file_sizes) <= encoded <= 4 * max(file_sizes)  # the step's 4 prompts
         assert encoded <= media <= encoded + 4 * 1024  # each file once, with its prompt text

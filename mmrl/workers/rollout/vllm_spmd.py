@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import RolloutConfig
+from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
 from mmrl.parallel.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
 from mmrl.protocol import DataProto
@@ -69,7 +70,9 @@ ENGINE_MODALITIES = {"images": "image", "videos": "video", "audios": "audio"}
 
 def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
     """vLLM inputs of a prompt batch: unexpanded prompt ids (one placeholder per image; vLLM's processor
-    expands them) and the decoded media, from the dataset's ``raw_prompt_ids`` and ``multi_modal_data``."""
+    expands them) and the decoded media, from the dataset's ``raw_prompt_ids`` and ``multi_modal_data``;
+    where a row's ``multi_modal_embeds`` holds a modality's encodings (``worker.rollout.reuse_encodings``),
+    those instead of its decoded media (the engine then runs no encoder for them)."""
     columns = prompts.non_tensor_batch
     if "raw_prompt_ids" not in columns:
         raise KeyError(
@@ -77,8 +80,9 @@ def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
             f"token ids that mmrl.data.dataset.PromptDataset items carry); it has {sorted(columns)}"
         )
     media = columns.get("multi_modal_data", [None] * len(prompts))
+    embeds = columns.get(EMBEDS_COLUMN, [None] * len(prompts))
     inputs = []
-    for row, (raw_ids, row_media) in enumerate(zip(columns["raw_prompt_ids"], media)):
+    for row, (raw_ids, row_media, row_embeds) in enumerate(zip(columns["raw_prompt_ids"], media, embeds)):
         item: dict[str, Any] = {"prompt_token_ids": [int(token) for token in raw_ids]}
         unknown = set(row_media or {}) - set(ENGINE_MODALITIES)
         if unknown:
@@ -87,6 +91,7 @@ def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
                 f"expected {sorted(ENGINE_MODALITIES)}"
             )
         data = {ENGINE_MODALITIES[key]: list(value) for key, value in (row_media or {}).items() if value}
+        data.update(row_embeds or {})
         if data:
             item["multi_modal_data"] = data
         inputs.append(item)
@@ -221,6 +226,8 @@ def engine_arguments(
         engine_args["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gib * 2**30)
     if config.limit_images > 0:
         engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
+    if config.reuse_encodings:
+        engine_args["enable_mm_embeds"] = True  # prompts may carry the trainer's encodings (engine_prompts)
     if override_config:
         engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
     return engine_args
