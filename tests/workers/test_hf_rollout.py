@@ -399,3 +399,27 @@ def test_prepacked_rollout_equals_plain_rollout_before_and_after_weight_sync(vl_
     log_probs, _ = policy_actor(other).compute_log_probs(batch, micro_batch_size=4, temperature=1.0)
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[batch.batch["response_mask"].bool()]
     assert gap.max() < 1e-4
+
+
+def test_a_frozen_towers_rollout_encodings_serve_the_scoring_pass(vl_parts, prompts):
+    """The transformers rollout runs the actor's own tower: with the step's encoding cache on it, each
+    prompt's image is encoded once, in the rollout, and the scoring pass that follows encodes none."""
+    from _batches import policy_actor
+    from _models import training_model
+
+    from mmrl.models.encoding_cache import EncodingCache, enable_encoding_cache
+    from mmrl.models.loading import freeze_vision_tower, vision_modules
+    from mmrl.workers.rollout import SamplingParams
+
+    path, tokenizer, _ = vl_parts
+    model = training_model(str(path))  # prepared for the trainer's passes; the rollout takes it as it is
+    freeze_vision_tower(model)
+    cache = EncodingCache()
+    enable_encoding_cache(vision_modules(model), cache)
+    batch = HFRollout(model, tokenizer).generate(
+        prompts, SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    )
+    assert (cache.misses, cache.hashed_items) == (3, 0)  # 3 images, encoded once for the n = 2 samples
+    policy_actor(model).compute_log_probs(batch, 4, 1.0)
+    # the pass feeds each prompt once for its 2 rows (shared prompts): 3 items, all from the rollout
+    assert (cache.misses, cache.hits, cache.hashed_items) == (3, 3, 0)

@@ -30,7 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
-from mmrl.models.inputs import compute_position_ids, concat_multi_modal_inputs, next_text_position
+from mmrl.models.inputs import compute_position_ids, joined_media, next_text_position
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears
@@ -180,7 +180,8 @@ class HFRollout:
         attention_mask = prompts.batch["attention_mask"].to(device)
         media = {}
         if "multi_modal_inputs" in prompts.non_tensor_batch:
-            media = concat_multi_modal_inputs(list(prompts.non_tensor_batch["multi_modal_inputs"]), device)
+            # announced to the towers' encoding caches, which the step's passes then reuse
+            media = joined_media(self.model, list(prompts.non_tensor_batch["multi_modal_inputs"]), device)
         token_types = (
             prompts.batch["mm_token_type_ids"] if "mm_token_type_ids" in prompts.batch.keys() else None
         )
