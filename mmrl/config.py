@@ -122,6 +122,9 @@ class ActorModelConfig(ModelConfig):
     # tower's weights. null = none
     encoding_cache_dir: str | None = None
     encoding_cache_max_gb: float = 50.0  # size bound of encoding_cache_dir (least recently used go first)
+    # frozen towers (freeze_vision_tower, the reference's): each distinct image/video is encoded once per
+    # step and its embeddings kept for the step's passes; false = every pass encodes (less memory)
+    share_encodings: bool = True
 
     @property
     def tokenizer_or_model_path(self) -> str | None:

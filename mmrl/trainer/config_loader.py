@@ -845,7 +845,12 @@ def _check_encoding_cache(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"{key}.encoding_cache_max_gb={model.encoding_cache_max_gb} must be > 0")
     if model.encoding_cache_dir is None:
         return
-    if model.lora.rank > 0:
+    if not model.share_encodings:
+        errors.append(
+            f"{key}.encoding_cache_dir is set with {key}.share_encodings=false: the disk keeps shared "
+            "encodings only; unset one of them"
+        )
+    elif model.lora.rank > 0:
         errors.append(
             f"{key}.encoding_cache_dir is set with {key}.lora.rank={model.lora.rank}: an adapter may reach "
             "into the vision tower, so no encoding is cached; unset encoding_cache_dir"
@@ -865,10 +870,10 @@ def _check_reused_encodings(errors: list[str], cfg: PPOConfig) -> None:
     model = cfg.worker.actor.model
     if rollout.name != "vllm":
         errors.append(f"{key}=true needs worker.rollout.name=vllm (got {rollout.name!r}); unset it")
-    if not model.freeze_vision_tower or model.lora.rank > 0:
+    if not model.freeze_vision_tower or model.lora.rank > 0 or not model.share_encodings:
         errors.append(
-            f"{key}=true needs a frozen tower without an adapter: set worker.actor.model.freeze_vision_tower"
-            "=true and lora.rank=0, or unset it"
+            f"{key}=true needs a frozen tower without an adapter, its encodings shared: set "
+            "worker.actor.model.freeze_vision_tower=true, lora.rank=0 and share_encodings=true, or unset it"
         )
     if rollout.multi_turn.enable:
         errors.append(f"{key}=true is for single-turn rollouts (worker.rollout.multi_turn is on); unset it")

@@ -235,11 +235,11 @@ def build_encoding_store(config: PPOConfig, processor: Any, device: torch.device
 def build_encoding_cache(
     module: torch.nn.Module, model_config: ActorModelConfig, store: EncodingStore | None = None
 ) -> EncodingCache | None:
-    """With ``freeze_vision_tower`` (and no LoRA adapter, which could reach into the tower and is
-    switched off for the reference), the actor's passes of a step share one encoding of each distinct
+    """With ``freeze_vision_tower`` and ``share_encodings`` (and no LoRA adapter, which could reach into
+    the tower and is switched off for the reference), the actor's passes of a step share one encoding of each distinct
     image or video (:mod:`mmrl.models.encoding_cache`), read from and written to ``store`` when given
     and the towers carry their weights' digest; None otherwise."""
-    if not model_config.freeze_vision_tower or model_config.lora.rank > 0:
+    if not model_config.share_encodings or not model_config.freeze_vision_tower or model_config.lora.rank > 0:
         return None
     cache = EncodingCache(store=store)
     return cache if enable_encoding_cache(vision_modules(module), cache) else None
@@ -469,7 +469,7 @@ class HybridWorker:
             )
             # frozen: its encodings are shared with the actor's frozen tower where the weights are equal
             cache = self.encoding_cache or EncodingCache(store=self.encoding_store)
-            if enable_encoding_cache(vision_modules(ref_module), cache):
+            if actor_cfg.model.share_encodings and enable_encoding_cache(vision_modules(ref_module), cache):
                 self.encoding_cache = cache
             offload_params = ref_cfg.offload.offload_params
         # frozen: only its weights can move, and they are needed for its log-prob pass alone

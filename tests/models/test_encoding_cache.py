@@ -78,6 +78,9 @@ def test_the_actor_worker_shares_encodings_only_with_a_frozen_tower_and_no_adapt
         build_encoding_cache(model, ActorModelConfig(freeze_vision_tower=True, lora=LoraConfig(rank=4)))
         is None
     )
+    assert (
+        build_encoding_cache(model, ActorModelConfig(freeze_vision_tower=True, share_encodings=False)) is None
+    )
     cache = build_encoding_cache(model, ActorModelConfig(freeze_vision_tower=True))
     assert cache is not None and vision_modules(model)[0]._mmrl_encoding_cache is cache
 

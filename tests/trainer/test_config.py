@@ -850,6 +850,10 @@ def test_stage_errors_name_the_stage_and_the_key(run_files):
             "reuse_encodings=true needs a frozen tower without an adapter",
         ),
         (
+            ["worker.actor.model.encoding_cache_dir=enc", "worker.actor.model.share_encodings=false"],
+            "encoding_cache_dir is set with worker.actor.model.share_encodings=false",
+        ),
+        (
             [
                 "worker.rollout.reuse_encodings=true",
                 "worker.actor.model.freeze_vision_tower=true",
