@@ -2,16 +2,16 @@
 (Ray, FSDP2 workers over gloo, rollout, reward, log-prob passes, update), with and without sequence
 parallelism.
 
-    python bench/long_video.py [--layouts 1x1 2x1 1x2] [--steps 3] [--frames 1024] [--prompts 2] [--n 2]
-        [--backend hf|vllm] [--timeout_s 3600]
+    python bench/long_video.py [--layouts 2x1 1x2 1x1] [--backends hf vllm] [--sides 56 112]
+        [--steps 3] [--frames 1024] [--prompts 2] [--n 2] [--timeout_s 3600]
 
 Model: the tiny random Qwen2.5-VL of :mod:`mmrl.demo.tiny` (text hidden 64, 2 layers, 2 query / 1
 key-value heads; vision tower 2 blocks), built under ``bench/results/models/``; the vision tower is
 frozen (``worker.actor.model.freeze_vision_tower``). Data: the ``video_long_flashes`` task of
 :mod:`mmrl.demo.synthetic` (1,024 frames of 56×56 at 2 fps per clip), written under
 ``bench/results/data/``; ``data.num_video_frames`` (and ``data.max_video_frames``) = ``--frames``
-sample the frames, ``video_min_pixels = video_max_pixels = 56²`` keep them as drawn: 4 video tokens
-per temporal patch of 2 frames, 2,048 video tokens for 1,024 frames. Each step: ``--prompts`` clips,
+sample the frames, ``video_min_pixels = video_max_pixels = --side²`` size them (56: as drawn, 4 video
+tokens per temporal patch of 2 frames, 2,048 video tokens for 1,024 frames; 112: 8,192). Each step: ``--prompts`` clips,
 ``--n`` responses each (up to 4 tokens), two optimizer steps (so the old log-probs are computed), no
 reference model, no checkpoint.
 
@@ -32,15 +32,16 @@ is shared, so seconds are rough. Prints a markdown table; writes ``bench/results
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import REPO, RESULTS, GiB, markdown_table, run_monitored, write_json
 
-FRAME_SIZE = 56  # px; the synthetic task draws 56×56 frames
 PHASES = ("gen", "old_log_prob", "reward", "update_actor", "sync")
 
 
@@ -56,7 +57,7 @@ def build_assets(n_prompts: int) -> tuple[str, Path]:
     return str(model), data
 
 
-def video_tokens(model: str, data: Path, frames: int) -> dict[str, int]:
+def video_tokens(model: str, data: Path, frames: int, side: int) -> dict[str, int]:
     """Frames and video tokens of the first training clip, sampled and processed as the trainer does."""
     import json
 
@@ -65,7 +66,7 @@ def video_tokens(model: str, data: Path, frames: int) -> dict[str, int]:
     from mmrl.data.media import load_video
 
     row = json.loads((data / "train.jsonl").read_text().splitlines()[0])
-    pixels = FRAME_SIZE * FRAME_SIZE
+    pixels = side * side
     decoded = load_video(
         str(data / row["videos"][0]), pixels, pixels, num_frames=frames, max_frames=frames, factor=28
     )
@@ -81,17 +82,29 @@ def video_tokens(model: str, data: Path, frames: int) -> dict[str, int]:
     }
 
 
-def trainer_command(
-    model: str, data: Path, layout: tuple[int, int], args: argparse.Namespace, out_dir: Path
-) -> list[str]:
-    ulysses, ring = layout
-    pixels = FRAME_SIZE * FRAME_SIZE
+@dataclass(frozen=True)
+class Case:
+    """One trainer run: frame side (px), rollout backend and SP layout (Ulysses × ring)."""
+
+    side: int
+    backend: str
+    layout: tuple[int, int]
+
+    @property
+    def name(self) -> str:
+        return f"{self.side}px-{self.backend}-{self.layout[0]}x{self.layout[1]}"
+
+
+def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace, out_dir: Path) -> list[str]:
+    ulysses, ring = case.layout
+    pixels = case.side * case.side
+    clip_tokens = args.frames // 2 * (case.side // 28) ** 2
     overrides = {
         "data.train_files": data / "train.jsonl",
         "data.prompt_key": "problem",
         "data.answer_key": "answer",
         "data.video_key": "videos",
-        "data.max_prompt_length": args.frames * 2 + 128,  # 2 tokens a frame at 56×56, and the text
+        "data.max_prompt_length": clip_tokens + 128,  # and the text
         "data.max_response_length": 4,
         "data.rollout_batch_size": args.prompts,
         "data.num_video_frames": args.frames,
@@ -111,7 +124,7 @@ def trainer_command(
         "worker.actor.model.freeze_vision_tower": "true",
         "worker.actor.model.enable_gradient_checkpointing": "false",
         "worker.actor.optim.lr": 1e-4,
-        "worker.rollout.name": args.backend,
+        "worker.rollout.name": case.backend,
         "worker.rollout.n": args.n,
         "worker.rollout.temperature": 1.0,
         "worker.rollout.enforce_eager": "true",
@@ -154,19 +167,20 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     }
 
 
-def run_layout(name: str, model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    layout = tuple(int(x) for x in name.split("x"))
-    out_dir = RESULTS / "long_video" / name
+def run_case(case: Case, model: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out_dir = RESULTS / "long_video" / case.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = trainer_command(model, data, layout, args, out_dir)
+    command = trainer_command(model, data, case, args, out_dir)
     result = run_monitored(
         command, out_dir / "logs" / "metrics.jsonl", out_dir / "output.log", timeout_s=args.timeout_s
     )
     summary = summarize(result.records, warmup=1)
     return {
-        "layout": name,
-        "ranks": layout[0] * layout[1],
-        "backend": args.backend,
+        "side": case.side,
+        "layout": f"{case.layout[0]}x{case.layout[1]}",
+        "ranks": case.layout[0] * case.layout[1],
+        "backend": case.backend,
+        **video_tokens(model, data, args.frames, case.side),
         **summary,
         "wall_s": result.wall_s,
         "peak_rss_gib": result.peak_rss_bytes / GiB,
@@ -178,9 +192,9 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def format_table(rows: list[dict[str, Any]], tokens: dict[str, int]) -> str:
+def format_table(rows: list[dict[str, Any]]) -> str:
     headers = [
-        "layout (U×R)", "ranks", "backend", "frames", "video tok", "seq len", "s/step",
+        "layout (U×R)", "ranks", "backend", "frame px", "frames", "video tok", "seq len", "s/step",
         "gen s", "old logp s", "update s", "peak GiB/rank old logp", "peak GiB/rank update", "tree GiB",
     ]  # fmt: skip
     body = []
@@ -189,7 +203,7 @@ def format_table(rows: list[dict[str, Any]], tokens: dict[str, int]) -> str:
         seq = (row["prompt_tokens"] or 0) + (row["response_tokens"] or 0)
         body.append(
             [
-                row["layout"], row["ranks"], row["backend"], tokens["frames"], tokens["video_tokens"],
+                row["layout"], row["ranks"], row["backend"], row["side"], row["frames"], row["video_tokens"],
                 f"{seq:.0f}", _fmt(row["s_per_step"]), _fmt(phases["gen"]), _fmt(phases["old_log_prob"]),
                 _fmt(phases["update_actor"]),
                 _fmt(memory.get("memory/old_log_prob_peak_gib"), 2),
@@ -205,9 +219,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", nargs="+", default=["2x1", "1x2", "1x1"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--frames", type=int, default=1024)
+    parser.add_argument(
+        "--sides", type=int, nargs="+", default=[56], help="frame sides, px (multiples of 28)"
+    )
     parser.add_argument("--prompts", type=int, default=2, help="clips per step")
     parser.add_argument("--n", type=int, default=2, help="responses per clip")
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--backends", nargs="+", choices=("hf", "vllm"), default=["hf"])
     parser.add_argument("--timeout_s", type=float, default=3600.0)
     args = parser.parse_args(argv)
     if args.prompts < 2 or args.prompts % 2:
@@ -215,15 +232,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     start = time.perf_counter()
     model, data = build_assets(args.prompts)
-    tokens = video_tokens(model, data, args.frames)
-    print(f"clip: {tokens}", flush=True)
     rows = []
-    for name in args.layouts:
-        rows.append(run_layout(name, model, data, args))
-        print(f"  {name}: {rows[-1]}", flush=True)
-    payload = {"args": vars(args), "clip": tokens, "rows": rows, "wall_s": time.perf_counter() - start}
+    for side, backend, layout in itertools.product(args.sides, args.backends, args.layouts):
+        case = Case(side, backend, tuple(int(x) for x in layout.split("x")))
+        rows.append(run_case(case, model, data, args))
+        print(f"  {case.name}: {rows[-1]}", flush=True)
+    payload = {"args": vars(args), "rows": rows, "wall_s": time.perf_counter() - start}
     path = write_json("long_video.json", payload)
-    print("\n" + format_table(rows, tokens))
+    print("\n" + format_table(rows))
     print(f"-> {path} ({payload['wall_s']:.0f} s)")
     return payload
 
