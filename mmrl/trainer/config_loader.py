@@ -708,6 +708,14 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"data.num_video_frames={data.num_video_frames} must be > 0 (or null to sample by video_fps)"
         )
+    if data.num_video_frames is not None and data.num_video_frames > data.max_video_frames > 0:
+        # the sampling caps the count at max_video_frames: 1,024 frames asked with the default 64 would
+        # silently give every video 64 frames
+        errors.append(
+            f"data.num_video_frames={data.num_video_frames} exceeds data.max_video_frames="
+            f"{data.max_video_frames}, which caps every video's frames: raise data.max_video_frames to "
+            f"{data.num_video_frames}"
+        )
     if data.video_total_pixels is not None and data.video_total_pixels <= 0:
         errors.append(
             f"data.video_total_pixels={data.video_total_pixels} must be > 0 (or null for qwen-vl-utils' budget)"
