@@ -42,6 +42,7 @@ from typing import Any
 
 from harness import REPO, RESULTS, GiB, markdown_table, run_monitored, write_json
 
+TINY_MAX_POSITIONS = 4096  # the tiny model's max_position_embeddings (mmrl.demo.tiny)
 PHASES = ("gen", "old_log_prob", "reward", "update_actor", "sync")
 
 
@@ -141,6 +142,9 @@ def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace
         "trainer.save_checkpoint_path": out_dir,
         "trainer.find_last_checkpoint": "false",
     }
+    context = clip_tokens + 128 + 4
+    if context > TINY_MAX_POSITIONS:  # vLLM refuses a context over the config's max_position_embeddings
+        overrides["worker.actor.model.override_config.text_config.max_position_embeddings"] = context
     return [sys.executable, "-m", "mmrl.trainer.main", *(f"{k}={v}" for k, v in overrides.items())]
 
 
