@@ -749,6 +749,20 @@ def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
             f"worker.rollout.max_model_len={rollout.max_model_len} is shorter than data.max_prompt_length + "
             f"data.max_response_length = {context}"
         )
+    engine_context = rollout.max_model_len or context
+    if (
+        rollout.name == "vllm"
+        and not rollout.enable_chunked_prefill
+        and rollout.max_num_batched_tokens < engine_context
+    ):
+        # vLLM refuses it at engine start: a prompt must fit one scheduler step (a long video does not)
+        errors.append(
+            f"worker.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is below the vLLM context "
+            f"({engine_context} tokens: worker.rollout.max_model_len, or data.max_prompt_length + "
+            f"data.max_response_length), which vLLM refuses without chunked prefill: raise "
+            f"worker.rollout.max_num_batched_tokens to {engine_context} or set "
+            "worker.rollout.enable_chunked_prefill=true"
+        )
     if not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
