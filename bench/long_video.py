@@ -145,6 +145,7 @@ def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace
     context = clip_tokens + 128 + 4
     if context > TINY_MAX_POSITIONS:  # vLLM refuses a context over the config's max_position_embeddings
         overrides["worker.actor.model.override_config.text_config.max_position_embeddings"] = context
+        overrides["worker.rollout.max_num_batched_tokens"] = context  # a prompt in one vLLM step
     return [sys.executable, "-m", "mmrl.trainer.main", *(f"{k}={v}" for k, v in overrides.items())]
 
 
