@@ -25,8 +25,9 @@ length (``prompt_length/mean`` + ``response_length/mean``), seconds per step and
 over the steps after the first: ``timing_s/{step,gen,old_log_prob,update_actor,...}``) and the peak
 resident memory per rank of each phase (``memory/<phase>_peak_gib``, :mod:`mmrl.workers.memory`: the
 largest rank's VmHWM during the phase, the model, Ray's worker runtime and the phase's tensors
-included). ``peak_rss_gib``: the whole job's process tree (driver, Ray, workers), summed. The machine
-is shared, so seconds are rough. Prints a markdown table; writes ``bench/results/long_video.json``.
+included). ``tree GiB``: the whole job's process tree (driver, Ray, workers), summed. ``other load``:
+cores' worth of CPU that other processes took during the run (:mod:`harness`): on a shared machine a
+row with a high value was slowed by them, so seconds are rough. Prints a markdown table; writes ``bench/results/long_video.json``.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     headers = [
         "layout (U×R)", "ranks", "backend", "frame px", "frames", "video tok", "seq len", "s/step",
-        "gen s", "old logp s", "update s", "peak GiB/rank old logp", "peak GiB/rank update", "tree GiB",
+        "gen s", "old logp s", "update s", "peak GiB/rank old logp", "peak GiB/rank update", "tree GiB", "other load",
     ]  # fmt: skip
     body = []
     for row in rows:
@@ -214,6 +215,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 _fmt(memory.get("memory/old_log_prob_peak_gib"), 2),
                 _fmt(memory.get("memory/update_actor_peak_gib"), 2),
                 _fmt(row["peak_rss_gib"], 2),
+                _fmt(row["other_load_cores"], 2),
             ]
         )  # fmt: skip
     return markdown_table(headers, body)
