@@ -3,7 +3,7 @@
 parallelism.
 
     python bench/long_video.py [--layouts 2x1 1x2 1x1] [--backends hf vllm] [--sides 56 112]
-        [--steps 3] [--frames 1024] [--prompts 2] [--n 2] [--timeout_s 3600]
+        [--steps 3] [--frames 1024] [--prompts 2] [--n 2] [--micro_rows 1] [--timeout_s 3600]
 
 Model: the tiny random Qwen2.5-VL of :mod:`mmrl.demo.tiny` (text hidden 64, 2 layers, 2 query / 1
 key-value heads; vision tower 2 blocks), built under ``bench/results/models/``; the vision tower is
@@ -11,9 +11,11 @@ frozen (``worker.actor.model.freeze_vision_tower``). Data: the ``video_long_flas
 :mod:`mmrl.demo.synthetic` (1,024 frames of 56×56 at 2 fps per clip), written under
 ``bench/results/data/``; ``data.num_video_frames`` (and ``data.max_video_frames``) = ``--frames``
 sample the frames, ``video_min_pixels = video_max_pixels = --side²`` size them (56: as drawn, 4 video
-tokens per temporal patch of 2 frames, 2,048 video tokens for 1,024 frames; 112: 8,192). Each step: ``--prompts`` clips,
-``--n`` responses each (up to 4 tokens), two optimizer steps (so the old log-probs are computed), no
-reference model, no checkpoint.
+tokens per temporal patch of 2 frames, 2,048 video tokens for 1,024 frames; 112: 8,192). Each step:
+``--prompts`` clips, ``--n`` responses each (up to 4 tokens), two optimizer steps (so the old log-probs are computed), no
+reference model, no checkpoint; the log-prob passes and the update take ``--micro_rows`` rows (whole
+clips) per micro-batch: each row brings its clip's pixel rows, which every rank of an SP group holds
+whole (the tower splits the frames' encoding, not the pixels), so a phase's peak grows with it.
 
 Layouts ``UxR``: Ulysses size × ring size on ``U·R`` training ranks (``1x1``: one rank, no SP). With
 SP the ranks of a group share each sequence: the trainer splits the tokens after M-RoPE's positions
@@ -118,8 +120,8 @@ def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace
         "algorithm.disable_kl": "true",
         # two optimizer steps per rollout: the second is off-policy, so the step has an old-log-prob pass
         "worker.actor.global_batch_size": args.prompts // 2,
-        "worker.actor.micro_batch_size_per_device_for_update": args.prompts // 2 * args.n,
-        "worker.actor.micro_batch_size_per_device_for_experience": args.prompts * args.n,
+        "worker.actor.micro_batch_size_per_device_for_update": args.micro_rows,
+        "worker.actor.micro_batch_size_per_device_for_experience": args.micro_rows,
         "worker.actor.ulysses_size": ulysses,
         "worker.actor.ring_size": ring,
         "worker.actor.model.model_path": model,
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--prompts", type=int, default=2, help="clips per step")
     parser.add_argument("--n", type=int, default=2, help="responses per clip")
+    parser.add_argument("--micro_rows", type=int, default=1, help="rows per micro-batch (log-probs, update)")
     parser.add_argument("--backends", nargs="+", choices=("hf", "vllm"), default=["hf"])
     parser.add_argument("--timeout_s", type=float, default=3600.0)
     args = parser.parse_args(argv)
