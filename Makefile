@@ -109,6 +109,7 @@ bench: assets
 	$(PY) bench/rollout_speed.py --repeats 2
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
 	RAY_AUTH_MODE=disabled $(PY) bench/colocated_critic.py
+	RAY_AUTH_MODE=disabled $(PY) bench/long_video.py --sides 56 112 --backends hf vllm
 	@$(PY) bench/report.py
 
 # On a GPU machine, in the environment of README's GPU install: the CUDA-only paths on one GPU (minutes),

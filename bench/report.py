@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import colocated_critic
 import cost_curves
+import long_video
 import packing
 import rollout_speed
 import sequence_parallel
@@ -49,6 +50,11 @@ def _sections() -> list[tuple[str, str, Callable[[dict], str]]]:
             "sequence_parallel.json",
             "sequence parallelism: step, memory and longest row per layout",
             lambda d: sequence_parallel.format_table(d["rows"], d["longest_in_budget"], d["budget_mb"]),
+        ),
+        (
+            "long_video.json",
+            "long video end to end: 1,024-frame clips through rollout and update, with and without SP",
+            lambda d: long_video.format_table(d["rows"]),
         ),
     ]
 

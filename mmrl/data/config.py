@@ -64,7 +64,7 @@ class DataConfig:
         4194304  # images larger than this many pixels are downscaled (aspect kept); null = never
     )
     video_fps: float = 2.0  # video frames sampled per second of video (unless num_video_frames is set)
-    num_video_frames: int | None = None  # frames sampled evenly from each video; null = by video_fps
+    num_video_frames: int | None = None  # frames evenly sampled per video (<= max_video_frames); null: fps
     max_video_frames: int = 64  # at most this many frames per video (counts are made even for Qwen)
     min_video_frames: int = 4  # at least this many frames per video sampled by video_fps (qwen-vl-utils' 4)
     video_min_pixels: int = 100352  # video frames smaller than this many pixels are upscaled (aspect kept)

@@ -10,6 +10,9 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   time for 2 frames (one temporal patch of Qwen-VL), with white gaps between.
   "How many times does the light flash? Answer with a number." -> ``1`` .. ``3``. No single frame
   answers it: the model must take in the whole clip.
+- ``video_long_flashes``: the same question over a long clip: 1,024 frames of 56×56 at 2 fps (8.5 min),
+  1-3 flashes of 2 frames each among 512 slots (none adjacent). A needle count for long-video runs
+  (``bench/long_video.py``): 2,048 video tokens per clip at 56×56 with every frame kept.
 - ``video_direction``: a blue dot of radius 5 px crossing a 56×56 white video (8 frames at 2 fps) at
   3-5 px per frame. "Which way does the dot move? Answer left or right." -> ``left`` | ``right``.
   Harder: the tiny Qwen2.5-VL stays at chance on it even trained supervised (300 steps of 16 clips).
@@ -52,7 +55,7 @@ arguments returns at once.
 
 CLI: ``python -m mmrl.demo.synthetic --task color --out assets/data/shapes-color --n_train 512
 --n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_flashes`` /
-``audio_beeps`` for the video and audio tasks)
+``video_long_flashes`` / ``audio_beeps`` for the video and audio tasks)
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ VIDEO_FRAMES = 8  # video_direction
 FLASH_SLOTS = 6  # video_flashes: 6 slots of 2 frames (one Qwen-VL temporal patch each) = 12 frames
 MAX_FLASHES = 3  # the most non-adjacent slots among 6
 FLASH_RGB = COLORS["yellow"]
+LONG_VIDEO_FRAMES = 1024  # video_long_flashes: 512 slots of 2 frames
 VIDEO_FPS = 2  # frames per second of the written file: data.video_fps=2 (the default) samples every frame
 DOT_RADIUS = 5  # px
 DOT_SPEEDS = (3, 4, 5)  # px per frame; at most 35 px over the 7 steps of an 8-frame video
@@ -313,6 +317,27 @@ def draw_flashes_video(answer: str, rng: np.random.Generator, size: int = IMAGE_
     return frames
 
 
+def spaced_slots(count: int, slots: int, rng: np.random.Generator) -> list[int]:
+    """``count`` of ``slots`` slots, none adjacent, uniformly among such sets: ``count`` sorted draws
+    from ``slots - count + 1`` places, the i-th moved i places on (which makes every gap >= 1)."""
+    places = np.sort(rng.choice(slots - count + 1, size=count, replace=False))
+    return [int(place) + i for i, place in enumerate(places)]
+
+
+def draw_long_flashes_video(
+    answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE, frames: int = LONG_VIDEO_FRAMES
+) -> np.ndarray:
+    """``[frames, size, size, 3]`` uint8: white frames, all yellow in both frames of ``int(answer)``
+    of the ``frames // 2`` two-frame slots (see ``spaced_slots``)."""
+    count = int(answer)
+    if not 1 <= count <= MAX_FLASHES:
+        raise ValueError(f"flash count must be 1..{MAX_FLASHES}, found {answer!r}")
+    video = np.full((frames, size, size, 3), BACKGROUND_RGB, dtype=np.uint8)
+    for slot in spaced_slots(count, frames // 2, rng):
+        video[2 * slot : 2 * slot + 2] = FLASH_RGB
+    return video
+
+
 def place_beeps(count: int, rng: np.random.Generator) -> list[float]:
     """Start times (s) of ``count`` beeps in an ``AUDIO_SECONDS`` clip: in order, ``MIN_BEEP_GAP_SECONDS``
     or more apart, ``AUDIO_MARGIN_SECONDS`` from the ends; the spare time is spread at random."""
@@ -373,6 +398,13 @@ TASKS: dict[str, SyntheticTask] = {
         question="<video>How many times does the light flash? Answer with a number.",
         answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
         draw=draw_flashes_video,
+        media="video",
+    ),
+    "video_long_flashes": SyntheticTask(
+        name="video_long_flashes",
+        question="<video>How many times does the light flash? Answer with a number.",
+        answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
+        draw=draw_long_flashes_video,
         media="video",
     ),
     "video_direction": SyntheticTask(

@@ -708,6 +708,14 @@ def _check_media(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"data.num_video_frames={data.num_video_frames} must be > 0 (or null to sample by video_fps)"
         )
+    if data.num_video_frames is not None and data.num_video_frames > data.max_video_frames > 0:
+        # the sampling caps the count at max_video_frames: 1,024 frames asked with the default 64 would
+        # silently give every video 64 frames
+        errors.append(
+            f"data.num_video_frames={data.num_video_frames} exceeds data.max_video_frames="
+            f"{data.max_video_frames}, which caps every video's frames: raise data.max_video_frames to "
+            f"{data.num_video_frames}"
+        )
     if data.video_total_pixels is not None and data.video_total_pixels <= 0:
         errors.append(
             f"data.video_total_pixels={data.video_total_pixels} must be > 0 (or null for qwen-vl-utils' budget)"
@@ -740,6 +748,20 @@ def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"worker.rollout.max_model_len={rollout.max_model_len} is shorter than data.max_prompt_length + "
             f"data.max_response_length = {context}"
+        )
+    engine_context = rollout.max_model_len or context
+    if (
+        rollout.name == "vllm"
+        and not rollout.enable_chunked_prefill
+        and rollout.max_num_batched_tokens < engine_context
+    ):
+        # vLLM refuses it at engine start: a prompt must fit one scheduler step (a long video does not)
+        errors.append(
+            f"worker.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is below the vLLM context "
+            f"({engine_context} tokens: worker.rollout.max_model_len, or data.max_prompt_length + "
+            f"data.max_response_length), which vLLM refuses without chunked prefill: raise "
+            f"worker.rollout.max_num_batched_tokens to {engine_context} or set "
+            "worker.rollout.enable_chunked_prefill=true"
         )
     if not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(

@@ -350,3 +350,15 @@ def test_media_keys_are_validated_at_config_load():
     assert "data.num_video_frames=0 must be > 0" in errors
     assert "data.video_min_pixels=10 exceeds data.video_max_pixels=5" in errors
     assert "data.max_audio_seconds=-1.0 must be > 0" in errors
+
+
+def test_num_video_frames_over_max_video_frames_is_refused_at_config_load():
+    """The sampling caps num_video_frames at max_video_frames: 1,024 frames asked next to the default
+    cap of 64 would train on 64 frames without a word."""
+    with pytest.raises(ConfigError) as raised:
+        load_config(["data.num_video_frames=1024"], check_paths=False)
+    assert (
+        "data.num_video_frames=1024 exceeds data.max_video_frames=64, which caps every video's frames: "
+        "raise data.max_video_frames to 1024" in "\n".join(raised.value.errors)
+    )
+    load_config(["data.num_video_frames=1024", "data.max_video_frames=1024"], check_paths=False)

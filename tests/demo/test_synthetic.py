@@ -304,6 +304,25 @@ def test_flash_count_matches_the_lit_slots_also_after_mp4_round_trip():
     assert synthetic.flash_slots(3, np.random.default_rng(0)) in ([0, 2, 4], [0, 2, 5], [0, 3, 5], [1, 3, 5])
 
 
+def test_long_flashes_keep_their_count_through_mp4_and_1024_frame_sampling():
+    from mmrl.data.media import load_video
+
+    rng = np.random.default_rng(3)
+    for answer in ("1", "3"):
+        frames, question = synthetic.get_task("video_long_flashes").sample(answer, rng)
+        assert question == "<video>How many times does the light flash? Answer with a number."
+        assert frames.shape == (1024, 56, 56, 3) and frames.dtype == np.uint8
+        slots = _lit_slots(frames)
+        assert len(slots) == int(answer) and all(b - a > 1 for a, b in zip(slots, slots[1:]))
+        assert (frames.reshape(1024, -1) == 255).all(axis=1).sum() == 1024 - 2 * int(answer)
+        decoded = load_video(synthetic.mp4_bytes(frames), 3136, 3136, num_frames=1024, max_frames=1024)
+        assert decoded.frames.shape[0] == 1024 and _lit_slots(decoded.frames) == slots
+    # the densest case has one answer: every other slot
+    assert synthetic.spaced_slots(3, 5, np.random.default_rng(0)) == [0, 2, 4]
+    draws = [synthetic.spaced_slots(2, 4, np.random.default_rng(seed)) for seed in range(60)]
+    assert {tuple(d) for d in draws} == {(0, 2), (0, 3), (1, 3)}
+
+
 def _count_beeps(waveform: np.ndarray, sampling_rate: int = 16000) -> tuple[int, list[float]]:
     """Beeps by energy envelope: runs of 10 ms windows whose RMS exceeds 0.1; returns (count, lengths s)."""
     window = sampling_rate // 100

@@ -175,6 +175,10 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.rollout.temperature=-1"], "temperature=-1.0 must be >= 0"),
         (["worker.rollout.val_override_config.tempreature=0"], "not a sampling key"),
         (["worker.rollout.max_model_len=100"], "shorter than data.max_prompt_length"),
+        (
+            ["worker.rollout.name=vllm", "data.max_prompt_length=8192"],
+            "worker.rollout.max_num_batched_tokens=8192 is below the vLLM context (8704 tokens",
+        ),
         (["algorithm.adv_estimator=grp"], "did you mean 'grpo'"),
         (["worker.actor.loss_avg_mode=token_means"], "token_mean"),
         (["worker.rollout.name=sglang"], "is not one of vllm, hf"),
@@ -794,7 +798,9 @@ STAGES = (
 def test_stages_are_the_config_with_their_overrides_over_one_step_count(run_files):
     from mmrl.trainer.stages import first_stage_to_run, plan_stages
 
-    cfg = load_config(valid_args(run_files, STAGES, "trainer.find_last_checkpoint=false"))
+    # a prompt (512) and a 16k response fit one vLLM scheduler step only with a budget that large
+    budget = "worker.rollout.max_num_batched_tokens=16896"
+    cfg = load_config(valid_args(run_files, STAGES, budget, "trainer.find_last_checkpoint=false"))
     first, second = plan_stages(cfg)
     assert (first.first_step, first.last_step, second.first_step, second.last_step) == (0, 3, 3, 5)
     assert first.schedule_steps == second.schedule_steps == 5

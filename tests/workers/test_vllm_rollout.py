@@ -741,3 +741,25 @@ def test_engine_arguments_are_fields_vllm_accepts(tiny_vl_path, on_gpu):
         assert args["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in args
     else:
         assert args["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in args
+
+
+def test_override_config_reaches_vllm_and_lifts_its_context_limit(tiny_vl_path):
+    """``worker.actor.model.override_config`` goes to vLLM as ``hf_overrides``; vLLM probes it first
+    with a bare config that lacks the model's fields, which must not refuse a nested key. A raised
+    ``text_config.max_position_embeddings`` lets vLLM take a context over the tiny model's 4,096
+    (a 1,024-frame video at 112 px is 8,192 tokens); a misspelt key is still refused."""
+    import vllm
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    def model_config(text_config: dict):
+        args = engine_arguments(
+            str(tiny_vl_path), str(tiny_vl_path), RolloutConfig(name="vllm"), max_model_len=8000,
+            on_gpu=False, override_config={"text_config": text_config},
+        )  # fmt: skip
+        return vllm.EngineArgs(**args).create_model_config()  # the config checks, no engine
+
+    parsed = model_config({"max_position_embeddings": 8192})
+    assert parsed.max_model_len == 8000 and parsed.hf_text_config.max_position_embeddings == 8192
+    with pytest.raises(KeyError, match="no attribute 'max_position_embeddingz'"):
+        model_config({"max_position_embeddingz": 8192})

@@ -160,9 +160,18 @@ def _repack_cpu_lm_heads(model: torch.nn.Module) -> int:
 
 
 def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
-    """``hf_overrides`` for vLLM with the trainer's ``override_config`` rules (dicts recurse)."""
+    """``hf_overrides`` for vLLM with the trainer's ``override_config`` rules (dicts recurse).
+
+    vLLM (0.32: ``HFConfigParser.parse``) first calls this on a bare ``PreTrainedConfig`` of model
+    type ``dummy_<type>``, only to learn whether it changes the model type; that probe has none of
+    the model's fields, so it is handed back as it is (applying the overrides would refuse every key
+    the model's own config class adds, ``text_config`` or ``max_position_embeddings``)."""
+    from transformers import PretrainedConfig
+
     from mmrl.models.loading import apply_config_overrides
 
+    if type(config) is PretrainedConfig:
+        return config
     apply_config_overrides(config, overrides, where="override_config")
     return config
 
