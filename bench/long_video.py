@@ -4,10 +4,15 @@ parallelism.
 
     python bench/long_video.py [--layouts 2x1 1x2 1x1] [--backends hf vllm] [--sides 56 112]
         [--steps 3] [--frames 1024] [--prompts 2] [--n 2] [--micro_rows 1] [--timeout_s 3600]
+        [--towers frozen frozen-unshared frozen-reused trained] [--size tiny | 3b-width]
 
-Model: the tiny random Qwen2.5-VL of :mod:`mmrl.demo.tiny` (text hidden 64, 2 layers, 2 query / 1
-key-value heads; vision tower 2 blocks), built under ``bench/results/models/``; the vision tower is
-frozen (``worker.actor.model.freeze_vision_tower``). Data: the ``video_long_flashes`` task of
+Model: the random Qwen2.5-VL of :mod:`mmrl.demo.tiny` of ``--size``: ``tiny`` (text hidden 64, 2
+layers, 2 query / 1 key-value heads; vision tower 2 blocks), or ``3b-width`` (Qwen2.5-VL-3B's widths
+and vocabulary, 2 decoder layers and 2 of 32 vision blocks), built under ``bench/results/models/``.
+``--towers``: ``frozen`` (``worker.actor.model.freeze_vision_tower``: each clip encoded once per step
+and shared by the step's passes), ``frozen-unshared`` (``share_encodings=false``: every pass encodes,
+as before sharing), ``frozen-reused`` (vLLM only: the engine takes the actor's encodings,
+``worker.rollout.reuse_encodings``) and ``trained`` (the tower trains). Data: the ``video_long_flashes`` task of
 :mod:`mmrl.demo.synthetic` (1,024 frames of 56×56 at 2 fps per clip), written under
 ``bench/results/data/``; ``data.num_video_frames`` (and ``data.max_video_frames``) = ``--frames``
 sample the frames, ``video_min_pixels = video_max_pixels = --side²`` size them (56: as drawn, 4 video
@@ -45,16 +50,30 @@ from typing import Any
 
 from harness import REPO, RESULTS, GiB, markdown_table, run_monitored, write_json
 
-TINY_MAX_POSITIONS = 4096  # the tiny model's max_position_embeddings (mmrl.demo.tiny)
 PHASES = ("gen", "old_log_prob", "reward", "update_actor", "sync")
 
 
-def build_assets(n_prompts: int) -> tuple[str, Path]:
-    """The tiny Qwen2.5-VL and the long-video task (each returns at once when already built)."""
+# how the vision tower is run (--towers): freeze_vision_tower, share_encodings, rollout reuse_encodings
+TOWER_MODES = {
+    "frozen": {"worker.actor.model.freeze_vision_tower": "true"},
+    "frozen-unshared": {  # every pass encodes: the step before encodings were shared
+        "worker.actor.model.freeze_vision_tower": "true",
+        "worker.actor.model.share_encodings": "false",
+    },
+    "frozen-reused": {  # vLLM: the engine takes the actor's encodings
+        "worker.actor.model.freeze_vision_tower": "true",
+        "worker.rollout.reuse_encodings": "true",
+    },
+    "trained": {"worker.actor.model.freeze_vision_tower": "false"},
+}
+
+
+def build_assets(n_prompts: int, size: str = "tiny") -> tuple[str, Path]:
+    """The random Qwen2.5-VL of ``size`` and the long-video task (each returns at once when built)."""
     from mmrl.demo.synthetic import generate_shapes_dataset
     from mmrl.demo.tiny import ensure_tiny_model
 
-    model = ensure_tiny_model("qwen2_5_vl", "tiny", root=RESULTS / "models")
+    model = ensure_tiny_model("qwen2_5_vl", size, root=RESULTS / "models")
     data = generate_shapes_dataset(
         "video_long_flashes", RESULTS / "data" / "video-long-flashes", n_train=n_prompts, n_val=1
     )
@@ -88,15 +107,16 @@ def video_tokens(model: str, data: Path, frames: int, side: int) -> dict[str, in
 
 @dataclass(frozen=True)
 class Case:
-    """One trainer run: frame side (px), rollout backend and SP layout (Ulysses × ring)."""
+    """One trainer run: frame side (px), rollout backend, SP layout (Ulysses × ring), tower mode."""
 
     side: int
     backend: str
     layout: tuple[int, int]
+    towers: str = "frozen"
 
     @property
     def name(self) -> str:
-        return f"{self.side}px-{self.backend}-{self.layout[0]}x{self.layout[1]}"
+        return f"{self.side}px-{self.backend}-{self.layout[0]}x{self.layout[1]}-{self.towers}"
 
 
 def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace, out_dir: Path) -> list[str]:
@@ -125,7 +145,7 @@ def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace
         "worker.actor.ulysses_size": ulysses,
         "worker.actor.ring_size": ring,
         "worker.actor.model.model_path": model,
-        "worker.actor.model.freeze_vision_tower": "true",
+        **TOWER_MODES[case.towers],
         "worker.actor.model.enable_gradient_checkpointing": "false",
         "worker.actor.optim.lr": 1e-4,
         "worker.rollout.name": case.backend,
@@ -146,7 +166,7 @@ def trainer_command(model: str, data: Path, case: Case, args: argparse.Namespace
         "trainer.find_last_checkpoint": "false",
     }
     context = clip_tokens + 128 + 4
-    if context > TINY_MAX_POSITIONS:  # vLLM refuses a context over the config's max_position_embeddings
+    if context > args.max_positions:  # vLLM refuses a context over the config's max_position_embeddings
         overrides["worker.actor.model.override_config.text_config.max_position_embeddings"] = context
         overrides["worker.rollout.max_num_batched_tokens"] = context  # a prompt in one vLLM step
     return [sys.executable, "-m", "mmrl.trainer.main", *(f"{k}={v}" for k, v in overrides.items())]
@@ -188,6 +208,7 @@ def run_case(case: Case, model: str, data: Path, args: argparse.Namespace) -> di
         "layout": f"{case.layout[0]}x{case.layout[1]}",
         "ranks": case.layout[0] * case.layout[1],
         "backend": case.backend,
+        "towers": case.towers,
         **video_tokens(model, data, args.frames, case.side),
         **summary,
         "wall_s": result.wall_s,
@@ -202,7 +223,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     headers = [
-        "layout (U×R)", "ranks", "backend", "frame px", "frames", "video tok", "seq len", "s/step",
+        "layout (U×R)", "ranks", "backend", "towers", "frame px", "frames", "video tok", "seq len", "s/step",
         "gen s", "old logp s", "update s", "peak GiB/rank old logp", "peak GiB/rank update", "tree GiB", "other load",
     ]  # fmt: skip
     body = []
@@ -211,7 +232,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         seq = (row["prompt_tokens"] or 0) + (row["response_tokens"] or 0)
         body.append(
             [
-                row["layout"], row["ranks"], row["backend"], row["side"], row["frames"], row["video_tokens"],
+                row["layout"], row["ranks"], row["backend"], row["towers"], row["side"], row["frames"], row["video_tokens"],
                 f"{seq:.0f}", _fmt(row["s_per_step"]), _fmt(phases["gen"]), _fmt(phases["old_log_prob"]),
                 _fmt(phases["update_actor"]),
                 _fmt(memory.get("memory/old_log_prob_peak_gib"), 2),
@@ -235,16 +256,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--n", type=int, default=2, help="responses per clip")
     parser.add_argument("--micro_rows", type=int, default=1, help="rows per micro-batch (log-probs, update)")
     parser.add_argument("--backends", nargs="+", choices=("hf", "vllm"), default=["hf"])
+    parser.add_argument("--towers", nargs="+", choices=sorted(TOWER_MODES), default=["frozen"])
+    parser.add_argument("--size", default="tiny", help="mmrl.demo.tiny size: tiny, or 3b-width (3B widths)")
     parser.add_argument("--timeout_s", type=float, default=3600.0)
     args = parser.parse_args(argv)
     if args.prompts < 2 or args.prompts % 2:
         parser.error("--prompts must be even (two optimizer steps per rollout)")
 
     start = time.perf_counter()
-    model, data = build_assets(args.prompts)
+    from mmrl.demo.tiny import SIZES
+
+    args.max_positions = SIZES[args.size].max_position_embeddings
+    model, data = build_assets(args.prompts, args.size)
     rows = []
-    for side, backend, layout in itertools.product(args.sides, args.backends, args.layouts):
-        case = Case(side, backend, tuple(int(x) for x in layout.split("x")))
+    grid = itertools.product(args.sides, args.backends, args.layouts, args.towers)
+    for side, backend, layout, towers in grid:
+        if towers == "frozen-reused" and backend != "vllm":
+            continue  # the engine's own input (reuse_encodings is vLLM's)
+        case = Case(side, backend, tuple(int(x) for x in layout.split("x")), towers)
         rows.append(run_case(case, model, data, args))
         print(f"  {case.name}: {rows[-1]}", flush=True)
     payload = {"args": vars(args), "rows": rows, "wall_s": time.perf_counter() - start}
