@@ -232,7 +232,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         seq = (row["prompt_tokens"] or 0) + (row["response_tokens"] or 0)
         body.append(
             [
-                row["layout"], row["ranks"], row["backend"], row["towers"], row["side"], row["frames"], row["video_tokens"],
+                row["layout"], row["ranks"], row["backend"], row.get("towers", "frozen"), row["side"], row["frames"], row["video_tokens"],
                 f"{seq:.0f}", _fmt(row["s_per_step"]), _fmt(phases["gen"]), _fmt(phases["old_log_prob"]),
                 _fmt(phases["update_actor"]),
                 _fmt(memory.get("memory/old_log_prob_peak_gib"), 2),
