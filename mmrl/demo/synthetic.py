@@ -393,20 +393,19 @@ TASKS: dict[str, SyntheticTask] = {
         answers=tuple(COLORS),
         draw=draw_mark_image,
     ),
-    "video_flashes": SyntheticTask(
-        name="video_flashes",
-        question="<video>How many times does the light flash? Answer with a number.",
-        answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
-        draw=draw_flashes_video,
-        media="video",
-    ),
-    "video_long_flashes": SyntheticTask(
-        name="video_long_flashes",
-        question="<video>How many times does the light flash? Answer with a number.",
-        answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
-        draw=draw_long_flashes_video,
-        media="video",
-    ),
+    **{
+        name: SyntheticTask(
+            name=name,
+            question="<video>How many times does the light flash? Answer with a number.",
+            answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
+            draw=draw,
+            media="video",
+        )
+        for name, draw in (
+            ("video_flashes", draw_flashes_video),
+            ("video_long_flashes", draw_long_flashes_video),
+        )
+    },
     "video_direction": SyntheticTask(
         name="video_direction",
         question="<video>Which way does the dot move? Answer left or right.",

@@ -608,8 +608,7 @@ class HybridWorker:
         self.rollout_encoded_items += sum(
             len(item[f"{modality}_grid_thw"]) for row in distinct for modality, item in row.items()
         )
-        added = DataProto.from_dict(non_tensors={EMBEDS_COLUMN: encodings}).non_tensor_batch
-        return DataProto(prompts.batch, {**prompts.non_tensor_batch, **added}, prompts.meta_info)
+        return prompts.union(DataProto.from_dict(non_tensors={EMBEDS_COLUMN: encodings}))
 
     @rows_per_data_parallel_share
     @measured("old_log_prob")
