@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 
 GPU_PYTHON ?= python
 
-.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent bench-recipes bench bench-scale test test-fast quality style clean
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent assets-agent-video demo-agent-video bench-recipes bench bench-scale test test-fast quality style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -93,6 +93,20 @@ assets-agent: install
 
 demo-agent: assets-agent
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)
+
+# The smaller video-tool demo (examples/tiny_cpu_agent_video.yaml): "How many times does the light flash?"
+# with a still in the prompt and a tool (examples/tools/play_clip.py) that returns the clip's frames. The
+# warm-up teaches the call format only. `python bench/agent_demo.py --demo video` runs it with and without
+# the tool.
+assets-agent-video: install
+	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
+	@$(PY) -m mmrl.demo.synthetic --task clip_flashes --out $(ASSETS)/data/clip-flashes --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/clip-flashes/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-agent-video-warm \
+		--tool_file examples/tools/play_clip.py --call_rate 0.8 --steps 150 --max_response_length 112
+
+demo-agent-video: assets-agent-video
+	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent_video.yaml $(ARGS)
 
 # seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
 bench-recipes: assets-spatial

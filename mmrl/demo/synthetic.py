@@ -30,6 +30,11 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   ``examples/tools/zoom_center.py`` returns the object in the centre 7×7 square at full resolution,
   enlarged to 56×56 pixels, which it fills as the ``color`` task's shapes do (the multi-turn demo,
   ``examples/tiny_cpu_agent.yaml``).
+- ``clip_flashes``: the ``video_flashes`` question about a clip the prompt does not hold: the prompt
+  shows a still (a white 56×56 frame, the light off, the same for every answer) and the row's ``clip``
+  column holds the ``video_flashes`` clip, an mp4 as base64 text. The tool ``examples/tools/play_clip.py``
+  returns the clip's 12 frames (the video-tool demo, ``examples/tiny_cpu_agent_video.yaml``). The clip
+  travels in the row because a tool runs in a rollout worker, away from the data file's folder.
 - ``audio_beeps``: 1-3 beeps (0.2 s of an 880 Hz sine) at random places in 1.5 s of 16 kHz silence.
   "How many beeps are there? Answer with a number." -> ``1`` .. ``3``.
 
@@ -37,11 +42,12 @@ Shapes are drawn without anti-aliasing, so every pixel is either the background 
 Beeps have one length and loudness, so (as with the circles) the sound's energy grows in steps with the
 count. A task is a ``SyntheticTask``: its question, its answers, its media kind and a function that
 draws a sample (a PIL image, ``[T, H, W, 3]`` uint8 frames, or a float32 waveform) for a given answer;
-a question that names what was drawn (``{shape}``) is filled in from a ``Drawn``'s fields.
+a question that names what was drawn (``{shape}``) is filled in from a ``Drawn``'s fields, and a
+``Drawn``'s columns (text) join the sample's row.
 
 Output folder (``generate_shapes_dataset``), rows with columns ``problem`` (the question with an
 ``<image>``, ``<video>`` or ``<audio>`` marker), ``answer``, the media column (``images``, ``videos``
-or ``audios``) and ``data_source``:
+or ``audios``), ``data_source`` and the task's extra columns (``clip``):
 
 - ``jsonl``: ``train.jsonl``, ``val.jsonl`` and ``images/{split}_{index:05d}.png`` (``videos/...mp4``:
   H.264 with lossless luma, written with PyAV; ``audios/...wav``: 16-bit PCM); the media column holds
@@ -55,12 +61,14 @@ arguments returns at once.
 
 CLI: ``python -m mmrl.demo.synthetic --task color --out assets/data/shapes-color --n_train 512
 --n_val 128 --seed 0 [--format jsonl|parquet] [--force]`` (``--task video_flashes`` /
-``video_long_flashes`` / ``audio_beeps`` for the video and audio tasks)
+``video_long_flashes`` / ``audio_beeps`` for the video and audio tasks, ``clip_flashes`` for the
+video-tool demo)
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import itertools
 import json
@@ -68,7 +76,7 @@ import os
 import shutil
 import wave
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +125,17 @@ MARK_IMAGE_SIZE = 1120  # px, small_mark: 20 times the 56-px pixel budget of the
 MARK_WINDOW = 7  # px, small_mark: the white centre square the mark lies in (what zoom_center enlarges)
 MARK_BLOCK = 20  # px, small_mark: side of the decoy blocks (one pixel at the 56-px budget)
 MARK_MAX_TINT = 0.12  # small_mark: the strongest decoy tint (the mark's own at the budget is <= 9 %)
+CLIP_COLUMN = "clip"  # clip_flashes: the row's clip (what examples/tools/play_clip.py plays), mp4 as base64
 
 
 @dataclass(frozen=True)
 class Drawn:
-    """What a ``draw`` returns when the question names part of the sample: the media, and the fields
-    that fill the question's ``{placeholders}``."""
+    """What a ``draw`` returns when the question names part of the sample or the row has more columns:
+    the media, the fields that fill the question's ``{placeholders}``, and extra text columns of the row."""
 
     media: Any
-    fields: dict[str, str]
+    fields: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,10 +151,15 @@ class SyntheticTask:
 
     def sample(self, answer: str, rng: np.random.Generator) -> tuple[Any, str]:
         """``(media, question)`` of a new sample whose correct answer is ``answer``."""
+        media, question, _ = self.sample_row(answer, rng)
+        return media, question
+
+    def sample_row(self, answer: str, rng: np.random.Generator) -> tuple[Any, str, dict[str, str]]:
+        """``(media, question, extra columns)`` of a new sample whose correct answer is ``answer``."""
         drawn = self.draw(answer, rng)
         if isinstance(drawn, Drawn):
-            return drawn.media, self.question.format(**drawn.fields)
-        return drawn, self.question
+            return drawn.media, self.question.format(**drawn.fields), dict(drawn.columns)
+        return drawn, self.question, {}
 
     @property
     def data_source(self) -> str:
@@ -317,6 +332,13 @@ def draw_flashes_video(answer: str, rng: np.random.Generator, size: int = IMAGE_
     return frames
 
 
+def draw_flashes_still(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Drawn:
+    """clip_flashes: the still the prompt shows (white: the light off, alike for every answer) and, in
+    the row's ``CLIP_COLUMN``, the ``video_flashes`` clip of ``answer`` flashes as base64 mp4 text."""
+    clip = mp4_bytes(draw_flashes_video(answer, rng, size))
+    return Drawn(_blank_image(size), columns={CLIP_COLUMN: base64.b64encode(clip).decode("ascii")})
+
+
 def spaced_slots(count: int, slots: int, rng: np.random.Generator) -> list[int]:
     """``count`` of ``slots`` slots, none adjacent, uniformly among such sets: ``count`` sorted draws
     from ``slots - count + 1`` places, the i-th moved i places on (which makes every gap >= 1)."""
@@ -406,6 +428,12 @@ TASKS: dict[str, SyntheticTask] = {
             ("video_long_flashes", draw_long_flashes_video),
         )
     },
+    "clip_flashes": SyntheticTask(
+        name="clip_flashes",
+        question="<image>How many times does the light flash? Answer with a number.",
+        answers=tuple(str(n) for n in range(1, MAX_FLASHES + 1)),
+        draw=draw_flashes_still,
+    ),
     "video_direction": SyntheticTask(
         name="video_direction",
         question="<video>Which way does the dot move? Answer left or right.",
@@ -489,14 +517,15 @@ MEDIA_FILES: dict[str, tuple[str, Callable[[Any], bytes]]] = {
 
 
 def generate_split(spec: SyntheticTask, split: str, n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
-    """Rows ``{"problem", "answer", "file_name", "file_bytes"}`` of one split, answers balanced."""
+    """Rows ``{"problem", "answer", "file_name", "file_bytes", "columns"}`` of one split, answers
+    balanced (``columns``: the task's extra text columns)."""
     suffix, encode = MEDIA_FILES[spec.media]
     rows = []
     for index, answer in enumerate(balanced_answers(spec.answers, n, rng)):
-        media, question = spec.sample(answer, rng)
+        media, question, columns = spec.sample_row(answer, rng)
         rows.append(
             {"problem": question, "answer": answer, "file_name": f"{split}_{index:05d}{suffix}",
-             "file_bytes": encode(media)}
+             "file_bytes": encode(media), "columns": columns}
         )  # fmt: skip
     return rows
 
@@ -513,6 +542,7 @@ def write_jsonl_split(rows: list[dict[str, Any]], out_dir: Path, split: str, spe
                 "answer": row["answer"],
                 spec.column: [f"{spec.column}/{row['file_name']}"],
                 "data_source": spec.data_source,
+                **row["columns"],
             }
             file.write(json.dumps(record) + "\n")
     return path
@@ -546,6 +576,7 @@ def write_parquet_split(rows: list[dict[str, Any]], out_dir: Path, split: str, s
             ("answer", pa.string()),
             (spec.column, pa.list_(file_type)),
             ("data_source", pa.string()),
+            *[(name, pa.string()) for name in (rows[0]["columns"] if rows else {})],
         ],
         metadata=metadata,
     )
@@ -554,6 +585,7 @@ def write_parquet_split(rows: list[dict[str, Any]], out_dir: Path, split: str, s
         "answer": [row["answer"] for row in rows],
         spec.column: [[{"bytes": row["file_bytes"], "path": row["file_name"]}] for row in rows],
         "data_source": [spec.data_source] * len(rows),
+        **{name: [row["columns"][name] for row in rows] for name in (rows[0]["columns"] if rows else {})},
     }
     path = out_dir / f"{split}.parquet"
     pq.write_table(pa.table(columns, schema=schema), path)

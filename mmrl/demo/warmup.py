@@ -230,7 +230,7 @@ def warm_up_tool_calls(
     max_pixels: int = MIN_PIXELS,
 ) -> Path:
     """The call-format warm-up (see the module docstring); writes a Hugging Face folder to ``out_dir``.
-    Images at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories within
+    Images and video frames at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories within
     ``max_response_length`` tokens, as in the RL job."""
     from mmrl.agent.loop import build_agent_loop, tool_schemas
     from mmrl.config import MultiTurnConfig
@@ -259,7 +259,9 @@ def warm_up_tool_calls(
     model = load_model(model_dir)
     multi_turn = MultiTurnConfig(enable=True, tools=[str(tool_file)], max_turns=2)
     schemas = tool_schemas(multi_turn)
-    config = DataConfig(min_pixels=min(MIN_PIXELS, max_pixels), max_pixels=max_pixels)
+    pixels = {"min_pixels": min(MIN_PIXELS, max_pixels), "max_pixels": max_pixels}
+    # video frames a tool returns are sized like images (the video-tool demo: 56x56 frames stay as drawn)
+    config = DataConfig(**pixels, **{f"video_{key}": value for key, value in pixels.items()})
     dataset = PromptDataset(data_file, tokenizer, processor, config, tools=schemas)
     loop = build_agent_loop(multi_turn, dataset.media, [tokenizer.eos_token_id], model.config.model_type)
     call = tool_call_text(schemas[0]["function"]["name"])
@@ -325,11 +327,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--call_rate", type=float, default=0.5, help="with --tool_file: first turns that call"
     )
+    parser.add_argument(
+        "--max_response_length", type=int, default=96, help="with --tool_file: the trajectories' token budget"
+    )
     args = parser.parse_args(argv)
     if args.tool_file:
         warm_up_tool_calls(
             args.model, args.data, args.out, args.tool_file, steps=args.steps, lr=args.lr, seed=args.seed,
-            call_rate=args.call_rate,
+            call_rate=args.call_rate, max_response_length=args.max_response_length,
         )  # fmt: skip
         return
     warm_up(

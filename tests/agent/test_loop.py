@@ -279,6 +279,49 @@ def test_prompts_show_the_tool_schemas(parts, shapes_data_dir):
     )
 
 
+def test_the_video_tool_demo_plays_the_row_s_clip_into_the_tool_turn(parts, tiny_vl_path, tmp_path):
+    """examples/tiny_cpu_agent_video.yaml's data settings and tool on its task (clip_flashes): the
+    row carries the clip, the tool's 12 frames become the tool turn's 24 video tokens, and the
+    trajectory (call, clip, answer) fits the config's response budget."""
+    from pathlib import Path
+
+    from mmrl.agent.loop import build_agent_loop, tool_schemas
+    from mmrl.demo.synthetic import generate_shapes_dataset
+    from mmrl.trainer.config_loader import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    data = generate_shapes_dataset("clip_flashes", tmp_path / "clip-flashes", n_train=3, n_val=3, seed=0)
+    cfg = load_config(
+        [f"config={repo / 'examples' / 'tiny_cpu_agent_video.yaml'}", f"data.train_files={data / 'train.jsonl'}",
+         f"data.val_files={data / 'val.jsonl'}", f"worker.rollout.multi_turn.tools=[{repo / 'examples/tools/play_clip.py'}]"],
+        check_paths=False,
+    )  # fmt: skip
+    tokenizer, processor, _, eos = parts
+    multi_turn = cfg.worker.rollout.multi_turn
+    dataset = PromptDataset(
+        cfg.data.train_files, tokenizer, processor, cfg.data, tools=tool_schemas(multi_turn)
+    )
+    items = [dataset[i] for i in range(3)]
+    assert all(item["input_ids"].shape[-1] <= cfg.data.max_prompt_length for item in items)
+    prompts = attach_media(collate_prompts(items, tokenizer.pad_token_id), dataset.media, rollout_media=True)
+    loop = build_agent_loop(multi_turn, dataset.media, [eos], "qwen2_5_vl")
+    texts = [['<tool_call>{"name": "play"}</tool_call>', str(item["ground_truth"])] for item in items]
+    generate, _ = scripted(tokenizer, eos, texts)
+    trajectories = loop.run(sample_rows(prompts), cfg.data.max_response_length, generate)
+    for trajectory in trajectories:
+        assert trajectory.record.stop == STOP_ANSWER and [turn.by_model for turn in trajectory.turns] == [
+            True,
+            False,
+            True,
+        ]
+        tool_turn = trajectory.turns[1]
+        assert tool_turn.inputs["video_grid_thw"].tolist() == [[6, 4, 4]]  # 12 frames of 56x56
+        assert tool_turn.token_types.count(2) == 24 and trajectory.record.observation_tokens == len(
+            tool_turn.token_ids
+        )
+        assert trajectory_log(trajectory.record)["calls"][0]["media"] == ["video 12 frames"]
+
+
 class _BrokenEnvironment:
     """Opens fine, then fails on its first step."""
 

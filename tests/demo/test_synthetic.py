@@ -304,6 +304,35 @@ def test_flash_count_matches_the_lit_slots_also_after_mp4_round_trip():
     assert synthetic.flash_slots(3, np.random.default_rng(0)) in ([0, 2, 4], [0, 2, 5], [0, 3, 5], [1, 3, 5])
 
 
+def test_clip_flashes_prompt_holds_a_still_and_the_tool_plays_the_row_s_clip(tmp_path):
+    from mmrl.agent.tools import ToolCall, ToolRunner, load_tools
+
+    play_file = Path(__file__).resolve().parents[2] / "examples" / "tools" / "play_clip.py"
+    tools = load_tools([str(play_file)])
+    assert tools["play"].schema["function"]["parameters"]["properties"] == {}  # a call without arguments
+    out_dir = generate_shapes_dataset("clip_flashes", tmp_path / "jsonl", n_train=6, n_val=3, seed=2)
+    train = _read_jsonl(out_dir / "train.jsonl")
+    assert Counter(row["answer"] for row in train) == {"1": 2, "2": 2, "3": 2}
+    outputs = ToolRunner(tools).run([(ToolCall("play", {}), row) for row in train])
+    for row, output in zip(train, outputs):
+        assert set(row) == {"problem", "answer", "images", "data_source", "clip"}
+        assert row["problem"] == "<image>How many times does the light flash? Answer with a number."
+        still = np.asarray(Image.open(out_dir / row["images"][0]))
+        assert still.shape == (56, 56, 3) and (still == 255).all()  # the same white still for every answer
+        # what the tool returns is the clip: 12 frames at 2 fps, lit in `answer` separate slots
+        assert output.error is None and output.describe_media() == ("video 12 frames",)
+        assert output.videos[0].fps == synthetic.VIDEO_FPS
+        assert len(_lit_slots(output.videos[0].array())) == int(row["answer"])
+    parquet_dir = generate_shapes_dataset(
+        "clip_flashes", tmp_path / "pq", n_train=6, n_val=3, seed=2, fmt="parquet"
+    )
+    import pyarrow.parquet as pq
+
+    assert [row["clip"] for row in pq.read_table(parquet_dir / "train.parquet").to_pylist()] == [
+        row["clip"] for row in train
+    ]
+
+
 def test_long_flashes_keep_their_count_through_mp4_and_1024_frame_sampling():
     from mmrl.data.media import load_video
 
