@@ -45,7 +45,7 @@ from mmrl.agent.trajectory import (
     Turn,
 )
 from mmrl.config import MultiTurnConfig
-from mmrl.data.processing import TOKEN_COLUMNS, MediaProcessor, PromptMedia
+from mmrl.data.processing import TOKEN_COLUMNS, MediaProcessor, PromptMedia, source_images
 
 CUT_MARKER = " [... cut: {count} more tokens]"
 LOGGED_OUTPUT_CHARS = 300  # of each tool output, in the trajectory record
@@ -479,17 +479,19 @@ HIDDEN_COLUMNS = (
 )
 
 
-def sample_rows(prompts: Any) -> list[dict[str, Any]]:
+def sample_rows(prompts: Any, media: MediaProcessor) -> list[dict[str, Any]]:
     """What tools and environments get of each prompt row (a DataProto): its columns (ground truth,
-    uid, the dataset's other columns) and its decoded ``images``, ``videos`` (``[T, H, W, 3]`` frames)
-    and ``audios`` (waveforms)."""
+    uid, the dataset's other columns), its ``images`` at the resolution the data holds them (not scaled
+    to ``data.max_pixels``: a zoom returns the detail the prompt's image lost), and its ``videos``
+    (``[T, H, W, 3]`` frames) and ``audios`` (waveforms) as the model gets them."""
     columns = {key: value for key, value in prompts.non_tensor_batch.items() if key not in HIDDEN_COLUMNS}
     data = prompts.non_tensor_batch.get("multi_modal_data")
+    images = source_images(prompts, media)
     rows = []
     for index in range(len(prompts)):
         row = {key: value[index] for key, value in columns.items()}
         decoded = data[index] if data is not None else {}
-        row["images"] = list(decoded.get("images", []))
+        row["images"] = list(images[index])
         row["videos"] = [frames for frames, _ in decoded.get("videos", [])]
         row["audios"] = [waveform for waveform, _ in decoded.get("audios", [])]
         rows.append(row)

@@ -275,6 +275,14 @@ class MediaProcessor:
             raise media_error(media.where, err) from None
         return images, videos, audios
 
+    def source_images(self, media: PromptMedia) -> list[Any]:
+        """The prompt's images as RGB PIL images at the resolution the data holds them (no pixel
+        budget): what a tool crops or zooms into. Errors name the row."""
+        try:
+            return [load_image(ref, None, None) for ref in media.images]
+        except MediaError as err:
+            raise media_error(media.where, err) from None
+
     def _video_total_pixels(self) -> int:
         """``data.video_total_pixels``, or qwen-vl-utils' default: 90% of 128,000 tokens' pixels."""
         if self.config.video_total_pixels is not None:
@@ -458,6 +466,28 @@ def attach_media(
         columns["multi_modal_data"] = [data for _, data in rows]
     added = DataProto.from_dict(non_tensors=columns).non_tensor_batch  # 1-D object arrays
     return DataProto(batch.batch, {**batch.non_tensor_batch, **added}, batch.meta_info)
+
+
+def source_images(batch: DataProto, processor: MediaProcessor) -> list[list[Any]]:
+    """Each row's images at the resolution the data holds them (:meth:`MediaProcessor.source_images`),
+    from its compact ``prompt_media`` (Ray refs resolved in one ``ray.get``); ``[]`` for a row without
+    media. A crop of the image the processor scaled to ``data.max_pixels`` would hold no more detail than
+    the prompt showed, so tools get these. Rows sharing a value (the n responses of a prompt) share one
+    decoded list."""
+    values = list(batch.non_tensor_batch.get(PROMPT_MEDIA, [None] * len(batch)))
+    keys = [_media_key(value) for value in values]
+    distinct = dict(zip(keys, values))
+    refs = [key for key in distinct if isinstance(key, str)]
+    resolved = {}
+    if refs:
+        import ray
+
+        resolved = dict(zip(refs, ray.get([distinct[key] for key in refs])))
+    images = {}
+    for key, value in distinct.items():
+        media = resolved.get(key, value)
+        images[key] = processor.source_images(media) if media is not None else []
+    return [images[key] for key in keys]
 
 
 def trajectory_inputs(

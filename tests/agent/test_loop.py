@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,14 @@ from mmrl.agent.environments import GuessTheNumber
 from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows, trajectory_contexts
 from mmrl.agent.metrics import trajectory_log, trajectory_metrics
 from mmrl.agent.parsing import parse_hermes_tool_calls
-from mmrl.agent.tools import ERROR_OVERSIZED, ToolCall, ToolRunner, VideoFrames, tool_from_function
+from mmrl.agent.tools import (
+    ERROR_OVERSIZED,
+    ToolCall,
+    ToolOutput,
+    ToolRunner,
+    VideoFrames,
+    tool_from_function,
+)
 from mmrl.agent.trajectory import STOP_ANSWER, STOP_BUDGET, STOP_MAX_TURNS, assemble_trajectory_batch
 from mmrl.columns import TrajectoryInputs, check_batch
 from mmrl.data.collate import collate_prompts
@@ -109,7 +118,7 @@ def test_two_tool_calls_by_hand(parts, prompts):
     tokenizer, processor, _, eos = parts
     texts = [[CALL.format(x=0), CALL.format(x=14), "red"]]
     generate, seen = scripted(tokenizer, eos, texts)
-    rows = sample_rows(prompts[:1])
+    rows = sample_rows(prompts[:1], parts[2])
     [trajectory] = make_loop(parts).run(rows, 400, generate)
     assert trajectory.record.stop == STOP_ANSWER and trajectory.record.model_turns == 3
     assert [call.name for call in trajectory.record.calls] == ["zoom", "zoom"]
@@ -168,7 +177,7 @@ def _request(row, trajectory):
 
 def test_budget_max_turns_and_oversized_observations(parts, prompts):
     tokenizer, _, _, eos = parts
-    rows = sample_rows(prompts[:1]) * 3
+    rows = sample_rows(prompts[:1], parts[2]) * 3
     long_call = '<tool_call>{"name": "describe", "arguments": {"topic": "red"}}</tool_call>'
     texts = [[long_call, "red"], [CALL.format(x=0)] * 3, [CALL.format(x=0), "red"]]
     generate, _ = scripted(tokenizer, eos, texts)
@@ -202,7 +211,7 @@ def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
         ]
     ]
     generate, _ = scripted(tokenizer, eos, texts)
-    [trajectory] = make_loop(parts).run(sample_rows(prompts[:1]), 2000, generate)
+    [trajectory] = make_loop(parts).run(sample_rows(prompts[:1], parts[2]), 2000, generate)
     assert trajectory.record.stop == STOP_ANSWER
     video_turn, error_turn = trajectory.turns[1], trajectory.turns[3]
     assert "video_grid_thw" in video_turn.inputs and 2 in video_turn.token_types  # 3 frames padded to 4
@@ -228,7 +237,7 @@ def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
 
 def test_environment_turns_and_rewards(parts, prompts):
     tokenizer, _, _, eos = parts
-    rows = [dict(row, ground_truth="42") for row in sample_rows(prompts[:1])]
+    rows = [dict(row, ground_truth="42") for row in sample_rows(prompts[:1], parts[2])]
     generate, _ = scripted(tokenizer, eos, [["50", "no idea", "42"]])
     [trajectory] = make_loop(parts, environment=GuessTheNumber).run(rows, 400, generate)
     assert trajectory.turns[0].index == 0 and not trajectory.turns[0].by_model  # the opening observation
@@ -279,11 +288,52 @@ def test_prompts_show_the_tool_schemas(parts, shapes_data_dir):
     )
 
 
+def test_a_tool_zooms_into_the_image_the_data_holds_not_the_one_scaled_to_the_budget(parts, tmp_path):
+    """The agent demo's premise: a 1120-px image seen at a 56x56 budget, a tool that returns its centre.
+    The tool must get the image at the data's resolution; a crop of the scaled image has lost the mark."""
+    from mmrl.agent.tools import load_tools
+    from mmrl.demo.synthetic import COLORS, draw_sample
+
+    tokenizer, processor, _, eos = parts
+    image, question, answer = draw_sample("small_mark", np.random.default_rng(3))
+    image.save(tmp_path / "mark.png")
+    (tmp_path / "rows.jsonl").write_text(
+        json.dumps({"problem": question, "answer": answer, "images": ["mark.png"]}) + "\n"
+    )
+    config = DataConfig(min_pixels=3136, max_pixels=3136)
+    dataset = PromptDataset(str(tmp_path / "rows.jsonl"), tokenizer, processor, config)
+    prompts = attach_media(
+        collate_prompts([dataset[0]], tokenizer.pad_token_id).repeat(2, interleave=True),
+        dataset.media,
+        rollout_media=True,
+    )
+    assert prompts.non_tensor_batch["multi_modal_data"][0]["images"][0].size == (
+        56,
+        56,
+    )  # what the model sees
+    rows = sample_rows(prompts, dataset.media)
+    assert rows[0]["images"][0] is rows[1]["images"][0]  # the n responses of a prompt share one decode
+    assert np.array_equal(np.asarray(rows[0]["images"][0]), np.asarray(image.convert("RGB")))  # 1120 px
+
+    zoom_file = Path(__file__).resolve().parents[2] / "examples" / "tools" / "zoom_center.py"
+    loop = AgentLoop(
+        ObservationRenderer(dataset.media, "<|im_end|>"), parse_hermes_tool_calls, LoopOptions(max_turns=2),
+        [eos], ToolRunner(load_tools([str(zoom_file)]), timeout_s=5),
+    )  # fmt: skip
+    generate, _ = scripted(tokenizer, eos, [['<tool_call>{"name": "zoom"}</tool_call>', answer]] * 2)
+    trajectories = loop.run(rows, 96, generate)
+    zoomed = load_tools([str(zoom_file)])["zoom"].function(row={"images": [image.convert("RGB")]})
+    assert {tuple(rgb) for rgb in np.asarray(zoomed).reshape(-1, 3)} & {COLORS[answer]}  # the mark, enlarged
+    expected, _, _ = loop.renderer.encode("tool", [ToolOutput(images=[zoomed])], "expected")
+    for trajectory in trajectories:
+        assert trajectory.record.stop == STOP_ANSWER
+        assert torch.equal(trajectory.turns[1].inputs["pixel_values"], expected["pixel_values"])
+
+
 def test_the_video_tool_demo_plays_the_row_s_clip_into_the_tool_turn(parts, tiny_vl_path, tmp_path):
     """examples/tiny_cpu_agent_video.yaml's data settings and tool on its task (clip_flashes): the
     row carries the clip, the tool's 12 frames become the tool turn's 24 video tokens, and the
     trajectory (call, clip, answer) fits the config's response budget."""
-    from pathlib import Path
 
     from mmrl.agent.loop import build_agent_loop, tool_schemas
     from mmrl.demo.synthetic import generate_shapes_dataset
@@ -307,7 +357,7 @@ def test_the_video_tool_demo_plays_the_row_s_clip_into_the_tool_turn(parts, tiny
     loop = build_agent_loop(multi_turn, dataset.media, [eos], "qwen2_5_vl")
     texts = [['<tool_call>{"name": "play"}</tool_call>', str(item["ground_truth"])] for item in items]
     generate, _ = scripted(tokenizer, eos, texts)
-    trajectories = loop.run(sample_rows(prompts), cfg.data.max_response_length, generate)
+    trajectories = loop.run(sample_rows(prompts, dataset.media), cfg.data.max_response_length, generate)
     for trajectory in trajectories:
         assert trajectory.record.stop == STOP_ANSWER and [turn.by_model for turn in trajectory.turns] == [
             True,
@@ -336,7 +386,7 @@ def test_a_failing_environment_ends_its_episode_not_the_run(parts, prompts):
     tokenizer, _, _, eos = parts
     generate, _ = scripted(tokenizer, eos, [["left"]])
     [trajectory] = make_loop(parts, environment=_BrokenEnvironment).run(
-        sample_rows(prompts[:1]), 400, generate
+        sample_rows(prompts[:1], parts[2]), 400, generate
     )
     assert [turn.index for turn in trajectory.turns] == [1] and trajectory.turn_rewards == [0.0]
     assert trajectory.record.stop == STOP_ANSWER

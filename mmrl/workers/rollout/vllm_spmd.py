@@ -498,7 +498,9 @@ class VLLMRollout:
                 turns.append(turn_until_eos(ids, log_probs, eos, request.max_tokens))
             return turns
 
-        trajectories = self.agent.run(sample_rows(repeated), sampling.max_tokens, generate_turns)
+        trajectories = self.agent.run(
+            sample_rows(repeated, self.agent.renderer.media), sampling.max_tokens, generate_turns
+        )
         return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, self.pad_token_id)
 
     def shutdown(self) -> None:
