@@ -196,13 +196,16 @@ def trajectory_batch(loop, prompts, first_turns: list[str], answers: list[str], 
             turns.append((ids, [0.0] * len(ids)))
         return turns
 
-    trajectories = loop.run(sample_rows(prompts), budget, generate)
+    trajectories = loop.run(sample_rows(prompts, loop.renderer.media), budget, generate)
     return assemble_trajectory_batch(prompts, trajectories, budget, tokenizer.pad_token_id)
 
 
-def model_turn_loss(model, batch) -> torch.Tensor:
-    """Mean cross-entropy of the model's tokens (``response_mask``) of a trajectory batch."""
+def model_turn_loss(model, batch, first_turn_only: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of the model's tokens (``response_mask``) of a trajectory batch; only of its
+    first turn (``response_turns`` 1) with ``first_turn_only``."""
     responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+    if first_turn_only:
+        mask = mask * (batch.batch["response_turns"] == 1)
     types = batch.batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.batch.keys() else None
     logits = response_head_outputs(
         model,
@@ -228,10 +231,13 @@ def warm_up_tool_calls(
     call_rate: float = 0.5,
     max_response_length: int = 96,
     max_pixels: int = MIN_PIXELS,
+    aux_data_file: str | None = None,
+    answers_after_tool: bool = True,
 ) -> Path:
     """The call-format warm-up (see the module docstring); writes a Hugging Face folder to ``out_dir``.
-    Images and video frames at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories within
-    ``max_response_length`` tokens, as in the RL job."""
+    Images and video frames at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories
+    within ``max_response_length`` tokens, as in the RL job. ``aux_data_file``: another task trained on
+    its true labels too, as in :func:`warm_up`."""
     from mmrl.agent.loop import build_agent_loop, tool_schemas
     from mmrl.config import MultiTurnConfig
 
@@ -248,6 +254,9 @@ def warm_up_tool_calls(
         "max_pixels": max_pixels,
         "base_model": _base_fingerprint(Path(model_dir)),
         "data_build": _data_marker(Path(data_file).parent),
+        "aux_data_file": str(aux_data_file) if aux_data_file else None,
+        "aux_data_build": _data_marker(Path(aux_data_file).parent) if aux_data_file else None,
+        "answers_after_tool": answers_after_tool,
         "layout": "source",
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
@@ -266,6 +275,9 @@ def warm_up_tool_calls(
     loop = build_agent_loop(multi_turn, dataset.media, [tokenizer.eos_token_id], model.config.model_type)
     call = tool_call_text(schemas[0]["function"]["name"])
     answer_set = sorted({str(dataset[i]["ground_truth"]) for i in range(min(len(dataset), 256))})
+    aux = _dataset(aux_data_file, tokenizer, processor) if aux_data_file else None
+    aux_set = {str(aux[i]["ground_truth"]) for i in range(min(len(aux), 256))} if aux else set()
+    aux_width = max((len(tokenizer.encode(a, add_special_tokens=False)) for a in aux_set), default=0) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for step in range(steps):
@@ -275,7 +287,11 @@ def warm_up_tool_calls(
         answers = answer_set * batch_size  # every answer for every prompt, after a call or without one
         first = [call if rng.random() < call_rate else answer for answer in answers]
         batch = trajectory_batch(loop, prompts, first, answers, tokenizer, max_response_length)
-        loss = model_turn_loss(model, batch)
+        loss = model_turn_loss(model, batch, first_turn_only=not answers_after_tool)
+        if aux is not None:  # another task's true labels: the vision path learns to see (not this task)
+            aux_items = [aux[int(i)] for i in rng.choice(len(aux), 2 * batch_size, replace=False)]
+            aux_answers = [str(item["ground_truth"]) for item in aux_items]
+            loss = loss + answer_loss(model, aux, aux_items, aux_answers, 1, tokenizer, aux_width)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -330,11 +346,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max_response_length", type=int, default=96, help="with --tool_file: the trajectories' token budget"
     )
+    parser.add_argument(
+        "--no_answers_after_tool", action="store_true",
+        help="with --tool_file: train the first turn only (the answer after the tool's result is untrained)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.tool_file:
         warm_up_tool_calls(
             args.model, args.data, args.out, args.tool_file, steps=args.steps, lr=args.lr, seed=args.seed,
             call_rate=args.call_rate, max_response_length=args.max_response_length,
+            aux_data_file=args.aux_data, answers_after_tool=not args.no_answers_after_tool,
         )  # fmt: skip
         return
     warm_up(
