@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -49,19 +50,26 @@ def render_prompt(template: str, question: str, response: str) -> str:
     return environment.from_string(template).render(question=question, response=response, ground_truth="")
 
 
+def judge_answer(colour: str, verdict: str) -> str:
+    """The judge's answer: the colour it sees, then its verdict (``red no``)."""
+    return f"{colour} {verdict}"
+
+
 def judge_rows(
     data_file: Path, template: str, colours: list[str], not_colours: tuple[str, ...] = ()
 ) -> list[dict]:
     """Judge rows for every image of ``data_file``: each of ``colours`` and of ``not_colours`` as the
-    response, ``answer`` yes for the true colour and no otherwise; ``images`` keep their paths."""
+    response, ``answer`` the true colour then yes for the true colour and no otherwise (``red yes``,
+    ``red no``); ``images`` keep their paths."""
     rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
     out = []
     for row in rows:
         for response in [*colours, *not_colours]:
+            verdict = "yes" if response == row["answer"] else "no"
             out.append(
                 {
                     "problem": render_prompt(template, row["problem"], response),
-                    "answer": "yes" if response == row["answer"] else "no",
+                    "answer": judge_answer(row["answer"], verdict),
                     "images": row["images"],
                 }
             )
@@ -79,29 +87,49 @@ def _dataset(
 
 
 @torch.no_grad()
-def judge_accuracy(model, dataset: PromptDataset, tokenizer, width: int, batch_size: int = 32) -> dict:
-    """Accuracy of the judge's yes/no (the likelier of the two answers) over ``dataset``: all rows, the
-    rows whose answer is yes, those whose answer is no."""
+def judge_accuracy(
+    model, dataset: PromptDataset, tokenizer, colours: list[str], width: int, batch_size: int = 16
+) -> dict:
+    """Accuracy of the judge's verdict over ``dataset``, whose rows' answers are :func:`judge_answer`'s:
+    the judge's answer is the likeliest of every colour with every verdict (then EOS). Returns the
+    accuracy over all rows, on the rows whose verdict is yes, on those whose verdict is no, and how often
+    the colour it names is the true one; ``verdicts`` lists its verdicts in the rows' order."""
     model.eval()
-    correct = {"yes": [], "no": []}
+    candidates = [judge_answer(colour, label) for colour in colours for label in LABELS]
+    correct: dict[str, list[bool]] = {"yes": [], "no": []}
+    named, verdicts = [], []
     for start in range(0, len(dataset), batch_size):
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         token_loss, _ = answer_token_losses(
-            model, dataset, items, list(LABELS) * len(items), 2, tokenizer, width
+            model, dataset, items, candidates * len(items), len(candidates), tokenizer, width
         )
-        loss = token_loss.sum(-1).view(len(items), 2)  # [B, (yes, no)]: minus the answer's log-likelihood
-        says_yes = (loss[:, 0] < loss[:, 1]).tolist()
-        for item, yes in zip(items, says_yes):
-            truth = str(item["ground_truth"])
-            correct[truth].append(yes == (truth == "yes"))
+        loss = token_loss.sum(-1).view(len(items), len(candidates))  # minus each answer's log-likelihood
+        for item, best in zip(items, loss.argmin(-1).tolist()):
+            colour, truth = str(item["ground_truth"]).split()
+            said_colour, said = candidates[best].split()
+            correct[truth].append(said == truth)
+            verdicts.append(said)
+            named.append(said_colour == colour)
     model.train()
     every = correct["yes"] + correct["no"]
     return {
         "accuracy": float(np.mean(every)),
         "yes_accuracy": float(np.mean(correct["yes"])),
         "no_accuracy": float(np.mean(correct["no"])),
+        "balanced_accuracy": float(np.mean(correct["yes"]) + np.mean(correct["no"])) / 2,
+        "colour_accuracy": float(np.mean(named)),
         "rows": len(every),
+        "verdicts": verdicts,
     }
+
+
+def lr_factor(step: int, steps: int, warmup: int = 10, floor: float = 0.1) -> float:
+    """The learning rate's multiplier at ``step``: a linear warm-up over ``warmup`` steps, then a cosine
+    down to ``floor`` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _settings(model_dir: Path, data_dir: Path, template: str, **options) -> dict:
@@ -143,15 +171,18 @@ def train_judge(
     rng = np.random.default_rng(seed)
     tokenizer, processor = load_tokenizer_and_processor(model_dir)
     model = load_model(model_dir)
-    width = max(len(tokenizer.encode(label, add_special_tokens=False)) for label in LABELS) + 1
-    colour_width = 4  # the colour words and EOS
     all_train_lines = [line for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
     colours = sorted({json.loads(line)["answer"] for line in all_train_lines})
+    answers = [judge_answer(colour, label) for colour in colours for label in LABELS]
+    width = max(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answers) + 1
+    colour_width = max(len(tokenizer.encode(colour, add_special_tokens=False)) for colour in colours) + 1
     train_lines = all_train_lines[:max_train_images]
     with tempfile.TemporaryDirectory(prefix="mmrl-judge-") as folder:
         (Path(folder) / "train_images.jsonl").write_text("\n".join(train_lines) + "\n")
         rows = judge_rows(Path(folder) / "train_images.jsonl", template, colours, not_colours)
-        by_label = {label: [i for i, row in enumerate(rows) if row["answer"] == label] for label in LABELS}
+        by_label = {
+            label: [i for i, row in enumerate(rows) if row["answer"].endswith(label)] for label in LABELS
+        }
         train = _dataset(rows, Path(folder), "train", data, tokenizer, processor)
         val_lines = (data / "val.jsonl").read_text().splitlines()[:max_val_images]
         (Path(folder) / "val_images.jsonl").write_text("\n".join(val_lines) + "\n")
@@ -161,6 +192,7 @@ def train_judge(
         colour_data = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
         half = max(1, batch_size // 2)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
         model.train()
         for step in range(steps):
             picked = [int(i) for label in LABELS for i in rng.choice(by_label[label], half, replace=False)]
@@ -176,9 +208,10 @@ def train_judge(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            scheduler.step()
             if step % 25 == 0 or step == steps - 1:
                 print(f"[mmrl.demo.judge] step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
-        evaluation = judge_accuracy(model, held_out, tokenizer, width)
+        evaluation = judge_accuracy(model, held_out, tokenizer, colours, width)
     print(
         f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
         f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f})"
