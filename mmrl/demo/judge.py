@@ -86,6 +86,19 @@ def judge_rows(
     return out
 
 
+def junk_responses(tokenizer, rng: np.random.Generator, count: int, colours: list[str]) -> list[str]:
+    """``count`` responses that name no colour: one to three random tokens of the vocabulary (no special
+    token), decoded, as a policy that has found a judge's blind spot writes them (`` by``, ``\\x04``)."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    out = []
+    while len(out) < count:
+        text = tokenizer.decode(rng.choice(ids, int(rng.integers(1, 4))).tolist())
+        if text.strip().lower() not in colours:
+            out.append(text)
+    return out
+
+
 def _dataset(
     rows: list[dict], folder: Path, name: str, media_dir: Path, tokenizer, processor
 ) -> PromptDataset:
@@ -122,11 +135,13 @@ def judge_accuracy(
             named.append(said_colour == colour)
     model.train()
     every = correct["yes"] + correct["no"]
+    yes_accuracy = float(np.mean(correct["yes"])) if correct["yes"] else None
+    no_accuracy = float(np.mean(correct["no"])) if correct["no"] else None
     return {
         "accuracy": float(np.mean(every)),
-        "yes_accuracy": float(np.mean(correct["yes"])),
-        "no_accuracy": float(np.mean(correct["no"])),
-        "balanced_accuracy": float(np.mean(correct["yes"]) + np.mean(correct["no"])) / 2,
+        "yes_accuracy": yes_accuracy,
+        "no_accuracy": no_accuracy,
+        "balanced_accuracy": (yes_accuracy + no_accuracy) / 2 if correct["yes"] and correct["no"] else None,
         "colour_accuracy": float(np.mean(named)),
         "rows": len(every),
         "verdicts": verdicts,
@@ -174,7 +189,7 @@ def train_judge(
     settings = _settings(
         Path(model_dir), data, template, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
         max_train_images=max_train_images, max_val_images=max_val_images, not_colours=list(not_colours),
-        compare_batch=compare_batch,
+        compare_batch=compare_batch, recipe="colour then verdict, comparison rows with junk",
     )  # fmt: skip
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.demo.judge] {out} is up to date")
@@ -201,18 +216,31 @@ def train_judge(
         val_rows = judge_rows(Path(folder) / "val_images.jsonl", template, colours)
         held_out = _dataset(val_rows, Path(folder), "val", data, tokenizer, processor)
         question = json.loads(train_lines[0])["problem"].replace("<image>", "")
+        words = [(seen, response) for seen in colours for response in [*colours, *not_colours]]
+        junk = [(str(rng.choice(colours)), text) for text in junk_responses(tokenizer, rng, 2000, colours)]
         pairs = [
             {
                 "problem": render_prompt(template, question, response),
                 "answer": judge_answer(seen, "yes" if response == seen else "no"),
             }
-            for seen in colours
-            for response in [*colours, *not_colours]
+            for seen, response in words + junk
         ]
         compare = _dataset(pairs, Path(folder), "compare", data, tokenizer, processor)
-        compare_by_label = {
-            label: [i for i, row in enumerate(pairs) if row["answer"].endswith(label)] for label in LABELS
-        }
+        compare_groups = [  # drawn half yes, a quarter other words, a quarter junk
+            [i for i, (seen, response) in enumerate(words) if response == seen],
+            [i for i, (seen, response) in enumerate(words) if response != seen],
+            list(range(len(words), len(pairs))),
+        ]
+        val_junk = [
+            {
+                **row,
+                "problem": render_prompt(template, row["problem"], text),
+                "answer": judge_answer(row["answer"], "no"),
+            }
+            for row in map(json.loads, val_lines)
+            for text in junk_responses(tokenizer, rng, 2, colours)
+        ]
+        held_out_junk = _dataset(val_junk, Path(folder), "val_junk", data, tokenizer, processor)
         colour_rows = [json.loads(line) for line in train_lines]
         colour_data = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
         half = max(1, batch_size // 2)
@@ -226,10 +254,13 @@ def train_judge(
                 model, train, items, [str(it["ground_truth"]) for it in items], 1, tokenizer, width
             )
             if compare_batch:  # the verdict alone, given the colour named, on text rows (no image)
+                sizes = (
+                    compare_batch // 2,
+                    compare_batch // 4,
+                    compare_batch - compare_batch // 2 - compare_batch // 4,
+                )
                 picked = [
-                    int(i)
-                    for label in LABELS
-                    for i in rng.choice(compare_by_label[label], compare_batch // 2, replace=True)
+                    int(i) for group, size in zip(compare_groups, sizes) for i in rng.choice(group, size)
                 ]
                 items = [compare[i] for i in picked]
                 token_loss, mask = answer_token_losses(
@@ -248,9 +279,13 @@ def train_judge(
             if step % 25 == 0 or step == steps - 1:
                 print(f"[mmrl.demo.judge] step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
         evaluation = judge_accuracy(model, held_out, tokenizer, colours, width)
+        junk_evaluation = judge_accuracy(model, held_out_junk, tokenizer, colours, width)
+        evaluation["junk_no_accuracy"] = junk_evaluation["no_accuracy"]
+        evaluation["junk_rows"] = junk_evaluation["rows"]
     print(
         f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
-        f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f})"
+        f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f}); "
+        f"no to {evaluation['junk_no_accuracy']:.3f} of {evaluation['junk_rows']} junk responses"
     )
     save_trained(
         out, model, model_dir, tokenizer, processor, settings, {"judge_eval.json": json.dumps(evaluation)}

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from mmrl.config import JudgeConfig
 from mmrl.data.processing import PromptMedia
-from mmrl.demo.judge import TEMPLATE, judge_answer, judge_rows, lr_factor, render_prompt, train_judge
+from mmrl.demo.judge import (
+    TEMPLATE,
+    judge_answer,
+    judge_rows,
+    junk_responses,
+    lr_factor,
+    render_prompt,
+    train_judge,
+)
 from mmrl.rewards.judge import JudgeSource, build_judge
 from mmrl.rewards.parsers import parse_yes_no
 from mmrl.rewards.source import SampleFailure
@@ -45,6 +54,18 @@ def test_the_runs_parser_reads_the_verdict_after_the_named_colour():
     assert parse_yes_no("blue") is None  # cut before the verdict: unreadable
 
 
+def test_junk_responses_are_decoded_vocabulary_that_names_no_colour(tiny_vl_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_path)
+    junk = junk_responses(tokenizer, np.random.default_rng(0), 200, COLOURS)
+    assert len(junk) == 200 and len(set(junk)) > 150  # varied
+    for text in junk:
+        assert text.strip().lower() not in COLOURS
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert not set(ids) & set(tokenizer.all_special_ids)
+
+
 def test_the_learning_rate_warms_up_then_decays_to_its_floor():
     factors = [lr_factor(step, 110) for step in range(110)]
     assert factors[0] == 0.1 and factors[9] == 1.0  # linear over the 10 warm-up steps
@@ -75,6 +96,7 @@ def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data
     )  # fmt: skip
     assert evaluation["rows"] == 2 * 4 and 0.0 <= evaluation["accuracy"] <= 1.0
     assert len(evaluation["verdicts"]) == 8 and set(evaluation["verdicts"]) <= {"yes", "no"}
+    assert evaluation["junk_rows"] == 2 * 2 and 0.0 <= evaluation["junk_no_accuracy"] <= 1.0
     capsys.readouterr()
     again = train_judge(
         str(tiny_vl_path), str(shapes_data_dir), str(out), steps=1, batch_size=4, max_train_images=8,
