@@ -231,14 +231,15 @@ def train_judge(
             [i for i, (seen, response) in enumerate(words) if response != seen],
             list(range(len(words), len(pairs))),
         ]
+        val_images = [json.loads(line) for line in val_lines]
+        junk_texts = junk_responses(tokenizer, rng, 2 * len(val_images), colours)  # two per image
         val_junk = [
             {
                 **row,
                 "problem": render_prompt(template, row["problem"], text),
                 "answer": judge_answer(row["answer"], "no"),
             }
-            for row in map(json.loads, val_lines)
-            for text in junk_responses(tokenizer, rng, 2, colours)
+            for row, text in zip([row for row in val_images for _ in range(2)], junk_texts)
         ]
         held_out_junk = _dataset(val_junk, Path(folder), "val_junk", data, tokenizer, processor)
         colour_rows = [json.loads(line) for line in train_lines]
@@ -282,6 +283,7 @@ def train_judge(
         junk_evaluation = judge_accuracy(model, held_out_junk, tokenizer, colours, width)
         evaluation["junk_no_accuracy"] = junk_evaluation["no_accuracy"]
         evaluation["junk_rows"] = junk_evaluation["rows"]
+        evaluation["junk_responses"] = junk_texts  # two per held-out image, in order (bench/judge_demo.py)
     print(
         f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
         f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f}); "
