@@ -87,13 +87,13 @@ def judge_rows(
 
 
 def junk_responses(tokenizer, rng: np.random.Generator, count: int, colours: list[str]) -> list[str]:
-    """``count`` responses that name no colour: one to three random tokens of the vocabulary (no special
+    """``count`` responses that name no colour: none to three random tokens of the vocabulary (no special
     token), decoded, as a policy that has found a judge's blind spot writes them (`` by``, ``\\x04``)."""
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(len(tokenizer)) if i not in special]
     out = []
     while len(out) < count:
-        text = tokenizer.decode(rng.choice(ids, int(rng.integers(1, 4))).tolist())
+        text = tokenizer.decode(rng.choice(ids, int(rng.integers(0, 4))).tolist())
         if text.strip().lower() not in colours:
             out.append(text)
     return out
@@ -189,7 +189,7 @@ def train_judge(
     settings = _settings(
         Path(model_dir), data, template, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
         max_train_images=max_train_images, max_val_images=max_val_images, not_colours=list(not_colours),
-        compare_batch=compare_batch, recipe="colour then verdict, comparison rows with junk",
+        compare_batch=compare_batch, recipe="colour then verdict; comparison rows with junk of 0-3 tokens",
     )  # fmt: skip
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         print(f"[mmrl.demo.judge] {out} is up to date")
