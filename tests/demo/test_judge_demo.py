@@ -59,7 +59,7 @@ def test_junk_responses_are_decoded_vocabulary_that_names_no_colour(tiny_vl_path
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl_path)
     junk = junk_responses(tokenizer, np.random.default_rng(0), 200, COLOURS)
-    assert len(junk) == 200 and len(set(junk)) > 150  # varied
+    assert len(junk) == 200 and len(set(junk)) > 100 and "" in junk  # varied, the empty answer among them
     for text in junk:
         assert text.strip().lower() not in COLOURS
         ids = tokenizer.encode(text, add_special_tokens=False)
