@@ -25,7 +25,7 @@ answer is the likeliest of every colour with every verdict. ``bench/judge_demo.p
 through the served judge, greedy, and compares the verdicts pair by pair.
 
 CLI: ``python -m mmrl.demo.judge --model assets/models/tiny-qwen2.5-vl --data_dir
-assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 500]`` (``make assets-judge``).
+assets/data/shapes-color --out assets/models/tiny-judge-colour [--steps 800]`` (``make assets-judge``).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def train_judge(
     model_dir: str,
     data_dir: str,
     out_dir: str,
-    steps: int = 500,
+    steps: int = 800,
     batch_size: int = 16,
     lr: float = 2e-3,
     seed: int = 0,
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="tiny model folder to start from")
     parser.add_argument("--data_dir", required=True, help="the colour task's folder (train.jsonl, val.jsonl)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
