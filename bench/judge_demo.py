@@ -8,7 +8,9 @@
    and asked through the run's client and prompt (:func:`mmrl.rewards.judge.build_judge`) about every
    held-out image (``val.jsonl``, which the judge never saw) with each colour as the response: accuracy
    over all pairs, on the true colour (should say yes) and on the others (should say no), unreadable
-   answers, and requests per second.
+   answers, and requests per second; the verdicts pair by pair against the training script's (same
+   pairs, same order); and the training script's junk responses (random tokens, two per image), to
+   which it should say no.
 2. **The policy's curve.** From the run's ``metrics.jsonl``: at each validation, the greedy answers'
    accuracy by the rule file (``val/reward/rule/accuracy``; weight 0 in the run, so a yardstick only)
    beside the judge's mean verdict on them (``val/reward/judge/overall``); per training step the same two
@@ -29,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from harness import REPO, markdown_table, write_json
 
 sys.path.insert(0, str(REPO))
@@ -41,8 +44,12 @@ from mmrl.rewards.judge_server import VllmServer  # noqa: E402
 TEMPLATE = REPO / "format_prompts" / "judge_colour.jinja"
 
 
-def served_accuracy(judge_dir: Path, data_dir: Path, max_images: int | None) -> dict:
-    """Serves ``judge_dir`` and asks it about every held-out image × colour (see the module docstring)."""
+def served_accuracy(
+    judge_dir: Path, data_dir: Path, max_images: int | None, max_tokens: int, junk: list[str]
+) -> dict:
+    """Serves ``judge_dir`` and asks it about every held-out image × colour (see the module docstring),
+    ``max_tokens`` per answer as the run's judge config allows; then about ``junk`` (the training script's
+    junk responses, two per image in order), where it should say no."""
     rows = [json.loads(line) for line in (data_dir / "val.jsonl").read_text().splitlines() if line.strip()]
     rows = rows[:max_images]
     colours = sorted({row["answer"] for row in rows})
@@ -56,7 +63,9 @@ def served_accuracy(judge_dir: Path, data_dir: Path, max_images: int | None) -> 
     try:
         base_url = server.start(timeout_s=600)
         startup_s = time.perf_counter() - start
-        config = JudgeConfig(prompt_template=str(TEMPLATE), max_tokens=4, cache=False, max_concurrency=16)
+        config = JudgeConfig(
+            prompt_template=str(TEMPLATE), max_tokens=max_tokens, cache=False, max_concurrency=16
+        )
         judge = build_judge(config, base_url, "judge", None, prompt_key="problem")
         samples = [
             {
@@ -71,18 +80,28 @@ def served_accuracy(judge_dir: Path, data_dir: Path, max_images: int | None) -> 
         start = time.perf_counter()
         scores = judge.score(samples)
         seconds = time.perf_counter() - start
+        per_image = len(junk) // len(rows) if junk else 0
+        junk_samples = [
+            {**samples[index * len(colours)], "response": text}
+            for index in range(len(rows))
+            for text in junk[index * per_image : (index + 1) * per_image]
+        ]
+        junk_scores = judge.score(junk_samples) if junk_samples else []
         judge.close()
     finally:
         server.stop()
     right = {"yes": [], "no": []}
     unreadable = 0
+    verdicts = []
     for sample, score in zip(samples, scores):
         truth = "yes" if sample["response"] == sample["ground_truth"] else "no"
         if not isinstance(score, dict) or score.get("unparseable", 0.0):
             unreadable += 1
             right[truth].append(False)
+            verdicts.append(None)
             continue
-        right[truth].append(score["overall"] == (1.0 if truth == "yes" else 0.0))
+        verdicts.append("yes" if score["overall"] == 1.0 else "no")
+        right[truth].append(verdicts[-1] == truth)
     every = right["yes"] + right["no"]
     return {
         "pairs": len(every),
@@ -92,6 +111,17 @@ def served_accuracy(judge_dir: Path, data_dir: Path, max_images: int | None) -> 
         "balanced_accuracy": (sum(right["yes"]) / len(right["yes"]) + sum(right["no"]) / len(right["no"]))
         / 2,
         "unreadable": unreadable,
+        "verdicts": verdicts,
+        "junk_pairs": len(junk_scores),
+        "junk_no_accuracy": (
+            sum(
+                isinstance(score, dict) and score["overall"] == 0.0 and not score.get("unparseable", 0.0)
+                for score in junk_scores
+            )
+            / len(junk_scores)
+            if junk_scores
+            else None
+        ),
         "requests_per_s": len(samples) / seconds,
         "server_startup_s": startup_s,
     }
@@ -165,28 +195,41 @@ def main() -> None:
     )
     parser.add_argument("--max_images", type=int, default=None, help="held-out images asked about (all)")
     parser.add_argument("--skip_serve", action="store_true", help="only the run's numbers")
+    parser.add_argument(
+        "--config", default=str(REPO / "examples" / "tiny_cpu_judge.yaml"), help="the run's job"
+    )
     args = parser.parse_args()
+    max_tokens = yaml.safe_load(Path(args.config).read_text())["worker"]["reward"]["judge"]["max_tokens"]
     results: dict = {}
     trained = Path(args.judge) / "judge_eval.json"
     if trained.is_file():
         results["judge_in_process"] = json.loads(trained.read_text())
     if not args.skip_serve:
-        results["judge_served"] = served_accuracy(Path(args.judge), Path(args.data_dir), args.max_images)
+        junk = (results.get("judge_in_process") or {}).get("junk_responses", [])
+        results["judge_served"] = served_accuracy(
+            Path(args.judge), Path(args.data_dir), args.max_images, max_tokens, junk
+        )
     rows = [
         [how, numbers["pairs" if "pairs" in numbers else "rows"], _fmt(numbers["accuracy"]),
-         _fmt(numbers["yes_accuracy"]), _fmt(numbers["no_accuracy"])]
+         _fmt(numbers["yes_accuracy"]), _fmt(numbers["no_accuracy"]), _fmt(numbers.get("junk_no_accuracy"))]
         for how, numbers in (("in-process (training script)", results.get("judge_in_process")),
                              ("served (vLLM, OpenAI API)", results.get("judge_served")))
         if numbers
     ]  # fmt: skip
     print("\nThe judge on held-out images (each image with every colour as the response)\n")
-    print(markdown_table(["judge", "pairs", "accuracy", "on the true colour", "on other colours"], rows))
+    headers = ["judge", "pairs", "accuracy", "on the true colour", "on other colours", "no to junk"]
+    print(markdown_table(headers, rows))
     if "judge_served" in results:
         served = results["judge_served"]
         print(
             f"\nserved: {served['unreadable']} unreadable answers, {served['requests_per_s']:.1f} requests/s, "
             f"server up in {served['server_startup_s']:.0f} s"
         )
+        in_process = (results.get("judge_in_process") or {}).get("verdicts")
+        if in_process and len(in_process) == len(served["verdicts"]):  # the same pairs in the same order
+            same = sum(a == b for a, b in zip(in_process, served["verdicts"]))
+            served["same_verdicts_as_in_process"] = same
+            print(f"served and in-process verdicts agree on {same} of {len(in_process)} pairs")
     if Path(args.metrics).is_file():
         run = run_numbers(Path(args.metrics))
         results["run"] = run
