@@ -200,12 +200,9 @@ def trajectory_batch(loop, prompts, first_turns: list[str], answers: list[str], 
     return assemble_trajectory_batch(prompts, trajectories, budget, tokenizer.pad_token_id)
 
 
-def model_turn_loss(model, batch, first_turn_only: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of the model's tokens (``response_mask``) of a trajectory batch; only of its
-    first turn (``response_turns`` 1) with ``first_turn_only``."""
+def model_turn_loss(model, batch) -> torch.Tensor:
+    """Mean cross-entropy of the model's tokens (``response_mask``) of a trajectory batch."""
     responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-    if first_turn_only:
-        mask = mask * (batch.batch["response_turns"] == 1)
     types = batch.batch["mm_token_type_ids"] if "mm_token_type_ids" in batch.batch.keys() else None
     logits = response_head_outputs(
         model,
@@ -232,7 +229,6 @@ def warm_up_tool_calls(
     max_response_length: int = 96,
     max_pixels: int = MIN_PIXELS,
     aux_data_file: str | None = None,
-    answers_after_tool: bool = True,
 ) -> Path:
     """The call-format warm-up (see the module docstring); writes a Hugging Face folder to ``out_dir``.
     Images and video frames at most ``max_pixels`` (the demo's budget, 56x56 by default), trajectories
@@ -252,11 +248,11 @@ def warm_up_tool_calls(
         "seed": seed,
         "call_rate": call_rate,
         "max_pixels": max_pixels,
+        "max_response_length": max_response_length,
         "base_model": _base_fingerprint(Path(model_dir)),
         "data_build": _data_marker(Path(data_file).parent),
         "aux_data_file": str(aux_data_file) if aux_data_file else None,
         "aux_data_build": _data_marker(Path(aux_data_file).parent) if aux_data_file else None,
-        "answers_after_tool": answers_after_tool,
         "layout": "source",
     }
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
@@ -287,7 +283,7 @@ def warm_up_tool_calls(
         answers = answer_set * batch_size  # every answer for every prompt, after a call or without one
         first = [call if rng.random() < call_rate else answer for answer in answers]
         batch = trajectory_batch(loop, prompts, first, answers, tokenizer, max_response_length)
-        loss = model_turn_loss(model, batch, first_turn_only=not answers_after_tool)
+        loss = model_turn_loss(model, batch)
         if aux is not None:  # another task's true labels: the vision path learns to see (not this task)
             aux_items = [aux[int(i)] for i in rng.choice(len(aux), 2 * batch_size, replace=False)]
             aux_answers = [str(item["ground_truth"]) for item in aux_items]
@@ -346,16 +342,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max_response_length", type=int, default=96, help="with --tool_file: the trajectories' token budget"
     )
-    parser.add_argument(
-        "--no_answers_after_tool", action="store_true",
-        help="with --tool_file: train the first turn only (the answer after the tool's result is untrained)",
-    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.tool_file:
         warm_up_tool_calls(
             args.model, args.data, args.out, args.tool_file, steps=args.steps, lr=args.lr, seed=args.seed,
             call_rate=args.call_rate, max_response_length=args.max_response_length,
-            aux_data_file=args.aux_data, answers_after_tool=not args.no_answers_after_tool,
+            aux_data_file=args.aux_data,
         )  # fmt: skip
         return
     warm_up(

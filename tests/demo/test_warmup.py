@@ -72,3 +72,31 @@ def test_aux_data_adds_its_true_labels_to_each_step_and_to_the_settings(
     # same first batch of uniform targets, plus the auxiliary batch's cross-entropy: the random model
     # gives the true colour word (then EOS) ~1/485 per token, so that term is about ln(485) = 6.2
     assert 4.0 < aux_loss - plain_loss < 8.0
+
+
+def test_the_call_format_warm_up_adds_an_aux_task_s_true_labels_and_keys_its_copy_by_its_settings(
+    tiny_vl_path, shapes_data_dir, tmp_path, capsys
+):
+    """One step of the multi-turn warm-up (scripted trajectories through the agent loop and its tool),
+    without and with the colour task's true labels on the side; each setting is in the copy's marker."""
+    from pathlib import Path
+
+    from mmrl.demo.warmup import warm_up_tool_calls
+
+    data = str(shapes_data_dir / "train.jsonl")
+    tool = str(Path(__file__).resolve().parents[2] / "examples" / "tools" / "zoom_center.py")
+    capsys.readouterr()
+    plain = warm_up_tool_calls(str(tiny_vl_path), data, str(tmp_path / "plain"), tool, steps=1, call_rate=1.0)
+    plain_loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    aux = warm_up_tool_calls(
+        str(tiny_vl_path), data, str(tmp_path / "aux"), tool, steps=1, call_rate=1.0, aux_data_file=data
+    )
+    aux_loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    settings = json.loads((aux / MARKER).read_text())
+    assert settings["aux_data_file"] == data and settings["aux_data_build"] is not None
+    assert settings["max_response_length"] == 96 and settings["call_rate"] == 1.0
+    assert json.loads((plain / MARKER).read_text())["aux_data_file"] is None
+    # the same scripted trajectories, plus the colour answers' cross-entropy (about ln(485) = 6.2 a token)
+    assert 4.0 < aux_loss - plain_loss < 8.0
+    warm_up_tool_calls(str(tiny_vl_path), data, str(tmp_path / "plain"), tool, steps=1, call_rate=1.0)
+    assert "is up to date" in capsys.readouterr().out
