@@ -12,12 +12,14 @@ path: spatial validation accuracy 0.31 at step 0) and trains on
 
 - ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus;
 - ``dapo``: stop 20's recipe: online filtering that ends the run when ``trainer.max_try_make_batch``
-  rounds cannot fill a step, clip_ratio_high 0.28, no entropy bonus;
+  rounds cannot fill a step, clip_ratio_high 0.28, no entropy bonus (both at a constant learning rate,
+  as stop 20 ran them);
 - ``entropy``: the example config as it stands (issue 26): the same filtering, but a step that cannot be
   filled trains on the groups it dropped (``algorithm.unfilled_step: train``), and adaptive entropy
-  control over the top-8 entropy (``worker.actor.adaptive_entropy``, ``entropy_top_k: 8``).
+  control over the top-8 entropy (``worker.actor.adaptive_entropy``, ``entropy_top_k: 8``), and a
+  cosine learning-rate decay to 0.1 x over the run (``worker.actor.optim.lr_scheduler_type: cosine``).
 
-All keep the example's k3 KL loss (0.02) to the warm-up model, learning rate and batch sizes, and
+All keep the example's k3 KL loss (0.02) to the warm-up model, peak learning rate and batch sizes, and
 measure the entropy alike (the example's ``entropy_top_k``; without a bonus it is only the measure).
 
 A seed sets ``trainer.seed`` (torch RNGs of the workers), ``worker.rollout.seed`` (the sampling streams)
@@ -61,12 +63,14 @@ RUN_TIMEOUT_S = 3600  # a hang's safety net; a busy shared machine slows runs se
 # (worker.actor.entropy_top_k stays the example's: without a bonus it is only the measure logged, so
 # every recipe's entropy is measured alike)
 NO_ENTROPY_CONTROL = ["worker.actor.entropy_coeff=0.0", "worker.actor.adaptive_entropy.enabled=false"]
+CONSTANT_LR = ["worker.actor.optim.lr_scheduler_type=constant"]  # stop 20's runs: no decay
 RECIPES: dict[str, list[str]] = {
     "plain": [  # GRPO as the colour demo runs it
         "algorithm.online_filtering=false",
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.2",
         *NO_ENTROPY_CONTROL,
+        *CONSTANT_LR,
     ],
     "dapo": [  # stop 20's recipe: dynamic sampling (stops when a step cannot be filled), clip-higher
         "algorithm.online_filtering=true",
@@ -74,6 +78,7 @@ RECIPES: dict[str, list[str]] = {
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.28",
         *NO_ENTROPY_CONTROL,
+        *CONSTANT_LR,
     ],
     "entropy": [],  # examples/tiny_cpu_spatial.yaml as it stands: the recipe of issue 26
 }

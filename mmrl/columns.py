@@ -125,6 +125,8 @@ _SPECS = (
     Column("trajectory", "generate", ("metrics", "logging"), None, "[B]",
            "what happened in each turn (mmrl.agent.trajectory.TrajectoryRecord): tool calls, errors, "
            "seconds, observation tokens, media returned, and how the trajectory ended"),
+    Column("left_out", "dynamic_sampling", ("update",), _LONG, "[B]",
+           "1 on the rows of dynamic sampling's top-up groups that did not fail: the update leaves them out"),
     Column("rollout_log_probs", "generate", ("update", "metrics"), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",

@@ -79,7 +79,9 @@ class AlgorithmConfig:
     filter_high: float = 0.99  # ... and <= this
     # when trainer.max_try_make_batch rounds cannot fill a step: stop (the run ends with a message) |
     # train (the step trains on the groups kept, topped up with groups it dropped: a policy that has
-    # settled on one answer keeps training, and an entropy bonus can bring it back)
+    # settled on one answer keeps training, and an entropy bonus can bring it back; the dropped groups
+    # that failed, mean < filter_low, come first and train, the others only fill the batch and are left
+    # out of the loss)
     unfilled_step: str = "stop"
     # correction of the mismatch between the rollout engine's and the trainer's probabilities
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.protocol import DataProto
+
 
 class DynamicSamplingError(RuntimeError):
     """The step could not be filled (too many rounds) or the filter cannot read its score."""
@@ -83,6 +85,30 @@ def kept_groups(uids: Sequence[Any], scores: np.ndarray, low: float, high: float
         varied = group.max() > group.min()
         keep[rows] = varied and low <= group.mean() <= high
     return keep
+
+
+def failed_groups(uids: Sequence[Any], scores: np.ndarray, low: float) -> np.ndarray:
+    """Row mask ``[B]`` (bool): the rows of the prompt groups whose mean score is below ``low`` (the
+    filter's lower bound): the groups the policy got wrong (every response, with 0/1 rewards)."""
+    uids = np.asarray(list(uids), dtype=object)
+    failed = np.zeros(len(uids), dtype=bool)
+    for uid in dict.fromkeys(uids.tolist()):
+        rows = uids == uid
+        failed[rows] = scores[rows].mean() < low
+    return failed
+
+
+def loss_rows(batch: DataProto) -> DataProto:
+    """The actor's batch: ``response_mask`` zeroed on the rows marked ``left_out`` (top-up groups of an
+    unfilled step that did not fail), so they add nothing to any loss term (policy, entropy, KL) nor
+    to the counts that normalise them; the rows stay, so the mini-batches and the ranks' shares keep
+    their sizes. ``batch`` itself keeps its mask (the step's metrics see every row)."""
+    if "left_out" not in batch.batch.keys() or not bool(batch.batch["left_out"].any()):
+        return batch
+    actor_batch = batch.select()
+    left_out = batch.batch["left_out"].bool().unsqueeze(-1)  # [B, 1]
+    actor_batch.batch["response_mask"] = batch.batch["response_mask"].masked_fill(left_out, 0)
+    return actor_batch
 
 
 def first_groups(uids: Sequence[Any], count: int) -> np.ndarray:

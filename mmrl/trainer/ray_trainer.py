@@ -46,9 +46,11 @@ from mmrl.rewards.source import RewardSourceError
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
+    failed_groups,
     filter_scores,
     first_groups,
     kept_groups,
+    loss_rows,
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
@@ -376,8 +378,14 @@ class RayPPOTrainer:
         :func:`kept_groups` accepts, until ``options.groups_per_step`` are kept; returns exactly that
         many groups (the first kept, in generation order) with their scores. After
         ``options.max_rounds`` rounds, raises :class:`DynamicSamplingError` or, with
-        ``options.train_unfilled``, tops the step up with the groups it dropped (first dropped first)."""
-        kept_parts, dropped_parts = [], []  # (batch, scores) of each round's kept and dropped rows
+        ``options.train_unfilled``, tops the step up with the groups it dropped: first those that
+        failed (mean score below the filter's lower bound, :func:`failed_groups`: the policy is wrong
+        there, where an entropy bonus and the KL loss may move it), then the others (all right, or all
+        alike in between), whose rows the update leaves out of its loss (``left_out`` 1): a group the
+        policy already gets right teaches nothing, and its KL and entropy terms alone would pull a
+        solved policy back towards its reference. With filtering on the batch always carries
+        ``left_out`` (0 on every row of a filled step)."""
+        parts: dict[str, list[tuple[DataProto, DataProto]]] = {"kept": [], "failed": [], "other": []}
         kept = dropped = responses = response_tokens = 0
         for round_index in itertools.count():
             if kept >= options.groups_per_step:
@@ -392,23 +400,35 @@ class RayPPOTrainer:
             uids = batch.non_tensor_batch["uid"]
             values = filter_scores(scores.non_tensor_batch["reward_scores"], options.key)
             keep = kept_groups(uids, values, options.low, options.high)
+            failed = ~keep & failed_groups(uids, values, options.low)
             groups, kept_here = len(set(uids)), len(set(uids[keep]))
             kept, dropped = kept + kept_here, dropped + groups - kept_here
             responses += len(batch)
             response_tokens += int(batch.batch["response_mask"].sum())
-            kept_parts.append((batch[np.flatnonzero(keep)], scores[np.flatnonzero(keep)]))
-            if options.train_unfilled:
-                dropped_parts.append((batch[np.flatnonzero(~keep)], scores[np.flatnonzero(~keep)]))
-        parts = kept_parts + dropped_parts  # the dropped ones only reach the step when it is not full
-        batch = DataProto.concat([part[0] for part in parts])
-        scores = DataProto.concat([part[1] for part in parts])
+            masks = {"kept": keep, "failed": failed, "other": ~keep & ~failed}
+            for name in parts if options.train_unfilled else ("kept",):
+                rows = np.flatnonzero(masks[name])
+                parts[name].append((batch[rows], scores[rows]))
+        # the dropped ones only reach the step when it is not full: failed first, the others left out
+        ordered = [(part, name == "other") for name in parts for part in parts[name]]
+        batch = DataProto.concat([part[0] for part, _ in ordered])
+        scores = DataProto.concat([part[1] for part, _ in ordered])
+        left_out = torch.cat(
+            [torch.full((len(part[0]),), int(out), dtype=torch.long) for part, out in ordered]
+        )
+        batch.batch["left_out"] = left_out
         rows = first_groups(batch.non_tensor_batch["uid"], options.groups_per_step)
+        step_left_out = left_out[rows]
         metrics = {
             "rollout/kept_groups": min(kept, options.groups_per_step),
             # dropped = failed the filter + passed it after the step was full (surplus, trimmed away)
             "rollout/dropped_groups": dropped + max(kept - options.groups_per_step, 0),
             "rollout/surplus_groups": max(kept - options.groups_per_step, 0),
             "rollout/unfilled_groups": max(options.groups_per_step - kept, 0),  # topped up with dropped ones
+            # of those, the groups left out of the loss (not failed: all right, or all alike in between)
+            "rollout/left_out_groups": len(
+                set(batch.non_tensor_batch["uid"][rows][step_left_out.numpy() == 1])
+            ),
             "rollout/rounds": round_index,
             "rollout/generated_responses": responses,
             "rollout/generated_response_tokens": response_tokens,
@@ -477,7 +497,7 @@ class RayPPOTrainer:
             with timer("update_actor", timings):
                 update = self.actor.dispatch(
                     "update_actor",
-                    batch,
+                    loss_rows(batch),
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
                     entropy_coeff=self.entropy_ctrl.coefficient,

@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from mmrl.core_algos import get_adv_estimator
+from mmrl.protocol import DataProto
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
+    failed_groups,
     filter_scores,
     first_groups,
     kept_groups,
+    loss_rows,
     zero_advantage_group_fraction,
 )
 
@@ -68,6 +71,25 @@ def test_the_filter_reads_the_configured_score_key():
     assert on_format.tolist() == [False, False, True, True]
     with pytest.raises(DynamicSamplingError, match=r"filter_key='accuracy'.*\['format', 'overall'\]"):
         filter_scores(reward_scores, "accuracy")
+
+
+def test_failed_groups_are_those_below_the_lower_bound_by_uid():
+    # means: a 0, b 1, c 0.25, d 0.5 (all alike in between), e 0.005 (below 0.01)
+    uids = ["a", "b", "c", "a", "b", "c", "d", "d", "e", "e"]
+    scores = np.array([0, 1, 0, 0, 1, 0.5, 0.5, 0.5, 0.0, 0.01])
+    assert failed_groups(uids, scores, 0.01).tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 1, 1]
+    assert failed_groups(uids, scores, 0.3).tolist() == [1, 0, 1, 1, 0, 1, 0, 0, 1, 1]
+    assert not failed_groups(uids, scores, 0.0).any()  # strictly below: a mean of 0 is not below 0
+
+
+def test_left_out_rows_leave_the_actors_loss_and_keep_the_metrics_mask():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "left_out": torch.tensor([0, 1, 0])})
+    actor_batch = loss_rows(batch)
+    assert actor_batch.batch["response_mask"].tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
+    assert batch.batch["response_mask"].tolist() == mask.tolist()  # the step's own batch is untouched
+    nothing_left_out = DataProto.from_dict(tensors={"response_mask": mask, "left_out": torch.zeros(3).long()})
+    assert loss_rows(nothing_left_out) is nothing_left_out
 
 
 def test_first_groups_trims_to_whole_groups_in_generation_order():

@@ -1206,6 +1206,12 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                     assert len(set(batch.non_tensor_batch["uid"])) == 4 and len(batch) == len(scores) == 16
                     assert (metrics["rollout/kept_groups"], metrics["rollout/unfilled_groups"]) == (0, 4)
                     assert (metrics["rollout/rounds"], metrics["rollout/dropped_groups"]) == (2, 4)
+                    # every mean is below 2: each top-up group failed, and trains
+                    assert metrics["rollout/left_out_groups"] == 0 and not batch.batch["left_out"].any()
+                    # no mean is below -1: no top-up group failed, all are left out of the loss
+                    passed = dataclasses.replace(top_up, low=-1.0, high=-1.0)
+                    batch, _, metrics = trainer._filtered_rollout(trainer._training_batches(), passed)
+                    assert metrics["rollout/left_out_groups"] == 4 and batch.batch["left_out"].all()
             finally:
                 trainer.shutdown()
                 trainer.actor.shutdown()
