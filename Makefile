@@ -80,14 +80,18 @@ demo-judge: assets-judge
 
 # A demo that needs the tool (examples/tiny_cpu_agent.yaml): "What colour is the small mark at the centre?" on
 # 1120-px images seen at a 56x56 pixel budget, with a tool that returns the centre at full resolution. The
-# warm-up teaches the call format only (calls 80 % of the time, answers uniformly). `python bench/agent_demo.py`
-# runs the job with and without the tool and prints accuracy, tool-call rate and seconds per step.
+# warm-up teaches the call format (calls 80 % of the time, answers uniformly) and, on the side, the colour
+# task's true labels (another task: the tiny random model's eyes; --aux_data, as for the spatial demo).
+# `python bench/agent_demo.py` runs the job with and without the tool and prints accuracy, tool-call rate
+# and seconds per step.
 assets-agent: install
 	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
 	@$(PY) -m mmrl.demo.synthetic --task small_mark --out $(ASSETS)/data/small-mark --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64
 	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
 		--data $(ASSETS)/data/small-mark/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-agent-warm \
-		--tool_file examples/tools/zoom_center.py --call_rate 0.8 --steps 150
+		--tool_file examples/tools/zoom_center.py --call_rate 0.8 --steps 200 \
+		--aux_data $(ASSETS)/data/shapes-color/train.jsonl
 
 demo-agent: assets-agent
 	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)

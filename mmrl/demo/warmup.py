@@ -19,7 +19,11 @@ call *format*, not when calling pays: each sample's first turn is, with probabil
 call of the file's first tool without arguments (``<tool_call>{"name": ...}</tool_call>``), else
 an answer; the turn after the tool's answer (rendered by the agent loop the trainer runs, the returned
 image in it) is an answer. Answers are uniform as above, wherever they come, so the warmed model calls
-about ``call_rate`` of the time and is at chance with and without the tool's image.
+about ``call_rate`` of the time and its answers do not depend on the image it was shown. With
+``aux_data_file`` too (the agent demo: the colour task), the tiny model learns to see colours on another
+task's prompts; after the zoom tool's view of the small mark it then names the mark's colour more often
+than chance (the likeliest answer was right for 23 of 32 validation images, 0.72), where from the
+prompt's 56-px image alone it stays at chance (0.28).
 
 CLI: ``python -m mmrl.demo.warmup --model assets/models/tiny-qwen2.5-vl --data
 assets/data/shapes-color/train.jsonl --out assets/models/tiny-qwen2.5-vl-warm [--aux_data
