@@ -101,6 +101,46 @@ def junk_responses(tokenizer, rng: np.random.Generator, count: int, colours: lis
     return out
 
 
+def comparison_rows(
+    template: str, question: str, colours: list[str], not_colours, tokenizer, rng: np.random.Generator
+) -> tuple[list[dict], list[list[int]]]:
+    """Text-only rows that teach the comparison: the judge prompt without an image for every colour seen
+    with every colour and word as the response, and 2,000 junk responses (:func:`junk_responses`) with a
+    random colour seen; the answer is the colour seen, then its verdict. Also the row indices of the
+    three groups a step draws from: the true colour, the other words, the junk."""
+    words = [(seen, response) for seen in colours for response in [*colours, *not_colours]]
+    junk = [(str(rng.choice(colours)), text) for text in junk_responses(tokenizer, rng, 2000, colours)]
+    rows = [
+        {
+            "problem": render_prompt(template, question, response),
+            "answer": judge_answer(seen, "yes" if response == seen else "no"),
+        }
+        for seen, response in words + junk
+    ]
+    groups = [
+        [i for i, (seen, response) in enumerate(words) if response == seen],
+        [i for i, (seen, response) in enumerate(words) if response != seen],
+        list(range(len(words), len(rows))),
+    ]
+    return rows, groups
+
+
+def junk_rows(
+    template: str, images: list[dict], colours: list[str], tokenizer, rng: np.random.Generator
+) -> tuple[list[dict], list[str]]:
+    """Held-out judge rows with two junk responses per image (verdict no), and the junk texts in order."""
+    texts = junk_responses(tokenizer, rng, 2 * len(images), colours)
+    rows = [
+        {
+            **row,
+            "problem": render_prompt(template, row["problem"], text),
+            "answer": judge_answer(row["answer"], "no"),
+        }
+        for row, text in zip([row for row in images for _ in range(2)], texts)
+    ]
+    return rows, texts
+
+
 def _dataset(
     rows: list[dict], folder: Path, name: str, media_dir: Path, tokenizer, processor
 ) -> PromptDataset:
@@ -148,6 +188,27 @@ def judge_accuracy(
         "rows": len(every),
         "verdicts": verdicts,
     }
+
+
+def held_out_evaluation(
+    model, held_out: PromptDataset, junk: PromptDataset, junk_texts: list[str], tokenizer, colours, width
+) -> dict:
+    """:func:`judge_accuracy` on the held-out rows, with its ``no`` on the held-out junk rows
+    (``junk_no_accuracy``, ``junk_rows``) and the junk texts (two per image, in order: the bench reads
+    them); printed in one line."""
+    evaluation = judge_accuracy(model, held_out, tokenizer, colours, width)
+    junk_evaluation = judge_accuracy(model, junk, tokenizer, colours, width)
+    evaluation.update(
+        junk_no_accuracy=junk_evaluation["no_accuracy"],
+        junk_rows=junk_evaluation["rows"],
+        junk_responses=junk_texts,
+    )
+    print(
+        f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
+        f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f}); "
+        f"no to {evaluation['junk_no_accuracy']:.3f} of {evaluation['junk_rows']} junk responses"
+    )
+    return evaluation
 
 
 def lr_factor(step: int, steps: int, warmup: int = 10, floor: float = 0.1) -> float:
@@ -218,35 +279,21 @@ def train_judge(
         val_rows = judge_rows(Path(folder) / "val_images.jsonl", template, colours)
         held_out = _dataset(val_rows, Path(folder), "val", data, tokenizer, processor)
         question = json.loads(train_lines[0])["problem"].replace("<image>", "")
-        words = [(seen, response) for seen in colours for response in [*colours, *not_colours]]
-        junk = [(str(rng.choice(colours)), text) for text in junk_responses(tokenizer, rng, 2000, colours)]
-        pairs = [
-            {
-                "problem": render_prompt(template, question, response),
-                "answer": judge_answer(seen, "yes" if response == seen else "no"),
-            }
-            for seen, response in words + junk
-        ]
+        pairs, compare_groups = comparison_rows(template, question, colours, not_colours, tokenizer, rng)
         compare = _dataset(pairs, Path(folder), "compare", data, tokenizer, processor)
-        compare_groups = [  # drawn half yes, a quarter other words, a quarter junk
-            [i for i, (seen, response) in enumerate(words) if response == seen],
-            [i for i, (seen, response) in enumerate(words) if response != seen],
-            list(range(len(words), len(pairs))),
-        ]
-        val_images = [json.loads(line) for line in val_lines]
-        junk_texts = junk_responses(tokenizer, rng, 2 * len(val_images), colours)  # two per image
-        val_junk = [
-            {
-                **row,
-                "problem": render_prompt(template, row["problem"], text),
-                "answer": judge_answer(row["answer"], "no"),
-            }
-            for row, text in zip([row for row in val_images for _ in range(2)], junk_texts)
-        ]
+        val_junk, junk_texts = junk_rows(
+            template, [json.loads(line) for line in val_lines], colours, tokenizer, rng
+        )
         held_out_junk = _dataset(val_junk, Path(folder), "val_junk", data, tokenizer, processor)
         colour_rows = [json.loads(line) for line in train_lines]
         colour_data = _dataset(colour_rows, Path(folder), "colour", data, tokenizer, processor)
         half = max(1, batch_size // 2)
+        # comparison rows drawn half yes, a quarter other words, a quarter junk
+        sizes = (
+            compare_batch // 2,
+            compare_batch // 4,
+            compare_batch - compare_batch // 2 - compare_batch // 4,
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
         model.train()
@@ -257,11 +304,6 @@ def train_judge(
                 model, train, items, [str(it["ground_truth"]) for it in items], 1, tokenizer, width
             )
             if compare_batch:  # the verdict alone, given the colour named, on text rows (no image)
-                sizes = (
-                    compare_batch // 2,
-                    compare_batch // 4,
-                    compare_batch - compare_batch // 2 - compare_batch // 4,
-                )
                 picked = [
                     int(i) for group, size in zip(compare_groups, sizes) for i in rng.choice(group, size)
                 ]
@@ -281,16 +323,9 @@ def train_judge(
             scheduler.step()
             if step % 25 == 0 or step == steps - 1:
                 print(f"[mmrl.demo.judge] step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
-        evaluation = judge_accuracy(model, held_out, tokenizer, colours, width)
-        junk_evaluation = judge_accuracy(model, held_out_junk, tokenizer, colours, width)
-        evaluation["junk_no_accuracy"] = junk_evaluation["no_accuracy"]
-        evaluation["junk_rows"] = junk_evaluation["rows"]
-        evaluation["junk_responses"] = junk_texts  # two per held-out image, in order (bench/judge_demo.py)
-    print(
-        f"[mmrl.demo.judge] held-out accuracy {evaluation['accuracy']:.3f} over {evaluation['rows']} rows "
-        f"(true colour: {evaluation['yes_accuracy']:.3f}, other colours: {evaluation['no_accuracy']:.3f}); "
-        f"no to {evaluation['junk_no_accuracy']:.3f} of {evaluation['junk_rows']} junk responses"
-    )
+        evaluation = held_out_evaluation(
+            model, held_out, held_out_junk, junk_texts, tokenizer, colours, width
+        )
     save_trained(
         out, model, model_dir, tokenizer, processor, settings, {"judge_eval.json": json.dumps(evaluation)}
     )
