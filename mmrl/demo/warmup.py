@@ -122,6 +122,15 @@ def answer_loss(
     return token_loss.sum() / mask.sum()
 
 
+def aux_task_loss(
+    model, aux: PromptDataset, rng: np.random.Generator, count: int, tokenizer, width: int
+) -> torch.Tensor:
+    """:func:`answer_loss` of ``count`` prompts of the auxiliary task drawn with ``rng``, on their true
+    answers (what opens the tiny model's image path)."""
+    items = [aux[int(i)] for i in rng.choice(len(aux), count, replace=False)]
+    return answer_loss(model, aux, items, [str(item["ground_truth"]) for item in items], 1, tokenizer, width)
+
+
 def warm_up(
     model_dir: str,
     data_file: str,
@@ -166,9 +175,7 @@ def warm_up(
         # every answer for every prompt: the target is uniform over the answers, whatever the image
         loss = answer_loss(model, dataset, items, answer_set * batch_size, len(answer_set), tokenizer, width)
         if aux is not None:  # true labels of the auxiliary task: the vision path learns to see
-            aux_items = [aux[int(i)] for i in rng.choice(len(aux), batch_size, replace=False)]
-            answers = [str(item["ground_truth"]) for item in aux_items]
-            loss = loss + answer_loss(model, aux, aux_items, answers, 1, tokenizer, width)
+            loss = loss + aux_task_loss(model, aux, rng, batch_size, tokenizer, width)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -289,9 +296,7 @@ def warm_up_tool_calls(
         batch = trajectory_batch(loop, prompts, first, answers, tokenizer, max_response_length)
         loss = model_turn_loss(model, batch)
         if aux is not None:  # another task's true labels: the vision path learns to see (not this task)
-            aux_items = [aux[int(i)] for i in rng.choice(len(aux), 2 * batch_size, replace=False)]
-            aux_answers = [str(item["ground_truth"]) for item in aux_items]
-            loss = loss + answer_loss(model, aux, aux_items, aux_answers, 1, tokenizer, aux_width)
+            loss = loss + aux_task_loss(model, aux, rng, 2 * batch_size, tokenizer, aux_width)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
