@@ -8,9 +8,11 @@ PYTEST_ARGS ?=
 # in one; tests/conftest.py); TEST_WORKERS=0 runs the suite in this process alone
 TEST_WORKERS ?= 2
 
-GPU_PYTHON ?= python
+# the project's environment when it is built (torch is there), else the python on PATH (a GPU image's own
+# environment: docs/gpu.md); GPU_PYTHON=python3 picks another
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python)
 
-.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent assets-agent-video demo-agent-video bench-recipes bench bench-scale test test-fast quality style clean
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent assets-agent-video demo-agent-video bench-recipes bench bench-scale test test-fast quality docs style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -70,7 +72,7 @@ demo-spatial: assets-spatial
 # response names the shape's colour; served by vLLM's OpenAI-compatible server, its yes/no is the only reward.
 # bench/judge_demo.py then prints the judge's held-out accuracy (served), the policy's curve and the judge's time.
 # The judge: 800 supervised steps from the random tiny model (3-7 min; one torch thread, which a
-# shared machine needs), the judge the README's numbers were measured with.
+# shared machine needs), the judge docs/benchmarks.md's numbers were measured with.
 assets-judge: assets
 	@OMP_NUM_THREADS=1 $(PY) -m mmrl.demo.judge --model $(ASSETS)/models/tiny-qwen2.5-vl \
 		--data_dir $(ASSETS)/data/shapes-color --out $(ASSETS)/models/tiny-judge-colour --steps 800
@@ -114,7 +116,7 @@ demo-agent-video: assets-agent-video
 bench-recipes: assets-spatial
 	RAY_AUTH_MODE=disabled $(PY) bench/recipes.py $(ARGS)
 
-# CPU benchmarks (README, section Benchmarks): each prints its table and writes bench/results/*.json.
+# CPU benchmarks (docs/benchmarks.md): each prints its table and writes bench/results/*.json.
 # Sized for < 20 min on a quiet 2-core machine; other jobs on it slow every step (tables say how much).
 bench: assets
 	RAY_AUTH_MODE=disabled $(PY) bench/vs_trl.py
@@ -128,12 +130,12 @@ bench: assets
 	RAY_AUTH_MODE=disabled $(PY) bench/long_video.py --sides 56 112 --backends hf vllm
 	@$(PY) bench/report.py
 
-# On a GPU machine, in the environment of README's GPU install: the CUDA-only paths on one GPU (minutes),
+# On a GPU machine, in the environment of the GPU install (docs/gpu.md): the CUDA-only paths on one GPU (minutes),
 # a table, exit 1 on any mismatch; no Ray or vLLM needed. ARGS="--dry" checks the script on a CPU.
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
-# the real job's costs at Qwen2.5-VL-3B's widths and vocabulary (README, Benchmarks): ~1 h on this machine
+# the real job's costs at Qwen2.5-VL-3B's widths and vocabulary (docs/benchmarks.md): ~1 h on this machine
 bench-scale: install
 	RAY_AUTH_MODE=disabled $(PY) bench/scale.py --run memory media startup smoke
 
@@ -148,6 +150,11 @@ quality: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+
+# the reference pages (docs/, mkdocs.yml) in strict mode: a broken link, a page missing from the nav or a
+# nav entry without its page fails; the site goes to build/site (git-ignored)
+docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 style: install
 	$(VENV)/bin/ruff check --fix .
