@@ -367,7 +367,7 @@ def flash_attn_kernel(dry: bool, allow_missing: bool) -> tuple[Callable | None, 
 
     kernel = _flash_attn_varlen_func()
     if kernel is None:
-        note = "not installed or does not load (README: its own install step)"
+        note = "not installed or does not load (docs/gpu.md: its own install step)"
         return None, [
             Row("flash-attn", "kernel", note + ("; allowed" if allow_missing else ""), allow_missing)
         ]

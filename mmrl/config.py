@@ -1,7 +1,7 @@
 """The typed configuration tree of a run: ``PPOConfig(data, algorithm, worker, trainer)``.
 
 Every knob lives here with its meaning and unit. Key names follow EasyR1's where the meaning is the
-same, so its users' YAML files carry over (differences are listed in the README). Loading
+same, so its users' YAML files carry over (differences are listed in docs/config.md). Loading
 (:mod:`mmrl.trainer.config_loader`) merges dataclass defaults ← YAML ← ``key=value`` arguments,
 resolves relative paths, and validates once; the dataclasses are frozen afterwards, so the config
 printed at start is the config that runs. Derived values are properties, never written back.

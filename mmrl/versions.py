@@ -80,6 +80,6 @@ def check_versions(names: tuple[str, ...] = tuple(TESTED)) -> list[str]:
     if errors:
         raise VersionError(
             f"installed packages are older than the releases mmrl calls: {'; '.join(errors)}. Install the "
-            f"tested set: pip install -c {CONSTRAINTS} -e '.[vllm]' (README, Running a real job)"
+            f"tested set: pip install -c {CONSTRAINTS} -e '.[vllm]' (docs/gpu.md)"
         )
     return warnings

@@ -20,7 +20,16 @@ README_MAX_LINES = 400
 PATH_TOKEN = re.compile(r"`([\w.-]+(?:/[\w.-]+)*(?:/|\.(?:py|yaml|jinja|sh|md|toml|txt|lock|cfg)))`")
 # folders of the repository whose paths the pages name; generated ones (assets/, outputs/,
 # checkpoints/, bench/results/) are not in the tree and are left out
-TRACKED_ROOTS = ("mmrl/", "bench/", "scripts/", "examples/", "reward_functions/", "format_prompts/", "tests/", "docs/")
+TRACKED_ROOTS = (
+    "mmrl/",
+    "bench/",
+    "scripts/",
+    "examples/",
+    "reward_functions/",
+    "format_prompts/",
+    "tests/",
+    "docs/",
+)
 GENERATED = ("bench/results/",)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -39,7 +48,9 @@ def _layout_paths() -> list[str]:
     paths = []
     for folder_cell, *rest in _table_rows((DOCS / "layout.md").read_text()):
         folder = folder_cell.strip("`")
-        assert folder.endswith("/"), f"docs/layout.md: a row's first column is a folder ending in /, got {folder_cell!r}"
+        assert folder.endswith("/"), (
+            f"docs/layout.md: a row's first column is a folder ending in /, got {folder_cell!r}"
+        )
         paths.append(folder)
         for cell in rest:
             paths += [folder + name for name in PATH_TOKEN.findall(cell)]
@@ -53,7 +64,9 @@ def test_every_path_the_layout_page_names_exists():
 
 def test_the_layout_page_names_every_module_and_bench_script():
     named = set(_layout_paths())
-    modules = [p for p in (ROOT / "mmrl").rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts]
+    modules = [
+        p for p in (ROOT / "mmrl").rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts
+    ]
     packages = [p.parent for p in (ROOT / "mmrl").rglob("__init__.py") if "__pycache__" not in p.parts]
     wanted = [p.relative_to(ROOT).as_posix() for p in modules]
     wanted += [p.relative_to(ROOT).as_posix() + "/" for p in packages]
@@ -68,7 +81,11 @@ def test_paths_named_in_the_pages_exist():
     missing = []
     for page in [README, *sorted(DOCS.glob("*.md"))]:
         for token in PATH_TOKEN.findall(page.read_text()):
-            if token.startswith(TRACKED_ROOTS) and not token.startswith(GENERATED) and not (ROOT / token).exists():
+            if (
+                token.startswith(TRACKED_ROOTS)
+                and not token.startswith(GENERATED)
+                and not (ROOT / token).exists()
+            ):
                 missing.append(f"{page.relative_to(ROOT)}: {token}")
     assert not missing, "pages name files that do not exist:\n" + "\n".join(missing)
 
@@ -103,7 +120,9 @@ def test_measured_tables_sit_under_the_bench_script_that_produces_them():
         scripts = re.findall(r"`(bench/[\w]+\.py)`", heading)
         assert scripts, f"docs/benchmarks.md: section {heading!r} names no bench script in its heading"
         for script in scripts:
-            assert (ROOT / script).is_file(), f"docs/benchmarks.md: {script} (section {heading!r}) does not exist"
+            assert (ROOT / script).is_file(), (
+                f"docs/benchmarks.md: {script} (section {heading!r}) does not exist"
+            )
 
 
 def test_every_page_is_in_the_nav():

@@ -139,7 +139,7 @@ def _flash_attn_varlen_func():
         logger.warning(
             "flash-attn is installed but does not load (%s: %s); packed attention uses torch sdpa instead "
             "(exact, slower). Reinstall it against this torch: pip install flash-attn --no-build-isolation "
-            "(README, Running a real job)",
+            "(docs/gpu.md)",
             type(err).__name__,
             str(err).splitlines()[0] if str(err) else "",
         )

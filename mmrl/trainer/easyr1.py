@@ -1,7 +1,7 @@
 """EasyR1's config keys and values that mmrl spells differently, and what each becomes.
 
 mmrl's key names follow EasyR1's (``hiyouga/EasyR1``) wherever the meaning is the same, so most of an
-EasyR1 job needs nothing from here. This module holds the rest, as tables that the README reproduces:
+EasyR1 job needs nothing from here. This module holds the rest, as tables that docs/config.md reproduces:
 
 - :data:`RENAMED`: an EasyR1 key whose mmrl key has another name, same meaning;
 - :data:`VALUES`: an EasyR1 value (or null) that mmrl spells differently, same meaning;
@@ -43,7 +43,7 @@ VALUES: dict[str, dict[Any, Any]] = {
     **{f"worker.{role}.optim.min_lr_ratio": {None: 0.0} for role in TRAINED_ROLES},  # EasyR1 reads None as 0
 }
 
-# why each value translation keeps the meaning (shown in the notes and the README)
+# why each value translation keeps the meaning (shown in the notes and docs/config.md)
 VALUE_REASONS: dict[str, str] = {
     "worker.actor.loss_type": "EasyR1's `default` loss is the clipped-ratio PPO loss, mmrl's `ppo`",
     "loss_avg_mode": (

@@ -56,7 +56,7 @@ def _load_check_and_run(args: list[str], dry_run: bool) -> int:
     notes: list[str] = []
     config = load_config(args, notes=notes)
     if notes:  # EasyR1 spellings translated: what changed on the way to the printed config
-        print("# translated from EasyR1 (see the README's table):\n" + "\n".join(f"#   {n}" for n in notes))
+        print("# translated from EasyR1 (see docs/config.md):\n" + "\n".join(f"#   {n}" for n in notes))
     print(config_to_yaml(config), flush=True)
     if dry_run:
         return 0
