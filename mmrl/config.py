@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, policy_clip_range
+
 # the data section lives with the data layer; its spec helpers are re-exported for config_loader
 from mmrl.data.config import (  # noqa: F401
     DATA_FILE_SUFFIXES,
@@ -59,7 +61,9 @@ class RolloutCorrectionConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # grpo | grpo_passk | rloo | reinforce_plus_plus | remax | gae
+    # advantage estimator, by name: grpo | grpo_passk | rloo | reinforce_plus_plus | remax | gae | any other
+    # registered in mmrl/algorithms (docs/algorithms.md)
+    adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True  # grpo, grpo_passk: divide by the group's std; false = Dr. GRPO
     gamma: float = 1.0  # discount of future token rewards (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE lambda
@@ -181,7 +185,9 @@ class PolicyLossConfig:
     The losses of :mod:`mmrl.core_algos.policy_losses` receive this section whole and read what they
     need, so a new knob is a field here and a line in its loss."""
 
-    loss_type: str = "ppo"  # policy loss: ppo | gspo | gspo_token | cispo | sapo | clip_cov | kl_cov
+    # policy loss: ppo | gspo | gspo_token | cispo | sapo | clip_cov | kl_cov | any other registered in
+    # mmrl/algorithms (docs/algorithms.md)
+    loss_type: str = "ppo"
     # ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; null = the loss's own default (ppo and
     # clip_cov 0.2 / 0.3 (DAPO clip-higher), gspo(_token) 3e-4 / 4e-4, cispo 1 / 4 (no lower bound; 0:
     # weight >= 1), sapo and kl_cov none)
@@ -201,9 +207,7 @@ class PolicyLossConfig:
     @property
     def clip_range(self) -> tuple[float, float] | None:
         """``(clip_ratio_low, clip_ratio_high)`` the loss runs with: null keys take ``loss_type``'s default
-        (``core_algos.POLICY_LOSS_CLIP_DEFAULTS``); None for a loss without clip (sapo, kl_cov)."""
-        from mmrl.core_algos import policy_clip_range  # imports torch: only when asked
-
+        (its spec's ``clip_defaults``, :mod:`mmrl.algorithms`); None for a loss without clip (sapo, kl_cov)."""
         return policy_clip_range(self.loss_type, self.clip_ratio_low, self.clip_ratio_high)
 
 
@@ -562,7 +566,8 @@ class PPOConfig:
 
     @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        spec = ADVANTAGE_ESTIMATORS.get(self.algorithm.adv_estimator)  # unknown: validation reports it
+        return spec is not None and spec.needs_critic
 
     @property
     def responses_per_step(self) -> int:
@@ -587,13 +592,13 @@ STORAGE_DTYPES = ("fp32", "bf16")
 LOSS_AVG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
-    (AlgorithmConfig, "adv_estimator"): ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "remax", "gae"),
+    (AlgorithmConfig, "adv_estimator"): tuple(ADVANTAGE_ESTIMATORS),  # mmrl/algorithms
     (AlgorithmConfig, "kl_penalty"): ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs"),
     (AlgorithmConfig, "kl_type"): ("fixed", "adaptive"),
     (AlgorithmConfig, "unfilled_step"): ("stop", "train"),
     (RolloutCorrectionConfig, "rollout_is"): ("token", "sequence"),  # or null: off
     (RolloutCorrectionConfig, "rollout_rs"): ("token", "sequence", "geometric"),  # or null: off
-    (ActorConfig, "loss_type"): ("ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov"),
+    (ActorConfig, "loss_type"): tuple(POLICY_LOSSES),  # mmrl/algorithms
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (OptimConfig, "strategy"): ("adamw", "adamw_bf16"),

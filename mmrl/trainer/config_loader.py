@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mmrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from mmrl.config import (
     CHOICES,
     DATA_FILE_SUFFIXES,
@@ -34,11 +35,6 @@ from mmrl.errors import UserInputError
 from mmrl.trainer.easyr1 import apply_derived, translate_layer
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
-GROUP_ESTIMATORS = (
-    "grpo",
-    "grpo_passk",
-    "rloo",
-)  # advantages relative to the other responses of the same prompt
 # keys that EasyR1 (or an earlier mmrl) has and this schema leaves out on purpose: why, and what to use
 REMOVED_KEYS = {
     "worker.critic.model.trust_remote_code": (
@@ -379,18 +375,9 @@ def config_to_yaml(cfg: PPOConfig) -> str:
 def derived_values(cfg: PPOConfig) -> list[str]:
     """Lines stating the values the run derives from null keys (properties of the config tree)."""
     actor = cfg.worker.actor
-    if actor.loss_type not in CHOICES[(type(actor), "loss_type")]:
+    if actor.loss_type not in POLICY_LOSSES:
         return []  # reported by validation
-    clip_range = actor.clip_range
-    if actor.loss_type == "kl_cov":
-        clip = (
-            f"no ratio clip (|log-ratio| x {actor.kl_cov_coef:g} on the {actor.kl_cov_ratio:g} of the tokens "
-            "with the highest covariance)"
-        )
-    elif clip_range is None:
-        clip = f"no clip (soft gate, tau_positive={actor.tau_positive}, tau_negative={actor.tau_negative})"
-    else:
-        clip = f"ratio clipped to [1 - {clip_range[0]:g}, 1 + {clip_range[1]:g}]"
+    clip = POLICY_LOSSES[actor.loss_type].summary(actor)
     lines = [f"worker.actor: loss_type={actor.loss_type}: {clip}"]
     if actor.model.lora.rank > 0 and cfg.algorithm.use_reference:
         lines.append(
@@ -608,31 +595,15 @@ def _check_positive(errors: list[str], cfg: PPOConfig) -> None:
 
 
 def _check_policy_loss(errors: list[str], cfg: PPOConfig) -> None:
-    """Clip ratios that mean something for ``loss_type`` (null: the loss's default), SAPO temperatures."""
+    """Clip ratios that mean something for ``loss_type`` (its spec's checks; null: the loss's default),
+    SAPO temperatures, the covariance losses' fractions."""
     actor = cfg.worker.actor
-    low, high, loss = actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_type
-    if loss == "sapo" and (low is not None or high is not None):
+    if actor.clip_ratio_high is not None and actor.clip_ratio_high <= 0:
         errors.append(
-            "worker.actor.clip_ratio_low/clip_ratio_high: loss_type=sapo has no clip (a soft gate, tuned by "
-            "tau_positive/tau_negative); set them to null"
+            f"worker.actor.clip_ratio_high={actor.clip_ratio_high} must be > 0 (the ratio's upper bound is 1 + it)"
         )
-    if loss == "kl_cov" and (low is not None or high is not None):
-        errors.append(
-            "worker.actor.clip_ratio_low/clip_ratio_high: loss_type=kl_cov has no ratio clip (a KL penalty "
-            "on the high-covariance tokens, tuned by kl_cov_ratio/kl_cov_coef); set them to null"
-        )
-    if high is not None and high <= 0:
-        errors.append(f"worker.actor.clip_ratio_high={high} must be > 0 (the ratio's upper bound is 1 + it)")
-    if low is not None and loss == "cispo" and not 0 <= low <= 1:
-        errors.append(
-            f"worker.actor.clip_ratio_low={low}: cispo bounds its weight below by 1 - clip_ratio_low, so it "
-            "must lie in [0, 1] (0: weight >= 1; 1: no lower bound)"
-        )
-    elif low is not None and loss in ("ppo", "gspo", "gspo_token", "clip_cov") and not 0 < low < 1:
-        errors.append(
-            f"worker.actor.clip_ratio_low={low} must lie in (0, 1) for loss_type={loss}: the ratio is "
-            "clipped below at 1 - clip_ratio_low, which must stay positive (null: the loss's default)"
-        )
+    if actor.loss_type in POLICY_LOSSES:  # an unknown name: _check_choices reports it
+        errors += POLICY_LOSSES[actor.loss_type].problems(actor)
     for key in ("tau_positive", "tau_negative"):
         if getattr(actor, key) <= 0:
             errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0 (SAPO gate temperature)")
@@ -800,7 +771,10 @@ def _check_multi_turn(errors: list[str], multi_turn: Any) -> None:
 
 def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
     algo = cfg.algorithm
-    if algo.adv_estimator in GROUP_ESTIMATORS and cfg.worker.rollout.n < 2:
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)  # an unknown name: _check_choices reports it
+    if estimator is not None:
+        errors += estimator.problems(algo)
+    if estimator is not None and estimator.needs_groups and cfg.worker.rollout.n < 2:
         errors.append(
             f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a prompt: "
             f"set worker.rollout.n >= 2 (found {cfg.worker.rollout.n})"
@@ -903,10 +877,11 @@ def _check_reused_encodings(errors: list[str], cfg: PPOConfig) -> None:
 
 def _check_online_filtering(errors: list[str], cfg: PPOConfig) -> None:
     algo, data = cfg.algorithm, cfg.data
-    if algo.adv_estimator not in GROUP_ESTIMATORS:
+    group_estimators = [name for name, spec in ADVANTAGE_ESTIMATORS.items() if spec.needs_groups]
+    if algo.adv_estimator not in group_estimators:
         errors.append(
             f"algorithm.online_filtering drops prompt groups whose responses score alike, which only "
-            f"matters to a group estimator: set algorithm.adv_estimator to one of {list(GROUP_ESTIMATORS)} "
+            f"matters to a group estimator: set algorithm.adv_estimator to one of {group_estimators} "
             f"(found {algo.adv_estimator}) or algorithm.online_filtering=false"
         )
     if cfg.worker.rollout.n < 2:

@@ -258,7 +258,8 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=reinforce_plus_plus"],
-            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'] (found reinforce_plus_plus)",
+            # the group estimators (a module of mmrl/algorithms may add more after these)
+            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'",
         ),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=gae"],
