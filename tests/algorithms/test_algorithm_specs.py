@@ -10,7 +10,7 @@ import pytest
 
 from mmrl import algorithms
 from mmrl.config import CHOICES, ActorConfig, AlgorithmConfig, PPOConfig, WorkerConfig
-from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config
+from mmrl.config.loading import ConfigError, config_to_yaml, load_config
 from mmrl.trainer.step_plan import StepPlan
 
 

@@ -7,7 +7,7 @@ import torch
 
 from mmrl import core_algos
 from mmrl.algorithms.opo import compute_opo_advantages
-from mmrl.trainer.config_loader import ConfigError, load_config
+from mmrl.config.loading import ConfigError, load_config
 from mmrl.trainer.step_plan import StepPlan
 
 

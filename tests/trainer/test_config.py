@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from mmrl.config import PPOConfig, split_dataset_spec, split_function_spec
+from mmrl.config.loading import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.data.config import DataConfig
-from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.trainer.step_plan import StepPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
