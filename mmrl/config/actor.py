@@ -55,32 +55,28 @@ class PolicyLossConfig:
         """Clip ratios that mean something for ``loss_type`` (its spec's checks; null: the loss's
         default), SAPO temperatures, the covariance losses' fractions."""
         errors: list[str] = []
-        _check_policy_loss(errors, self)
-        return errors
-
-
-def _check_policy_loss(errors: list[str], actor: PolicyLossConfig) -> None:
-    if actor.clip_ratio_high is not None and actor.clip_ratio_high <= 0:
-        errors.append(
-            f"worker.actor.clip_ratio_high={actor.clip_ratio_high} must be > 0 (the ratio's upper bound is 1 + it)"
-        )
-    if actor.loss_type in POLICY_LOSSES:  # an unknown name: _check_choices reports it
-        errors += POLICY_LOSSES[actor.loss_type].problems(actor)
-    for key in ("tau_positive", "tau_negative"):
-        if getattr(actor, key) <= 0:
-            errors.append(f"worker.actor.{key}={getattr(actor, key)} must be > 0 (SAPO gate temperature)")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
-        if not 0 < getattr(actor, key) <= 1:
+        if self.clip_ratio_high is not None and self.clip_ratio_high <= 0:
             errors.append(
-                f"worker.actor.{key}={getattr(actor, key)} must lie in (0, 1] (a fraction of the tokens)"
+                f"worker.actor.clip_ratio_high={self.clip_ratio_high} must be > 0 (the ratio's upper bound is 1 + it)"
             )
-    if actor.clip_cov_lb >= actor.clip_cov_ub:
-        errors.append(
-            f"worker.actor.clip_cov_lb={actor.clip_cov_lb} must be below clip_cov_ub={actor.clip_cov_ub} "
-            "(clip_cov draws tokens whose covariance lies between them)"
-        )
-    if actor.kl_cov_coef < 0:
-        errors.append(f"worker.actor.kl_cov_coef={actor.kl_cov_coef} must be >= 0")
+        if self.loss_type in POLICY_LOSSES:  # an unknown name: _check_choices reports it
+            errors += POLICY_LOSSES[self.loss_type].problems(self)
+        for key in ("tau_positive", "tau_negative"):
+            if getattr(self, key) <= 0:
+                errors.append(f"worker.actor.{key}={getattr(self, key)} must be > 0 (SAPO gate temperature)")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, key) <= 1:
+                errors.append(
+                    f"worker.actor.{key}={getattr(self, key)} must lie in (0, 1] (a fraction of the tokens)"
+                )
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            errors.append(
+                f"worker.actor.clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub} "
+                "(clip_cov draws tokens whose covariance lies between them)"
+            )
+        if self.kl_cov_coef < 0:
+            errors.append(f"worker.actor.kl_cov_coef={self.kl_cov_coef} must be >= 0")
+        return errors
 
 
 @dataclass(frozen=True)

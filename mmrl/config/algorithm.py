@@ -40,28 +40,24 @@ class RolloutCorrectionConfig:
     def check(self) -> list[str]:
         """Thresholds that bound something: a positive truncation, rejection bounds with lower < upper."""
         errors: list[str] = []
-        _check_rollout_correction(errors, self)
+        key = "algorithm.rollout_correction"
+        if self.rollout_is_threshold <= 0:
+            errors.append(
+                f"{key}.rollout_is_threshold={self.rollout_is_threshold} must be > 0 (the importance "
+                "weight's upper bound; typically 1.5-5)"
+            )
+        upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        if upper <= 0 or (lower is not None and not 0 <= lower < upper):
+            errors.append(
+                f"{key}: rejection keeps ratios in [rollout_rs_threshold_lower, rollout_rs_threshold] = "
+                f"[{lower}, {upper}]; need 0 <= lower < upper and upper > 0 (lower null = 1 / upper)"
+            )
+        elif lower is None and upper <= 1:
+            errors.append(
+                f"{key}.rollout_rs_threshold={upper} must be > 1 when rollout_rs_threshold_lower is null "
+                "(the lower bound is then 1 / it, which must lie below it)"
+            )
         return errors
-
-
-def _check_rollout_correction(errors: list[str], correction: RolloutCorrectionConfig) -> None:
-    key = "algorithm.rollout_correction"
-    if correction.rollout_is_threshold <= 0:
-        errors.append(
-            f"{key}.rollout_is_threshold={correction.rollout_is_threshold} must be > 0 (the importance "
-            "weight's upper bound; typically 1.5-5)"
-        )
-    upper, lower = correction.rollout_rs_threshold, correction.rollout_rs_threshold_lower
-    if upper <= 0 or (lower is not None and not 0 <= lower < upper):
-        errors.append(
-            f"{key}: rejection keeps ratios in [rollout_rs_threshold_lower, rollout_rs_threshold] = "
-            f"[{lower}, {upper}]; need 0 <= lower < upper and upper > 0 (lower null = 1 / upper)"
-        )
-    elif lower is None and upper <= 1:
-        errors.append(
-            f"{key}.rollout_rs_threshold={upper} must be > 1 when rollout_rs_threshold_lower is null "
-            "(the lower bound is then 1 / it, which must lie below it)"
-        )
 
 
 @dataclass(frozen=True)
@@ -103,29 +99,26 @@ class AlgorithmConfig:
         """The estimator's spec (its checks, its need of groups), KL, discounting, online filtering, the
         rollout correction."""
         errors: list[str] = []
-        _check_algorithm(errors, config)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.adv_estimator)  # an unknown name: _check_choices reports it
+        if estimator is not None:
+            errors += estimator.problems(self)
+        if estimator is not None and estimator.needs_groups and config.worker.rollout.n < 2:
+            errors.append(
+                f"algorithm.adv_estimator={self.adv_estimator} compares the responses of a prompt: "
+                f"set worker.rollout.n >= 2 (found {config.worker.rollout.n})"
+            )
+        if self.online_filtering:
+            _check_online_filtering(errors, config)
+        if self.kl_type == "adaptive" and self.use_kl_loss:
+            errors.append(
+                "algorithm.kl_type=adaptive steers the reward penalty: set algorithm.use_kl_loss=false"
+            )
+        if self.kl_coef < 0:
+            errors.append(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            errors.append(f"algorithm.gamma={self.gamma} and algorithm.lam={self.lam} must lie in [0, 1]")
+        errors += self.rollout_correction.check()
         return errors
-
-
-def _check_algorithm(errors: list[str], cfg: PPOConfig) -> None:
-    algo = cfg.algorithm
-    estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)  # an unknown name: _check_choices reports it
-    if estimator is not None:
-        errors += estimator.problems(algo)
-    if estimator is not None and estimator.needs_groups and cfg.worker.rollout.n < 2:
-        errors.append(
-            f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of a prompt: "
-            f"set worker.rollout.n >= 2 (found {cfg.worker.rollout.n})"
-        )
-    if algo.online_filtering:
-        _check_online_filtering(errors, cfg)
-    if algo.kl_type == "adaptive" and algo.use_kl_loss:
-        errors.append("algorithm.kl_type=adaptive steers the reward penalty: set algorithm.use_kl_loss=false")
-    if algo.kl_coef < 0:
-        errors.append(f"algorithm.kl_coef={algo.kl_coef} must be >= 0")
-    if not 0 <= algo.gamma <= 1 or not 0 <= algo.lam <= 1:
-        errors.append(f"algorithm.gamma={algo.gamma} and algorithm.lam={algo.lam} must lie in [0, 1]")
-    errors += algo.rollout_correction.check()
 
 
 def _check_online_filtering(errors: list[str], cfg: PPOConfig) -> None:

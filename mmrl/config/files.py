@@ -21,11 +21,6 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Fac
 def check_files(cfg: PPOConfig) -> list[str]:
     """One message per missing or unreadable file or folder of the run."""
     errors: list[str] = []
-    _check_paths(errors, cfg)
-    return errors
-
-
-def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
     data = cfg.data
     if not data.train_files:
         errors.append("data.train_files is required (e.g. data.train_files=data/train.jsonl)")
@@ -82,6 +77,7 @@ def _check_paths(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             f"trainer.load_checkpoint_path: folder '{cfg.trainer.load_checkpoint_path}' does not exist"
         )
+    return errors
 
 
 def _check_dataset(errors: list[str], key: str, value: str) -> None:

@@ -33,30 +33,28 @@ class LoraConfig:
     def check(self) -> list[str]:
         """LoRA settings that are wrong whatever the model; target names are checked against the model's
         modules where it is built (mmrl.models.lora.lora_target_names)."""
+        import importlib.util
+
+        from mmrl.models.lora import PEFT_HINT
+
         errors: list[str] = []
-        _check_lora(errors, self)
+        key = "worker.actor.model.lora"
+        if self.rank < 0:
+            errors.append(f"{key}.rank={self.rank} must be >= 0 (0 = full fine-tuning)")
+        if self.alpha <= 0:
+            errors.append(
+                f"{key}.alpha={self.alpha} must be > 0: the adapter's update is (alpha / rank) * B @ A"
+            )
+        if not self.target_modules.strip(" ,"):
+            errors.append(f"{key}.target_modules is empty: all-linear, or module names such as q_proj,v_proj")
+        if self.exclude_modules is not None:
+            try:
+                re.compile(self.exclude_modules)
+            except re.error as error:
+                errors.append(f"{key}.exclude_modules={self.exclude_modules!r} is not a valid regex: {error}")
+        if self.rank > 0 and importlib.util.find_spec("peft") is None:
+            errors.append(PEFT_HINT)
         return errors
-
-
-def _check_lora(errors: list[str], lora: LoraConfig) -> None:
-    import importlib.util
-
-    from mmrl.models.lora import PEFT_HINT
-
-    key = "worker.actor.model.lora"
-    if lora.rank < 0:
-        errors.append(f"{key}.rank={lora.rank} must be >= 0 (0 = full fine-tuning)")
-    if lora.alpha <= 0:
-        errors.append(f"{key}.alpha={lora.alpha} must be > 0: the adapter's update is (alpha / rank) * B @ A")
-    if not lora.target_modules.strip(" ,"):
-        errors.append(f"{key}.target_modules is empty: all-linear, or module names such as q_proj,v_proj")
-    if lora.exclude_modules is not None:
-        try:
-            re.compile(lora.exclude_modules)
-        except re.error as error:
-            errors.append(f"{key}.exclude_modules={lora.exclude_modules!r} is not a valid regex: {error}")
-    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
-        errors.append(PEFT_HINT)
 
 
 @dataclass(frozen=True)

@@ -62,40 +62,38 @@ class CodeConfig(RewardSourceConfig):
     def check(self, check_paths: bool) -> list[str]:
         """Limits that let a program run, and the sandbox's paths (when enabled)."""
         errors: list[str] = []
-        _check_code(errors, self, check_paths)
+        if not self.enable:
+            return errors
+        sandbox, prefix = self.sandbox, "worker.reward.code.sandbox."
+        for name in (
+            "max_concurrency",
+            "cpu_time_s",
+            "wall_time_s",
+            "memory_bytes",
+            "file_size_bytes",
+            "disk_bytes",
+        ):
+            if getattr(sandbox, name) <= 0:
+                errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be > 0")
+        for name, least in (("max_processes", 1), ("max_open_files", 8), ("max_output_bytes", 1)):
+            if getattr(sandbox, name) < least:
+                errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be >= {least}")
+        if self.max_test_cases < 0:
+            errors.append(
+                f"worker.reward.code.max_test_cases={self.max_test_cases} must be >= 0 (0 = every case)"
+            )
+        if not self.test_cases_key:
+            errors.append(
+                "worker.reward.code.test_cases_key is empty: name the column holding the test cases"
+            )
+        if not check_paths:
+            return errors
+        if sandbox.python is not None and not os.path.isfile(sandbox.python):
+            errors.append(f"{prefix}python: interpreter '{sandbox.python}' does not exist")
+        for path in sandbox.read_only_paths:
+            if not os.path.exists(path):
+                errors.append(f"{prefix}read_only_paths: '{path}' does not exist")
         return errors
-
-
-def _check_code(errors: list[str], code: CodeConfig, check_paths: bool) -> None:
-    if not code.enable:
-        return
-    sandbox, prefix = code.sandbox, "worker.reward.code.sandbox."
-    for name in (
-        "max_concurrency",
-        "cpu_time_s",
-        "wall_time_s",
-        "memory_bytes",
-        "file_size_bytes",
-        "disk_bytes",
-    ):
-        if getattr(sandbox, name) <= 0:
-            errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be > 0")
-    for name, least in (("max_processes", 1), ("max_open_files", 8), ("max_output_bytes", 1)):
-        if getattr(sandbox, name) < least:
-            errors.append(f"{prefix}{name}={getattr(sandbox, name)} must be >= {least}")
-    if code.max_test_cases < 0:
-        errors.append(
-            f"worker.reward.code.max_test_cases={code.max_test_cases} must be >= 0 (0 = every case)"
-        )
-    if not code.test_cases_key:
-        errors.append("worker.reward.code.test_cases_key is empty: name the column holding the test cases")
-    if not check_paths:
-        return
-    if sandbox.python is not None and not os.path.isfile(sandbox.python):
-        errors.append(f"{prefix}python: interpreter '{sandbox.python}' does not exist")
-    for path in sandbox.read_only_paths:
-        if not os.path.exists(path):
-            errors.append(f"{prefix}read_only_paths: '{path}' does not exist")
 
 
 @dataclass(frozen=True)

@@ -32,31 +32,25 @@ class MultiTurnConfig:
 
     def check(self) -> list[str]:
         errors: list[str] = []
-        _check_multi_turn(errors, self)
+        if not self.enable:
+            return errors
+        key = "worker.rollout.multi_turn"
+        if bool(self.tools) == bool(self.environment):
+            errors.append(
+                f"{key}.enable=true needs either {key}.tools (tool files) or {key}.environment (path.py:Class)"
+            )
+        for path in self.tools:
+            if not os.path.isfile(path):
+                errors.append(f"{key}.tools: '{path}' is not a file")
+        if self.environment and ":" not in self.environment:
+            errors.append(f"{key}.environment='{self.environment}' must be path.py:ClassName")
+        if self.max_turns < 1:
+            errors.append(f"{key}.max_turns={self.max_turns} must be >= 1")
+        if self.tool_timeout <= 0 or self.max_concurrency < 1 or self.max_observation_tokens < 32:
+            errors.append(
+                f"{key}: tool_timeout must be > 0, max_concurrency >= 1, max_observation_tokens >= 32"
+            )
         return errors
-
-
-def _check_multi_turn(errors: list[str], multi_turn: MultiTurnConfig) -> None:
-    if not multi_turn.enable:
-        return
-    key = "worker.rollout.multi_turn"
-    if bool(multi_turn.tools) == bool(multi_turn.environment):
-        errors.append(
-            f"{key}.enable=true needs either {key}.tools (tool files) or {key}.environment (path.py:Class)"
-        )
-    for path in multi_turn.tools:
-        if not os.path.isfile(path):
-            errors.append(f"{key}.tools: '{path}' is not a file")
-    if multi_turn.environment and ":" not in multi_turn.environment:
-        errors.append(f"{key}.environment='{multi_turn.environment}' must be path.py:ClassName")
-    if multi_turn.max_turns < 1:
-        errors.append(f"{key}.max_turns={multi_turn.max_turns} must be >= 1")
-    if (
-        multi_turn.tool_timeout <= 0
-        or multi_turn.max_concurrency < 1
-        or multi_turn.max_observation_tokens < 32
-    ):
-        errors.append(f"{key}: tool_timeout must be > 0, max_concurrency >= 1, max_observation_tokens >= 32")
 
 
 @dataclass(frozen=True)
