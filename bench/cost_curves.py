@@ -123,9 +123,9 @@ class WorkerStep:
         cut_lengths: list[int] | None = None,
         threads: int | None = None,
     ):
+        from mmrl.config.loading import load_config
         from mmrl.data.dataset import PromptDataset
         from mmrl.data.processing import load_tokenizer_and_processor
-        from mmrl.trainer.config_loader import load_config
         from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardScorer
 

@@ -24,7 +24,7 @@ What counts as reading a key, e.g. ``worker.ref.offload.offload_params`` (per se
    followed by name, but the section it is handed can only be that one.
 
 Nothing else counts: not ``asdict(config)``, not a section handed to a parameter without a config
-annotation, not the validation module (checking a value is not using it).
+annotation, not the loader, the file checks or a section's ``check`` (checking a value is not using it).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ Conventions shared by every function here:
   a scalar is a separate step, :func:`aggregate_loss`, chosen by name.
 
 A config string selects an algorithm through the registries ``ADV_ESTIMATORS``, ``POLICY_LOSSES``,
-``LOSS_AGG_MODES`` and ``KL_ESTIMATORS`` and their ``get_*`` functions. Nothing here calls
+``LOSS_AGG_MODES`` and ``KL_ESTIMATORS`` and their ``get_*`` functions; estimators and losses are
+registered as specs in :mod:`mmrl.algorithms` (the first two are views of those). Nothing here calls
 ``torch.distributed``; the only config objects read are the sections handed in as options.
 """
 

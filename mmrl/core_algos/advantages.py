@@ -1,7 +1,8 @@
 """Advantage estimators: ``(token_level_rewards, response_mask, *, index, values, reward_baselines,
 gamma, lam, norm_adv_by_std, eps) -> (advantages, returns)``.
 
-All share one keyword signature so the trainer can call any of them the same way; each ignores the
+Each is registered by name with its flags in :mod:`mmrl.algorithms.estimators`. All share one keyword
+signature so the trainer can call any of them the same way; each ignores the
 arguments it does not use and raises if one it needs is missing. All return (advantages, returns),
 both [B, L] float32, zero on padding, computed without autograd.
 """
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 
 from mmrl.core_algos.masked import masked_sum, masked_whiten
-from mmrl.core_algos.registry import ADV_ESTIMATORS, register
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,6 @@ def _broadcast_over_tokens(per_sequence: torch.Tensor, response_mask: torch.Tens
     return per_sequence.unsqueeze(-1) * response_mask.float()
 
 
-@register(ADV_ESTIMATORS, "grpo")
 @torch.no_grad()
 def compute_grpo_advantages(
     token_level_rewards: torch.Tensor,
@@ -97,7 +96,6 @@ def compute_grpo_advantages(
     return advantages, advantages
 
 
-@register(ADV_ESTIMATORS, "grpo_passk")
 @torch.no_grad()
 def compute_grpo_passk_advantages(
     token_level_rewards: torch.Tensor,
@@ -140,7 +138,6 @@ def compute_grpo_passk_advantages(
     return advantages, advantages
 
 
-@register(ADV_ESTIMATORS, "rloo")
 @torch.no_grad()
 def compute_rloo_advantages(
     token_level_rewards: torch.Tensor,
@@ -182,7 +179,6 @@ def _discounted_returns(
     return returns * response_mask.float()
 
 
-@register(ADV_ESTIMATORS, "reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantages(
     token_level_rewards: torch.Tensor,
@@ -207,7 +203,6 @@ def compute_reinforce_plus_plus_advantages(
     return advantages, returns
 
 
-@register(ADV_ESTIMATORS, "remax")
 @torch.no_grad()
 def compute_remax_advantages(
     token_level_rewards: torch.Tensor,
@@ -241,7 +236,6 @@ def compute_remax_advantages(
     return advantages, returns
 
 
-@register(ADV_ESTIMATORS, "gae")
 @torch.no_grad()
 def compute_gae_advantages(
     token_level_rewards: torch.Tensor,

@@ -2,7 +2,8 @@
 
 ``options`` is the actor's loss section (:class:`~mmrl.config.PolicyLossConfig`, which
 ``worker.actor`` derives from): each loss reads the knobs it needs from it, so a new knob is a field
-there and a line here. Clip ratios left None take the loss's default (:data:`POLICY_LOSS_CLIP_DEFAULTS`).
+there and a line here. Each loss is registered by name with its clip defaults and the checks of its
+clip ratios in :mod:`mmrl.algorithms.losses`; clip ratios left None take the loss's default.
 Each loss returns (loss [B, L], diagnostics) where diagnostics are detached per-token float tensors
 [B, L] (``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``); reduce them with masked_mean. The loss is
 NOT reduced: pass it to :func:`~mmrl.core_algos.aggregation.aggregate_loss`.
@@ -10,51 +11,38 @@ NOT reduced: pass it to :func:`~mmrl.core_algos.aggregation.aggregate_loss`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
+from mmrl.algorithms import POLICY_LOSSES as LOSS_SPECS
+from mmrl.algorithms import policy_clip_range
 from mmrl.config import PolicyLossConfig
 from mmrl.core_algos.masked import masked_mean
-from mmrl.core_algos.registry import POLICY_LOSSES, get_policy_loss, register
+from mmrl.core_algos.registry import get_policy_loss
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf * 0 advantages gives NaN gradients
 # (pytorch/pytorch#10729). Ratios beyond e^20 are clipped by every loss anyway, so clamping is lossless.
 LOG_RATIO_CLAMP = 20.0
 DEFAULT_OPTIONS = PolicyLossConfig()
 
-# loss -> (clip_ratio_low, clip_ratio_high) used when the config leaves them null; None: no clip range.
-# The ratio (or importance weight) is clipped to [1 - low, 1 + high].
-POLICY_LOSS_CLIP_DEFAULTS: dict[str, tuple[float, float] | None] = {
-    "ppo": (0.2, 0.3),  # PPO's 0.2 below, DAPO's clip-higher 0.28-0.3 above (EasyR1's defaults)
-    # GSPO paper, sec. 5.1: a sequence ratio is a geometric mean of token ratios and sits within ~1e-3
-    # of 1, so the token-level 0.2 would never clip; the paper clips at 3e-4 / 4e-4
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    # MiniMax-M1: no lower bound on the IS weight (1 - 1.0 = 0, below every ratio), upper 1 + 4 = 5 as
-    # EasyR1's CISPO recipe. clip_ratio_low=0 gives EasyR1's weight >= 1 instead.
-    "cispo": (1.0, 4.0),
-    "sapo": None,  # a soft gate instead of a clip
-    "clip_cov": (0.2, 0.3),  # PPO's clip, plus the covariance clip (Cui et al. 2025)
-    "kl_cov": None,  # no ratio clip: a KL penalty on the high-covariance tokens instead (Cui et al. 2025)
-}
+
+class _ClipDefaults(Mapping[str, "tuple[float, float] | None"]):
+    """loss -> its spec's ``clip_defaults`` (always current)."""
+
+    def __getitem__(self, name: str) -> tuple[float, float] | None:
+        return LOSS_SPECS[name].clip_defaults
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(LOSS_SPECS)
+
+    def __len__(self) -> int:
+        return len(LOSS_SPECS)
 
 
-def policy_clip_range(
-    loss_type: str, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None
-) -> tuple[float, float] | None:
-    """``(clip_ratio_low, clip_ratio_high)`` in effect for ``loss_type``: the given values, the loss's
-    default (:data:`POLICY_LOSS_CLIP_DEFAULTS`) for each one left None; None for a loss without clip
-    (a ValueError if a clip ratio is given to it)."""
-    get_policy_loss(loss_type)  # an unknown name fails listing the valid ones
-    defaults = POLICY_LOSS_CLIP_DEFAULTS[loss_type]
-    if defaults is None:
-        if clip_ratio_low is not None or clip_ratio_high is not None:
-            raise ValueError(
-                f"policy loss {loss_type!r} has no clip range; leave clip_ratio_low/clip_ratio_high None"
-            )
-        return None
-    low = defaults[0] if clip_ratio_low is None else clip_ratio_low
-    high = defaults[1] if clip_ratio_high is None else clip_ratio_high
-    return low, high
+# loss -> (clip_ratio_low, clip_ratio_high) used when the config leaves them null (None: no clip range),
+# as registered in mmrl.algorithms.losses; the ratio (or importance weight) is clipped to [1 - low, 1 + high]
+POLICY_LOSS_CLIP_DEFAULTS = _ClipDefaults()
 
 
 def compute_policy_loss(
@@ -64,7 +52,7 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     options: PolicyLossConfig = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss named ``options.loss_type`` (:data:`POLICY_LOSSES`), called with ``options``."""
+    """The loss named ``options.loss_type`` (:mod:`mmrl.algorithms`), called with ``options``."""
     loss = get_policy_loss(options.loss_type)
     return loss(old_log_probs, log_probs, advantages, response_mask, options)
 
@@ -98,7 +86,6 @@ def _diagnostics(
     }
 
 
-@register(POLICY_LOSSES, "ppo")
 def compute_ppo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -134,7 +121,6 @@ def compute_ppo_policy_loss(
     return loss, diagnostics
 
 
-@register(POLICY_LOSSES, "gspo")
 def compute_gspo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -163,7 +149,6 @@ def compute_gspo_policy_loss(
     return loss, _diagnostics(token_log_ratio, clipped)
 
 
-@register(POLICY_LOSSES, "gspo_token")
 def compute_gspo_token_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -190,7 +175,6 @@ def compute_gspo_token_policy_loss(
     return loss, _diagnostics(token_log_ratio, clipped)
 
 
-@register(POLICY_LOSSES, "cispo")
 def compute_cispo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -216,7 +200,6 @@ def compute_cispo_policy_loss(
     return loss, _diagnostics(log_ratio, (weight != ratio).float())
 
 
-@register(POLICY_LOSSES, "sapo")
 def compute_sapo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -263,7 +246,6 @@ def _covariance_count(ratio: float, response_mask: torch.Tensor) -> int:
     return max(1, int(ratio * float(response_mask.sum())))
 
 
-@register(POLICY_LOSSES, "clip_cov")
 def compute_clip_cov_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -305,7 +287,6 @@ def compute_clip_cov_policy_loss(
     return loss * (1.0 - cut), diagnostics
 
 
-@register(POLICY_LOSSES, "kl_cov")
 def compute_kl_cov_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,

@@ -1,14 +1,48 @@
-"""Registries: a config string selects an algorithm by name (``get_*`` fail listing the valid names)."""
+"""Registries: a config string selects a function by name (``get_*`` fail listing the valid names).
+
+Advantage estimators and policy losses are registered as specs in :mod:`mmrl.algorithms`; the mappings
+here are views of those registries that give the functions.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+from mmrl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    AlgorithmSpec,
+    advantage_estimator,
+    policy_loss,
+)
+
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+class _Functions(Mapping[str, Callable]):
+    """name -> function of a registry of specs (always current: a spec registered later is in it)."""
+
+    def __init__(self, specs: Mapping[str, AlgorithmSpec]):
+        self._specs = specs
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._specs[name].load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+ADV_ESTIMATORS: Mapping[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = _Functions(
+    ADVANTAGE_ESTIMATORS
+)
+POLICY_LOSSES: Mapping[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = _Functions(
+    POLICY_LOSSES
+)
 
 
 def register(registry: dict[str, Callable], *names: str) -> Callable[[Callable], Callable]:
@@ -20,25 +54,21 @@ def register(registry: dict[str, Callable], *names: str) -> Callable[[Callable],
     return decorator
 
 
-def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
-    if name not in registry:
-        raise ValueError(
-            f"Unknown {kind} {name!r}. Valid names: {', '.join(sorted(registry))}. "
-            f"Pick one of these in the config, or add a function to the registry in mmrl.core_algos."
-        )
-    return registry[name]
-
-
 def get_adv_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The advantage estimator registered as ``name``; ValueError listing the valid names otherwise."""
-    return _lookup(ADV_ESTIMATORS, name, "advantage estimator")
+    return advantage_estimator(name).load()
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The policy loss registered as ``name``; ValueError listing the valid names otherwise."""
-    return _lookup(POLICY_LOSSES, name, "policy loss")
+    return policy_loss(name).load()
 
 
 def get_kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The per-token KL estimator registered as ``name``; ValueError listing the valid names otherwise."""
-    return _lookup(KL_ESTIMATORS, name, "KL estimator")
+    if name not in KL_ESTIMATORS:
+        raise ValueError(
+            f"Unknown KL estimator {name!r}. Valid names: {', '.join(sorted(KL_ESTIMATORS))}. "
+            f"Pick one of these in the config, or add a function to the registry in mmrl.core_algos."
+        )
+    return KL_ESTIMATORS[name]

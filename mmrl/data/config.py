@@ -77,3 +77,57 @@ class DataConfig:
     use_audio_in_video: bool = False  # Qwen-Omni: also feed each video's sound track, interleaved with frames
     skip_bad_samples: bool = False  # skip bad samples (unreadable media, marker mismatch) and count them
     dataloader_num_workers: int = 0  # worker processes decoding media for the driver's dataloader
+
+    def check(self) -> list[str]:
+        """Lengths, batch sizes, image and video bounds; the files are checked by mmrl.config.files."""
+        positive = {
+            "data.max_prompt_length": self.max_prompt_length,
+            "data.max_response_length": self.max_response_length,
+            "data.rollout_batch_size": self.rollout_batch_size,
+        }
+        errors = [f"{key}={value} must be > 0" for key, value in positive.items() if value <= 0]
+        min_pixels, max_pixels = self.min_pixels, self.max_pixels
+        for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+            if value is not None and value <= 0:
+                errors.append(f"{key}={value} must be > 0 (or null for no bound)")
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            errors.append(f"data.min_pixels={min_pixels} exceeds data.max_pixels={max_pixels}")
+        _check_media(errors, self)
+        return errors
+
+
+def _check_media(errors: list[str], data: DataConfig) -> None:
+    positive = {
+        "data.video_fps": data.video_fps,
+        "data.max_video_frames": data.max_video_frames,
+        "data.min_video_frames": data.min_video_frames,
+        "data.video_min_pixels": data.video_min_pixels,
+        "data.max_audio_seconds": data.max_audio_seconds,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            errors.append(f"{key}={value} must be > 0")
+    if data.num_video_frames is not None and data.num_video_frames <= 0:
+        errors.append(
+            f"data.num_video_frames={data.num_video_frames} must be > 0 (or null to sample by video_fps)"
+        )
+    if data.num_video_frames is not None and data.num_video_frames > data.max_video_frames > 0:
+        # the sampling caps the count at max_video_frames: 1,024 frames asked with the default 64 would
+        # silently give every video 64 frames
+        errors.append(
+            f"data.num_video_frames={data.num_video_frames} exceeds data.max_video_frames="
+            f"{data.max_video_frames}, which caps every video's frames: raise data.max_video_frames to "
+            f"{data.num_video_frames}"
+        )
+    if data.video_total_pixels is not None and data.video_total_pixels <= 0:
+        errors.append(
+            f"data.video_total_pixels={data.video_total_pixels} must be > 0 (or null for qwen-vl-utils' budget)"
+        )
+    if data.video_min_pixels > data.video_max_pixels:
+        errors.append(
+            f"data.video_min_pixels={data.video_min_pixels} exceeds data.video_max_pixels={data.video_max_pixels}"
+        )
+    if data.preprocess_num_workers is not None and data.preprocess_num_workers < 1:
+        errors.append(
+            f"data.preprocess_num_workers={data.preprocess_num_workers} must be >= 1 (or null for the driver's CPUs)"
+        )

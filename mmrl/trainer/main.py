@@ -14,8 +14,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from mmrl.config.loading import config_to_yaml, load_config
 from mmrl.errors import UserInputError
-from mmrl.trainer.config_loader import config_to_yaml, load_config
 
 USAGE = """usage: python -m mmrl.trainer.main config=path/to/config.yaml [section.key=value ...] [--dry-run] [--debug]
 

@@ -1,7 +1,7 @@
 """Multi-stage training: the stages of ``trainer.stages`` one after the other in one command.
 
 Skywork-OR1 trains at 8k, then 16k, then 32k response tokens; a stage may change any key but the ones
-that hold the schedule together (``config_loader.STAGE_FIXED_KEYS``). All stages share one checkpoint
+that hold the schedule together (``mmrl.config.loading.STAGE_FIXED_KEYS``). All stages share one checkpoint
 folder and one step count: stage ``i`` trains steps ``first_step + 1 .. last_step``, saves at its end
 (the trainer always saves at its last step) and stage ``i + 1`` starts from that checkpoint with fresh
 workers built from its own config (a new response length needs a new rollout engine). Model,
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmrl.config import PPOConfig
-from mmrl.trainer.config_loader import stage_configs
+from mmrl.config.loading import stage_configs
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmrl.algorithms import advantage_estimator
 from mmrl.config import PPOConfig
 
 
@@ -22,7 +23,7 @@ class StepPlan:
     old_log_probs_from_update: bool
     use_reference: bool  # reference log-probs for a KL term
     use_critic: bool  # values before, a critic update after the advantages
-    greedy_baseline: bool  # ReMax: score each prompt's greedy response as its baseline
+    greedy_baseline: bool  # the estimator scores each prompt's greedy response as its baseline (ReMax)
 
     @classmethod
     def for_step(cls, config: PPOConfig, global_step: int) -> StepPlan:
@@ -49,5 +50,5 @@ class StepPlan:
             old_log_probs_from_update=on_policy and update_actor,
             use_reference=algorithm.use_reference,
             use_critic=config.use_critic,
-            greedy_baseline=algorithm.adv_estimator == "remax",
+            greedy_baseline=advantage_estimator(algorithm.adv_estimator).greedy_baseline,
         )

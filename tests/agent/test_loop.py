@@ -336,8 +336,8 @@ def test_the_video_tool_demo_plays_the_row_s_clip_into_the_tool_turn(parts, tiny
     trajectory (call, clip, answer) fits the config's response budget."""
 
     from mmrl.agent.loop import build_agent_loop, tool_schemas
+    from mmrl.config.loading import load_config
     from mmrl.demo.synthetic import generate_shapes_dataset
-    from mmrl.trainer.config_loader import load_config
 
     repo = Path(__file__).resolve().parents[2]
     data = generate_shapes_dataset("clip_flashes", tmp_path / "clip-flashes", n_train=3, n_val=3, seed=0)

@@ -87,7 +87,7 @@ def test_markdown_table():
 
 def test_mmrl_command_is_a_valid_config(tmp_path):
     """The overrides the benches pass are keys mmrl accepts, with the meanings intended."""
-    from mmrl.trainer.config_loader import load_config
+    from mmrl.config.loading import load_config
 
     model, data = tmp_path / "model", tmp_path / "data"
     model.mkdir()
@@ -113,7 +113,7 @@ def test_mmrl_command_is_a_valid_config(tmp_path):
 def test_colocated_critic_command_is_a_gae_run_on_two_ranks(tmp_path):
     import colocated_critic
 
-    from mmrl.trainer.config_loader import load_config
+    from mmrl.config.loading import load_config
 
     model, data = tmp_path / "model", tmp_path / "data"
     model.mkdir()

@@ -13,6 +13,7 @@ import torch
 from _av import grey_frames, tone, write_video, write_wav
 from PIL import Image
 
+from mmrl.config.loading import ConfigError, load_config
 from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import DataError, PromptDataset
@@ -20,7 +21,6 @@ from mmrl.data.processing import attach_media, load_tokenizer_and_processor
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.models.inputs import build_forward_inputs, compute_position_ids, concat_multi_modal_inputs
 from mmrl.models.loading import load_model
-from mmrl.trainer.config_loader import ConfigError, load_config
 
 MEDIA_RANGE = {
     "min_pixels": MIN_PIXELS,

@@ -198,7 +198,7 @@ def test_the_source_is_built_from_its_config_section():
 
 def test_config_checks_name_the_sandbox_keys(tmp_path):
     from mmrl.config import PPOConfig
-    from mmrl.trainer.config_loader import validate_config
+    from mmrl.config.loading import validate_config
 
     def errors_with(**code):
         config = PPOConfig()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from mmrl.config.loading import load_config
 from mmrl.protocol import DataProto
-from mmrl.trainer.config_loader import load_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "sandbox"))
 from _sandboxed import foreign_processes  # noqa: E402

@@ -24,7 +24,7 @@ from _trainer_run import FINGERPRINT_REWARD, REPO_ROOT, small_run_overrides
 from omegaconf import OmegaConf
 from PIL import Image
 
-from mmrl.trainer.config_loader import load_config
+from mmrl.config.loading import load_config
 from mmrl.trainer.main import main
 from mmrl.trainer.preflight import preflight
 
@@ -348,7 +348,7 @@ def test_no_traceback_reaches_the_terminal(inputs, media, case):
 def test_debug_flag_shows_the_traceback(inputs):
     run = _terminal([*inputs.args(), inputs.file("config", "run.yaml", "trainer: [\n"), "--debug"])
     assert run.returncode == 2
-    assert "Traceback (most recent call last)" in run.stderr and 'config_loader.py", line' in run.stderr
+    assert "Traceback (most recent call last)" in run.stderr and 'loading.py", line' in run.stderr
     assert run.stderr.index("is not valid YAML") > run.stderr.index("Traceback")  # the message comes last
 
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from mmrl.config import PPOConfig, split_dataset_spec, split_function_spec
+from mmrl.config.loading import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.data.config import DataConfig
-from mmrl.trainer.config_loader import ConfigError, config_to_yaml, load_config, schema_keys
 from mmrl.trainer.step_plan import StepPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -258,7 +258,8 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.actor.optim.strategy=sgd"], "worker.actor.optim.strategy='sgd' is not one of adamw"),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=reinforce_plus_plus"],
-            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'] (found reinforce_plus_plus)",
+            # the group estimators (a module of mmrl/algorithms may add more after these)
+            "set algorithm.adv_estimator to one of ['grpo', 'grpo_passk', 'rloo'",
         ),
         (
             ["algorithm.online_filtering=true", "algorithm.adv_estimator=gae"],

@@ -1,6 +1,6 @@
 """EasyR1 jobs run unchanged: its example config and every launch script of its examples/ resolve after
 only the model and data paths are changed, and each EasyR1 spelling mmrl does not share is translated
-with the same meaning or refused naming the replacement (``mmrl/trainer/easyr1.py``).
+with the same meaning or refused naming the replacement (``mmrl/config/easyr1.py``).
 
 The scripts are EasyR1's own files (tests/fixtures/easyr1, see SOURCE.md there). Bash itself reads
 them, so line continuations, variables, quoting and globs mean what they mean to a user's shell.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mmrl.trainer import easyr1
-from mmrl.trainer.config_loader import ConfigError, _suggest, load_config, schema_keys
+from mmrl.config import easyr1
+from mmrl.config.loading import ConfigError, _suggest, load_config, schema_keys
 from mmrl.trainer.main import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "easyr1"
@@ -100,7 +100,7 @@ EXPECTED = {
         "worker.actor.clip_ratio_low": 3e-4,
     },
     "qwen2_5_vl_7b_geo3k_sapo.sh": {"worker.actor.loss_type": "sapo", "algorithm.disable_kl": True},
-    # needs worker.actor.clip_ratio_low=0 accepted for cispo (the loss helper's change to config_loader)
+    # needs worker.actor.clip_ratio_low=0 accepted for cispo (the loss helper's change to the loader)
     "qwen2_5_vl_7b_geo3k_cispo.sh": {"worker.actor.loss_type": "cispo", "worker.actor.clip_ratio_low": 0.0},
     "qwen3_4b_math_grpo_lora.sh": {"worker.actor.model.lora.rank": 64, "worker.actor.optim.lr": 1e-5},
     "qwen3_vl_4b_geo3k_grpo_lora.sh": {"worker.actor.model.lora.rank": 64},

@@ -117,7 +117,7 @@ def test_constraints_gpu_pins_the_tested_set():
 
 
 def test_a_local_cluster_has_cpus_for_the_judge_mmrl_serves():
-    from mmrl.trainer.config_loader import load_config
+    from mmrl.config.loading import load_config
     from mmrl.trainer.ray_trainer import local_cluster_cpus
 
     judge_run = ["config=" + str(REPO_ROOT / "examples" / "tiny_cpu_judge.yaml")]

@@ -42,7 +42,7 @@ from _trackers import (
 )
 
 from mmrl.checkpoint.tracker import find_last_checkpoint
-from mmrl.trainer.config_loader import config_to_yaml, load_config
+from mmrl.config.loading import config_to_yaml, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = Path(__file__).resolve().parent / "assets"
