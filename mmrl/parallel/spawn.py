@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmrl.parallel.debris import make_temp_dir
+from mmrl.runtime.debris import make_temp_dir
 
 # imported once by the forkserver that forks every rank; a module missing here is imported by the rank
 PRELOAD = (

@@ -749,7 +749,7 @@ def run(config: PPOConfig) -> int:
     into a message and exit code 1."""
     import ray
 
-    from mmrl.parallel.debris import clean_stale_debris
+    from mmrl.runtime.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
     clean_stale_debris()  # what killed runs left (shared memory, Ray sessions, temp folders)
