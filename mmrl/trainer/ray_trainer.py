@@ -57,6 +57,7 @@ from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, t
 from mmrl.trainer.placement import plan_placement
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
+from mmrl.workers.fsdp_workers import HybridWorker
 from mmrl.workers.rollout import GenerationMode
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,6 @@ class RayPPOTrainer:
     def __init__(self, config: PPOConfig, stage: Stage | None = None):
         from mmrl.rewards.judge_server import serve_judge
         from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
-        from mmrl.workers.fsdp_workers import HybridWorker
         from mmrl.workers.reward_worker import RewardWorkers
 
         self.config = config
@@ -305,16 +305,20 @@ class RayPPOTrainer:
             if not plan.old_log_probs_from_update:
                 with timer("old_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch("compute_log_probs", batch, temperature=plan.temperature)
+                        self.actor.dispatch(
+                            HybridWorker.compute_log_probs, batch, temperature=plan.temperature
+                        )
                     )
             if plan.use_reference:
                 with timer("ref_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch("compute_ref_log_probs", batch, temperature=plan.temperature)
+                        self.actor.dispatch(
+                            HybridWorker.compute_ref_log_probs, batch, temperature=plan.temperature
+                        )
                     )
             if plan.use_critic:
                 with timer("values", timings):
-                    batch = batch.union(self.actor.dispatch("compute_values", batch))
+                    batch = batch.union(self.actor.dispatch(HybridWorker.compute_values, batch))
             with timer("reward", timings):
                 fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
@@ -439,7 +443,7 @@ class RayPPOTrainer:
         """Training responses for ``prompts``; ``round_index`` gives each round of a step its own
         sampling stream."""
         batch = self.actor.dispatch(
-            "generate",
+            HybridWorker.generate,
             self._share_media(prompts),
             mode=GenerationMode.TRAIN,
             global_step=self.global_step,
@@ -491,12 +495,12 @@ class RayPPOTrainer:
         fault_point("update", self.global_step + 1)
         if plan.use_critic:
             with timer("update_critic", timings):
-                update = self.actor.dispatch("update_critic", batch)
+                update = self.actor.dispatch(HybridWorker.update_critic, batch)
                 metrics.update(self._worker_metrics(update))
         if plan.update_actor:
             with timer("update_actor", timings):
                 update = self.actor.dispatch(
-                    "update_actor",
+                    HybridWorker.update_actor,
                     loss_rows(batch),
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
@@ -507,7 +511,7 @@ class RayPPOTrainer:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
             with timer("sync", timings):
                 fault_point("sync", self.global_step + 1)
-                self.actor.call("sync_rollout_weights")
+                self.actor.call(HybridWorker.sync_rollout_weights)
         return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> Callable[[DataProto], DataProto]:
@@ -524,7 +528,7 @@ class RayPPOTrainer:
             non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
         )
         greedy = self.actor.dispatch(
-            "generate", prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
+            HybridWorker.generate, prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
         )
         pending = self.rewards.launch(greedy)
 
@@ -544,7 +548,7 @@ class RayPPOTrainer:
         for batch in self._validation_batches():
             prompts = self._share_media(batch)
             output = self.actor.dispatch(
-                "generate", prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
+                HybridWorker.generate, prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
             )
             scored = self.rewards.collect(self.rewards.launch(output))
             scores.extend(scored.non_tensor_batch["reward_scores"])
@@ -592,7 +596,7 @@ class RayPPOTrainer:
 
     def _write_checkpoint(self, val_metric: float | None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
-        per_rank = self.actor.call("save_checkpoint", tmp_dir)  # {role: report}, the critic's too
+        per_rank = self.actor.call(HybridWorker.save_checkpoint, tmp_dir)  # {role: report}, the critic's too
         fault_point("checkpoint", self.global_step)  # the workers' part written, not yet committed
         reports = {role: [rank_reports[role] for rank_reports in per_rank] for role in per_rank[0]}
         parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
@@ -615,8 +619,8 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
-        self.actor.call("load_checkpoint", str(path))  # the critic's too
-        self.actor.call("sync_rollout_weights")
+        self.actor.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
+        self.actor.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])
@@ -657,7 +661,7 @@ class RayPPOTrainer:
 
     def _rollout_counters(self) -> dict[str, float]:
         """The workers' rollout counters since the last step, the largest over the ranks."""
-        per_rank = self.actor.call("take_rollout_counters")
+        per_rank = self.actor.call(HybridWorker.take_rollout_counters)
         return {key: max(counters[key] for counters in per_rank) for key in per_rank[0]}
 
     def _memory_peaks(self) -> dict[str, float]:
@@ -666,7 +670,7 @@ class RayPPOTrainer:
         free memory of any rank."""
         from mmrl.workers.memory import combine_rank_peaks
 
-        return combine_rank_peaks(self.actor.call("take_memory_peaks"))
+        return combine_rank_peaks(self.actor.call(HybridWorker.take_memory_peaks))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:
