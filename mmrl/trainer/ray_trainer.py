@@ -194,12 +194,12 @@ class RayPPOTrainer:
             placement.use_gpu,
             cpus_per_proc=placement.cpus_per_worker,
         )
-        # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
-        # their rows by its own sequence-parallel size
-        self.actor = RayWorkerGroup(
+        # the training ranks: one process per device, each holding every model role (actor, ref, rollout,
+        # critic); the critic's phases split their rows by its own sequence-parallel size
+        self.model_workers = RayWorkerGroup(
             HybridWorker,
             pool,
-            name_prefix="actor",
+            name_prefix="model",
             start=False,
             sequence_parallel_size=config.worker.actor.sequence_parallel_size,
             role_sequence_parallel_sizes=(
@@ -240,8 +240,8 @@ class RayPPOTrainer:
             "total_training_steps": self.total_steps if stage is None else stage.schedule_steps,
             "cpu_threads": placement.worker_threads,
         }
-        self.actor.start(kwargs=worker_kwargs)
-        print(placement_line(self.actor.node_ids), flush=True)
+        self.model_workers.start(kwargs=worker_kwargs)
+        print(placement_line(self.model_workers.node_ids), flush=True)
         algo = config.algorithm
         self.kl_ctrl = core_algos.build_kl_controller(
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
@@ -305,20 +305,20 @@ class RayPPOTrainer:
             if not plan.old_log_probs_from_update:
                 with timer("old_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch(
+                        self.model_workers.dispatch(
                             HybridWorker.compute_log_probs, batch, temperature=plan.temperature
                         )
                     )
             if plan.use_reference:
                 with timer("ref_log_prob", timings):
                     batch = batch.union(
-                        self.actor.dispatch(
+                        self.model_workers.dispatch(
                             HybridWorker.compute_ref_log_probs, batch, temperature=plan.temperature
                         )
                     )
             if plan.use_critic:
                 with timer("values", timings):
-                    batch = batch.union(self.actor.dispatch(HybridWorker.compute_values, batch))
+                    batch = batch.union(self.model_workers.dispatch(HybridWorker.compute_values, batch))
             with timer("reward", timings):
                 fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
@@ -340,7 +340,7 @@ class RayPPOTrainer:
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
             **self.rewards.take_metrics(),  # each source's seconds, when there are several
-            **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
+            **compute_timing_metrics(timings, self._token_counts(batch), self.model_workers.world_size),
             **kl_metrics,
             **update_metrics,
             "data/skipped_samples": self.train_loader.dataset.num_skipped,
@@ -442,7 +442,7 @@ class RayPPOTrainer:
     def _generate(self, prompts: DataProto, round_index: int) -> DataProto:
         """Training responses for ``prompts``; ``round_index`` gives each round of a step its own
         sampling stream."""
-        batch = self.actor.dispatch(
+        batch = self.model_workers.dispatch(
             HybridWorker.generate,
             self._share_media(prompts),
             mode=GenerationMode.TRAIN,
@@ -495,11 +495,11 @@ class RayPPOTrainer:
         fault_point("update", self.global_step + 1)
         if plan.use_critic:
             with timer("update_critic", timings):
-                update = self.actor.dispatch(HybridWorker.update_critic, batch)
+                update = self.model_workers.dispatch(HybridWorker.update_critic, batch)
                 metrics.update(self._worker_metrics(update))
         if plan.update_actor:
             with timer("update_actor", timings):
-                update = self.actor.dispatch(
+                update = self.model_workers.dispatch(
                     HybridWorker.update_actor,
                     loss_rows(batch),
                     temperature=plan.temperature,
@@ -511,7 +511,7 @@ class RayPPOTrainer:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
             with timer("sync", timings):
                 fault_point("sync", self.global_step + 1)
-                self.actor.call(HybridWorker.sync_rollout_weights)
+                self.model_workers.call(HybridWorker.sync_rollout_weights)
         return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> Callable[[DataProto], DataProto]:
@@ -527,7 +527,7 @@ class RayPPOTrainer:
             tensors={k: v[:, : batch.batch["prompts"].shape[-1]] for k, v in prompts.batch.items()},
             non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
         )
-        greedy = self.actor.dispatch(
+        greedy = self.model_workers.dispatch(
             HybridWorker.generate, prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
         )
         pending = self.rewards.launch(greedy)
@@ -547,7 +547,7 @@ class RayPPOTrainer:
         scores, sources, samples, records = [], [], [], []
         for batch in self._validation_batches():
             prompts = self._share_media(batch)
-            output = self.actor.dispatch(
+            output = self.model_workers.dispatch(
                 HybridWorker.generate, prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
             )
             scored = self.rewards.collect(self.rewards.launch(output))
@@ -596,7 +596,9 @@ class RayPPOTrainer:
 
     def _write_checkpoint(self, val_metric: float | None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
-        per_rank = self.actor.call(HybridWorker.save_checkpoint, tmp_dir)  # {role: report}, the critic's too
+        per_rank = self.model_workers.call(
+            HybridWorker.save_checkpoint, tmp_dir
+        )  # {role: report}, the critic's too
         fault_point("checkpoint", self.global_step)  # the workers' part written, not yet committed
         reports = {role: [rank_reports[role] for rank_reports in per_rank] for role in per_rank[0]}
         parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
@@ -619,8 +621,8 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
-        self.actor.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
-        self.actor.call(HybridWorker.sync_rollout_weights)
+        self.model_workers.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
+        self.model_workers.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])
@@ -661,7 +663,7 @@ class RayPPOTrainer:
 
     def _rollout_counters(self) -> dict[str, float]:
         """The workers' rollout counters since the last step, the largest over the ranks."""
-        per_rank = self.actor.call(HybridWorker.take_rollout_counters)
+        per_rank = self.model_workers.call(HybridWorker.take_rollout_counters)
         return {key: max(counters[key] for counters in per_rank) for key in per_rank[0]}
 
     def _memory_peaks(self) -> dict[str, float]:
@@ -670,7 +672,7 @@ class RayPPOTrainer:
         free memory of any rank."""
         from mmrl.workers.memory import combine_rank_peaks
 
-        return combine_rank_peaks(self.actor.call(HybridWorker.take_memory_peaks))
+        return combine_rank_peaks(self.model_workers.call(HybridWorker.take_memory_peaks))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:
@@ -722,7 +724,7 @@ class RayPPOTrainer:
         between the stages of a schedule, here)."""
         self.rewards.shutdown()
         if self.stage is not None:  # the next stage builds workers of its own
-            self.actor.shutdown()
+            self.model_workers.shutdown()
         if self.judge_server is not None:
             self.judge_server.stop()
 
