@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,11 +54,16 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
-from mmrl.trainer.placement import plan_placement
+from mmrl.trainer.placement import Placement, plan_placement
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.fsdp_workers import HybridWorker
 from mmrl.workers.rollout import GenerationMode
+
+if TYPE_CHECKING:  # Ray-importing modules, imported where used
+    from mmrl.rewards.judge_server import ServedJudge
+    from mmrl.single_controller import RayWorkerGroup, TransferCounter
+    from mmrl.workers.reward_worker import RewardWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -148,108 +153,157 @@ def placement_line(node_ids: list[str]) -> str:
     return f"mmrl: {len(node_ids)} training ranks on {len(set(node_ids))} Ray node(s) ({ranks})"
 
 
+def load_tokenizer(config: PPOConfig) -> tuple[Any, Any]:
+    """The actor model's tokenizer and processor (None for a text-only model), with
+    ``data.override_chat_template`` applied."""
+    model = config.worker.actor.model
+    return load_tokenizer_and_processor(
+        model.tokenizer_or_model_path,
+        model.trust_remote_code,
+        key=model.tokenizer_key,
+        chat_template_file=config.data.override_chat_template,
+    )
+
+
+def build_loaders(
+    config: PPOConfig, tokenizer: Any, processor: Any, collate: Callable[[list[dict[str, Any]]], DataProto]
+) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training prompts' loader and the validation prompts' (None without ``data.val_files``)."""
+    data = config.data
+    tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
+    train_set = PromptDataset(data.train_files, tokenizer, processor, data, tools=tools)
+    train_loader = PromptLoader(
+        train_set,
+        prompts_per_round(config),
+        collate,
+        data.shuffle,
+        data.seed,
+        num_workers=data.dataloader_num_workers,
+    )
+    if not data.val_files:
+        return train_loader, None
+    val_set = PromptDataset(data.val_files, tokenizer, processor, data, tools=tools)
+    val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
+    return train_loader, PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
+
+
+def start_judge_server(config: PPOConfig) -> ServedJudge | None:
+    """The judge model mmrl serves itself (``worker.reward.judge.serve``), when the judge is on and
+    names a model to serve."""
+    from mmrl.rewards.judge_server import serve_judge
+
+    judge = config.worker.reward.judge
+    return serve_judge(judge) if judge.enable else None
+
+
+def start_reward_workers(
+    config: PPOConfig, judge_server: ServedJudge | None, transfers: TransferCounter
+) -> RewardWorkers:
+    """The reward worker processes of ``worker.reward`` (they start importing at once)."""
+    from mmrl.workers.reward_worker import RewardWorkers
+
+    reward = config.worker.reward
+    return RewardWorkers(
+        reward.num_workers,
+        reward.num_cpus,
+        reward.timeout_s,
+        transfers=transfers,
+        num_gpus=reward.num_gpus,
+        send_media=reward.judge.enable or bool(reward.reward_model.model_path),
+        config=config,
+        judge_url=judge_server.base_url if judge_server else None,
+        judge_model=judge_server.model if judge_server else None,
+    )
+
+
+def plan_cluster_placement(config: PPOConfig) -> Placement:
+    """GPUs or CPUs, and CPUs and threads per training process, from the Ray cluster's resources (not
+    this machine's), less what the reward workers and a served judge take."""
+    from mmrl.single_controller import alive_node_resources
+
+    reward = config.worker.reward
+    served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
+    placement = plan_placement(
+        config.trainer,
+        reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
+        nodes=alive_node_resources(),
+        reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+    )
+    if placement.note:
+        print(placement.note, flush=True)
+    return placement
+
+
+def start_model_processes(
+    config: PPOConfig, placement: Placement, transfers: TransferCounter
+) -> RayWorkerGroup[HybridWorker]:
+    """One process per device, each to hold every model role (actor, ref, rollout, critic): started
+    and importing now, built by ``RayWorkerGroup.start`` once the driver knows the step count. The
+    critic's phases split their rows by its own sequence-parallel size."""
+    from mmrl.single_controller import RayWorkerGroup, ResourcePool
+
+    trainer = config.trainer
+    pool = ResourcePool(
+        trainer.nnodes, trainer.n_gpus_per_node, placement.use_gpu, cpus_per_proc=placement.cpus_per_worker
+    )
+    return RayWorkerGroup(
+        HybridWorker,
+        pool,
+        name_prefix="model",
+        start=False,
+        sequence_parallel_size=config.worker.actor.sequence_parallel_size,
+        role_sequence_parallel_sizes=(
+            {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
+        ),
+        transfers=transfers,
+    )
+
+
+def build_kl_controller(config: PPOConfig) -> core_algos.FixedKLController | core_algos.AdaptiveKLController:
+    """The KL penalty's coefficient per step (``algorithm.kl_*``): fixed or adaptive."""
+    algo = config.algorithm
+    return core_algos.build_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
+
+
 class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``; with a
     ``stage`` of a multi-stage schedule (:mod:`mmrl.trainer.stages`), its config is the stage's, the
     learning-rate schedule spans the whole schedule and the stage shows in metrics and progress line."""
 
     def __init__(self, config: PPOConfig, stage: Stage | None = None):
-        from mmrl.rewards.judge_server import serve_judge
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
-        from mmrl.workers.reward_worker import RewardWorkers
+        from mmrl.single_controller import TransferCounter
 
         self.config = config
         self.stage = stage
-        model = config.worker.actor.model
-        trainer = config.trainer
+        self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
         # Processes first: the reward workers and the training ranks start (and import torch and
         # transformers) while this process loads the tokenizer and reads the datasets.
-        reward = config.worker.reward
-        self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
-        self.judge_server = serve_judge(reward.judge) if reward.judge.enable else None
-        self.rewards = RewardWorkers(
-            reward.num_workers,
-            reward.num_cpus,
-            reward.timeout_s,
-            transfers=self.transfers,
-            num_gpus=reward.num_gpus,
-            send_media=reward.judge.enable or bool(reward.reward_model.model_path),
-            config=config,
-            judge_url=self.judge_server.base_url if self.judge_server else None,
-            judge_model=self.judge_server.model if self.judge_server else None,
-        )
-        # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
-        served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
-        placement = plan_placement(
-            trainer,
-            reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
-            nodes=alive_node_resources(),
-            reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
-        )
-        if placement.note:
-            print(placement.note, flush=True)
-        pool = ResourcePool(
-            trainer.nnodes,
-            trainer.n_gpus_per_node,
-            placement.use_gpu,
-            cpus_per_proc=placement.cpus_per_worker,
-        )
-        # the training ranks: one process per device, each holding every model role (actor, ref, rollout,
-        # critic); the critic's phases split their rows by its own sequence-parallel size
-        self.model_workers = RayWorkerGroup(
-            HybridWorker,
-            pool,
-            name_prefix="model",
-            start=False,
-            sequence_parallel_size=config.worker.actor.sequence_parallel_size,
-            role_sequence_parallel_sizes=(
-                {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
-            ),
-            transfers=self.transfers,
-        )
-
-        self.tokenizer, processor = load_tokenizer_and_processor(
-            model.tokenizer_or_model_path,
-            model.trust_remote_code,
-            key=model.tokenizer_key,
-            chat_template_file=config.data.override_chat_template,
-        )
-        data = config.data
-        tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
-        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data, tools=tools)
-        collate = self._collate
-        self.train_loader = PromptLoader(
-            train_set,
-            prompts_per_round(config),
-            collate,
-            data.shuffle,
-            data.seed,
-            num_workers=data.dataloader_num_workers,
-        )
-        self.val_loader = None
-        if data.val_files:
-            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data, tools=tools)
-            val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
-            self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
-        self.total_steps = total_training_steps(config, len(train_set))
+        self.judge_server = start_judge_server(config)
+        self.rewards = start_reward_workers(config, self.judge_server, self.transfers)
+        placement = plan_cluster_placement(config)
+        self.model_workers = start_model_processes(config, placement, self.transfers)
+        self.tokenizer, processor = load_tokenizer(config)
+        self.train_loader, self.val_loader = build_loaders(config, self.tokenizer, processor, self._collate)
+        self.total_steps = total_training_steps(config, len(self.train_loader.dataset))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
-
-        worker_kwargs = {
-            "config": config,
-            # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
-            "total_training_steps": self.total_steps if stage is None else stage.schedule_steps,
-            "cpu_threads": placement.worker_threads,
-        }
-        self.model_workers.start(kwargs=worker_kwargs)
-        print(placement_line(self.model_workers.node_ids), flush=True)
-        algo = config.algorithm
-        self.kl_ctrl = core_algos.build_kl_controller(
-            algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
-        )
+        self._build_model_workers(placement)
+        self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
-        self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
+        self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.tracker = None
+
+    def _build_model_workers(self, placement: Placement) -> None:
+        """Build every rank's :class:`HybridWorker` in the processes :func:`start_model_processes` started."""
+        self.model_workers.start(
+            kwargs={
+                "config": self.config,
+                # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
+                "total_training_steps": self.total_steps if self.stage is None else self.stage.schedule_steps,
+                "cpu_threads": placement.worker_threads,
+            }
+        )
+        print(placement_line(self.model_workers.node_ids), flush=True)
 
     def _collate(self, items: list[dict[str, Any]]) -> DataProto:
         return collate_prompts(items, self.tokenizer.pad_token_id)
@@ -302,23 +356,7 @@ class RayPPOTrainer:
                 collect_baselines = self._greedy_baselines(batch) if plan.greedy_baseline else None
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
-            if not plan.old_log_probs_from_update:
-                with timer("old_log_prob", timings):
-                    batch = batch.union(
-                        self.model_workers.dispatch(
-                            HybridWorker.compute_log_probs, batch, temperature=plan.temperature
-                        )
-                    )
-            if plan.use_reference:
-                with timer("ref_log_prob", timings):
-                    batch = batch.union(
-                        self.model_workers.dispatch(
-                            HybridWorker.compute_ref_log_probs, batch, temperature=plan.temperature
-                        )
-                    )
-            if plan.use_critic:
-                with timer("values", timings):
-                    batch = batch.union(self.model_workers.dispatch(HybridWorker.compute_values, batch))
+            batch = self.compute_log_probs(batch, plan, timings)
             with timer("reward", timings):
                 fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
@@ -450,6 +488,25 @@ class RayPPOTrainer:
             round_index=round_index,
         )
         conform_to_columns(batch, "generate")
+        return batch
+
+    def compute_log_probs(self, batch: DataProto, plan: StepPlan, timings: dict[str, float]) -> DataProto:
+        """``batch`` with the passes ``plan`` asks for: old log-probs (unless the update computes them,
+        on policy), reference log-probs and the critic's values."""
+        workers = self.model_workers
+        if not plan.old_log_probs_from_update:
+            with timer("old_log_prob", timings):
+                old = workers.dispatch(HybridWorker.compute_log_probs, batch, temperature=plan.temperature)
+                batch = batch.union(old)
+        if plan.use_reference:
+            with timer("ref_log_prob", timings):
+                ref = workers.dispatch(
+                    HybridWorker.compute_ref_log_probs, batch, temperature=plan.temperature
+                )
+                batch = batch.union(ref)
+        if plan.use_critic:
+            with timer("values", timings):
+                batch = batch.union(workers.dispatch(HybridWorker.compute_values, batch))
         return batch
 
     def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
