@@ -49,7 +49,6 @@ from mmrl.workers.rollout import SamplingParams
 
 pytestmark = pytest.mark.shares("vllm")  # engines side by side share TP shared-memory names
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
 MAX_TOKENS = 8
 UPDATE_STEPS = 3
