@@ -85,7 +85,7 @@ def _build_job(rank: int, world_size: int, model_path: str, rank0_init: bool, ro
 
 
 def measure(model_path: Path, ranks: int, roles: list[str], timeout_s: float) -> list[dict]:
-    from mmrl.parallel.spawn import run_on_ranks
+    from mmrl.demo.ranks import run_on_ranks
 
     rows = []
     for mode, rank0_init in (("before: every rank reads", False), ("after: rank 0 broadcasts", True)):

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mmrl.parallel.spawn import run_on_ranks  # noqa: E402
+from mmrl.demo.ranks import run_on_ranks  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RESPONSE_TOKENS = 32

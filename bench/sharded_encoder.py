@@ -33,7 +33,7 @@ from harness import markdown_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmrl.parallel.spawn import run_on_ranks  # noqa: E402
+from mmrl.demo.ranks import run_on_ranks  # noqa: E402
 
 
 def _rss_mb() -> float:

@@ -47,11 +47,11 @@ def rows_per_data_parallel_share(method: Method | None = None, /, *, role: str |
     return mark if method is None else mark(method)
 
 
-def layout_of(worker_cls: type, method: str) -> str | None:
-    """The declared layout of ``worker_cls.method``; None when the method takes no batch."""
-    return getattr(getattr(worker_cls, method, None), _ATTRIBUTE, None)
+def layout_of(method: Callable) -> str | None:
+    """The declared layout of ``method``; None when the method takes no batch."""
+    return getattr(method, _ATTRIBUTE, None)
 
 
-def sequence_parallel_role_of(worker_cls: type, method: str) -> str | None:
-    """The role named by ``worker_cls.method``'s mark; None for the worker group's own size."""
-    return getattr(getattr(worker_cls, method, None), _ROLE_ATTRIBUTE, None)
+def sequence_parallel_role_of(method: Callable) -> str | None:
+    """The role named by ``method``'s mark; None for the worker group's own size."""
+    return getattr(method, _ROLE_ATTRIBUTE, None)

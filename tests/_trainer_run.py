@@ -69,7 +69,7 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
 def assert_left_nothing(driver_pid: int, timeout_s: float = 15) -> None:
     """The exited driver ``driver_pid`` left no Ray session folder, no Ray process of its session (they
     may take a moment to exit) and no temp folder of its own."""
-    from mmrl.parallel import debris
+    from mmrl.runtime import debris
 
     session = os.path.join(debris.ray_temp_dir(), f"session_*_{driver_pid}")
     assert not glob.glob(session), f"the run left its Ray session folder {glob.glob(session)}"
@@ -82,7 +82,7 @@ def assert_left_nothing(driver_pid: int, timeout_s: float = 15) -> None:
 
 
 def _session_processes(session_glob: str) -> list[str]:
-    from mmrl.parallel import debris
+    from mmrl.runtime import debris
 
     return [
         f"{pid} {cmdline[:60]}"

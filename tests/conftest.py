@@ -39,7 +39,7 @@ def _no_stale_debris():
     """What killed runs (an interrupted session included) left: vLLM shared memory that would block the
     next TP=2 engine, Ray sessions and their orphans, temp folders. Only debris of dead processes goes,
     so sessions running side by side are safe."""
-    from mmrl.parallel.debris import clean_stale_debris
+    from mmrl.runtime.debris import clean_stale_debris
 
     clean_stale_debris()
 

@@ -88,7 +88,7 @@ class VllmServer:
     def start(self, timeout_s: float) -> str:
         """Launches the server and returns its base URL (``http://<node ip>:<port>/v1``) once it is
         healthy; raises :class:`RewardSourceError` with the end of its log if it exits or times out."""
-        from mmrl.parallel.debris import make_temp_dir
+        from mmrl.runtime.debris import make_temp_dir
 
         host = _node_ip()
         port = _free_port(host)

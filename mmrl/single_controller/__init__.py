@@ -17,6 +17,7 @@ from mmrl.single_controller.worker_group import (
     WorkerGroupError,
     distributed_env,
     merge_dp_outputs,
+    method_name,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "distributed_env",
     "init_ray",
     "merge_dp_outputs",
+    "method_name",
     "nodes_that_fit",
     "put_media",
 ]

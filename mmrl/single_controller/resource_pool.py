@@ -23,7 +23,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from mmrl.parallel.debris import remove_ray_session_at_exit
+from mmrl.runtime.debris import remove_ray_session_at_exit
 
 __all__ = [
     "DEFAULT_WORKER_ENV_VARS",

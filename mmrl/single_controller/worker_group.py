@@ -12,7 +12,10 @@ Start-up handshake (composition: the worker class inherits nothing and never see
    `__init__` may call `torch.distributed.init_process_group(backend)`, whose default `env://` reads
    those variables.
 
-Afterwards `call` / `dispatch` run `getattr(worker, method)(...)` on every host.
+Afterwards `call` / `dispatch` run a worker method on every host. The caller names the method by reference,
+`group.call(HybridWorker.sync_rollout_weights)`, so a reader (and a tool) reaches the callee in one jump;
+the group checks that the function is a public method of its worker class (`method_name`) and sends
+its name to the hosts.
 
 Fail fast: results are collected with `ray.wait`, so the first rank that raises or dies ends the call with
 a `WorkerGroupError` naming the rank, the method and the remote traceback, even while the other ranks are
@@ -22,12 +25,13 @@ recovered) and refuses further calls; `shutdown()` still frees the placement gro
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import socket
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -42,7 +46,11 @@ if TYPE_CHECKING:
     # it is used lets workers that need no torch (reward scorers, tests) start in ~2 s instead of ~6 s.
     from mmrl.protocol import DataProto
 
-__all__ = ["RayWorkerGroup", "WorkerGroupError", "distributed_env", "merge_dp_outputs"]
+__all__ = ["RayWorkerGroup", "WorkerGroupError", "distributed_env", "merge_dp_outputs", "method_name"]
+
+Worker = TypeVar("Worker")
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 # how long a rank's exception waits for a peer's lost process to be reported: when a rank dies, the ranks
@@ -105,6 +113,29 @@ class _WorkerHost:
 
     def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._worker, method)(*args, **kwargs)
+
+
+def method_name(worker_cls: type, method: Callable) -> str:
+    """The name under which ``worker_cls`` holds ``method``, a public function taken from the class
+    (``HybridWorker.update_actor``, or one it inherits). Anything else (a string, a bound method, a
+    private method, another class's function) raises ``TypeError`` saying what to pass instead."""
+    name = getattr(method, "__name__", None)
+    if isinstance(name, str) and not name.startswith("_") and getattr(worker_cls, name, None) is method:
+        return name
+    cls = worker_cls.__name__
+    what = getattr(method, "__qualname__", repr(method))
+    if isinstance(method, str):
+        problem, fix = f"the string {method!r} names no method", f"pass the method itself: {cls}.{method}"
+    elif inspect.ismethod(method):
+        problem, fix = f"{what} is bound to an instance", f"pass the function from the class: {cls}.{name}"
+    elif isinstance(name, str) and name.startswith("_"):
+        problem, fix = f"{what} is private", "call a public method of the worker"
+    else:
+        problem, fix = f"{what} is not a method of {cls}", f"pass one of {cls}'s methods: {cls}.<name>"
+    public = sorted(
+        attr for attr in dir(worker_cls) if not attr.startswith("_") and callable(getattr(worker_cls, attr))
+    )
+    raise TypeError(f"{problem}; {fix} (its public methods: {', '.join(public)}).")
 
 
 def distributed_env(
@@ -197,8 +228,10 @@ def merge_dp_outputs(
     return DataProto(merged.batch, merged.non_tensor_batch, {**merged.meta_info, "metrics": metrics})
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(Generic[Worker]):
     """`resource_pool.world_size` ranks, each a Ray actor holding `worker_cls(*args, **kwargs)`.
+
+    Its methods are called by reference: `group.call(worker_cls.method, ...)`, `group.dispatch(...)`.
 
     `env` adds environment variables to this group's processes at start (before any import). `timeout_s`
     bounds every call (None: wait as long as it takes); a call past it stops the group like a failure.
@@ -220,7 +253,7 @@ class RayWorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type,
+        worker_cls: type[Worker],
         resource_pool: ResourcePool,
         *,
         args: tuple = (),
@@ -309,27 +342,46 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run `worker.method(*args, **kwargs)` on every rank; the results in rank order."""
+    def call(
+        self,
+        method: Callable[Concatenate[Worker, Params], Result],
+        /,
+        *args: Params.args,
+        **kwargs: Params.kwargs,
+    ) -> list[Result]:
+        """Run `method(worker, *args, **kwargs)` on every rank; the results in rank order."""
         return self.collect(self.call_async(method, *args, **kwargs))
 
-    def call_rank(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run `worker.method(*args, **kwargs)` on one rank only and return its result."""
+    def call_rank(
+        self,
+        rank: int,
+        method: Callable[Concatenate[Worker, Params], Result],
+        /,
+        *args: Params.args,
+        **kwargs: Params.kwargs,
+    ) -> Result:
+        """Run `method(worker, *args, **kwargs)` on one rank only and return its result."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"{self.name_prefix}: rank {rank} is not in [0, {self.world_size}).")
-        self._check_callable(method)
-        ref = self._hosts[rank].execute.remote(method, *args, **kwargs)
-        return self._collect([ref], method, ranks=[rank], timeout_s=self.timeout_s)[0]
+        name = self._resolve(method)
+        ref = self._hosts[rank].execute.remote(name, *args, **kwargs)
+        return self._collect([ref], name, ranks=[rank], timeout_s=self.timeout_s)[0]
 
-    def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Start `worker.method(*args, **kwargs)` on every rank; pass the refs to `collect` for the results.
+    def call_async(
+        self,
+        method: Callable[Concatenate[Worker, Params], Any],
+        /,
+        *args: Params.args,
+        **kwargs: Params.kwargs,
+    ) -> list[ray.ObjectRef]:
+        """Start `method(worker, *args, **kwargs)` on every rank; pass the refs to `collect` for the results.
 
         Arguments are put in the object store once and shared by all ranks.
         """
-        self._check_callable(method)
+        name = self._resolve(method)
         shared_args, shared_kwargs = self._share_arguments(args, kwargs)
-        refs = [host.execute.remote(method, *shared_args, **shared_kwargs) for host in self._hosts]
-        self._async_labels.update({ref: (rank, method) for rank, ref in enumerate(refs)})
+        refs = [host.execute.remote(name, *shared_args, **shared_kwargs) for host in self._hosts]
+        self._async_labels.update({ref: (rank, name) for rank, ref in enumerate(refs)})
         return refs
 
     def collect(self, refs: Sequence[ray.ObjectRef], timeout_s: float | None = None) -> list[Any]:
@@ -344,7 +396,7 @@ class RayWorkerGroup:
 
     def dispatch(
         self,
-        method: str,
+        method: Callable[Concatenate[Worker, DataProto, ...], DataProto],
         data: DataProto,
         /,
         *args: Any,
@@ -352,7 +404,7 @@ class RayWorkerGroup:
         dp_rank_of: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> DataProto:
-        """Split `data` over the data-parallel ranks, run `worker.method(chunk, *args, **kwargs)`, join.
+        """Split `data` over the data-parallel ranks, run `method(worker, chunk, *args, **kwargs)`, join.
 
         `data` is padded (`pad_to_divisor`) to a multiple of `dp_size` and cut into `dp_size` chunks; rank r
         gets chunk `dp_rank_of[r]`. A method marked in `mmrl.dispatch` takes its layout from the mark (and
@@ -361,7 +413,7 @@ class RayWorkerGroup:
         device mesh: `dp_rank_of[r] = r // sp_size`). Results are joined by `merge_dp_outputs`: B rows in
         the input order.
         """
-        self._check_callable(method)
+        name = self._resolve(method)
         dp_size = self._declared_dp_size(method, dp_size, dp_rank_of)
         dp_rank_of = self._dp_rank_of(dp_size, dp_rank_of)
         num_chunks = max(dp_rank_of) + 1
@@ -370,13 +422,13 @@ class RayWorkerGroup:
         chunk_refs = [self.transfers.put(chunk, SENT) for chunk in chunks]
         shared_args, shared_kwargs = self._share_arguments(args, kwargs)
         refs = [
-            host.execute.remote(method, chunk_refs[dp_rank_of[rank]], *shared_args, **shared_kwargs)
+            host.execute.remote(name, chunk_refs[dp_rank_of[rank]], *shared_args, **shared_kwargs)
             for rank, host in enumerate(self._hosts)
         ]
-        outputs = self._collect(refs, method, timeout_s=self.timeout_s)
+        outputs = self._collect(refs, name, timeout_s=self.timeout_s)
         self.transfers.received(refs)
         self.transfers.add_tensor_bytes([*chunks, *outputs])
-        return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, method)
+        return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, name)
 
     def _share_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Each argument put in the object store once (N ranks read one copy), counted as sent."""
@@ -387,26 +439,26 @@ class RayWorkerGroup:
         return [share(value) for value in args], {key: share(value) for key, value in kwargs.items()}
 
     def _declared_dp_size(
-        self, method: str, dp_size: int | None, dp_rank_of: Sequence[int] | None
+        self, method: Callable, dp_size: int | None, dp_rank_of: Sequence[int] | None
     ) -> int | None:
         """The data-parallel size the worker class declares for `method` (`mmrl.dispatch`), else `dp_size`."""
-        layout = layout_of(self.worker_cls, method)
+        layout = layout_of(method)
         if layout is None:
             return dp_size
         if dp_size is not None or dp_rank_of is not None:
             raise ValueError(
-                f"dispatch: {self.worker_cls.__name__}.{method} declares its layout ({layout}); "
+                f"dispatch: {method.__qualname__} declares its layout ({layout}); "
                 "pass no dp_size or dp_rank_of"
             )
         if layout == ROWS_PER_RANK:
             return self.world_size
         assert layout == ROWS_PER_DATA_PARALLEL_SHARE, layout
-        role = sequence_parallel_role_of(self.worker_cls, method)
+        role = sequence_parallel_role_of(method)
         if role is None:
             return self.world_size // self.sequence_parallel_size
         if role not in self.role_sequence_parallel_sizes:
             raise ValueError(
-                f"dispatch: {self.worker_cls.__name__}.{method} splits its rows by the sequence-parallel size "
+                f"dispatch: {method.__qualname__} splits its rows by the sequence-parallel size "
                 f"of role {role!r}, which this group was not given (role_sequence_parallel_sizes="
                 f"{self.role_sequence_parallel_sizes})"
             )
@@ -518,21 +570,18 @@ class RayWorkerGroup:
         self._hosts = []
         self._async_labels.clear()
 
-    def _check_callable(self, method: str) -> None:
+    def _resolve(self, method: Callable) -> str:
+        """``method``'s name on the hosts' workers, once the group is known to be running."""
+        try:
+            name = method_name(self.worker_cls, method)
+        except TypeError as error:
+            raise TypeError(f"{self.name_prefix}: {error}") from None
         if not self._hosts:
             reason = (self._failure or "no reason recorded").splitlines()[0]
             raise WorkerGroupError(
-                f"{self.name_prefix}: the worker group is shut down ({reason}).", method=method
+                f"{self.name_prefix}: the worker group is shut down ({reason}).", method=name
             )
-        if not callable(getattr(self.worker_cls, method, None)):
-            public = sorted(
-                name
-                for name in dir(self.worker_cls)
-                if not name.startswith("_") and callable(getattr(self.worker_cls, name))
-            )
-            raise AttributeError(
-                f"{self.name_prefix}: {self.worker_cls.__name__} has no method {method!r}; it has {public}."
-            )
+        return name
 
     def _label(self, rank: int) -> str:
         return f"{self.name_prefix}_rank{rank}"
@@ -544,7 +593,7 @@ class RayWorkerGroup:
         if remove_placement_groups:
             self.resource_pool.remove()
 
-    def __enter__(self) -> RayWorkerGroup:
+    def __enter__(self) -> RayWorkerGroup[Worker]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,10 +54,16 @@ from mmrl.trainer.dynamic_sampling import (
     zero_advantage_group_fraction,
 )
 from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
-from mmrl.trainer.placement import plan_placement
+from mmrl.trainer.placement import Placement, plan_placement
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
+from mmrl.workers.fsdp_workers import HybridWorker
 from mmrl.workers.rollout import GenerationMode
+
+if TYPE_CHECKING:  # Ray-importing modules, imported where used
+    from mmrl.rewards.judge_server import ServedJudge
+    from mmrl.single_controller import RayWorkerGroup, TransferCounter
+    from mmrl.workers.reward_worker import RewardWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -147,109 +153,157 @@ def placement_line(node_ids: list[str]) -> str:
     return f"mmrl: {len(node_ids)} training ranks on {len(set(node_ids))} Ray node(s) ({ranks})"
 
 
+def load_tokenizer(config: PPOConfig) -> tuple[Any, Any]:
+    """The actor model's tokenizer and processor (None for a text-only model), with
+    ``data.override_chat_template`` applied."""
+    model = config.worker.actor.model
+    return load_tokenizer_and_processor(
+        model.tokenizer_or_model_path,
+        model.trust_remote_code,
+        key=model.tokenizer_key,
+        chat_template_file=config.data.override_chat_template,
+    )
+
+
+def build_loaders(
+    config: PPOConfig, tokenizer: Any, processor: Any, collate: Callable[[list[dict[str, Any]]], DataProto]
+) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training prompts' loader and the validation prompts' (None without ``data.val_files``)."""
+    data = config.data
+    tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
+    train_set = PromptDataset(data.train_files, tokenizer, processor, data, tools=tools)
+    train_loader = PromptLoader(
+        train_set,
+        prompts_per_round(config),
+        collate,
+        data.shuffle,
+        data.seed,
+        num_workers=data.dataloader_num_workers,
+    )
+    if not data.val_files:
+        return train_loader, None
+    val_set = PromptDataset(data.val_files, tokenizer, processor, data, tools=tools)
+    val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
+    return train_loader, PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
+
+
+def start_judge_server(config: PPOConfig) -> ServedJudge | None:
+    """The judge model mmrl serves itself (``worker.reward.judge.serve``), when the judge is on and
+    names a model to serve."""
+    from mmrl.rewards.judge_server import serve_judge
+
+    judge = config.worker.reward.judge
+    return serve_judge(judge) if judge.enable else None
+
+
+def start_reward_workers(
+    config: PPOConfig, judge_server: ServedJudge | None, transfers: TransferCounter
+) -> RewardWorkers:
+    """The reward worker processes of ``worker.reward`` (they start importing at once)."""
+    from mmrl.workers.reward_worker import RewardWorkers
+
+    reward = config.worker.reward
+    return RewardWorkers(
+        reward.num_workers,
+        reward.num_cpus,
+        reward.timeout_s,
+        transfers=transfers,
+        num_gpus=reward.num_gpus,
+        send_media=reward.judge.enable or bool(reward.reward_model.model_path),
+        config=config,
+        judge_url=judge_server.base_url if judge_server else None,
+        judge_model=judge_server.model if judge_server else None,
+    )
+
+
+def plan_cluster_placement(config: PPOConfig) -> Placement:
+    """GPUs or CPUs, and CPUs and threads per training process, from the Ray cluster's resources (not
+    this machine's), less what the reward workers and a served judge take."""
+    from mmrl.single_controller import alive_node_resources
+
+    reward = config.worker.reward
+    served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
+    placement = plan_placement(
+        config.trainer,
+        reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
+        nodes=alive_node_resources(),
+        reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+    )
+    if placement.note:
+        print(placement.note, flush=True)
+    return placement
+
+
+def start_model_processes(
+    config: PPOConfig, placement: Placement, transfers: TransferCounter
+) -> RayWorkerGroup[HybridWorker]:
+    """One process per device, each to hold every model role (actor, ref, rollout, critic): started
+    and importing now, built by ``RayWorkerGroup.start`` once the driver knows the step count. The
+    critic's phases split their rows by its own sequence-parallel size."""
+    from mmrl.single_controller import RayWorkerGroup, ResourcePool
+
+    trainer = config.trainer
+    pool = ResourcePool(
+        trainer.nnodes, trainer.n_gpus_per_node, placement.use_gpu, cpus_per_proc=placement.cpus_per_worker
+    )
+    return RayWorkerGroup(
+        HybridWorker,
+        pool,
+        name_prefix="model",
+        start=False,
+        sequence_parallel_size=config.worker.actor.sequence_parallel_size,
+        role_sequence_parallel_sizes=(
+            {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
+        ),
+        transfers=transfers,
+    )
+
+
+def build_kl_controller(config: PPOConfig) -> core_algos.FixedKLController | core_algos.AdaptiveKLController:
+    """The KL penalty's coefficient per step (``algorithm.kl_*``): fixed or adaptive."""
+    algo = config.algorithm
+    return core_algos.build_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
+
+
 class RayPPOTrainer:
     """Builds datasets, worker groups, reward workers, loggers and checkpoints from ``config``; with a
     ``stage`` of a multi-stage schedule (:mod:`mmrl.trainer.stages`), its config is the stage's, the
     learning-rate schedule spans the whole schedule and the stage shows in metrics and progress line."""
 
     def __init__(self, config: PPOConfig, stage: Stage | None = None):
-        from mmrl.rewards.judge_server import serve_judge
-        from mmrl.single_controller import RayWorkerGroup, ResourcePool, TransferCounter, alive_node_resources
-        from mmrl.workers.fsdp_workers import HybridWorker
-        from mmrl.workers.reward_worker import RewardWorkers
+        from mmrl.single_controller import TransferCounter
 
         self.config = config
         self.stage = stage
-        model = config.worker.actor.model
-        trainer = config.trainer
+        self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
         # Processes first: the reward workers and the training ranks start (and import torch and
         # transformers) while this process loads the tokenizer and reads the datasets.
-        reward = config.worker.reward
-        self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
-        self.judge_server = serve_judge(reward.judge) if reward.judge.enable else None
-        self.rewards = RewardWorkers(
-            reward.num_workers,
-            reward.num_cpus,
-            reward.timeout_s,
-            transfers=self.transfers,
-            num_gpus=reward.num_gpus,
-            send_media=reward.judge.enable or bool(reward.reward_model.model_path),
-            config=config,
-            judge_url=self.judge_server.base_url if self.judge_server else None,
-            judge_model=self.judge_server.model if self.judge_server else None,
-        )
-        # GPUs or CPUs, and CPUs per process, from the cluster's resources (not this machine's)
-        served = reward.judge.serve if reward.judge.enable and reward.judge.serve.model_path else None
-        placement = plan_placement(
-            trainer,
-            reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
-            nodes=alive_node_resources(),
-            reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
-        )
-        if placement.note:
-            print(placement.note, flush=True)
-        pool = ResourcePool(
-            trainer.nnodes,
-            trainer.n_gpus_per_node,
-            placement.use_gpu,
-            cpus_per_proc=placement.cpus_per_worker,
-        )
-        # one process per device holds every role (actor, ref, rollout, critic); the critic's phases split
-        # their rows by its own sequence-parallel size
-        self.actor = RayWorkerGroup(
-            HybridWorker,
-            pool,
-            name_prefix="actor",
-            start=False,
-            sequence_parallel_size=config.worker.actor.sequence_parallel_size,
-            role_sequence_parallel_sizes=(
-                {"critic": config.worker.critic.sequence_parallel_size} if config.use_critic else {}
-            ),
-            transfers=self.transfers,
-        )
-
-        self.tokenizer, processor = load_tokenizer_and_processor(
-            model.tokenizer_or_model_path,
-            model.trust_remote_code,
-            key=model.tokenizer_key,
-            chat_template_file=config.data.override_chat_template,
-        )
-        data = config.data
-        tools = tool_schemas(config.worker.rollout.multi_turn)  # None unless multi-turn with tools
-        train_set = PromptDataset(data.train_files, self.tokenizer, processor, data, tools=tools)
-        collate = self._collate
-        self.train_loader = PromptLoader(
-            train_set,
-            prompts_per_round(config),
-            collate,
-            data.shuffle,
-            data.seed,
-            num_workers=data.dataloader_num_workers,
-        )
-        self.val_loader = None
-        if data.val_files:
-            val_set = PromptDataset(data.val_files, self.tokenizer, processor, data, tools=tools)
-            val_batch = len(val_set) if data.val_batch_size == -1 else data.val_batch_size
-            self.val_loader = PromptLoader(val_set, val_batch, collate, shuffle=False, drop_last=False)
-        self.total_steps = total_training_steps(config, len(train_set))
+        self.judge_server = start_judge_server(config)
+        self.rewards = start_reward_workers(config, self.judge_server, self.transfers)
+        placement = plan_cluster_placement(config)
+        self.model_workers = start_model_processes(config, placement, self.transfers)
+        self.tokenizer, processor = load_tokenizer(config)
+        self.train_loader, self.val_loader = build_loaders(config, self.tokenizer, processor, self._collate)
+        self.total_steps = total_training_steps(config, len(self.train_loader.dataset))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
-
-        worker_kwargs = {
-            "config": config,
-            # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
-            "total_training_steps": self.total_steps if stage is None else stage.schedule_steps,
-            "cpu_threads": placement.worker_threads,
-        }
-        self.actor.start(kwargs=worker_kwargs)
-        print(placement_line(self.actor.node_ids), flush=True)
-        algo = config.algorithm
-        self.kl_ctrl = core_algos.build_kl_controller(
-            algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
-        )
+        self._build_model_workers(placement)
+        self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
-        self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
+        self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.tracker = None
+
+    def _build_model_workers(self, placement: Placement) -> None:
+        """Build every rank's :class:`HybridWorker` in the processes :func:`start_model_processes` started."""
+        self.model_workers.start(
+            kwargs={
+                "config": self.config,
+                # the learning-rate schedule spans a multi-stage schedule's steps, not only this stage's
+                "total_training_steps": self.total_steps if self.stage is None else self.stage.schedule_steps,
+                "cpu_threads": placement.worker_threads,
+            }
+        )
+        print(placement_line(self.model_workers.node_ids), flush=True)
 
     def _collate(self, items: list[dict[str, Any]]) -> DataProto:
         return collate_prompts(items, self.tokenizer.pad_token_id)
@@ -302,19 +356,7 @@ class RayPPOTrainer:
                 collect_baselines = self._greedy_baselines(batch) if plan.greedy_baseline else None
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
-            if not plan.old_log_probs_from_update:
-                with timer("old_log_prob", timings):
-                    batch = batch.union(
-                        self.actor.dispatch("compute_log_probs", batch, temperature=plan.temperature)
-                    )
-            if plan.use_reference:
-                with timer("ref_log_prob", timings):
-                    batch = batch.union(
-                        self.actor.dispatch("compute_ref_log_probs", batch, temperature=plan.temperature)
-                    )
-            if plan.use_critic:
-                with timer("values", timings):
-                    batch = batch.union(self.actor.dispatch("compute_values", batch))
+            batch = self.compute_log_probs(batch, plan, timings)
             with timer("reward", timings):
                 fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
@@ -336,7 +378,7 @@ class RayPPOTrainer:
             **compute_data_metrics(batch, self.config.use_critic, self.config.data.max_response_length),
             **reduce_reward_metrics(list(batch.non_tensor_batch["reward_scores"])),
             **self.rewards.take_metrics(),  # each source's seconds, when there are several
-            **compute_timing_metrics(timings, self._token_counts(batch), self.actor.world_size),
+            **compute_timing_metrics(timings, self._token_counts(batch), self.model_workers.world_size),
             **kl_metrics,
             **update_metrics,
             "data/skipped_samples": self.train_loader.dataset.num_skipped,
@@ -438,14 +480,33 @@ class RayPPOTrainer:
     def _generate(self, prompts: DataProto, round_index: int) -> DataProto:
         """Training responses for ``prompts``; ``round_index`` gives each round of a step its own
         sampling stream."""
-        batch = self.actor.dispatch(
-            "generate",
+        batch = self.model_workers.dispatch(
+            HybridWorker.generate,
             self._share_media(prompts),
             mode=GenerationMode.TRAIN,
             global_step=self.global_step,
             round_index=round_index,
         )
         conform_to_columns(batch, "generate")
+        return batch
+
+    def compute_log_probs(self, batch: DataProto, plan: StepPlan, timings: dict[str, float]) -> DataProto:
+        """``batch`` with the passes ``plan`` asks for: old log-probs (unless the update computes them,
+        on policy), reference log-probs and the critic's values."""
+        workers = self.model_workers
+        if not plan.old_log_probs_from_update:
+            with timer("old_log_prob", timings):
+                old = workers.dispatch(HybridWorker.compute_log_probs, batch, temperature=plan.temperature)
+                batch = batch.union(old)
+        if plan.use_reference:
+            with timer("ref_log_prob", timings):
+                ref = workers.dispatch(
+                    HybridWorker.compute_ref_log_probs, batch, temperature=plan.temperature
+                )
+                batch = batch.union(ref)
+        if plan.use_critic:
+            with timer("values", timings):
+                batch = batch.union(workers.dispatch(HybridWorker.compute_values, batch))
         return batch
 
     def compute_advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -491,12 +552,12 @@ class RayPPOTrainer:
         fault_point("update", self.global_step + 1)
         if plan.use_critic:
             with timer("update_critic", timings):
-                update = self.actor.dispatch("update_critic", batch)
+                update = self.model_workers.dispatch(HybridWorker.update_critic, batch)
                 metrics.update(self._worker_metrics(update))
         if plan.update_actor:
             with timer("update_actor", timings):
-                update = self.actor.dispatch(
-                    "update_actor",
+                update = self.model_workers.dispatch(
+                    HybridWorker.update_actor,
                     loss_rows(batch),
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
@@ -507,7 +568,7 @@ class RayPPOTrainer:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
             with timer("sync", timings):
                 fault_point("sync", self.global_step + 1)
-                self.actor.call("sync_rollout_weights")
+                self.model_workers.call(HybridWorker.sync_rollout_weights)
         return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> Callable[[DataProto], DataProto]:
@@ -523,8 +584,8 @@ class RayPPOTrainer:
             tensors={k: v[:, : batch.batch["prompts"].shape[-1]] for k, v in prompts.batch.items()},
             non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
         )
-        greedy = self.actor.dispatch(
-            "generate", prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
+        greedy = self.model_workers.dispatch(
+            HybridWorker.generate, prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
         )
         pending = self.rewards.launch(greedy)
 
@@ -543,8 +604,8 @@ class RayPPOTrainer:
         scores, sources, samples, records = [], [], [], []
         for batch in self._validation_batches():
             prompts = self._share_media(batch)
-            output = self.actor.dispatch(
-                "generate", prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
+            output = self.model_workers.dispatch(
+                HybridWorker.generate, prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
             )
             scored = self.rewards.collect(self.rewards.launch(output))
             scores.extend(scored.non_tensor_batch["reward_scores"])
@@ -592,7 +653,9 @@ class RayPPOTrainer:
 
     def _write_checkpoint(self, val_metric: float | None) -> None:
         tmp_dir = str(self.checkpoints.begin(self.global_step))
-        per_rank = self.actor.call("save_checkpoint", tmp_dir)  # {role: report}, the critic's too
+        per_rank = self.model_workers.call(
+            HybridWorker.save_checkpoint, tmp_dir
+        )  # {role: report}, the critic's too
         fault_point("checkpoint", self.global_step)  # the workers' part written, not yet committed
         reports = {role: [rank_reports[role] for rank_reports in per_rank] for role in per_rank[0]}
         parts = ["actor", "trainer_state.json"] + (["critic"] if self.config.use_critic else [])
@@ -615,8 +678,8 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
-        self.actor.call("load_checkpoint", str(path))  # the critic's too
-        self.actor.call("sync_rollout_weights")
+        self.model_workers.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
+        self.model_workers.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["loader"])
@@ -657,7 +720,7 @@ class RayPPOTrainer:
 
     def _rollout_counters(self) -> dict[str, float]:
         """The workers' rollout counters since the last step, the largest over the ranks."""
-        per_rank = self.actor.call("take_rollout_counters")
+        per_rank = self.model_workers.call(HybridWorker.take_rollout_counters)
         return {key: max(counters[key] for counters in per_rank) for key in per_rank[0]}
 
     def _memory_peaks(self) -> dict[str, float]:
@@ -666,7 +729,7 @@ class RayPPOTrainer:
         free memory of any rank."""
         from mmrl.workers.memory import combine_rank_peaks
 
-        return combine_rank_peaks(self.actor.call("take_memory_peaks"))
+        return combine_rank_peaks(self.model_workers.call(HybridWorker.take_memory_peaks))
 
     @staticmethod
     def _token_counts(batch: DataProto) -> dict[str, int]:
@@ -718,7 +781,7 @@ class RayPPOTrainer:
         between the stages of a schedule, here)."""
         self.rewards.shutdown()
         if self.stage is not None:  # the next stage builds workers of its own
-            self.actor.shutdown()
+            self.model_workers.shutdown()
         if self.judge_server is not None:
             self.judge_server.stop()
 
@@ -749,7 +812,7 @@ def run(config: PPOConfig) -> int:
     into a message and exit code 1."""
     import ray
 
-    from mmrl.parallel.debris import clean_stale_debris
+    from mmrl.runtime.debris import clean_stale_debris
     from mmrl.single_controller import WorkerGroupError, init_ray
 
     clean_stale_debris()  # what killed runs left (shared memory, Ray sessions, temp folders)

@@ -263,7 +263,7 @@ def _full_state(model, optimizer) -> dict:
 
 
 def _fsdp_rank(rank: int, world_size: int, model_path: str, checkpoint_dir: str, out_dir: str) -> None:
-    """One rank (of mmrl.parallel.spawn.run_on_ranks): step, save, note the uninterrupted run's next
+    """One rank (of mmrl.demo.ranks.run_on_ranks): step, save, note the uninterrupted run's next
     draws and step; then resume a fresh model from the checkpoint after clobbering the RNGs and note its
     draws and step."""
     _seed_everything(100 + rank)  # different streams per rank, as in training
@@ -304,7 +304,7 @@ def _fsdp_rank(rank: int, world_size: int, model_path: str, checkpoint_dir: str,
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_vl_path, tmp_path_factory):
-    from mmrl.parallel.spawn import run_on_ranks
+    from mmrl.demo.ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("fsdp_checkpoint")
     checkpoint_dir, out_dir = root / "global_step_1.tmp" / "actor", root / "out"

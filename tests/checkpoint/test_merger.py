@@ -50,7 +50,7 @@ def _token_log_probs(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _train_rank(rank: int, world_size: int, model_path: str, actor_dir: str, out_file: str) -> None:
-    """One rank (of mmrl.parallel.spawn.run_on_ranks): a sharded update, saved, then log-probs."""
+    """One rank (of mmrl.demo.ranks.run_on_ranks): a sharded update, saved, then log-probs."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -74,7 +74,7 @@ def _train_rank(rank: int, world_size: int, model_path: str, actor_dir: str, out
 def test_fsdp2_checkpoint_merges_to_hugging_face(tiny_vl_path, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmrl.parallel.spawn import run_on_ranks
+    from mmrl.demo.ranks import run_on_ranks
 
     actor_dir, out_file = tmp_path / "global_step_1" / "actor", tmp_path / "trained.pt"
     run_on_ranks(_train_rank, WORLD_SIZE, str(tiny_vl_path), str(actor_dir), str(out_file), timeout_s=300)

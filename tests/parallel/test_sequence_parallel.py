@@ -30,10 +30,10 @@ from _batches import (
 )
 from _trainer_run import run_main, small_run_overrides
 
+from mmrl.demo.ranks import run_on_ranks
 from mmrl.models.attention import PackedSequences
 from mmrl.parallel.ring_attention import sharded_attention
 from mmrl.parallel.sequence import ShardedSequences, ShardLayout, init_sequence_parallel, split_sizes
-from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 
 LENGTHS = (13, 5, 22, 1, 9)  # the 1-token sequence leaves most of its ring chunks empty

@@ -38,7 +38,7 @@ CONCURRENCY = 10
 SECRET_ENV = "MMRL_TEST_SANDBOX_SECRET"
 
 # name -> (program, expected stdout: what only a successful attack prints). {placeholders} are
-# filled from the fixture: the host folder, the secret file, the listener's port, the test's pid.
+# filled from the fixture: the host folder, the secret file, the listener's addresses, the test's pid.
 HOSTILE = {
     "fork_bomb": (
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
@@ -80,7 +80,7 @@ HOSTILE = {
         "{secret}",
     ),
     "connect_loopback": (
-        "import socket\nerrors = []\nfor address in (('127.0.0.1', {port}), ('8.8.8.8', 53)):\n    try:\n"
+        "import socket\nerrors = []\nfor address in {addresses!r}:\n    try:\n"
         "        socket.create_connection(address, timeout=1)\n        print('pwned')\n"
         "    except OSError as err:\n        errors.append(str(err))\nprint(errors)\n",
         "pwned",
@@ -158,31 +158,59 @@ EXPECTED = {
 }
 
 
+# Only this machine is ever addressed (tests touch loopback only): two IPv4 loopback addresses, as a
+# sandbox that let some of 127.0.0.0/8 through would be as open, and IPv6's where the machine has it.
+LOOPBACK_HOSTS = ("127.0.0.1", "127.0.0.2", "::1")
+
+
 class Listener:
-    """A TCP server on 127.0.0.1 that counts the connections it accepts."""
+    """TCP servers on the loopback addresses this machine has, counting the connections they accept;
+    ``addresses`` are their ``(host, port)`` pairs."""
 
     def __init__(self):
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.2)
-        self.port = self.server.getsockname()[1]
+        self.servers = []
+        for host in LOOPBACK_HOSTS:
+            try:
+                server = socket.create_server(
+                    (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+                )
+            except OSError:  # IPv6 off on this machine
+                continue
+            server.settimeout(0.2)
+            self.servers.append(server)
+        self.addresses = [server.getsockname()[:2] for server in self.servers]
         self.accepted = 0
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=self._serve, args=(server,), daemon=True) for server in self.servers
+        ]
+        for thread in self.threads:
+            thread.start()
 
-    def _serve(self):
+    def _serve(self, server):
         while not self.stopped.is_set():
             try:
-                connection, _ = self.server.accept()
+                connection, _ = server.accept()
             except OSError:
                 continue
             self.accepted += 1
             connection.close()
 
+    def reachable_from_here(self, timeout_s: float = 5.0) -> int:
+        """Connect once to every address from this (unsandboxed) process; how many were accepted."""
+        before = self.accepted
+        for address in self.addresses:
+            socket.create_connection(address, timeout=1).close()
+        deadline = time.monotonic() + timeout_s
+        while self.accepted - before < len(self.addresses) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.accepted - before
+
     def close(self):
         self.stopped.set()
-        self.thread.join()
-        self.server.close()
+        for thread, server in zip(self.threads, self.servers):
+            thread.join()
+            server.close()
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +227,7 @@ def hostile_batch(tmp_path_factory):
         "secret_file": str(secret_file),
         "victim_file": str(victim_file),
         "test_file": os.path.abspath(__file__),
-        "port": listener.port,
+        "addresses": listener.addresses,
         "test_pid": os.getpid(),
         "secret_env": SECRET_ENV,
         "secret": secret,
@@ -215,6 +243,8 @@ def hostile_batch(tmp_path_factory):
         elapsed = time.monotonic() - started
         outlived = foreign_processes() - before
         after = grader.grade(["```python\nprint(input()[::-1])\n```"], [CodeTests("stdio", ["abc"], ["cba"])])
+        accepted = listener.accepted
+        reachable = listener.reachable_from_here()
     finally:
         os.environ.pop(SECRET_ENV)
         listener.close()
@@ -222,7 +252,8 @@ def hostile_batch(tmp_path_factory):
         "grades": dict(zip(names, grades)),
         "elapsed_s": elapsed,
         "outlived": outlived,
-        "accepted": listener.accepted,
+        "accepted": accepted,
+        "reachable": reachable,
         "after": after[0],
         "files": values,
         "folder_entries": sorted(p.name for p in folder.iterdir()),
@@ -246,7 +277,9 @@ def test_hostile_program_is_contained(hostile_batch, name):
 
 def test_the_grader_carries_on_and_the_host_is_untouched(hostile_batch):
     assert hostile_batch["after"].pass_rate == 1.0  # the same grader, right after the batch
-    assert hostile_batch["accepted"] == 0  # no connection reached the listener on 127.0.0.1
+    assert hostile_batch["accepted"] == 0  # no connection reached the listeners on loopback
+    # ... which this process reaches: at least the two IPv4 loopback addresses were there to attack
+    assert hostile_batch["reachable"] == len(hostile_batch["files"]["addresses"]) >= 2
     assert hostile_batch["victim"] == "original"
     assert hostile_batch["folder_entries"] == ["secret.txt", "victim.txt"]  # nothing written beside
     assert not os.path.exists("/usr/written") and not os.path.exists(sys.prefix + "/written")

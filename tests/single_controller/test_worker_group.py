@@ -4,6 +4,7 @@ DataProto with padding, and failing fast when a rank raises or dies while its pe
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -26,6 +27,7 @@ from mmrl.single_controller import (
     distributed_env,
     init_ray,
     merge_dp_outputs,
+    method_name,
     nodes_that_fit,
 )
 from mmrl.trainer.placement import Placement, PlacementError, plan_placement
@@ -154,7 +156,7 @@ def group(ray_cluster):
 
 
 def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:
-    envs = group.call("environment")
+    envs = group.call(GlooWorker.environment)
     assert [env["RANK"] for env in envs] == ["0", "1"]
     assert [env["LOCAL_RANK"] for env in envs] == ["0", "1"]
     assert {(env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) for env in envs} == {("2", "2")}
@@ -164,23 +166,50 @@ def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:
     assert {env["TOKENIZERS_PARALLELISM"] for env in envs} == {"false"}
     assert {env["MMRL_TEST_FLAG"] for env in envs} == {"1"}
     # (0 + 1) + (1 + 1) summed over the two ranks of a real gloo group.
-    assert group.call("all_reduce_rank_plus_one") == [3.0, 3.0]
+    assert group.call(GlooWorker.all_reduce_rank_plus_one) == [3.0, 3.0]
 
 
 def test_call_rank_and_async_calls(group: RayWorkerGroup) -> None:
-    assert group.call("add", 1, b=2) == [3, 103]
-    assert group.call_rank(1, "add", 5) == 105
-    refs = group.call_async("add", 7)
+    assert group.call(GlooWorker.add, 1, b=2) == [3, 103]
+    assert group.call_rank(1, GlooWorker.add, 5) == 105
+    refs = group.call_async(GlooWorker.add, 7)
     assert group.collect(refs) == [7, 107]
-    with pytest.raises(AttributeError, match="no method 'missing'"):
-        group.call("missing")
+    # a method is named by reference; anything else fails here, before reaching a rank, with the fix
+    with pytest.raises(
+        TypeError, match=r"^train: the string 'add' names no method; pass the method itself: DataWorker.add"
+    ):
+        group.call("add", 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^train: Sleeper.sleep is not a method of DataWorker; .*scale_rows"):
+        group.call(Sleeper.sleep, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Sleeper.pid is not a method of DataWorker"):
+        group.dispatch(Sleeper.pid, DataProto.from_dict(tensors={"x": torch.ones(2)}))  # type: ignore[arg-type]
+    assert group.call(GlooWorker.add, 2) == [2, 102]  # and the group still works
+
+
+def test_a_worker_method_is_named_by_a_reference_to_the_class_function() -> None:
+    """The name sent to the ranks comes from the function the caller holds; a reference that a reader
+    could not follow to the worker's method fails with a message that says what to pass."""
+    assert method_name(DataWorker, DataWorker.scale_rows) == "scale_rows"
+    assert method_name(DataWorker, GlooWorker.add) == "add"  # inherited: the same function
+    assert method_name(Sleeper, Sleeper.sleep) == "sleep"
+    wrong = {
+        "sleep": "the string 'sleep' names no method; pass the method itself: Sleeper.sleep",
+        Sleeper().sleep: "Sleeper.sleep is bound to an instance; pass the function from the class: Sleeper.sleep",
+        GlooWorker.pid: "GlooWorker.pid is not a method of Sleeper; pass one of Sleeper's methods",
+        len: "len is not a method of Sleeper",
+        Sleeper.__init__: "is private; call a public method of the worker",
+    }
+    for reference, message in wrong.items():
+        with pytest.raises(TypeError, match=re.escape(message)) as error:
+            method_name(Sleeper, reference)
+        assert str(error.value).endswith("(its public methods: pid, sleep).")
 
 
 def test_dispatch_pads_splits_and_rejoins_in_order(group: RayWorkerGroup) -> None:
     uids = ["a", "b", "c", "d", "e"]
     data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": uids})
 
-    out = group.dispatch("scale_rows", data)
+    out = group.dispatch(DataWorker.scale_rows, data)
     # 5 rows padded to 6: rank 0 gets rows 0-2, rank 1 rows 3, 4 and the pad copy of row 0 (dropped).
     assert torch.equal(out.batch["y"], torch.tensor([0.0, 10.0, 20.0, 30.0, 40.0]))
     assert out.non_tensor_batch["uid"].tolist() == uids
@@ -188,7 +217,7 @@ def test_dispatch_pads_splits_and_rejoins_in_order(group: RayWorkerGroup) -> Non
     assert out.meta_info["metrics"] == {"rows": [3, 3], "rank": [0, 1]}
 
     # dp_size=1: both ranks form one sequence-parallel group, get all 5 rows, and rank 0's copy is kept.
-    whole = group.dispatch("scale_rows", data, dp_size=1)
+    whole = group.dispatch(DataWorker.scale_rows, data, dp_size=1)
     assert whole.non_tensor_batch["rank"].tolist() == [0] * 5
     assert whole.meta_info["metrics"] == {"rows": [5, 5], "rank": [0, 1]}
 
@@ -197,25 +226,25 @@ def test_dispatch_layout_is_declared_on_the_worker_method(group: RayWorkerGroup)
     """The group was made with sequence_parallel_size=2: a method marked per data-parallel share sends
     both ranks (one SP group) all rows; a method marked per rank splits them; neither takes a dp_size."""
     data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": list("abcde")})
-    per_rank = group.dispatch("scale_rows_per_rank", data)
+    per_rank = group.dispatch(DataWorker.scale_rows_per_rank, data)
     assert per_rank.non_tensor_batch["rank"].tolist() == [0, 0, 0, 1, 1]
-    per_share = group.dispatch("scale_rows_per_share", data)
+    per_share = group.dispatch(DataWorker.scale_rows_per_share, data)
     assert per_share.non_tensor_batch["rank"].tolist() == [0] * 5
     assert per_share.meta_info["metrics"] == {"rows": [5, 5], "rank": [0, 1]}
     assert torch.equal(per_share.batch["y"], torch.arange(5.0) * 10)
     with pytest.raises(ValueError, match="declares its layout"):
-        group.dispatch("scale_rows_per_share", data, dp_size=2)
+        group.dispatch(DataWorker.scale_rows_per_share, data, dp_size=2)
 
 
 def test_a_mark_naming_a_role_splits_rows_by_that_roles_sequence_parallel_size(group: RayWorkerGroup) -> None:
     """Roles colocated in one worker (the critic next to the actor) keep their own sequence-parallel
     sizes: the group's is 2 (all rows to both ranks), the critic's 1 (rows split over the 2 ranks)."""
     data = DataProto.from_dict(tensors={"x": torch.arange(5.0)}, non_tensors={"uid": list("abcde")})
-    per_critic_share = group.dispatch("scale_rows_per_critic_share", data)
+    per_critic_share = group.dispatch(DataWorker.scale_rows_per_critic_share, data)
     assert per_critic_share.non_tensor_batch["rank"].tolist() == [0, 0, 0, 1, 1]
     assert torch.equal(per_critic_share.batch["y"], torch.arange(5.0) * 10)
     with pytest.raises(ValueError, match="role 'reward_model', which this group was not given"):
-        group.dispatch("scale_rows_per_reward_model_share", data)
+        group.dispatch(DataWorker.scale_rows_per_reward_model_share, data)
     pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
     try:
         with pytest.raises(ValueError, match="critic=3 must divide the world size 2"):
@@ -245,10 +274,10 @@ def _process_alive(pid: int) -> bool:
 
 def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
     group = make_group(GlooWorker, "raiser")
-    pids = group.call("pid")
+    pids = group.call(GlooWorker.pid)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as failure:
-        group.call("raise_or_wait", failing_rank=1)
+        group.call(GlooWorker.raise_or_wait, failing_rank=1)
     assert time.monotonic() - start < FAST_S
     assert (failure.value.rank, failure.value.method) == (1, "raise_or_wait")
     message = str(failure.value)
@@ -258,16 +287,16 @@ def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> Non
     # The rank stuck in the barrier was killed, and the group refuses further work.
     _assert_processes_exit(pids, within_s=FAST_S)
     with pytest.raises(WorkerGroupError, match="shut down"):
-        group.call("pid")
+        group.call(GlooWorker.pid)
     group.shutdown()
 
 
 def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
     group = make_group(GlooWorker, "crasher", timeout_s=60.0)
-    pids = group.call("pid")
+    pids = group.call(GlooWorker.pid)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as failure:
-        group.call("exit_or_wait", failing_rank=0)
+        group.call(GlooWorker.exit_or_wait, failing_rank=0)
     assert time.monotonic() - start < FAST_S
     assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
     assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
@@ -279,9 +308,9 @@ def test_a_dead_rank_is_blamed_rather_than_the_peer_its_death_failed(ray_cluster
     """Rank 1 raises first, rank 0's process dies a moment later: the group names rank 0's lost
     process (the root cause), not rank 1's exception (its symptom)."""
     group = make_group(GlooWorker, "dying", timeout_s=60.0)
-    pids = group.call("pid")
+    pids = group.call(GlooWorker.pid)
     with pytest.raises(WorkerGroupError) as failure:
-        group.call("exit_late_or_raise", failing_rank=0)
+        group.call(GlooWorker.exit_late_or_raise, failing_rank=0)
     assert (failure.value.rank, failure.value.method) == (0, "exit_late_or_raise")
     assert "dying_rank0 (rank 0 of 2) lost its process" in str(failure.value)
     _assert_processes_exit(pids, within_s=FAST_S)
@@ -291,10 +320,10 @@ def test_a_dead_rank_is_blamed_rather_than_the_peer_its_death_failed(ray_cluster
 def test_call_past_timeout_stops_the_group(ray_cluster) -> None:
     pool = ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
     group = RayWorkerGroup(Sleeper, pool, name_prefix="sleeper", timeout_s=1.0)
-    pids = group.call("pid")
+    pids = group.call(Sleeper.pid)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not finish 'sleep' within 1 s"):
-        group.call("sleep", 60.0)
+        group.call(Sleeper.sleep, 60.0)
     assert time.monotonic() - start < FAST_S
     _assert_processes_exit(pids, within_s=FAST_S)
     group.shutdown()
@@ -306,7 +335,7 @@ def test_deferred_start_takes_late_arguments_once(ray_cluster) -> None:
     try:
         late.start(args=(3.0,))
         data = DataProto.from_dict(tensors={"x": torch.ones(2, 1)}, non_tensors={"uid": ["a", "b"]})
-        assert late.dispatch("scale_rows", data).batch["y"].flatten().tolist() == [3.0, 3.0]
+        assert late.dispatch(DataWorker.scale_rows, data).batch["y"].flatten().tolist() == [3.0, 3.0]
         with pytest.raises(RuntimeError, match="already started"):
             late.start(args=(3.0,))
     finally:
@@ -451,13 +480,15 @@ def test_media_go_through_the_object_store_once_and_are_processed_once_per_rank(
         transfers=transfers,
     )
     try:
-        first = group.dispatch("pixel_sums", shared)
+        first = group.dispatch(MediaWorker.pixel_sums, shared)
         assert first.batch["pixel_sum"].tolist() == expected_sums  # as made in this process
         assert first.meta_info["metrics"] == {"processed": [2, 2], "reused": [0, 0]}  # 2 prompts per rank
-        again = group.dispatch("pixel_sums", shared)  # the next phase of the step: nothing processed again
+        again = group.dispatch(
+            MediaWorker.pixel_sums, shared
+        )  # the next phase of the step: nothing processed again
         assert again.meta_info["metrics"] == {"processed": [2, 2], "reused": [2, 2]}
         # rows moved to the other rank (as balance_batch may move them) are fetched and processed there
-        moved = group.dispatch("pixel_sums", shared.reorder([0, 1, 4, 5, 2, 3, 6, 7]))
+        moved = group.dispatch(MediaWorker.pixel_sums, shared.reorder([0, 1, 4, 5, 2, 3, 6, 7]))
         assert moved.batch["pixel_sum"].tolist() == [expected_sums[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]
         assert moved.meta_info["metrics"] == {"processed": [3, 3], "reused": [3, 3]}
     finally:

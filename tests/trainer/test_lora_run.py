@@ -96,7 +96,7 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
     assert lines[-1]["val/agent/turns/mean"] >= 1  # the final validation's trajectories are logged
     # merged weights pushed each step (a stale push shows in step 2's gap); the trajectories' log-probs (tool
     # images mid-way, ~300-token prompts) as trained, within the prepacked rollout's tolerance
-    # (tests/workers/test_hf_rollout.py): measured 4.5e-6 to 1.2e-5; 64-token prompts stay < 1e-5
+    # (tests/workers/rollout/test_hf_rollout.py): measured 4.5e-6 to 1.2e-5; 64-token prompts stay < 1e-5
     assert all(row["rollout/log_prob_gap_max"] < 1e-4 for row in rows)
     for row in rows:  # the rollouts called the tool, saw its image (observation tokens) and trained
         assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row

@@ -137,7 +137,7 @@ def write_config(path: Path, overrides: Sequence[str]) -> Path:
 
 
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(actor_rankN pid=...)"
+    # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(model_rankN pid=...)"
     # prefix, which the dying-worker test reads.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
     return {**env, **(extra or {})}
@@ -489,7 +489,7 @@ def assert_trackers_hold(
 
 
 def ray_lines(output: str) -> list[str]:
-    """Lines Ray forwarded from its worker processes in ``output``: ``(actor_rank0 pid=...)`` prefixes and
+    """Lines Ray forwarded from its worker processes in ``output``: ``(model_rank0 pid=...)`` prefixes and
     its deduplication's ``[repeated 4x across cluster]``."""
     ray_line = re.compile(r"pid=\d+\)|repeated \d+x across cluster")
     return [line for line in output.splitlines() if ray_line.search(line)]
@@ -770,7 +770,7 @@ def kill_a_process_of_an_endless_run(
 @trainer_e2e
 def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(tmp_path, tiny_vl_path, shapes_data_dir):
     """SIGKILL of rank 1's process mid-run: the trainer exits 1 within a bounded time, naming the rank."""
-    rank1 = re.compile(r"\(actor_rank1 pid=(\d+)\)")
+    rank1 = re.compile(r"\(model_rank1 pid=(\d+)\)")
 
     def rank1_process(process: subprocess.Popen, log_path: Path) -> psutil.Process:
         wait_until(
@@ -787,7 +787,7 @@ def test_dying_worker_stops_the_run_with_a_message_naming_its_rank(tmp_path, tin
     print(f"rank 1 killed: the trainer exited {seconds_to_exit:.1f} s later")
     assert returncode == 1, output[-4000:]
     assert seconds_to_exit < EXIT_AFTER_WORKER_DEATH_S
-    assert "mmrl: training stopped: actor_rank1 (rank 1 of 2) lost its process" in output, output[-4000:]
+    assert "mmrl: training stopped: model_rank1 (rank 1 of 2) lost its process" in output, output[-4000:]
     assert leftovers == [], f"processes still running after the trainer exited: {leftovers}"
 
 
@@ -1098,7 +1098,7 @@ def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_
         trainer = RayPPOTrainer(config)
         placed = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         assert [len(group["bundles"]) for group in placed] == [WORLD_SIZE]  # one node group of 2 bundles
-        assert trainer.actor.world_size == WORLD_SIZE
+        assert trainer.model_workers.world_size == WORLD_SIZE
         assert training_processes() == WORLD_SIZE
         # and no idle Python worker that Ray would have started for plain tasks (mmrl runs none)
         idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
@@ -1107,7 +1107,7 @@ def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_
     finally:
         if trainer is not None:
             trainer.shutdown()
-            trainer.actor.shutdown()
+            trainer.model_workers.shutdown()
         ray.shutdown()
     rows = metrics_lines(tmp_path / "gae")
     scores = [row["critic/score/mean"] for row in rows]
@@ -1214,7 +1214,7 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                     assert metrics["rollout/left_out_groups"] == 4 and batch.batch["left_out"].all()
             finally:
                 trainer.shutdown()
-                trainer.actor.shutdown()
+                trainer.model_workers.shutdown()
     finally:
         ray.shutdown()
 

@@ -20,6 +20,7 @@ from _models import training_model
 from PIL import Image
 
 from mmrl.core_algos import log_probs_from_logits
+from mmrl.demo.ranks import run_on_ranks
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
 from mmrl.models.loading import (
     decoder_layers,
@@ -29,7 +30,6 @@ from mmrl.models.loading import (
     tower_modules,
     vision_modules,
 )
-from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.workers.fsdp_engine import (
     PhaseOffload,

@@ -24,6 +24,7 @@ from _batches import (
 from _models import training_model
 
 from mmrl.core_algos import log_probs_from_logits
+from mmrl.demo.ranks import run_on_ranks
 from mmrl.models.inputs import (
     build_packed_forward_inputs,
     concat_multi_modal_inputs,
@@ -39,7 +40,6 @@ from mmrl.parallel.packing import (
     split_groups,
     token_budget_groups,
 )
-from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
 from mmrl.workers.forward import forward_arguments
 from mmrl.workers.fsdp_engine import build_optimizer, micro_batch_rows

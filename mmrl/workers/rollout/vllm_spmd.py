@@ -49,8 +49,8 @@ import torch.distributed as dist
 from mmrl.config import RolloutConfig
 from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
-from mmrl.parallel.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
 from mmrl.protocol import DataProto
+from mmrl.runtime.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
 from mmrl.workers.fsdp_engine import resolve_dtype
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 

@@ -1,6 +1,7 @@
 """Run a function on N local torch.distributed gloo ranks (spawned processes) and collect its results.
 
-For tests and benchmarks that need real multi-process collectives without Ray.
+For tests and benchmarks that need real multi-process collectives without Ray (here in ``mmrl.demo``,
+the top layer, because the ranks' preloaded modules include the workers').
 
 Each rank runs with ``threads`` torch threads (default one: ranks share the machine's cores), joins a gloo group
 through a file store in a temp folder of its own (no TCP port to race for), calls
@@ -28,9 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmrl.parallel.debris import make_temp_dir
+from mmrl.runtime.debris import make_temp_dir
 
-# imported once by the forkserver that forks every rank; a module missing here is imported by the rank
+# imported once by the forkserver that forks every rank (names: the server imports them, not this
+# process); a module missing here is imported by the rank
 PRELOAD = (
     "torch",
     "torch.distributed.fsdp",

@@ -1,4 +1,4 @@
-"""Start-up cleaning of what killed runs left (mmrl.parallel.debris): everything of a dead owner goes, with
+"""Start-up cleaning of what killed runs left (mmrl.runtime.debris): everything of a dead owner goes, with
 the orphaned processes of its Ray session; nothing of a live process is touched."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mmrl.parallel import debris
+from mmrl.runtime import debris
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER = """
 import json, mmap, os, socket, tempfile, time, uuid
 import ray
-from mmrl.parallel.debris import make_temp_dir
+from mmrl.runtime.debris import make_temp_dir
 from mmrl.single_controller import init_ray
 
 init_ray(num_cpus=1, object_store_memory_bytes=80_000_000)
@@ -169,7 +169,7 @@ def test_cleanings_on_one_machine_take_turns(tmp_path):
     """A cleaning started while another process holds the lock waits for it; a nested hold in one
     thread does not wait for itself."""
     done = tmp_path / "cleaned"
-    code = f"from mmrl.parallel import debris; debris.clean_stale_debris(); open({str(done)!r}, 'w').close()"
+    code = f"from mmrl.runtime import debris; debris.clean_stale_debris(); open({str(done)!r}, 'w').close()"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with debris.cleaning_lock(), debris.cleaning_lock():  # reentrant
         cleaner = subprocess.Popen([sys.executable, "-c", code], env=env)

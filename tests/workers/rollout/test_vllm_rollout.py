@@ -40,16 +40,15 @@ from mmrl.data.collate import collate_prompts
 from mmrl.data.config import DataConfig
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+from mmrl.demo.ranks import run_on_ranks
 from mmrl.demo.synthetic import write_photo_dataset
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-from mmrl.parallel.debris import CPU_SHM_PATTERN, cleaning_lock, unlink_cpu_shared_memory
-from mmrl.parallel.spawn import run_on_ranks
 from mmrl.protocol import DataProto
+from mmrl.runtime.debris import CPU_SHM_PATTERN, cleaning_lock, unlink_cpu_shared_memory
 from mmrl.workers.rollout import SamplingParams
 
 pytestmark = pytest.mark.shares("vllm")  # engines side by side share TP shared-memory names
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7
 MAX_TOKENS = 8
 UPDATE_STEPS = 3
