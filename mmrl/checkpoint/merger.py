@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mmrl.checkpoint.safe_load import read_dcp_metadata
 from mmrl.checkpoint.state import (
     HF_DIR,
     MODEL_CONFIG_FILE,
@@ -80,7 +80,7 @@ def _import_model_class(class_path: str, local_dir: Path) -> type:
 
 
 def _checkpoint_tensors(model_dir: Path) -> dict[str, TensorStorageMetadata]:
-    metadata = FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(model_dir).state_dict_metadata
     return {key: value for key, value in metadata.items() if isinstance(value, TensorStorageMetadata)}
 
 
