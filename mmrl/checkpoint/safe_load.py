@@ -29,6 +29,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from mmrl.errors import UserInputError
+
 # Checkpoints written before mmrl saved RNG states as plain data hold numpy.random.get_state()'s array.
 _LEGACY_NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 try:  # NumPy 2 moved the array reconstructor to numpy._core; pickles name the one that wrote them
@@ -65,7 +67,7 @@ DCP_METADATA_GLOBALS = {
 }
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserInputError):
     """A checkpoint file asks to build something that is not tensors or plain data; nothing ran."""
 
 

@@ -323,7 +323,7 @@ def test_audio_at_another_rate_or_silent_is_no_error(inputs, media, clip):
 
 
 def _terminal(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MMRL_DEBUG": "0"}
+    env = {**os.environ, "MMRL_DEBUG": "0"}
     return subprocess.run(
         [sys.executable, "-m", "mmrl.trainer.main", *argv],
         cwd=REPO_ROOT,

@@ -139,7 +139,7 @@ def write_config(path: Path, overrides: Sequence[str]) -> Path:
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(actor_rankN pid=...)"
     # prefix, which the dying-worker test reads.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
     return {**env, **(extra or {})}
 
 
