@@ -408,6 +408,9 @@ class JudgeServeConfig:
     max_model_len: int = 4096  # vLLM context of the judge (prompt with media + answer), tokens
     enforce_eager: bool = True  # vLLM: no graph capture/compilation (starts ~40 s faster on CPU)
     startup_timeout_s: float = 300.0  # seconds the server may take to answer its health check
+    # address the server listens on: 127.0.0.1 = its machine only (the reward workers must share it);
+    # `node` = the node's address, for reward workers on other machines (the API has no key)
+    host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)

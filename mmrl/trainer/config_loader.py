@@ -1033,6 +1033,12 @@ def _check_reward_sources(errors: list[str], cfg: PPOConfig) -> None:
             "worker.reward.judge.enable=true needs an endpoint: worker.reward.judge.base_url (e.g. "
             "http://127.0.0.1:8000/v1), or worker.reward.judge.serve.model_path for mmrl to serve one"
         )
+    if judge.enable and judge.serve.model_path and cfg.trainer.nnodes > 1 and judge.serve.host != "node":
+        errors.append(
+            f"worker.reward.judge.serve.host={judge.serve.host} with trainer.nnodes={cfg.trainer.nnodes}: reward "
+            f"workers on the other machines cannot reach the served judge; set worker.reward.judge.serve.host="
+            f"node (its node's address, reachable by anyone on the network: keep the cluster's network private)"
+        )
     if judge.enable and judge.base_url and not judge.serve.model_path and not judge.model:
         errors.append(
             "worker.reward.judge.model is required with base_url: the model name the endpoint serves"
