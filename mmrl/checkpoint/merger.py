@@ -60,8 +60,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _FILES_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
 
 
+# Packages a merged model's class may come from (``mmrl_state.json`` names it): importing a module runs
+# it, and the file is part of a checkpoint, which may have been tampered with.
+MODEL_CLASS_PACKAGES = ("transformers", "transformers_modules")
+
+
 def _import_model_class(class_path: str, local_dir: Path) -> type:
     module_name, _, qualname = class_path.partition(":")
+    if module_name.split(".")[0] not in MODEL_CLASS_PACKAGES:
+        raise MergeNotSupportedError(
+            f"{local_dir / 'mmrl_state.json'} names the model class {class_path}, outside "
+            f"{' and '.join(MODEL_CLASS_PACKAGES)}: not imported (a checkpoint must not choose code to run)"
+        )
     try:
         cls = getattr(importlib.import_module(module_name), qualname)
     except (ImportError, AttributeError) as error:

@@ -132,3 +132,26 @@ def test_a_checkpoint_written_before_plain_rng_states_still_resumes(tmp_path):
 def test_rank_files_hold_only_what_a_weights_only_load_accepts(tmp_path):
     _trained(tmp_path / "actor")
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(tmp_path / "actor" / rank_file(0))) == []
+
+
+def test_the_merger_imports_no_module_a_checkpoint_names_outside_transformers(tmp_path, monkeypatch):
+    """``mmrl_state.json`` names the model class the merger builds: a tampered one naming a module whose
+    import runs a command (here one on ``sys.path``) is refused before the import."""
+    import json
+
+    from mmrl.checkpoint.merger import MergeNotSupportedError, merge_checkpoint
+
+    _trained(tmp_path / "actor")
+    marker = tmp_path / "ran"
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "planted_model.py").write_text(f"import os\nos.system('touch {marker}')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "modules"))
+    info_path = tmp_path / "actor" / "mmrl_state.json"
+    info_path.write_text(
+        json.dumps({**json.loads(info_path.read_text()), "model_class": "planted_model:Model"})
+    )
+    with pytest.raises(
+        MergeNotSupportedError, match=r"mmrl_state.json names the model class planted_model:Model"
+    ):
+        merge_checkpoint(tmp_path / "actor", tmp_path / "merged")
+    assert not marker.exists()
