@@ -96,6 +96,17 @@ def _unsupported_global(error: pickle.UnpicklingError) -> str:
     return next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), str(error)[:200])
 
 
+def check_role_folder(directory: str | Path) -> None:
+    """Reads a role folder's small files (rank and extra files, DCP indexes) as a resume does, so that
+    a tampered one is refused on the driver before any worker loads the folder."""
+    directory = Path(directory)
+    for path in sorted(directory.glob("*.pt")):
+        load_plain(path)
+    for part in ("model", "optimizer"):
+        if (directory / part / ".metadata").is_file():
+            read_dcp_metadata(directory / part)
+
+
 class _DcpMetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, path: Path):
         super().__init__(file)

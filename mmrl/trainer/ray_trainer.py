@@ -615,6 +615,14 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
+        from mmrl.checkpoint.safe_load import check_role_folder
+
+        for role in (
+            "actor",
+            "critic",
+        ):  # a tampered file is refused here, with one message, not in every rank
+            if os.path.isdir(os.path.join(path, role)):
+                check_role_folder(os.path.join(path, role))
         self.actor.call("load_checkpoint", str(path))  # the critic's too
         self.actor.call("sync_rollout_weights")
         state = load_trainer_state(path)

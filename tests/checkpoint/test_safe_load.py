@@ -155,3 +155,17 @@ def test_the_merger_imports_no_module_a_checkpoint_names_outside_transformers(tm
     ):
         merge_checkpoint(tmp_path / "actor", tmp_path / "merged")
     assert not marker.exists()
+
+
+def test_the_driver_checks_a_role_folder_before_the_workers_load_it(tmp_path):
+    """``check_role_folder`` (preflight and resume, on the driver) reads the rank, extra and index files."""
+    from mmrl.checkpoint.safe_load import check_role_folder
+
+    _trained(tmp_path / "actor", extra={"step": 3})
+    check_role_folder(tmp_path / "actor")  # a folder mmrl wrote passes
+    marker = tmp_path / "ran"
+    tampered = tmp_path / "actor" / "optimizer" / ".metadata"
+    tampered.write_bytes(pickle.dumps(_RunsCommand(f"touch {marker}")))
+    with pytest.raises(UnsafeCheckpointError, match=r"optimizer/\.metadata was refused.*posix\.system"):
+        check_role_folder(tmp_path / "actor")
+    assert not marker.exists()
