@@ -31,17 +31,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from mmrl.errors import UserInputError
 
-# Checkpoints written before mmrl saved RNG states as plain data hold numpy.random.get_state()'s array.
-_LEGACY_NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-try:  # NumPy 2 moved the array reconstructor to numpy._core; pickles name the one that wrote them
-    from numpy._core.multiarray import _reconstruct as _reconstruct_v2
-
-    _LEGACY_NUMPY_GLOBALS.append(_reconstruct_v2)
+try:  # NumPy 2 (which pickles name); NumPy 1 kept it in numpy.core
+    from numpy._core.multiarray import _reconstruct
 except ImportError:  # pragma: no cover - NumPy 1
-    pass
-from numpy.core.multiarray import _reconstruct as _reconstruct_v1  # noqa: E402
+    from numpy.core.multiarray import _reconstruct
 
-_LEGACY_NUMPY_GLOBALS.append(_reconstruct_v1)
+# Checkpoints written before mmrl saved RNG states as plain data hold numpy.random.get_state()'s array.
+_LEGACY_NUMPY_GLOBALS = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # (module, name) pairs a DCP index pickle may name: its own records and what they hold

@@ -55,11 +55,11 @@ def _write_default_token(path: Path) -> None:
         os.close(fd)
     try:
         os.link(temporary, path)  # fails if the file exists: never replaces a token a cluster uses
+        logger.info("wrote a new Ray authentication token to %s (readable by you only)", path)
     except FileExistsError:
         pass
     finally:
         temporary.unlink()
-    logger.info("wrote a new Ray authentication token to %s (readable by you only)", path)
 
 
 def enable_token_auth(joining: bool) -> str:
@@ -71,6 +71,8 @@ def enable_token_auth(joining: bool) -> str:
     try:
         if mode == "disabled":
             return _disabled()
+        if mode != "token":  # another of Ray's modes (e.g. k8s): Ray's own set-up applies
+            return mode
         return _token_source_or_new(joining)
     finally:
         _reload_ray_settings()

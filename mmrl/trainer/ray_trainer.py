@@ -617,10 +617,8 @@ class RayPPOTrainer:
         logger.warning("resuming from %s", path)
         from mmrl.checkpoint.safe_load import check_role_folder
 
-        for role in (
-            "actor",
-            "critic",
-        ):  # a tampered file is refused here, with one message, not in every rank
+        # a tampered file is refused here, with one message, rather than in every rank
+        for role in ("actor", "critic"):
             if os.path.isdir(os.path.join(path, role)):
                 check_role_folder(os.path.join(path, role))
         self.actor.call("load_checkpoint", str(path))  # the critic's too
