@@ -26,7 +26,7 @@ from _trainer_run import REPO_ROOT, small_run_overrides
 from mmrl.single_controller.ray_auth import enable_token_auth
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_node_cluster():
     """(address, (head node id, second node id)) of a Ray cluster of two nodes on this machine, 2 CPUs
     each, with token authentication as a multi-node user sets it up (README: one token
@@ -87,6 +87,7 @@ def test_two_nodes_place_rendezvous_save_and_resume(
     two_node_cluster, tiny_vl_path, shapes_data_dir, tmp_path
 ):
     address, node_ids = two_node_cluster
+    assert_refuses_other_tokens(address)  # token authentication is on: another token is refused
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"trainer.ray.address={address}",
@@ -118,9 +119,3 @@ def test_two_nodes_place_rendezvous_save_and_resume(
         key: rows[-1][key] for key in val_keys
     }
     assert (save_dir / "global_step_3" / "actor" / "extra_state_rank1.pt").is_file()
-
-
-@pytest.mark.distributed
-def test_the_cluster_refuses_a_client_without_its_token(two_node_cluster):
-    """The run's cluster has token authentication on: a process with another token is refused."""
-    assert_refuses_other_tokens(two_node_cluster[0])
