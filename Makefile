@@ -30,7 +30,7 @@ assets: install
 		--data $(ASSETS)/data/shapes-color/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-warm
 
 demo: assets
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu.yaml $(ARGS)
 
 # "How many times does the light flash?" (12-frame videos) with the tiny Qwen2.5-VL
 assets-video: install
@@ -40,7 +40,7 @@ assets-video: install
 		--data $(ASSETS)/data/video-flashes/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-video-warm
 
 demo-video: assets-video
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_video.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_video.yaml $(ARGS)
 
 # "How many beeps are there?" (1.5 s clips) with the tiny Qwen2.5-Omni thinker
 assets-audio: install
@@ -50,7 +50,7 @@ assets-audio: install
 		--data $(ASSETS)/data/audio-beeps/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-omni-audio-warm
 
 demo-audio: assets-audio
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_audio.yaml $(ARGS)
 
 # "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL (examples/tiny_cpu_spatial.yaml).
 # The warm-up also trains the colour task's true labels (--aux_data), which opens the tiny model's image
@@ -66,7 +66,7 @@ assets-spatial: install
 		--aux_data $(ASSETS)/data/shapes-color/train.jsonl --steps 200
 
 demo-spatial: assets-spatial
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_spatial.yaml $(ARGS)
 
 # A judge teaches (examples/tiny_cpu_judge.yaml): a tiny judge that sees the image answers whether a
 # response names the shape's colour; served by vLLM's OpenAI-compatible server, its yes/no is the only reward.
@@ -78,7 +78,7 @@ assets-judge: assets
 		--data_dir $(ASSETS)/data/shapes-color --out $(ASSETS)/models/tiny-judge-colour --steps 800
 
 demo-judge: assets-judge
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_judge.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_judge.yaml $(ARGS)
 
 # A demo that needs the tool (examples/tiny_cpu_agent.yaml): "What colour is the small mark at the centre?" on
 # 1120-px images seen at a 56x56 pixel budget, with a tool that returns the centre at full resolution. The
@@ -96,7 +96,7 @@ assets-agent: install
 		--aux_data $(ASSETS)/data/shapes-color/train.jsonl
 
 demo-agent: assets-agent
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent.yaml $(ARGS)
 
 # The smaller video-tool demo (examples/tiny_cpu_agent_video.yaml): "How many times does the light flash?"
 # with a still in the prompt and a tool (examples/tools/play_clip.py) that returns the clip's frames. The
@@ -110,24 +110,24 @@ assets-agent-video: install
 		--tool_file examples/tools/play_clip.py --call_rate 0.8 --steps 150 --max_response_length 112
 
 demo-agent-video: assets-agent-video
-	RAY_AUTH_MODE=disabled $(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent_video.yaml $(ARGS)
+	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent_video.yaml $(ARGS)
 
 # seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
 bench-recipes: assets-spatial
-	RAY_AUTH_MODE=disabled $(PY) bench/recipes.py $(ARGS)
+	$(PY) bench/recipes.py $(ARGS)
 
 # CPU benchmarks (docs/benchmarks.md): each prints its table and writes bench/results/*.json.
 # Sized for < 20 min on a quiet 2-core machine; other jobs on it slow every step (tables say how much).
 bench: assets
-	RAY_AUTH_MODE=disabled $(PY) bench/vs_trl.py
-	RAY_AUTH_MODE=disabled $(PY) bench/time_to_accuracy.py --model $(ASSETS)/models/tiny-qwen2.5-vl-warm \
+	$(PY) bench/vs_trl.py
+	$(PY) bench/time_to_accuracy.py --model $(ASSETS)/models/tiny-qwen2.5-vl-warm \
 		--data_dir $(ASSETS)/data/shapes-color
 	$(PY) bench/cost_curves.py
 	$(PY) bench/packing.py --repeats 3
 	$(PY) bench/rollout_speed.py --repeats 2
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
-	RAY_AUTH_MODE=disabled $(PY) bench/colocated_critic.py
-	RAY_AUTH_MODE=disabled $(PY) bench/long_video.py --sides 56 112 --backends hf vllm
+	$(PY) bench/colocated_critic.py
+	$(PY) bench/long_video.py --sides 56 112 --backends hf vllm
 	@$(PY) bench/report.py
 
 # On a GPU machine, in the environment of the GPU install (docs/gpu.md): the CUDA-only paths on one GPU (minutes),
@@ -137,7 +137,7 @@ gpu-check:
 
 # the real job's costs at Qwen2.5-VL-3B's widths and vocabulary (docs/benchmarks.md): ~1 h on this machine
 bench-scale: install
-	RAY_AUTH_MODE=disabled $(PY) bench/scale.py --run memory media startup smoke
+	$(PY) bench/scale.py --run memory media startup smoke
 
 test: install
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)

@@ -233,7 +233,7 @@ def run_monitored(
     log_file.unlink(missing_ok=True)
     follower = _LogFollower(log_file)
     records: list[dict[str, Any]] = []
-    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    full_env = {**os.environ, **(env or {})}
     start = time.perf_counter()
     stopped = timed_out = False
     with open(output_file, "w") as output:

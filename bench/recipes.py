@@ -154,7 +154,7 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "mmrl.trainer.main", f"config={CONFIG}"]
     command += run_overrides(recipe, seed, args, out_dir)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     with open(out_dir / "output.log", "w") as output:
         process = subprocess.run(

@@ -254,7 +254,7 @@ def trainer_step(model: str, data_dir: Path, args: argparse.Namespace) -> dict[s
         "trainer.val_freq=-1",
         f"trainer.save_checkpoint_path={run_dir}",
     ]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO,

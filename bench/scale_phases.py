@@ -61,7 +61,7 @@ def overrides(model: Path, data_dir: Path, save_dir: Path, responses: int, steps
 
 def run(label: str, source: Path, model: Path, data_dir: Path, responses: int, steps: int) -> dict:
     save_dir = RESULTS / f"scale_phases_run_{label}"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(source)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(source)}
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides(model, data_dir, save_dir, responses, steps)],

@@ -46,7 +46,7 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
     """Run the trainer to completion (it must exit 0 and leave nothing behind: see
     :func:`assert_left_nothing`), with ``env`` added to this process's environment; returns its
     metrics.jsonl rows."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with subprocess.Popen(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO_ROOT,

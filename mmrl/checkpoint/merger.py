@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mmrl.checkpoint.safe_load import read_dcp_metadata
 from mmrl.checkpoint.state import (
     HF_DIR,
     MODEL_CONFIG_FILE,
@@ -60,8 +60,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _FILES_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
 
 
+# Packages a merged model's class may come from (``mmrl_state.json`` names it): importing a module runs
+# it, and the file is part of a checkpoint, which may have been tampered with.
+MODEL_CLASS_PACKAGES = ("transformers", "transformers_modules")
+
+
 def _import_model_class(class_path: str, local_dir: Path) -> type:
     module_name, _, qualname = class_path.partition(":")
+    if module_name.split(".")[0] not in MODEL_CLASS_PACKAGES:
+        raise MergeNotSupportedError(
+            f"{local_dir / 'mmrl_state.json'} names the model class {class_path}, outside "
+            f"{' and '.join(MODEL_CLASS_PACKAGES)}: not imported (a checkpoint must not choose code to run)"
+        )
     try:
         cls = getattr(importlib.import_module(module_name), qualname)
     except (ImportError, AttributeError) as error:
@@ -80,7 +90,7 @@ def _import_model_class(class_path: str, local_dir: Path) -> type:
 
 
 def _checkpoint_tensors(model_dir: Path) -> dict[str, TensorStorageMetadata]:
-    metadata = FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(model_dir).state_dict_metadata
     return {key: value for key, value in metadata.items() if isinstance(value, TensorStorageMetadata)}
 
 

@@ -6,7 +6,8 @@ folder (``global_step_N.tmp/actor`` for instance)::
     model/                    model weights, torch.distributed.checkpoint (DCP), sharded by rank
     optimizer/                optimizer state, DCP (only when an optimizer is given)
     extra_state_rank{r}.pt    LR scheduler state and rank r's RNG states, with the world size
-    extra.pt                  the caller's ``extra`` dict (rank 0; only when given)
+                              (tensors and plain data: read back weights-only)
+    extra.pt                  the caller's ``extra`` dict of plain data (rank 0; only when given)
     huggingface/              config, generation config, tokenizer and processor files copied from
                               the model's source folder (rank 0; only when ``hf_source_dir`` is given)
     model_config.json         the trained model's own config (rank 0; Hugging Face models)
@@ -21,6 +22,9 @@ DCP stores each tensor with its global shape and the offsets of every rank's sha
 saved by N ranks loads on M ranks (or in one process without ``torch.distributed``) and into FSDP2
 (DTensor) or plain parameters alike. Random state is per rank: it is restored only when the world
 size is the one it was saved with; otherwise training resumes correctly but not bit-exactly.
+
+Nothing is unpickled on load: every file is read by :mod:`mmrl.checkpoint.safe_load` (weights-only
+``torch.load``, an allow-listed DCP index), so a tampered checkpoint is refused instead of running code.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from mmrl.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain, read_dcp_metadata
 from mmrl.models.lora import adapter_layers
 
 logger = logging.getLogger(__name__)
@@ -170,15 +175,27 @@ def load_dcp(state_dict: dict[str, Any], directory: Path) -> None:
             f"{directory} holds no torch.distributed.checkpoint (no .metadata file); expected a folder "
             f"written by mmrl.checkpoint.save_train_state"
         )
+    read_dcp_metadata(directory)  # a tampered index is refused here, not wrapped in DCP's per-rank report
     with _single_process_quietly():
-        dcp.load(state_dict, checkpoint_id=str(directory))
+        dcp.load(
+            state_dict, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(directory)
+        )
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """RNG states of python ``random``, numpy, torch CPU and (when available) the current CUDA device."""
+    """RNG states of python ``random``, numpy, torch CPU and (when available) the current CUDA device,
+    as tensors and plain data so that they load weights-only (numpy's uint32 key array as the int32
+    tensor of the same bits)."""
+    bit_generator, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (
+            bit_generator,
+            torch.from_numpy(keys.view(np.int32).copy()),
+            position,
+            has_gauss,
+            cached_gaussian,
+        ),
         "torch_cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -189,7 +206,12 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Inverse of ``capture_rng_state``; a saved CUDA state is ignored on a machine without CUDA."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    bit_generator, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    # keys: an int32 tensor, or the uint32 array of checkpoints written before RNG states were plain data
+    keys = (
+        keys.numpy().view(np.uint32) if isinstance(keys, torch.Tensor) else np.asarray(keys, dtype=np.uint32)
+    )
+    np.random.set_state((bit_generator, keys, position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["torch_cuda"])
@@ -379,8 +401,7 @@ def missing_from_reports(reports: list[dict[str, Any]]) -> list[str]:
 
 
 def _load_rank_state(directory: Path, rank: int) -> dict[str, Any]:
-    # Our own file with python/numpy RNG tuples, which the weights-only unpickler rejects.
-    return torch.load(directory / rank_file(rank), weights_only=False)
+    return load_plain(directory / rank_file(rank))
 
 
 def _drop_unsaved_parameter_states(optimizer_state: dict[str, Any], directory: Path) -> None:
@@ -389,7 +410,7 @@ def _drop_unsaved_parameter_states(optimizer_state: dict[str, Any], directory: P
 
     DCP flattens ``optimizer_state["state"][fqn][name]`` to the key ``state.{fqn}.{name}``.
     """
-    saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    saved_keys = set(read_dcp_metadata(directory).state_dict_metadata)
     for fqn, parameter_state in list(optimizer_state["state"].items()):
         keys = [f"state.{fqn}.{name}" for name in parameter_state]
         present = [key in saved_keys for key in keys]
@@ -498,4 +519,4 @@ def load_train_state(
             world_size,
         )
     _barrier()
-    return torch.load(directory / EXTRA_FILE, weights_only=False) if info["has_extra"] else {}
+    return load_plain(directory / EXTRA_FILE) if info["has_extra"] else {}

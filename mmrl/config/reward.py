@@ -108,6 +108,9 @@ class JudgeServeConfig:
     max_model_len: int = 4096  # vLLM context of the judge (prompt with media + answer), tokens
     enforce_eager: bool = True  # vLLM: no graph capture/compilation (starts ~40 s faster on CPU)
     startup_timeout_s: float = 300.0  # seconds the server may take to answer its health check
+    # address the server listens on: 127.0.0.1 = its machine only (the reward workers must share it);
+    # `node` = the node's address, for reward workers on other machines (the API has no key)
+    host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,12 @@ def _check_reward_sources(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(
             "worker.reward.judge.enable=true needs an endpoint: worker.reward.judge.base_url (e.g. "
             "http://127.0.0.1:8000/v1), or worker.reward.judge.serve.model_path for mmrl to serve one"
+        )
+    if judge.enable and judge.serve.model_path and cfg.trainer.nnodes > 1 and judge.serve.host != "node":
+        errors.append(
+            f"worker.reward.judge.serve.host={judge.serve.host} with trainer.nnodes={cfg.trainer.nnodes}: reward "
+            f"workers on the other machines cannot reach the served judge; set worker.reward.judge.serve.host="
+            f"node (its node's address, reachable by anyone on the network: keep the cluster's network private)"
         )
     if judge.enable and judge.base_url and not judge.serve.model_path and not judge.model:
         errors.append(

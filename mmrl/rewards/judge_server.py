@@ -3,7 +3,9 @@
 :func:`serve_judge` starts a Ray actor (its own CPUs and GPUs: ``worker.reward.judge.serve.num_cpus``,
 ``num_gpus``) that runs ``python -m vllm.entrypoints.openai.api_server`` on a free port of its node,
 waits until the server answers ``/health``, and returns a :class:`ServedJudge` with the URL the reward
-workers' judge client uses, the same client as for any other endpoint. The trainer stops it when the run
+workers' judge client uses, the same client as for any other endpoint. The server listens on loopback
+(``serve.host``: 127.0.0.1) unless told otherwise (``node``: the node's address, for reward workers on
+other machines): vLLM's API has no key here, so nothing off the machine should reach it by default. The trainer stops it when the run
 ends. The server runs in a session of its own with a parent-death signal (SIGTERM): when the actor dies
 (killed, or the run's Ray cluster goes), the server shuts down with its engine processes, and ``stop``
 ends its whole process group. Its ZMQ sockets live in a folder of the actor's own, removed at stop.
@@ -62,7 +64,9 @@ def serve_judge(judge: JudgeConfig) -> ServedJudge | None:
         args += ["--gpu-memory-utilization", str(serve.gpu_memory_utilization)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(serve.cpu_kv_cache_gib)))}
     remote_cls = ray.remote(num_cpus=serve.num_cpus, num_gpus=serve.num_gpus)(VllmServer)
-    actor = remote_cls.options(name=f"mmrl-judge-{os.getpid()}").remote(serve.model_path, name, args, env)
+    actor = remote_cls.options(name=f"mmrl-judge-{os.getpid()}").remote(
+        serve.model_path, name, args, env, host=serve.host
+    )
     try:
         base_url = ray.get(actor.start.remote(serve.startup_timeout_s))
     except ray.exceptions.RayTaskError as err:
@@ -75,8 +79,12 @@ def serve_judge(judge: JudgeConfig) -> ServedJudge | None:
 class VllmServer:
     """One vLLM OpenAI-compatible server process (in the Ray actor; tests use it directly)."""
 
-    def __init__(self, model_path: str, served_name: str, args: list[str], env: dict[str, str]):
+    def __init__(
+        self, model_path: str, served_name: str, args: list[str], env: dict[str, str], host: str = "127.0.0.1"
+    ):
+        """``host``: the address to listen on; ``node`` = this node's address (reachable from others)."""
         self.model_path = model_path
+        self.host = host
         self.served_name = served_name
         self.args = args
         self.env = env
@@ -86,11 +94,11 @@ class VllmServer:
         self.base_url = ""
 
     def start(self, timeout_s: float) -> str:
-        """Launches the server and returns its base URL (``http://<node ip>:<port>/v1``) once it is
+        """Launches the server and returns its base URL (``http://<host>:<port>/v1``) once it is
         healthy; raises :class:`RewardSourceError` with the end of its log if it exits or times out."""
         from mmrl.runtime.debris import make_temp_dir
 
-        host = _node_ip()
+        host = listen_address(self.host)
         port = _free_port(host)
         self.socket_dir = make_temp_dir("judge")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path]
@@ -174,6 +182,11 @@ def _drain(process: subprocess.Popen, log: deque[str]) -> None:
             log.append(line.rstrip())
 
     threading.Thread(target=read, name="judge-server-log", daemon=True).start()
+
+
+def listen_address(host: str) -> str:
+    """The address a served judge listens on for ``worker.reward.judge.serve.host``."""
+    return _node_ip() if host == "node" else host
 
 
 def _node_ip() -> str:

@@ -24,6 +24,7 @@ from ray.util.placement_group import (
 )
 
 from mmrl.runtime.debris import remove_ray_session_at_exit
+from mmrl.single_controller.ray_auth import enable_token_auth
 
 __all__ = [
     "DEFAULT_WORKER_ENV_VARS",
@@ -62,9 +63,13 @@ def init_ray(
     arguments are then ignored. `runtime_env_vars` (PYTHONPATH, OMP_NUM_THREADS, HF_HOME, ...) are set in
     every worker process at start, on top of `DEFAULT_WORKER_ENV_VARS`. A local cluster stops, and its
     session folder under /tmp/ray goes, when this process exits.
+
+    Token authentication is on, for a local cluster and a joined one (:mod:`ray_auth`), and a local
+    cluster's dashboard (when included) listens on loopback only.
     """
     if ray.is_initialized():
         return
+    enable_token_auth(joining=address is not None)
     env_vars = {**DEFAULT_WORKER_ENV_VARS, **(runtime_env_vars or {})}
     options: dict[str, Any] = {"runtime_env": {"env_vars": {k: str(v) for k, v in env_vars.items()}}}
     if address is None:
@@ -72,6 +77,7 @@ def init_ray(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=include_dashboard,
+            dashboard_host="127.0.0.1",
             object_store_memory=object_store_memory_bytes,
             # Ray would start idle Python workers for plain tasks at once (two on this 2-core machine, more
             # with more cores); mmrl runs actors with environments of their own, which never take them:

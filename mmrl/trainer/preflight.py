@@ -8,7 +8,8 @@ with code 2). It is the same code the trainer and the workers run later, so a pr
 - packages: torch, transformers, ray, vLLM (with the vllm rollout) and flash-attn are not older than
   the releases mmrl calls (:mod:`mmrl.versions`; newer ones get a warning);
 - output: ``trainer.save_checkpoint_path`` is a folder or can be made one, and is writable;
-  ``trainer.load_checkpoint_path`` is a complete ``global_step_N`` checkpoint;
+  ``trainer.load_checkpoint_path`` is a complete ``global_step_N`` checkpoint whose files hold only
+  tensors and plain data;
 - model: the actor's (and critic's) folder has a readable ``config.json`` of a model family mmrl
   knows, and a tokenizer (config, tokenizer and processor files only, never the weights);
 - reward: the reward file imports, defines the function, and the function takes the reward inputs and
@@ -29,6 +30,7 @@ import os
 import sys
 from typing import Any
 
+from mmrl.checkpoint.safe_load import check_role_folder
 from mmrl.checkpoint.state import missing_state_files
 from mmrl.checkpoint.tracker import TRAINER_STATE_FILE, find_last_checkpoint
 from mmrl.config import PPOConfig
@@ -104,6 +106,9 @@ def _check_checkpoint(key: str, path: str) -> None:
             f"{key}: checkpoint '{path}' is incomplete (actor/ lacks {', '.join(missing)}; a save that was "
             "cut off?); point at an earlier global_step_N folder"
         )
+    for role in ("actor", "critic"):
+        if os.path.isdir(os.path.join(path, role)):
+            check_role_folder(os.path.join(path, role))  # nothing that would run code on unpickling
 
 
 # ---- model folders, tokenizer, reward file ------------------------------------------------------

@@ -678,6 +678,12 @@ class RayPPOTrainer:
         if path is None:
             return
         logger.warning("resuming from %s", path)
+        from mmrl.checkpoint.safe_load import check_role_folder
+
+        # a tampered file is refused here, with one message, rather than in every rank
+        for role in ("actor", "critic"):
+            if os.path.isdir(os.path.join(path, role)):
+                check_role_folder(os.path.join(path, role))
         self.model_workers.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
         self.model_workers.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)

@@ -108,6 +108,7 @@ def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data
     )
     try:
         base_url = server.start(timeout_s=300)
+        assert base_url.startswith("http://127.0.0.1:")  # loopback: the served API has no key
         judge = build_judge(
             JudgeConfig(prompt_template=str(TEMPLATE), max_tokens=4, cache=False),
             base_url,

@@ -79,7 +79,7 @@ def _live_debris(tmp_path: Path) -> tuple[list[Path], mmap.mmap, socket.socket]:
 @pytest.mark.distributed
 def test_start_up_cleans_what_a_sigkilled_driver_left_and_nothing_live(tmp_path):
     live, mapping, live_socket = _live_debris(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True
     )

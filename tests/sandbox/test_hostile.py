@@ -15,12 +15,14 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from _sandboxed import foreign_processes
 
 from mmrl.rewards.code import CodeGrader, CodeTests
 from mmrl.sandbox import Sandbox, SandboxLimits
+from mmrl.single_controller.ray_auth import default_token_path
 
 pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processes on the machine
 
@@ -74,7 +76,8 @@ HOSTILE = {
         "pwned",
     ),
     "read_outside": (
-        "import glob\nfound = []\nfor path in ({secret_file!r}, '/etc/passwd', '/etc/shadow', '/root/.bash_history'):\n"
+        "import glob\nfound = []\nfor path in ({secret_file!r}, {ray_token_file!r}, '/etc/passwd', '/etc/shadow',\n"
+        "             '/root/.bash_history'):\n"
         "    try:\n        found.append(open(path).read())\n    except OSError as err:\n"
         "        found.append(err.strerror)\nprint(found, glob.glob('/work/*'), glob.glob('/home/*'))\n",
         "{secret}",
@@ -231,6 +234,8 @@ def hostile_batch(tmp_path_factory):
         "test_pid": os.getpid(),
         "secret_env": SECRET_ENV,
         "secret": secret,
+        # the host's Ray token (run code on the cluster with it), where Ray and mmrl keep it
+        "ray_token_file": str(default_token_path()),
     }
     names = list(HOSTILE)
     responses = [f"Here you go:\n```python\n{HOSTILE[name][0].format(**values)}```" for name in names]
@@ -273,6 +278,9 @@ def test_hostile_program_is_contained(hostile_batch, name):
     assert not hostile_batch["outlived"]  # nor does this process: no sandboxed process is left
     printed = grade.reason.partition(", got ")[2]  # the reason repeats the expected output first
     assert hostile_batch["files"]["secret"] not in printed
+    token_file = Path(hostile_batch["files"]["ray_token_file"])
+    if token_file.is_file():  # written by any Ray run on this machine
+        assert token_file.read_text().strip() not in printed
 
 
 def test_the_grader_carries_on_and_the_host_is_untouched(hostile_batch):

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from _ray_clients import assert_refuses_other_tokens
 
 from mmrl.config import TrainerConfig
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
@@ -153,6 +154,12 @@ def group(ray_cluster):
     worker_group.start()  # the constructor's args: scale 10
     yield worker_group
     worker_group.shutdown()
+
+
+def test_the_local_cluster_refuses_a_client_without_its_token(ray_cluster) -> None:
+    """init_ray starts a cluster with token authentication on: a process with another token is refused."""
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert_refuses_other_tokens(ray.get_runtime_context().gcs_address)
 
 
 def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:

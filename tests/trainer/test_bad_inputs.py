@@ -146,6 +146,27 @@ def _omni_audio(inputs: Inputs, media: Path, clip: str) -> list[str]:
     ]
 
 
+class _RunsCommand:
+    """Unpickles as ``os.system("true")``: a tampered checkpoint's payload (harmless here)."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def _tampered_checkpoint(inputs: Inputs) -> list[str]:
+    """A complete global_step_2 folder whose actor rank file carries a pickled command."""
+    import torch
+
+    from mmrl.checkpoint.state import rank_file, save_train_state
+
+    step = inputs.tmp / "global_step_2"
+    model = torch.nn.Linear(2, 2)
+    save_train_state(step / "actor", model, torch.optim.SGD(model.parameters()))
+    (step / "trainer_state.json").write_text("{}")
+    torch.save({"rng": _RunsCommand()}, step / "actor" / rank_file(0))
+    return inputs.args(f"trainer.load_checkpoint_path={step}")
+
+
 # each case: (id, build(inputs, media) -> argv, the named thing, the hint); "{tmp}" = the case's folder
 Build = Callable[[Inputs, Path], list[str]]
 CASES: list[tuple[str, Build, str, str]] = [
@@ -257,6 +278,8 @@ CASES: list[tuple[str, Build, str, str]] = [
      "'{tmp}/out/run' cannot be a checkpoint folder: it would be made inside '{tmp}/out'", "move the file away"),
     ("resume path that is no checkpoint", lambda i, m: i.args(f"trainer.load_checkpoint_path={i.tmp}"),
      "trainer.load_checkpoint_path: '{tmp}' is no mmrl checkpoint", "global_step_N"),
+    ("resume checkpoint carrying a command", lambda i, m: _tampered_checkpoint(i),
+     "{tmp}/global_step_2/actor/extra_state_rank0.pt was refused", "GLOBAL posix.system"),
     ("resume path missing", lambda i, m: i.args(f"trainer.load_checkpoint_path={i.tmp / 'global_step_9'}"),
      "trainer.load_checkpoint_path: folder '{tmp}/global_step_9'", "does not exist"),
     # ---- prompt lengths -------------------------------------------------------------------------
@@ -323,7 +346,7 @@ def test_audio_at_another_rate_or_silent_is_no_error(inputs, media, clip):
 
 
 def _terminal(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MMRL_DEBUG": "0"}
+    env = {**os.environ, "MMRL_DEBUG": "0"}
     return subprocess.run(
         [sys.executable, "-m", "mmrl.trainer.main", *argv],
         cwd=REPO_ROOT,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -19,37 +20,48 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from _ray_clients import assert_refuses_other_tokens
 from _trainer_run import REPO_ROOT, small_run_overrides
+
+from mmrl.single_controller.ray_auth import enable_token_auth
 
 
 @pytest.fixture
-def two_node_cluster(monkeypatch):
+def two_node_cluster():
     """(address, (head node id, second node id)) of a Ray cluster of two nodes on this machine, 2 CPUs
-    each; torn down with the processes it started (never a machine-wide `ray stop`)."""
+    each, with token authentication as a multi-node user sets it up (README: one token
+    file that every node and the driver read); torn down with the processes it started (never a
+    machine-wide `ray stop`)."""
     from ray.cluster_utils import Cluster
 
     # Short (Unix socket paths must stay under 108 bytes) and ours: Cluster writes the cluster's address
     # under RAY_TMPDIR, where a bare ray.init() of another test or run on this machine would find and join it.
     ray_tmp = Path(tempfile.mkdtemp(prefix="mmrl_nodes_", dir="/tmp"))
     (ray_tmp / "ray").mkdir()
-    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks inherit the raylets' environment
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "resources": {"mmrl_node_a": 1},
-            "include_dashboard": False,
-            "temp_dir": str(ray_tmp / "ray"),
-        },
-    )
-    try:
-        second = cluster.add_node(num_cpus=2, resources={"mmrl_node_b": 1})
-        yield cluster.address, (cluster.head_node.node_id, second.node_id)
-    finally:
-        cluster.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    token = ray_tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks inherit the raylets' environment
+        enable_token_auth(joining=False)  # this process imported ray before: Ray reads the settings again
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "resources": {"mmrl_node_a": 1},
+                "include_dashboard": False,
+                "temp_dir": str(ray_tmp / "ray"),
+            },
+        )
+        try:
+            second = cluster.add_node(num_cpus=2, resources={"mmrl_node_b": 1})
+            yield cluster.address, (cluster.head_node.node_id, second.node_id)
+        finally:
+            cluster.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _run(overrides: list[str], save_dir: Path) -> tuple[str, list[dict]]:
@@ -75,6 +87,7 @@ def test_two_nodes_place_rendezvous_save_and_resume(
     two_node_cluster, tiny_vl_path, shapes_data_dir, tmp_path
 ):
     address, node_ids = two_node_cluster
+    assert_refuses_other_tokens(address)  # token authentication is on: another token is refused
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"trainer.ray.address={address}",

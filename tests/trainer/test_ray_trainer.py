@@ -139,7 +139,7 @@ def write_config(path: Path, overrides: Sequence[str]) -> Path:
 def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # RAY_DEDUP_LOGS=0: every rank's lines reach the driver's output with their "(model_rankN pid=...)"
     # prefix, which the dying-worker test reads.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1"}
     return {**env, **(extra or {})}
 
 
@@ -353,8 +353,21 @@ def run_a(e2e_dir, run_a_config) -> TrainerRun:
         **offline_tracker_env(e2e_dir / "tracker_home"),
         "RAY_DEDUP_LOGS": "1",
         "TRANSFORMERS_VERBOSITY": "info",
+        **PLANTED_SECRETS,
     }
     return run_trainer(run_a_config, e2e_dir / "run_a", e2e_dir / "run_a.log", env=env)
+
+
+# Keys in run A's environment that no file of a run may hold: a judge's API key (the variable a
+# judge.api_key_env would name), trackers' and the hub's keys, and the Ray cluster's own token (the
+# variable wins over ~/.ray/auth_token: the run's cluster uses it). Random, so a match is no accident.
+PLANTED_SECRETS = {
+    "MMRL_JUDGE_API_KEY": f"sk-planted-{os.urandom(12).hex()}",
+    "WANDB_API_KEY": os.urandom(20).hex(),  # wandb checks for 40 characters
+    "MLFLOW_TRACKING_TOKEN": f"mlflow-planted-{os.urandom(12).hex()}",
+    "HF_TOKEN": f"hf_planted{os.urandom(12).hex()}",
+    "RAY_AUTH_TOKEN": os.urandom(32).hex(),
+}
 
 
 def assert_succeeded(run: TrainerRun) -> None:
@@ -364,6 +377,23 @@ def assert_succeeded(run: TrainerRun) -> None:
 
 
 # ---- tests --------------------------------------------------------------------------------------
+
+
+@trainer_e2e
+def test_no_file_a_run_writes_holds_a_key_of_its_environment(run_a, e2e_dir):
+    """Logs, metrics, the saved config, checkpoints, every tracker's files and the run's output: none
+    holds any of the keys planted in run A's environment (the runs resumed from run A's checkpoints
+    write under ``e2e_dir`` too)."""
+    assert_succeeded(run_a)
+    files = [path for path in e2e_dir.rglob("*") if path.is_file()]
+    assert len(files) > 20 and any(path.suffix == ".distcp" for path in files)  # the run's folders are there
+    found = [
+        f"{name} in {path.relative_to(e2e_dir)}"
+        for path in files
+        for name, value in PLANTED_SECRETS.items()
+        if value.encode() in path.read_bytes()
+    ]
+    assert found == []
 
 
 @trainer_e2e
