@@ -4,7 +4,8 @@
   chat template's tool turn with the image placeholders expanded by the processor), and the batch's
   response equal to what was generated plus what was appended (nothing re-tokenized);
 - the response budget (model and tool tokens) and overlong observations cut with a marker;
-- an environment's opening observation, per-turn rewards and its end;
+- an environment's opening observation, per-turn rewards and its end; an opening observation with an
+  image (an environment file whose ``reset`` returns ``[text, image]``) trains;
 - through the transformers backend: rollout log-probs equal the trainer's on trajectories whose tool
   returned an image.
 """
@@ -394,3 +395,41 @@ def test_a_failing_environment_ends_its_episode_not_the_run(parts, prompts):
         trajectory.record.calls[0].error == "raised"
         and "simulator crashed" in trajectory.record.calls[0].output
     )
+
+
+OPENING_IMAGE_ENVIRONMENT = """
+from PIL import Image
+
+
+class LookFirst:
+    def reset(self, row):
+        return ["Look at this first.", Image.new("RGB", (56, 56), "red")]
+
+    def step(self, action_text):
+        return ["And at this.", Image.new("RGB", (84, 56), "blue")], 0.5, False
+"""
+
+
+def test_an_opening_observation_with_an_image_trains(parts, prompts, tiny_vl_path, tmp_path):
+    """An environment file whose opening observation holds an image (the prompt has one too): the
+    trajectories' rollout log-probs equal the trainer's (its media check once failed on such rows:
+    "the prompt: 8 image placeholder tokens but features for 4")."""
+    from mmrl.agent.environments import load_environment
+
+    tokenizer, _, media, eos = parts
+    (tmp_path / "look.py").write_text(OPENING_IMAGE_ENVIRONMENT)
+    ends = [eos, *range(0, len(tokenizer), 4)]  # short turns of the random model
+    loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), parse_hermes_tool_calls, LoopOptions(max_turns=2),
+                     ends, environment=load_environment(f"{tmp_path / 'look.py'}:LookFirst"))  # fmt: skip
+    rollout = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True, agent=loop)
+    rollout.eos_token_ids = ends
+    batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=96, seed=3))
+    assert check_batch(batch) == []
+    for row in range(len(batch)):
+        segments = batch.non_tensor_batch["multi_modal_inputs"][row].segments
+        assert [turn for turn, _ in segments][:2] == [0, 0]  # the prompt's image, then the opening one
+        assert batch.non_tensor_batch["trajectory_media"][row].turns[0] == 0
+    assert any(len(record.calls) == 2 for record in batch.non_tensor_batch["trajectory"])  # images later too
+    log_probs, _ = policy_actor(training_model(tiny_vl_path)).compute_log_probs(batch, 4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    assert (log_probs - batch.batch["rollout_log_probs"]).abs()[mask].max() < 1e-5
