@@ -498,6 +498,9 @@ class SourceImages(Sequence):
     def __iter__(self) -> Iterator[Any]:
         return iter(self._decode())
 
+    def __reduce__(self):  # a copy or pickle (no lock) is the plain list
+        return list, (list(self),)
+
     def __repr__(self) -> str:
         return f"SourceImages({len(self)} images, {'decoded' if self.decoded else 'not decoded yet'})"
 

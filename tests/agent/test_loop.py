@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from pathlib import Path
@@ -507,3 +508,5 @@ def test_the_row_s_full_size_images_are_decoded_only_when_a_tool_reads_them(part
     assert rows[0]["images"][0] is rows[2]["images"][0]
     source = media.source_images(repeated.non_tensor_batch["prompt_media"][0])[0]
     assert np.array_equal(np.asarray(rows[1]["images"][0]), np.asarray(source))
+    copied = copy.deepcopy(rows[1])["images"]  # a tool or environment may copy its row
+    assert isinstance(copied, list) and np.array_equal(np.asarray(copied[0]), np.asarray(source))

@@ -17,6 +17,9 @@ gets n responses:
 - sampling draws each token by inverse transform from one seeded uniform per row, after temperature,
   top-k and top-p (the placeholder tokens blocked); greedy is the argmax;
 - on a CPU, the large linear layers multiply by weights prepacked by oneDNN (``prepack.py``).
+
+Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`HFRollout.turn_generator`,
+the same decode loop over each turn's context (the prompt and the trajectory so far).
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ the duration of a call: vLLM samples at temperature 1 from ``logits / T`` (the s
 the placeholder bias keeps its full strength at any T), and its raw log-probs are exactly the
 trainer's, as :class:`HFRollout`'s are.
 
+Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`VLLMRollout.turn_generator`,
+one engine request per trajectory and turn.
+
 ``vllm`` is imported inside the functions that need it, so this module imports without it.
 """
 
