@@ -188,8 +188,9 @@ def encode_observation(processor, seed: int, image: tuple[int, int] | None = Non
 def build_trajectory_batch(processor, rows, seed: int = 0) -> DataProto:
     """Trajectories as the agent loop hands them over. ``rows``: ``(prompt spec, prompt seed, turns)``
     with the prompt spec as :func:`encode_prompt` takes it (rows with the same seed share a prompt)
-    and turns ``("model", n)`` (n random text tokens, then EOS) or ``("observation", spec)`` (spec as
-    :func:`encode_observation` takes it)."""
+    and turns ``("model", n)`` (n random text tokens, then EOS), ``("observation", spec)`` (spec as
+    :func:`encode_observation` takes it) or, first, ``("opening", spec)``: an environment's opening
+    observation (turn 0, like the prompt)."""
     from mmrl.agent.trajectory import Trajectory, Turn, assemble_trajectory_batch
 
     generator = torch.Generator().manual_seed(seed)
@@ -212,7 +213,7 @@ def build_trajectory_batch(processor, rows, seed: int = 0) -> DataProto:
             types = encoded["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in encoded else None
             trajectory.turns.append(
                 Turn(
-                    trajectory.next_turn,
+                    0 if kind == "opening" else trajectory.next_turn,
                     encoded["input_ids"][0].tolist(),
                     False,
                     token_types=types,

@@ -1,14 +1,14 @@
 """The agent loop, token-in/token-out: generate a model turn → parse its tool calls → run them → append
 the tool turn as token ids → generate again, until a final answer, ``max_turns`` or the response budget.
 
-The loop never holds a model: a rollout backend hands it a ``generate`` function (:data:`GenerateTurns`)
-that samples one model turn for each of a list of trajectories, continuing from the prompt and the
-trajectory's ids (and media) so far, and returns the sampled ids with their log-probs. The loop keeps
-those ids as they are; the tool or environment turn is the chat template's text for the new messages
-only (everything after the model's end-of-turn token, up to and including the next assistant header),
-run through the model's processor with its media, so image/video/audio placeholders are expanded as
-in a prompt. Decoded text is used to *read* a model turn (tool calls, an environment's action), never
-to rebuild its ids.
+The loop never holds a model: :meth:`AgentLoop.generate` drives a rollout backend through its
+turn-level interface (:class:`~mmrl.agent.backend.TurnBackend`), which samples one model turn for each
+of a list of trajectories, continuing from the prompt and the trajectory's ids (and media) so far, and
+returns the sampled ids with their log-probs. The loop keeps those ids as they are; the tool or
+environment turn is the chat template's text for the new messages only (everything after the model's
+end-of-turn token, up to and including the next assistant header), run through the model's processor
+with its media, so image/video/audio placeholders are expanded as in a prompt. Decoded text is used to
+*read* a model turn (tool calls, an environment's action), never to rebuild its ids.
 
 The response budget (``max_response_length``) counts model and observation tokens: a model turn gets
 the budget left, an observation longer than ``max_observation_tokens`` has its text cut (with a
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mmrl.agent.backend import GenerateTurns, TurnBackend, TurnRequest
 from mmrl.agent.tools import (
     ERROR_BAD_RETURN,
     ERROR_OVERSIZED,
@@ -43,26 +44,15 @@ from mmrl.agent.trajectory import (
     ToolCallRecord,
     Trajectory,
     Turn,
+    assemble_trajectory_batch,
 )
 from mmrl.config import MultiTurnConfig
 from mmrl.data.processing import TOKEN_COLUMNS, MediaProcessor, PromptMedia, source_images
+from mmrl.protocol import DataProto
+from mmrl.sampling import SamplingParams
 
 CUT_MARKER = " [... cut: {count} more tokens]"
 LOGGED_OUTPUT_CHARS = 300  # of each tool output, in the trajectory record
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    """One model turn to sample: trajectory ``row`` (its prompt is row ``row`` of the prompt batch)
-    continued from its ids so far, with at most ``max_tokens`` new ids."""
-
-    row: int
-    trajectory: Trajectory
-    max_tokens: int
-
-
-# a backend's token generation: the (ids, log-probs) of one model turn per request, in order
-GenerateTurns = Callable[[Sequence[TurnRequest]], list[tuple[list[int], list[float]]]]
 
 
 class Environment(Protocol):
@@ -246,6 +236,16 @@ class AgentLoop:
 
     # ---- the loop -------------------------------------------------------------------------------
 
+    def generate(self, backend: TurnBackend, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        """``len(prompts) * n`` trajectories, the n of a prompt in consecutive rows (as a backend's
+        responses), each model turn sampled by ``backend``; the response budget is ``max_tokens``.
+        ``prompts`` carry their media as :func:`~mmrl.data.processing.attach_media` with
+        ``rollout_media`` gives them."""
+        repeated = prompts.repeat(sampling.n, interleave=True)  # uid and media kept per row
+        generate = backend.turn_generator(repeated, sampling.override(n=1))
+        trajectories = self.run(sample_rows(repeated, self.renderer.media), sampling.max_tokens, generate)
+        return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, backend.pad_token_id)
+
     def run(self, rows: Sequence[dict[str, Any]], budget: int, generate: GenerateTurns) -> list[Trajectory]:
         """One trajectory per row (the sample's row: what tools and environments get) within ``budget``
         response tokens each."""
@@ -271,7 +271,9 @@ class AgentLoop:
     def _model_turn(self, request: TurnRequest, ids: list[int], log_probs: list[float]) -> str | None:
         """Append a model turn; its text when the trajectory may go on, else None (stop recorded)."""
         trajectory = request.trajectory
-        ids, log_probs = ids[: request.max_tokens], log_probs[: request.max_tokens]
+        end = min(len(ids), request.max_tokens)
+        end = next((at + 1 for at, token in enumerate(ids[:end]) if token in self.end_of_turn_ids), end)
+        ids, log_probs = ids[:end], log_probs[:end]
         trajectory.turns.append(Turn(trajectory.next_turn, list(ids), True, list(log_probs)))
         record = trajectory.record
         record.model_turns += 1
@@ -482,7 +484,8 @@ HIDDEN_COLUMNS = (
 def sample_rows(prompts: Any, media: MediaProcessor) -> list[dict[str, Any]]:
     """What tools and environments get of each prompt row (a DataProto): its columns (ground truth,
     uid, the dataset's other columns), its ``images`` at the resolution the data holds them (not scaled
-    to ``data.max_pixels``: a zoom returns the detail the prompt's image lost), and its ``videos``
+    to ``data.max_pixels``: a zoom returns the detail the prompt's image lost; a sequence decoded when
+    first read, once per prompt: :class:`~mmrl.data.processing.SourceImages`), and its ``videos``
     (``[T, H, W, 3]`` frames) and ``audios`` (waveforms) as the model gets them."""
     columns = {key: value for key, value in prompts.non_tensor_batch.items() if key not in HIDDEN_COLUMNS}
     data = prompts.non_tensor_batch.get("multi_modal_data")
@@ -491,89 +494,8 @@ def sample_rows(prompts: Any, media: MediaProcessor) -> list[dict[str, Any]]:
     for index in range(len(prompts)):
         row = {key: value[index] for key, value in columns.items()}
         decoded = data[index] if data is not None else {}
-        row["images"] = list(images[index])
+        row["images"] = images[index]  # shared by the prompt's rows
         row["videos"] = [frames for frames, _ in decoded.get("videos", [])]
         row["audios"] = [waveform for waveform, _ in decoded.get("audios", [])]
         rows.append(row)
     return rows
-
-
-def trajectory_contexts(prompts: Any, requests: Sequence[TurnRequest], pad_token_id: int) -> Any:
-    """The left-padded context of each request, prompt and trajectory so far, as a prompt batch
-    (``input_ids``, ``attention_mask``, ``mm_token_type_ids`` where the prompts have them, and
-    ``multi_modal_inputs``: the prompt's media joined with the observations')."""
-    import torch
-
-    from mmrl.data.processing import trajectory_inputs
-    from mmrl.protocol import DataProto
-
-    batch, columns = prompts.batch, prompts.non_tensor_batch
-    has_types = "mm_token_type_ids" in batch.keys()
-    ids, types, media = [], [], []
-    for request in requests:
-        valid = batch["attention_mask"][request.row].bool()
-        turns = request.trajectory.turns
-        ids.append(batch["input_ids"][request.row][valid].tolist() + request.trajectory.token_ids())
-        if has_types:
-            prompt_types = batch["mm_token_type_ids"][request.row][valid].tolist()
-            types.append(
-                prompt_types + [t for turn in turns for t in (turn.token_types or [0] * len(turn.token_ids))]
-            )
-        if "multi_modal_inputs" in columns:
-            media.append(
-                trajectory_inputs(
-                    columns["multi_modal_inputs"][request.row] or {}, request.trajectory.observation_inputs()
-                )
-            )
-    width = max(len(row) for row in ids)
-    tensors = {
-        "input_ids": torch.full((len(ids), width), pad_token_id, dtype=torch.long),
-        "attention_mask": torch.zeros(len(ids), width, dtype=torch.long),
-    }
-    if has_types:
-        tensors["mm_token_type_ids"] = torch.zeros(len(ids), width, dtype=torch.long)
-    for index, row in enumerate(ids):
-        tensors["input_ids"][index, width - len(row) :] = torch.tensor(row)
-        tensors["attention_mask"][index, width - len(row) :] = 1
-        if has_types:
-            tensors["mm_token_type_ids"][index, width - len(row) :] = torch.tensor(types[index])
-    return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": media} if media else None)
-
-
-def turn_until_eos(
-    tokens: Sequence[int], log_probs: Sequence[float], eos_token_ids: set[int], max_tokens: int
-) -> tuple[list[int], list[float]]:
-    """A sampled turn up to and including its first EOS token, at most ``max_tokens`` long."""
-    end = min(len(tokens), max_tokens)
-    for position, token in enumerate(tokens[:end]):
-        if token in eos_token_ids:
-            end = position + 1
-            break
-    return list(tokens[:end]), list(log_probs[:end])
-
-
-def collapse_placeholders(token_ids: Sequence[int], placeholder_ids: Sequence[int]) -> list[int]:
-    """``token_ids`` with each run of one placeholder id (an expanded image, video or audio) cut to a
-    single id: the form an engine that expands placeholders itself (vLLM) takes."""
-    placeholders = set(placeholder_ids)
-    collapsed: list[int] = []
-    for token in token_ids:
-        if token in placeholders and collapsed and collapsed[-1] == token:
-            continue
-        collapsed.append(token)
-    return collapsed
-
-
-def engine_context(
-    prompt: dict[str, Any], trajectory: Trajectory, placeholder_ids: Sequence[int], modalities: dict[str, str]
-) -> dict[str, Any]:
-    """A vLLM token prompt for the next turn: the prompt's engine input (unexpanded ids and decoded
-    media) followed by the trajectory's ids, observation placeholders collapsed, and the observations'
-    decoded media after the prompt's, in turn order (``modalities``: our keys -> the engine's)."""
-    ids = [int(token) for token in prompt["prompt_token_ids"]]
-    data = {key: list(items) for key, items in prompt.get("multi_modal_data", {}).items()}
-    for turn in trajectory.turns:
-        ids += turn.token_ids if turn.by_model else collapse_placeholders(turn.token_ids, placeholder_ids)
-        for key, items in turn.engine_media.items():
-            data.setdefault(modalities[key], []).extend(items)
-    return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {})}

@@ -4,7 +4,8 @@
 leading underscore, not imported from elsewhere) is a tool. Its type hints and docstring make an
 OpenAI-style function schema (:func:`tool_schema`), which the chat template renders for the model
 (``tools=``). A parameter named ``row`` is not shown to the model: it receives the sample's row (its
-decoded ``images``, ``videos``, ``audios``, ``ground_truth`` and other columns).
+``images`` at the data's resolution, decoded when first read, its decoded ``videos`` and ``audios``,
+``ground_truth`` and other columns).
 
 A tool returns text, a PIL image, :class:`VideoFrames`, :class:`Audio`, or a list mixing them
 (:func:`tool_output` reads the return value). A tool runs behind a boundary (:class:`ToolRunner`): one

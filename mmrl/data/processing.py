@@ -32,7 +32,8 @@ metadata dict)], "audios": [(waveform, sampling_rate)]}`` (only the kinds presen
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from mmrl.errors import UserInputError
 from mmrl.protocol import DataProto
 
 __all__ = ["MODEL_MEDIA_COLUMNS", "PROMPT_MEDIA", "TOKEN_COLUMNS", "TRAJECTORY_MEDIA", "DataError", "MediaCache",
-           "MediaProcessor", "PromptMedia", "TrajectoryMedia", "attach_media", "compact_media_ref",
+           "MediaProcessor", "PromptMedia", "SourceImages", "TrajectoryMedia", "attach_media", "compact_media_ref",
            "load_tokenizer_and_processor", "media_error", "without_model_media"]  # fmt: skip
 
 # processor outputs of shape [1, prompt_length] are per-token columns; the rest are media features
@@ -468,25 +469,58 @@ def attach_media(
     return DataProto(batch.batch, {**batch.non_tensor_batch, **added}, batch.meta_info)
 
 
-def source_images(batch: DataProto, processor: MediaProcessor) -> list[list[Any]]:
+class SourceImages(Sequence):
+    """A prompt's images at the resolution the data holds them, decoded on first access (an item, a
+    slice, iteration), once, under a lock (tools of one prompt's rows may run at once): a tool that
+    never reads them costs no decoding. ``len()`` decodes nothing."""
+
+    def __init__(self, media: PromptMedia | None, processor: MediaProcessor):
+        self._media, self._processor = media, processor
+        self._images: list[Any] | None = None if media is not None and media.images else []
+        self._lock = threading.Lock()
+
+    @property
+    def decoded(self) -> bool:
+        return self._images is not None
+
+    def _decode(self) -> list[Any]:
+        with self._lock:
+            if self._images is None:
+                self._images = self._processor.source_images(self._media)
+        return self._images
+
+    def __len__(self) -> int:
+        return 0 if self._media is None else len(self._media.images)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._decode()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._decode())
+
+    def __reduce__(self):  # a copy or pickle (no lock) is the plain list
+        return list, (list(self),)
+
+    def __repr__(self) -> str:
+        return f"SourceImages({len(self)} images, {'decoded' if self.decoded else 'not decoded yet'})"
+
+
+def source_images(batch: DataProto, processor: MediaProcessor) -> list[SourceImages]:
     """Each row's images at the resolution the data holds them (:meth:`MediaProcessor.source_images`),
-    from its compact ``prompt_media`` (Ray refs resolved in one ``ray.get``); ``[]`` for a row without
-    media. A crop of the image the processor scaled to ``data.max_pixels`` would hold no more detail than
-    the prompt showed, so tools get these. Rows sharing a value (the n responses of a prompt) share one
-    decoded list."""
+    from its compact ``prompt_media`` (Ray refs resolved in one ``ray.get``), decoded when first read
+    (:class:`SourceImages`); empty for a row without media. A crop of the image the processor scaled to
+    ``data.max_pixels`` would hold no more detail than the prompt showed, so tools get these. Rows
+    sharing a value (the n responses of a prompt) share one :class:`SourceImages`, so one decoding."""
     values = list(batch.non_tensor_batch.get(PROMPT_MEDIA, [None] * len(batch)))
     keys = [_media_key(value) for value in values]
     distinct = dict(zip(keys, values))
     refs = [key for key in distinct if isinstance(key, str)]
     resolved = {}
-    if refs:
+    if refs:  # the bytes attach_media fetched already: the decoding is what waits for a reader
         import ray
 
         resolved = dict(zip(refs, ray.get([distinct[key] for key in refs])))
-    images = {}
-    for key, value in distinct.items():
-        media = resolved.get(key, value)
-        images[key] = processor.source_images(media) if media is not None else []
+    images = {key: SourceImages(resolved.get(key, value), processor) for key, value in distinct.items()}
     return [images[key] for key in keys]
 
 

@@ -26,9 +26,23 @@ class MediaAlignmentError(UserInputError, ValueError):
     """Placeholder tokens and media features of a sample disagree; the message names both counts."""
 
 
-def _segments(row_media: Any) -> list[tuple[int, dict[str, Any]]]:
+def _turns(row_media: Any) -> dict[int, list[dict[str, Any]]]:
+    """A row's media outputs by turn. The prompt and an environment's opening observation are both
+    turn 0: their placeholders lie in one region (the prompt and the response's turn-0 tokens), so
+    their features are counted together."""
     segments = getattr(row_media, "segments", None)  # a trajectory's TrajectoryInputs
-    return list(segments) if segments is not None else [(0, row_media or {})]
+    turns: dict[int, list[dict[str, Any]]] = {}
+    for turn, outputs in segments if segments is not None else [(0, row_media or {})]:
+        turns.setdefault(turn, []).append(outputs)
+    return turns
+
+
+def _features(parts: list[dict[str, Any]], key: str, merge: int) -> tuple[int, list[list[int]]]:
+    grids = []
+    for outputs in parts:
+        grid = outputs.get(key)
+        grids += [] if grid is None else torch.as_tensor(grid).reshape(-1, 3).tolist()
+    return sum(t * h * w for t, h, w in grids) // merge**2, grids
 
 
 def alignment_settings(config: Any) -> tuple[dict[str, int], int] | None:
@@ -65,20 +79,19 @@ def check_media_alignment(
     # whole-row counts in one pass (one device sync per kind): all a batch without turns needs
     row_counts = {key: (input_ids == token).sum(-1).tolist() for key, token in token_ids.items()}
     for row, row_media in enumerate(media):
-        segments = _segments(row_media) if response_turns is not None else [(0, row_media or {})]
-        for turn, outputs in segments:
-            region = None  # the whole row: its only media segment covers every placeholder
-            if len(segments) > 1:
+        turns = _turns(row_media) if response_turns is not None else {0: [row_media or {}]}
+        for turn, parts in turns.items():
+            region = None  # the whole row: its only media turn covers every placeholder
+            if len(turns) > 1:
                 in_turn = input_ids[row, prompt_length:][response_turns[row] == turn]
                 region = torch.cat([input_ids[row, :prompt_length], in_turn]) if turn == 0 else in_turn
             for key, token in token_ids.items():
-                grid = outputs.get(key)
-                grids = [] if grid is None else torch.as_tensor(grid).reshape(-1, 3).tolist()
-                features = sum(t * h * w for t, h, w in grids) // merge**2
+                features, grids = _features(parts, key, merge)
                 placeholders = row_counts[key][row] if region is None else int((region == token).sum())
                 if placeholders != features:
                     name = names[row] if names is not None else f"row {row}"
                     where = "the prompt" if turn == 0 else f"turn {turn}"
+                    where += " and the opening observation" if turn == 0 and len(parts) > 1 else ""
                     raise MediaAlignmentError(
                         f"{name}, {where}: {placeholders} {GRID_KEYS[key][1]} placeholder tokens but features "
                         f"for {features} ({key} {grids}); its token ids and processor outputs disagree (media "

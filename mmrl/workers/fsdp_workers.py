@@ -83,7 +83,7 @@ from mmrl.workers.fsdp_engine import (
     storage_dtype,
 )
 from mmrl.workers.memory import PhasePeaks, measured
-from mmrl.workers.rollout import GenerationMode, SamplingParams, eos_token_ids
+from mmrl.workers.rollout import GenerationMode, SamplingParams
 from mmrl.workers.weight_sync import iter_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -440,7 +440,9 @@ class HybridWorker:
             optimizer=optimizer,
             optimizer_state=actor_offload.offload_optimizer,
         )
-        self.rollout = self._build_rollout()
+        self.rollout, model_type = self._build_rollout()
+        # multi-turn trajectories: the agent loop drives the backend's turn generation (mmrl.agent)
+        self.agent = self._build_agent(self.rollout.eos_token_ids, model_type)
         self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
@@ -478,7 +480,8 @@ class HybridWorker:
         # the reference scores with the actor's packing settings; it has no loss
         return PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
 
-    def _build_rollout(self):
+    def _build_rollout(self) -> tuple[Any, str]:
+        """The rollout backend of ``worker.rollout.name``, and the model type it runs."""
         from transformers import AutoTokenizer
 
         rollout_cfg = self.config.worker.rollout
@@ -503,10 +506,7 @@ class HybridWorker:
                 trust_remote_code=model_cfg.trust_remote_code,
                 override_config=dict(model_cfg.override_config),
             )
-            if rollout_cfg.multi_turn.enable:
-                hf_config = rollout.llm.llm_engine.model_config.hf_config
-                rollout.agent = self._build_agent(rollout.eos_token_ids, hf_config.model_type)
-            return rollout
+            return rollout, rollout.llm.llm_engine.model_config.hf_config.model_type
         from mmrl.workers.rollout.hf import HFRollout
 
         model = load_model(
@@ -517,16 +517,13 @@ class HybridWorker:
         ).to(self.device)
         prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
-        agent = None
-        if rollout_cfg.multi_turn.enable:
-            eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-            agent = self._build_agent(eos, model.config.model_type)
-        return HFRollout(
-            model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears, agent=agent
-        )
+        rollout = HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
+        return rollout, model.config.model_type
 
     def _build_agent(self, eos: list[int], model_type: str):
-        """The agent loop of ``worker.rollout.multi_turn`` (multi-turn trajectories), for either backend."""
+        """The agent loop of ``worker.rollout.multi_turn`` (None when it is off), for either backend."""
+        if not self.config.worker.rollout.multi_turn.enable:
+            return None
         from mmrl.agent.loop import build_agent_loop
 
         return build_agent_loop(self.config.worker.rollout.multi_turn, self.media, eos, model_type)
@@ -591,7 +588,11 @@ class HybridWorker:
         reuse = self.config.worker.rollout.reuse_encodings and self.encoding_cache is not None
         if reuse and mode is GenerationMode.TRAIN:  # the prompts the step's passes score next
             prompts = self._with_prompt_encodings(prompts)
-        output = self.rollout.generate(prompts, self._sampling(mode, global_step, round_index))
+        sampling = self._sampling(mode, global_step, round_index)
+        if self.agent is not None:
+            output = self.agent.generate(self.rollout, prompts, sampling)
+        else:
+            output = self.rollout.generate(prompts, sampling)
         if mode is GenerationMode.TRAIN:
             output = add_position_ids(self.actor.module, output)
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors

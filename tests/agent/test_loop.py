@@ -4,13 +4,15 @@
   chat template's tool turn with the image placeholders expanded by the processor), and the batch's
   response equal to what was generated plus what was appended (nothing re-tokenized);
 - the response budget (model and tool tokens) and overlong observations cut with a marker;
-- an environment's opening observation, per-turn rewards and its end;
+- an environment's opening observation, per-turn rewards and its end; an opening observation with an
+  image (an environment file whose ``reset`` returns ``[text, image]``) trains;
 - through the transformers backend: rollout log-probs equal the trainer's on trajectories whose tool
   returned an image.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from pathlib import Path
@@ -22,8 +24,9 @@ from _batches import policy_actor
 from _models import training_model
 from PIL import Image
 
+from mmrl.agent.backend import trajectory_contexts
 from mmrl.agent.environments import GuessTheNumber
-from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows, trajectory_contexts
+from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer, sample_rows
 from mmrl.agent.metrics import trajectory_log, trajectory_metrics
 from mmrl.agent.parsing import parse_hermes_tool_calls
 from mmrl.agent.tools import (
@@ -170,7 +173,7 @@ def _image_output(image):
 
 
 def _request(row, trajectory):
-    from mmrl.agent.loop import TurnRequest
+    from mmrl.agent.backend import TurnRequest
 
     return TurnRequest(row, trajectory, 1)
 
@@ -260,9 +263,9 @@ def test_hf_rollout_log_probs_match_the_trainer_on_trajectories_with_images(part
     ends = [eos, *range(0, len(tokenizer), 4)]
     loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), lambda text: [ToolCall("zoom", {"x": 0, "y": 0})],
                      LoopOptions(max_turns=3), ends, ToolRunner(TOOLS, timeout_s=5))  # fmt: skip
-    rollout = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True, agent=loop)
+    rollout = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True)
     rollout.eos_token_ids = ends
-    batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=96, seed=3))
+    batch = loop.generate(rollout, prompts, SamplingParams(n=2, temperature=0.7, max_tokens=96, seed=3))
     records = batch.non_tensor_batch["trajectory"]
     assert sum(len(record.calls) for record in records) >= 4 and check_batch(batch) == []
     actor = policy_actor(training_model(tiny_vl_path))
@@ -394,3 +397,116 @@ def test_a_failing_environment_ends_its_episode_not_the_run(parts, prompts):
         trajectory.record.calls[0].error == "raised"
         and "simulator crashed" in trajectory.record.calls[0].output
     )
+
+
+OPENING_IMAGE_ENVIRONMENT = """
+from PIL import Image
+
+
+class LookFirst:
+    def reset(self, row):
+        return ["Look at this first.", Image.new("RGB", (56, 56), "red")]
+
+    def step(self, action_text):
+        return ["And at this.", Image.new("RGB", (84, 56), "blue")], 0.5, False
+"""
+
+
+def test_an_opening_observation_with_an_image_trains(parts, prompts, tiny_vl_path, tmp_path):
+    """An environment file whose opening observation holds an image (the prompt has one too): the
+    trajectories' rollout log-probs equal the trainer's (its media check once failed on such rows:
+    "the prompt: 8 image placeholder tokens but features for 4")."""
+    from mmrl.agent.environments import load_environment
+
+    tokenizer, _, media, eos = parts
+    (tmp_path / "look.py").write_text(OPENING_IMAGE_ENVIRONMENT)
+    ends = [eos, *range(0, len(tokenizer), 4)]  # short turns of the random model
+    loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), parse_hermes_tool_calls, LoopOptions(max_turns=2),
+                     ends, environment=load_environment(f"{tmp_path / 'look.py'}:LookFirst"))  # fmt: skip
+    rollout = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True)
+    rollout.eos_token_ids = ends
+    batch = loop.generate(rollout, prompts, SamplingParams(n=2, temperature=0.7, max_tokens=96, seed=3))
+    assert check_batch(batch) == []
+    for row in range(len(batch)):
+        segments = batch.non_tensor_batch["multi_modal_inputs"][row].segments
+        assert [turn for turn, _ in segments][:2] == [0, 0]  # the prompt's image, then the opening one
+        assert batch.non_tensor_batch["trajectory_media"][row].turns[0] == 0
+    assert any(len(record.calls) == 2 for record in batch.non_tensor_batch["trajectory"])  # images later too
+    log_probs, _ = policy_actor(training_model(tiny_vl_path)).compute_log_probs(batch, 4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    assert (log_probs - batch.batch["rollout_log_probs"]).abs()[mask].max() < 1e-5
+
+
+# ---------------------------------------------------------------- every observation kind (transformers)
+
+
+@pytest.fixture(scope="module")
+def omni_prompts(tiny_omni_path, tmp_path_factory):
+    """2 audio prompts (beeps) for the tiny Qwen2.5-Omni thinker, with their media attached."""
+    from mmrl.demo.synthetic import generate_shapes_dataset
+
+    data = generate_shapes_dataset(
+        "audio_beeps", tmp_path_factory.mktemp("beeps"), n_train=2, n_val=1, seed=0
+    )
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_omni_path))
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(str(data / "train.jsonl"), tokenizer, processor, config)
+    batch = collate_prompts([dataset[i] for i in range(2)], tokenizer.pad_token_id)
+    return attach_media(batch, dataset.media, rollout_media=True), dataset.media
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_5_omni"])
+def test_every_observation_kind_at_turn_0_and_later_trains_on_transformers(
+    family, parts, prompts, omni_prompts, tiny_vl_path, tiny_omni_path
+):
+    """Text, an image, video frames, a mixed list (and on Omni a sound, and a list with one) as the
+    opening observation and as a later one (tests/_observations.py, an environment file): every
+    trajectory goes on after its observation, the observation's media reach the batch at its turn,
+    and the rollout log-probs equal the trainer's."""
+    from _observations import (
+        AUDIO_KINDS,
+        VL_KINDS,
+        check_observation_batch,
+        observation_loop,
+        observation_prompts,
+    )
+
+    if family == "qwen2_5_vl":
+        path, (base, media), kinds = tiny_vl_path, (prompts, parts[2]), VL_KINDS
+    else:
+        path, (base, media), kinds = tiny_omni_path, omni_prompts, AUDIO_KINDS
+    tokenizer = media.tokenizer
+    ends = [tokenizer.convert_tokens_to_ids("<|im_end|>"), *range(0, len(tokenizer), 4)]  # short turns
+    rollout = HFRollout(load_model(str(path)), tokenizer, return_log_probs=True)
+    rollout.eos_token_ids = ends
+    sampling = SamplingParams(n=1, temperature=0.7, max_tokens=160, seed=5)
+    batch = observation_loop(media, ends).generate(rollout, observation_prompts(base, kinds), sampling)
+    check_observation_batch(batch)
+    log_probs, _ = policy_actor(training_model(path)).compute_log_probs(batch, 4, temperature=0.7)
+    mask = batch.batch["response_mask"].bool()
+    assert (log_probs - batch.batch["rollout_log_probs"]).abs()[mask].max() < 1e-5
+
+
+def test_the_row_s_full_size_images_are_decoded_only_when_a_tool_reads_them(parts, prompts):
+    """``row["images"]`` is decoded on first access, once per prompt for its n rows: a tool that never
+    reads it causes no decoding (its length is known without one)."""
+    tokenizer, _, media, eos = parts
+    repeated = prompts.repeat(3, interleave=True)
+    rows = sample_rows(repeated, media)
+    images = [row["images"] for row in rows]
+    assert images[0] is images[2] and images[3] is images[5] and images[0] is not images[3]
+    assert [len(row_images) for row_images in images] == [1] * 6 and not any(i.decoded for i in images)
+    call = '<tool_call>{"name": "describe", "arguments": {"topic": "red"}}</tool_call>'
+    generate, _ = scripted(tokenizer, eos, [[call, "red"]] * 6)
+    make_loop(parts, max_observation_tokens=2048).run(rows, 4000, generate)
+    assert not any(row_images.decoded for row_images in images)  # describe never looked
+    generate, _ = scripted(tokenizer, eos, [[CALL.format(x=0), "red"]] * 3 + [["red"]] * 3)
+    trajectories = make_loop(parts).run(rows, 400, generate)  # zoom reads the first prompt's images
+    assert [len(t.record.calls) for t in trajectories] == [1, 1, 1, 0, 0, 0]
+    assert images[0].decoded and not images[3].decoded
+    # one decoding for the prompt's rows, whose calls ran at once: the same image object
+    assert rows[0]["images"][0] is rows[2]["images"][0]
+    source = media.source_images(repeated.non_tensor_batch["prompt_media"][0])[0]
+    assert np.array_equal(np.asarray(rows[1]["images"][0]), np.asarray(source))
+    copied = copy.deepcopy(rows[1])["images"]  # a tool or environment may copy its row
+    assert isinstance(copied, list) and np.array_equal(np.asarray(copied[0]), np.asarray(source))

@@ -192,3 +192,61 @@ def test_media_alignment_check_names_the_sample_the_turn_and_both_counts(tiny_vl
         MediaAlignmentError, match="row 0, the prompt: .* image placeholder tokens but features"
     ):
         check_media_alignment(config, ids, media, turns)
+
+
+# an environment's opening observation holds an image: turn 0, as the prompt (the prompt's image too)
+OPENING_ROWS = (
+    ({"image": (56, 56)}, 0, [("opening", {"image": (56, 56)}), ("model", 3),
+                              ("observation", {"image": (84, 56)}), ("model", 2)]),
+    ({"image": (56, 56)}, 0, [("opening", {"image": (84, 56)}), ("model", 4)]),
+    ({}, 1, [("opening", {"video_frames": 4}), ("model", 3)]),
+)  # fmt: skip
+
+
+def test_an_opening_observation_with_media_is_aligned_positioned_and_scored_like_the_prompt(tiny_vl_path):
+    """Turn 0 holds the prompt's and the opening observation's placeholders: the alignment check
+    counts both turn-0 media together (it once took the prompt's features alone: "the prompt: 8 image
+    placeholder tokens but features for 4"), position ids are the model's own over each row, and
+    log-probs are the same padded, packed and with shared prompts."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from mmrl.models.alignment import MediaAlignmentError, check_media_alignment
+
+    batch = build_trajectory_batch(AutoProcessor.from_pretrained(tiny_vl_path), OPENING_ROWS, seed=5)
+    config = AutoConfig.from_pretrained(tiny_vl_path)
+    ids, turns = batch.batch["input_ids"], batch.batch["response_turns"]
+    media = list(batch.non_tensor_batch["multi_modal_inputs"])
+    assert [turn for turn, _ in media[0].segments] == [0, 0, 2] and (turns[0] == 0).any()
+    check_media_alignment(config, ids, media, turns)
+    check_media_alignment(config, ids, media)
+    row = media[1]
+    (_, prompt), (_, opening) = row.segments
+    wrong = dict(opening, image_grid_thw=opening["image_grid_thw"] * torch.tensor([1, 1, 2]))
+    wrong_row = TrajectoryInputs(dict(row), row.prompt, row.response, ((0, prompt), (0, wrong)))
+    prompt_tokens, opening_tokens = (int(part["image_grid_thw"].prod()) // 4 for part in (prompt, opening))
+    total = prompt_tokens + opening_tokens
+    message = f"row 1, the prompt and the opening observation: {total} image placeholder tokens but "
+    with pytest.raises(MediaAlignmentError, match=message + f"features for {total + opening_tokens}"):
+        check_media_alignment(config, ids, [media[0], wrong_row, media[2]], turns)
+
+    model = training_model(tiny_vl_path)
+    input_ids, attention_mask, width, row_media, token_types = forward_arguments(batch)
+    positions = model_layout(
+        sequence_position_ids(model, input_ids, attention_mask, width, row_media, token_types)
+    )
+    for index in range(len(input_ids)):
+        own = compute_position_ids(
+            model,
+            input_ids[index : index + 1],
+            attention_mask[index : index + 1],
+            concat_multi_modal_inputs([row_media[index]]),
+            token_types[index : index + 1],
+        )
+        valid = attention_mask[index].bool()
+        assert torch.equal(positions[:, index, valid], own[:, 0, valid]), index
+    padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 4, TEMPERATURE)
+    mask = batch.batch["response_mask"].bool()
+    for share_prompts in (False, True):
+        actor = policy_actor(model, padding_free=True, share_prompts=share_prompts)
+        packed, _ = actor.compute_log_probs(batch, 4, TEMPERATURE)
+        torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)

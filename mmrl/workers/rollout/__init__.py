@@ -1,19 +1,21 @@
 """Rollout: sampling responses for a batch of prompts, with weights pushed in after every update.
 
-Two backends implement :class:`Rollout`: ``hf`` (transformers ``generate``, here) and ``vllm``
-(vLLM in SPMD mode). Both return the same batch layout (see :func:`assemble_rollout_batch`).
+Two backends implement :class:`Rollout`: ``hf`` (transformers, :mod:`.hf`) and ``vllm`` (vLLM in SPMD
+mode, :mod:`.vllm_spmd`). Both return the same batch layout (see :func:`assemble_rollout_batch`), and
+both generate model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`), which runs
+multi-turn trajectories with either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
 import torch
 
 from mmrl.protocol import DataProto
+from mmrl.sampling import SamplingParams  # where the backends and the agent loop both read it
 
 
 class GenerationMode(Enum):
@@ -22,24 +24,6 @@ class GenerationMode(Enum):
     TRAIN = "train"  # worker.rollout sampling, n responses per prompt, scored and trained on
     VALIDATE = "validate"  # worker.rollout.val_override_config applied; scored only
     GREEDY = "greedy"  # one greedy response per prompt (ReMax's baseline); scored only
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1  # responses per prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    max_tokens: int = 512  # response width R
-    seed: int = 1
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def override(self, **changes: Any) -> SamplingParams:
-        return replace(self, **changes)
 
 
 class Rollout(Protocol):

@@ -17,17 +17,21 @@ gets n responses:
 - sampling draws each token by inverse transform from one seeded uniform per row, after temperature,
   top-k and top-p (the placeholder tokens blocked); greedy is the argmax;
 - on a CPU, the large linear layers multiply by weights prepacked by oneDNN (``prepack.py``).
+
+Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`HFRollout.turn_generator`,
+the same decode loop over each turn's context (the prompt and the trajectory so far).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from mmrl.agent.backend import GenerateTurns, SampledTurn, TurnRequest, trajectory_contexts
 from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, joined_media, next_text_position
@@ -124,10 +128,8 @@ class HFRollout:
         micro_batch_size: int = 64,
         return_log_probs: bool = False,
         prepack: bool = True,
-        agent: Any | None = None,
     ):
         self.model = model.eval()
-        self.agent = agent  # a mmrl.agent.loop.AgentLoop: multi-turn trajectories (None: one response)
         if prepack:  # on a CPU: large linear layers multiply by oneDNN-prepacked weights
             prepack_linears(self.model, rows=micro_batch_size)
         self.tokenizer = tokenizer
@@ -273,20 +275,21 @@ class HFRollout:
         responses = torch.stack(tokens, dim=1)
         return responses, torch.stack(log_probs, dim=1) if log_probs else None
 
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        if self.weights_discarded:
+            raise RuntimeError(
+                "HFRollout: sleep() freed the weights; push weights with update_weights before generating "
+                "(HybridWorker does so when weights_discarded is set)"
+            )
+        return torch.Generator(device=self.device).manual_seed(sampling.seed)  # per step and rank
+
     def _pad_width(self, tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]), value=value)
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         """``len(prompts) * n`` responses, the n of a prompt in consecutive rows (``[a, a, b, b]``),
         decoded ``micro_batch_size`` responses (whole prompts) at a time."""
-        if self.weights_discarded:
-            raise RuntimeError(
-                "HFRollout: sleep() freed the weights; push weights with update_weights before generating "
-                "(HybridWorker does so when weights_discarded is set)"
-            )
-        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)  # per step and rank
-        if self.agent is not None:
-            return self._generate_trajectories(prompts, sampling, generator)
+        generator = self._generator(sampling)
         prompts_per_pass = max(1, self.micro_batch_size // sampling.n)
         responses, log_probs = [], []
         for part in prompts.split(prompts_per_pass):
@@ -303,33 +306,22 @@ class HFRollout:
             rollout_log_probs=torch.cat(log_probs, dim=0) if log_probs else None,
         )
 
-    def _generate_trajectories(
-        self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
-    ) -> DataProto:
-        """``len(prompts) * n`` multi-turn trajectories (:mod:`mmrl.agent.loop`): each model turn is
-        sampled here from the prompt and the trajectory so far (media of every turn included), up to
-        ``micro_batch_size`` contexts at a time; the response budget is ``max_tokens``."""
-        from mmrl.agent.loop import sample_rows, trajectory_contexts, turn_until_eos
-        from mmrl.agent.trajectory import assemble_trajectory_batch
+    def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
+        """Model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`): the requests'
+        contexts (prompt and trajectory so far, media of every turn included) are decoded
+        ``micro_batch_size`` at a time, all turns of a generation drawing from one seeded stream."""
+        generator = self._generator(sampling)
 
-        repeated = prompts.repeat(sampling.n, interleave=True)
-        eos = set(self.eos_token_ids)
-
-        def generate_turns(requests):
+        def generate_turns(requests: Sequence[TurnRequest]) -> list[SampledTurn]:
             turns = []
             for start in range(0, len(requests), self.micro_batch_size):
                 part = requests[start : start + self.micro_batch_size]
-                contexts = trajectory_contexts(repeated, part, self.pad_token_id)
+                contexts = trajectory_contexts(prompts, part, self.pad_token_id)
                 turn_sampling = sampling.override(n=1, max_tokens=max(request.max_tokens for request in part))
                 tokens, log_probs = self._generate_micro_batch(contexts, turn_sampling, generator)
-                for row, request in enumerate(part):
-                    row_log_probs = (
-                        log_probs[row].tolist() if log_probs is not None else [0.0] * tokens.shape[1]
-                    )
-                    turns.append(turn_until_eos(tokens[row].tolist(), row_log_probs, eos, request.max_tokens))
+                if log_probs is None:
+                    log_probs = torch.zeros(tokens.shape)
+                turns += [SampledTurn(ids, lps) for ids, lps in zip(tokens.tolist(), log_probs.tolist())]
             return turns
 
-        trajectories = self.agent.run(
-            sample_rows(repeated, self.agent.renderer.media), sampling.max_tokens, generate_turns
-        )
-        return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, self.pad_token_id)
+        return generate_turns

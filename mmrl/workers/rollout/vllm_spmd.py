@@ -31,6 +31,9 @@ the duration of a call: vLLM samples at temperature 1 from ``logits / T`` (the s
 the placeholder bias keeps its full strength at any T), and its raw log-probs are exactly the
 trainer's, as :class:`HFRollout`'s are.
 
+Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`VLLMRollout.turn_generator`,
+one engine request per trajectory and turn.
+
 ``vllm`` is imported inside the functions that need it, so this module imports without it.
 """
 
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmrl.agent.backend import GenerateTurns, SampledTurn, TurnRequest, engine_context
 from mmrl.config import RolloutConfig
 from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
@@ -266,8 +270,6 @@ class VLLMRollout:
         override_config: dict[str, Any] | None = None,
     ):
         from transformers import GenerationConfig
-
-        self.agent = None  # a mmrl.agent.loop.AgentLoop: multi-turn trajectories (None: one response)
         from vllm import LLM
 
         config = config or RolloutConfig(name="vllm")
@@ -439,8 +441,6 @@ class VLLMRollout:
         """``len(prompts) * n`` responses, rows interleaved; ``rollout_log_probs`` are
         ``log_softmax(logits / T)`` (T = 1 when greedy) of the sampled tokens, as the trainer scores them."""
         self.wake_up()
-        if self.agent is not None:
-            return self._generate_trajectories(prompts, sampling)
         # vLLM refuses n > 1 when greedy: each prompt is then sent n times (sharing its cached KV)
         copies = sampling.n if sampling.greedy else 1
         inputs = [item for item in engine_prompts(prompts) for _ in range(copies)]
@@ -463,20 +463,16 @@ class VLLMRollout:
             rollout_log_probs=log_probs,
         )
 
-    def _generate_trajectories(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
-        """``len(prompts) * n`` multi-turn trajectories (:mod:`mmrl.agent.loop`); each model turn is one
-        engine request per trajectory: the prompt and the trajectory so far as token ids (observation
-        placeholders collapsed, their media after the prompt's), seeded per row and turn. One engine
-        per rank (``tensor_parallel_size`` 1: ranks of a TP group would have to agree on every turn)."""
-        from mmrl.agent.loop import engine_context, sample_rows, turn_until_eos
-        from mmrl.agent.trajectory import assemble_trajectory_batch
+    def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
+        """Model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`): one engine request
+        per trajectory and turn, the prompt and the trajectory so far as token ids (observation
+        placeholders collapsed, their media after the prompt's), seeded per row and turn. One engine per
+        rank (``tensor_parallel_size`` 1: ranks of a TP group would have to agree on every turn)."""
+        self.wake_up()
+        bases = engine_prompts(prompts)
+        row_seeds = prompt_seeds(sampling.seed, len(prompts), 1)
 
-        repeated = prompts.repeat(sampling.n, interleave=True)
-        bases = engine_prompts(repeated)
-        row_seeds = prompt_seeds(sampling.seed, len(repeated), 1)
-        eos = set(self.eos_token_ids)
-
-        def generate_turns(requests):
+        def generate_turns(requests: Sequence[TurnRequest]) -> list[SampledTurn]:
             inputs = [
                 engine_context(bases[r.row], r.trajectory, self.blocked_token_ids, ENGINE_MODALITIES)
                 for r in requests
@@ -491,17 +487,15 @@ class VLLMRollout:
             with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
                 outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
             turns = []
-            for request, output in zip(requests, outputs):
+            for output in outputs:
                 completion = output.outputs[0]
                 ids = list(completion.token_ids)
-                log_probs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
-                turns.append(turn_until_eos(ids, log_probs, eos, request.max_tokens))
+                turns.append(
+                    SampledTurn(ids, [step[token].logprob for token, step in zip(ids, completion.logprobs)])
+                )
             return turns
 
-        trajectories = self.agent.run(
-            sample_rows(repeated, self.agent.renderer.media), sampling.max_tokens, generate_turns
-        )
-        return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, self.pad_token_id)
+        return generate_turns
 
     def shutdown(self) -> None:
         """Stop the engine. This destroys the default process group too (vLLM's teardown)."""

