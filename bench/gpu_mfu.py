@@ -257,6 +257,13 @@ class MmrlSide:
         )
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
+    def prepare(self, batch):
+        """``batch`` with its ``position_ids`` column, numbered once as the trainer numbers a rollout
+        batch (``add_position_ids``); the original is left as it is."""
+        from mmrl.workers.forward import add_position_ids
+
+        return add_position_ids(self.actor.module, batch[:])
+
     def log_probs(self, batch, micro_batch: int):
         return self.actor.compute_log_probs(batch, micro_batch, temperature=1.0)[0]
 
@@ -306,6 +313,9 @@ class PlainSide:
         )
         self.device, self.response_length = device, response_length
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def prepare(self, batch):
+        return batch
 
     def _log_probs(self, input_ids, responses):
         """log p(response token) [b, R] in float32: the last R + 1 positions' logits, one gather."""
@@ -482,9 +492,11 @@ def run(args: argparse.Namespace) -> dict:
         side = SIDES[name](config, device, compute_dtype, args.gradient_checkpointing, args.response_length)
         build_s = time.perf_counter() - start
         if "old_log_probs" not in batch.batch.keys():  # mmrl's pass; the plain loop reuses them
-            old = side.log_probs(batch, args.micro_batch)
+            old = side.log_probs(side.prepare(batch), args.micro_batch)
             batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
-        result = measure_side(side, batch, argparse.Namespace(**{**_defaults(), **vars(args)}), device)
+        result = measure_side(
+            side, side.prepare(batch), argparse.Namespace(**{**_defaults(), **vars(args)}), device
+        )
         del side
         release()
         result.update(
@@ -614,6 +626,7 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
     for layers in (args.layers, 1):
         config = build_config(args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab)
         side = SIDES[name](config, device, torch.bfloat16, True, args.response_length)
+        batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
         key = "full" if layers == args.layers else "one_layer"
         counts[key] = counted(side, side.update, batch, rows // 2)
@@ -707,7 +720,7 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
     print("|---|" + "---|" * 10)
 
     def fmt(value: float) -> str:
-        return f"{value:,.0f}" if float(value).is_integer() or abs(value) >= 100 else f"{value:,.1f}"
+        return f"{value:,.0f}" if float(value).is_integer() or abs(value) >= 100 else f"{value:,.2f}"
 
     for what in mmrl:
         cells = [f"{fmt(mmrl[what][column])} | {fmt(plain[what][column])}" for column in COLUMNS]
