@@ -608,10 +608,11 @@ def counted(side, call: Callable, *args) -> dict[str, Counter]:
     side.step_context = lambda: counter.in_phase("optimizer")
     try:
         with counter:
-            call(*args)
+            value = call(*args)
     finally:
         side.step_context = contextlib.nullcontext
-    return {phase: counter.counts.get(phase, Counter()) for phase in ("micro_batches", "optimizer")}
+    counts = {phase: counter.counts.get(phase, Counter()) for phase in ("micro_batches", "optimizer")}
+    return counts, value
 
 
 def count_side(name: str, args: argparse.Namespace, batch) -> dict:
@@ -629,18 +630,19 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
         batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
         key = "full" if layers == args.layers else "one_layer"
-        counts[key] = counted(side, side.update, batch, rows // 2)
+        counts[key], metrics = counted(side, side.update, batch, rows // 2)
         if layers == args.layers:
-            counts["one_micro_batch"] = counted(side, side.update, batch, rows)
+            update_metrics = metrics  # the second update from the same weights on both sides
+            counts["one_micro_batch"] = counted(side, side.update, batch, rows)[0]
             half = batch[list(range(rows // 2))]
-            counts["half_rows"] = counted(side, side.update, half, rows // 4)
-            counts["log_probs"] = counted(side, side.log_probs, batch, rows // 2)
-            counts["log_probs_one"] = counted(side, side.log_probs, batch, rows)
+            counts["half_rows"] = counted(side, side.update, half, rows // 4)[0]
+            counts["log_probs"] = counted(side, side.log_probs, batch, rows // 2)[0]
+            counts["log_probs_one"] = counted(side, side.log_probs, batch, rows)[0]
             param_tensors = side.param_tensors
         print(f"  {name}: {layers}-layer runs counted", flush=True)
         del side
         release()
-    return {"param_tensors": param_tensors, "counts": counts}
+    return {"param_tensors": param_tensors, "counts": counts, "metrics": update_metrics}
 
 
 def per_unit(side: dict) -> dict[str, dict[str, float]]:
@@ -725,6 +727,11 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
     for what in mmrl:
         cells = [f"{fmt(mmrl[what][column])} | {fmt(plain[what][column])}" for column in COLUMNS]
         print(f"| {what} | " + " | ".join(cells) + " |")
+    numbers = {name: side["metrics"] for name, side in result["sides"].items()}
+    print(
+        "\nthe counted update's loss and gradient norm (same weights and batch, bf16): "
+        + ", ".join(f"{name} {m['loss']:.6f} / {m['grad_norm']:.6f}" for name, m in numbers.items())
+    )
     for note in result["notes"]:
         print(f"note: {note}")
 
@@ -754,6 +761,7 @@ def main() -> None:
     )
     parser.add_argument("--vision_depth", type=int, default=2, help="CPU mode: vision blocks")
     parser.add_argument("--vocab", type=int, default=8192, help="CPU mode: vocabulary rows")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny config on the CPU: checks the timed code path only"
     )
@@ -795,9 +803,9 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, result: dict, name: str) -> None:
-    out = RESULTS / name
+    out = args.out or RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "result": result}, indent=2) + "\n")
+    out.write_text(json.dumps({"args": vars(args), "result": result}, indent=2, default=str) + "\n")
     print(f"\nwritten to {out}")
     os._exit(0)  # skip the process group's teardown
 
