@@ -287,10 +287,11 @@ class MmrlSide:
 class PlainSide:
     """The plain FSDP2 loop: ``fully_shard`` per decoder layer and vision block and the root, the same
     mixed precision, fused AdamW, HF gradient checkpointing, ``logits_to_keep`` for the response tokens,
-    a log-softmax gather, PPO's clipped loss as a token mean, torch's ``clip_grad_norm_``."""
+    a log-softmax gather, PPO's dual-clip loss (mmrl's default clip range) as a token mean, torch's
+    ``clip_grad_norm_``."""
 
     name = "plain"
-    CLIP = 0.2
+    CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.3, 3.0  # mmrl's PPO defaults (ActorConfig().clip_range)
 
     def __init__(self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int):
         import torch
@@ -354,8 +355,10 @@ class PlainSide:
             log_probs = self._log_probs(tensors["input_ids"][rows], tensors["responses"][rows])
             ratio = torch.exp(log_probs - tensors["old_log_probs"][rows])
             advantages = tensors["advantages"][rows]
-            clipped = ratio.clamp(1 - self.CLIP, 1 + self.CLIP)
+            clipped = ratio.clamp(1 - self.CLIP_LOW, 1 + self.CLIP_HIGH)
             token_loss = torch.maximum(-advantages * ratio, -advantages * clipped)
+            dual = torch.minimum(token_loss, -advantages * self.DUAL_CLIP)  # bounded for A < 0
+            token_loss = torch.where(advantages < 0, dual, token_loss)
             loss = (token_loss * mask[rows]).sum() / num_tokens
             loss.backward()
             loss_sum += loss.detach()

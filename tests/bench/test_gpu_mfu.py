@@ -48,7 +48,8 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
     # the optimizer step and clipping: foreach/fused on the shards, no per-parameter op (point 2)
     step = "per parameter tensor, optimizer + clipping"
     assert mmrl[step]["ops"] <= plain[step]["ops"] < 1
-    # same weights, same batch: the two updates compute the same loss and gradient norm (bf16 compute)
+    # same weights, same batch: the two updates compute the same loss and gradient norm up to bf16
+    # compute (packed vs padded rows round differently; in fp32 they agree to 6 digits, `--smoke`)
     numbers = {name: side["metrics"] for name, side in sides.items()}
-    assert numbers["mmrl"]["loss"] == pytest.approx(numbers["plain"]["loss"], rel=2e-2, abs=1e-3)
-    assert numbers["mmrl"]["grad_norm"] == pytest.approx(numbers["plain"]["grad_norm"], rel=2e-2)
+    assert numbers["mmrl"]["loss"] == pytest.approx(numbers["plain"]["loss"], rel=1e-2, abs=1e-3)
+    assert numbers["mmrl"]["grad_norm"] == pytest.approx(numbers["plain"]["grad_norm"], rel=5e-2)
