@@ -5,7 +5,8 @@ update on the CPU, for mmrl and for a plain FSDP2 loop written here.
                             [--micro_batch 4] [--repeats 3] [--gradient_checkpointing]
                             [--baseline plain] [--peak_tflops 989]
     python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
-    python bench/gpu_mfu.py --smoke        # mmrl's timed path on the CPU with a tiny config (a check)
+    python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
+    python bench/gpu_mfu.py --smoke [--baseline plain]   # the timed path on the CPU, tiny config (a check)
 
 GPU mode. The model is built from a config dict written here (the published Qwen2.5-VL-3B/7B-Instruct
 sizes; nothing is downloaded), with random fp32 weights (seed 0) on the GPU. mmrl's side is the
@@ -13,10 +14,11 @@ trainer's: ``prepare_for_training``, mmrl's ``apply_fsdp2`` on a one-rank group 
 fp32 reduction, AdamW from ``build_optimizer``, one ``PolicyActor.update_policy`` (PPO loss, one
 optimizer step over micro-batches of ``--micro_batch`` rows, padding-free). Work: ``--rows`` text rows
 of ``--prompt_length`` random prompt and ``--response_length`` random response tokens. With
-``--baseline plain`` the same model (same seed) and batch go through :func:`plain_update` too: a plain
+``--baseline plain`` the same model (same seed) and batch go through :class:`PlainSide` too: a plain
 FSDP2 loop (``fully_shard`` per decoder layer and vision block, the same mixed precision, fused AdamW,
 ``logits_to_keep`` for the response tokens, a log-softmax gather, the same PPO loss, torch's
-``clip_grad_norm_``). Each side: a warm-up update, then ``--repeats`` timed ones (median,
+``clip_grad_norm_``). mmrl's batch carries its ``position_ids`` column, numbered once as the trainer
+numbers a rollout batch. Each side: a warm-up update, then ``--repeats`` timed ones (median,
 ``torch.cuda.synchronize`` around each), the optimizer step timed on its own (clipping included), the
 no-grad log-prob pass timed, and one update profiled: host-bound share = CPU time of the ops (self,
 summed) / GPU kernel time; above 1 the GPU waits on the host.
@@ -32,18 +34,22 @@ CPU mode (``--device cpu``; the default without CUDA): what host work each side 
 timed. The 3B widths with 2 decoder layers (``--layers``), the vision tower at its real width with 2
 blocks, bf16 compute / fp32 master weights as on a GPU, gloo, one rank, gradient checkpointing on. The
 vocabulary is cut to ``--vocab`` rows (default 8,192; the released 151,936 would hold ~9 GB of fp32
-weights, gradients and Adam moments per model on a shared box): no op count depends on it. Every aten
+weights, gradients and Adam moments per model on a shared box): no op count depends on it, nor on
+the widths (``--widths small``: the 3B layout of heads at narrow widths, minutes instead of hours on a
+CPU without bf16 instructions). Every aten
 op dispatched (a ``TorchDispatchMode`` below autograd: forward, backward, FSDP2's copies, optimizer)
 is counted, split into the micro-batch loop and the optimizer step (clipping included), over three
-runs per side: L layers and 2 micro-batches, L layers and 1 micro-batch of the same rows, 1 layer and 2
-micro-batches. Printed per update, per micro-batch, per decoder layer (fwd + bwd, one micro-batch), per
+runs per side after a warm-up: L layers and 2 micro-batches, L layers and 1 micro-batch of the same
+rows, half the rows in 2 micro-batches, 1 layer and 2 micro-batches. Printed per update, per micro-batch, per decoder layer (fwd + bwd, one micro-batch), per
 extra row in a micro-batch, per parameter tensor in the optimizer step, and for the no-grad log-prob
 pass per micro-batch; columns: all ops, ``copy_``, ``_to_copy`` (dtype/device casts), host syncs
-(``_local_scalar_dense``: ``.item()``, ``float()``, ``.tolist()``) and ops on DTensors.
+(``_local_scalar_dense``: ``.item()``, ``float()``, ``.tolist()``) and ops on DTensors; then the
+counted update's loss and gradient norm on both sides (equal up to bf16 rounding). Tables and
+before/after figures: docs/throughput.md.
 
 Runs on the torch it finds: one without ``FSDPModule.set_reduce_scatter_unused_params`` (< 2.13) gets
 a no-op in its place (said in the output). Writes ``bench/results/gpu_mfu.json`` (``gpu_mfu_ops.json``
-in the CPU mode, ``gpu_mfu_smoke.json`` with ``--smoke``).
+in the CPU mode, ``gpu_mfu_smoke.json`` with ``--smoke``; ``--out`` another file).
 """
 
 from __future__ import annotations
