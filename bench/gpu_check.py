@@ -377,15 +377,11 @@ def flash_attn_kernel(dry: bool, allow_missing: bool) -> tuple[Callable | None, 
 
 
 def torch_shims() -> list[Row]:
-    """Rows for what this torch lacks of the pinned one (mmrl/versions.py), stood in so that the other
-    checks still run: a GPU image may carry an older torch than a job installs."""
-    from torch.distributed.fsdp import FSDPModule
+    """Rows for what this torch lacks of the pinned one (``gpu_mfu.torch_shims``: stood in so that the
+    other checks still run; a GPU image may carry an older torch than a job installs)."""
+    import gpu_mfu
 
-    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
-        return []
-    FSDPModule.set_reduce_scatter_unused_params = lambda self, enable: None  # torch < 2.13
-    return [Row("torch", f"{torch.__version__}: no FSDPModule.set_reduce_scatter_unused_params (2.13)",
-                "stood in by a no-op for the checks below; a job needs torch 2.13 (mmrl/versions.py)", False)]  # fmt: skip
+    return [Row("torch", note, "stood in for the checks below", False) for note in gpu_mfu.torch_shims()]
 
 
 def run_checks(device: torch.device, args: argparse.Namespace) -> list[Row]:

@@ -1,37 +1,71 @@
-"""Actor update on one GPU: tokens/s and model FLOPs utilisation (MFU) of a real-size Qwen2.5-VL, random weights.
+"""Actor update of a real-size Qwen2.5-VL (random weights): tokens/s and MFU on one GPU, aten ops per
+update on the CPU, for mmrl and for a plain FSDP2 loop written here.
 
     python bench/gpu_mfu.py [--model 3b|7b] [--rows 16] [--prompt_length 512] [--response_length 512]
                             [--micro_batch 4] [--repeats 3] [--gradient_checkpointing]
-                            [--peak_tflops 989]
-    python bench/gpu_mfu.py --smoke      # the same code path on the CPU with a tiny config (a check, not a bench)
+                            [--baseline plain] [--peak_tflops 989]
+    python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
+    python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
+    python bench/gpu_mfu.py --smoke [--baseline plain]   # the timed path on the CPU, tiny config (a check)
 
-Needs CUDA; without it the script says so and exits with status 0 (nothing measured). The model is
-built from a config dict written here (the published Qwen2.5-VL-3B/7B-Instruct sizes; nothing is
-downloaded), with random fp32 weights on the GPU, sharded by mmrl's ``apply_fsdp2`` on a one-rank
-group with bf16 compute and fp32 reduction (what the trainer does on GPU), AdamW from mmrl's
-``build_optimizer``. Work: ``--rows`` text-only rows of ``--prompt_length`` random prompt tokens and
-``--response_length`` random response tokens, one ``PolicyActor.update_policy`` (PPO loss, one optimizer
-step over micro-batches of ``--micro_batch`` rows, padding-free), timed ``--repeats`` times after a
-warm-up update (median, ``torch.cuda.synchronize`` around each).
+GPU mode. The model is built from a config dict written here (the published Qwen2.5-VL-3B/7B-Instruct
+sizes; nothing is downloaded), with random fp32 weights (seed 0) on the GPU. mmrl's side is the
+trainer's: ``prepare_for_training``, mmrl's ``apply_fsdp2`` on a one-rank group with bf16 compute and
+fp32 reduction, AdamW from ``build_optimizer``, one ``PolicyActor.update_policy`` (PPO loss, one
+optimizer step over micro-batches of ``--micro_batch`` rows, padding-free). Work: ``--rows`` text rows
+of ``--prompt_length`` random prompt and ``--response_length`` random response tokens. With
+``--baseline plain`` the same model (same seed) and batch go through :class:`PlainSide` too: a plain
+FSDP2 loop (``fully_shard`` per decoder layer and vision block, the same mixed precision, fused AdamW,
+``logits_to_keep`` for the response tokens, a log-softmax gather, the same PPO loss, torch's
+``clip_grad_norm_``). mmrl's batch carries its ``position_ids`` column, numbered once as the trainer
+numbers a rollout batch. Each side: a warm-up update, then ``--repeats`` timed ones (median,
+``torch.cuda.synchronize`` around each), the optimizer step timed on its own (clipping included), the
+no-grad log-prob pass timed, and one update profiled: host-bound share = CPU time of the ops (self,
+summed) / GPU kernel time; above 1 the GPU waits on the host.
 
 FLOPs (:func:`update_flops`): matmul FLOPs of the forward pass (2 per multiply-add) times 3 for
 forward + backward: per layer and token, the q/k/v/o projections and the SwiGLU MLP; per sequence, the
 causal attention scores and weighted sum (2 · 2 · d_model · S(S+1)/2 per layer); the LM head only for
-the response tokens (mmrl computes logits there only). Recomputation under gradient checkpointing is
-not counted (model FLOPs, not hardware FLOPs); norms, rotary and softmax are left out. MFU = FLOPs /
-(seconds × peak dense bf16 FLOP/s of the GPU: H100/H200 989 TFLOP/s, A100 312; ``--peak_tflops``
-for others). Prints a table and writes ``bench/results/gpu_mfu.json``.
+the response tokens. Recomputation under gradient checkpointing is not counted (model FLOPs, not
+hardware FLOPs); norms, rotary and softmax are left out. MFU = FLOPs / (seconds × peak dense bf16
+FLOP/s of the GPU: H100/H200 989 TFLOP/s, A100 312; ``--peak_tflops`` for others).
+
+CPU mode (``--device cpu``; the default without CUDA): what host work each side does, counted, not
+timed. The 3B widths with 2 decoder layers (``--layers``), the vision tower at its real width with 2
+blocks, bf16 compute / fp32 master weights as on a GPU, gloo, one rank, gradient checkpointing on. The
+vocabulary is cut to ``--vocab`` rows (default 8,192; the released 151,936 would hold ~9 GB of fp32
+weights, gradients and Adam moments per model on a shared box): no op count depends on it, nor on
+the widths (``--widths small``: the 3B layout of heads at narrow widths, minutes instead of hours on a
+CPU without bf16 instructions). Every aten
+op dispatched (a ``TorchDispatchMode`` below autograd: forward, backward, FSDP2's copies, optimizer)
+is counted, split into the micro-batch loop and the optimizer step (clipping included), over three
+runs per side after a warm-up: L layers and 2 micro-batches, L layers and 1 micro-batch of the same
+rows, half the rows in 2 micro-batches, 1 layer and 2 micro-batches. Printed per update, per micro-batch, per decoder layer (fwd + bwd, one micro-batch), per
+extra row in a micro-batch, per parameter tensor in the optimizer step, and for the no-grad log-prob
+pass per micro-batch; columns: all ops, ``copy_``, ``_to_copy`` (dtype/device casts), host syncs
+(``_local_scalar_dense``: ``.item()``, ``float()``, ``.tolist()``) and ops on DTensors; then the
+counted update's loss and gradient norm on both sides (equal up to bf16 rounding). Tables and
+before/after figures: docs/throughput.md.
+
+Runs on the torch it finds: one without ``FSDPModule.set_reduce_scatter_unused_params`` (< 2.13) gets
+a no-op in its place (said in the output). Writes ``bench/results/gpu_mfu.json`` (``gpu_mfu_ops.json``
+in the CPU mode, ``gpu_mfu_smoke.json`` with ``--smoke``; ``--out`` another file).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import math
 import os
 import socket
 import statistics
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,6 +80,11 @@ TEXT_CONFIGS = {
         "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
         "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
     },
+    # --device cpu --widths small: the 3B layout (heads, kv heads) at narrow widths; the same op counts
+    "small": {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 36, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
     # --smoke: the same architecture, small enough for a CPU check
     "smoke": {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -55,17 +94,25 @@ TEXT_CONFIGS = {
 VISION_CONFIGS = {
     "3b": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16},
     "7b": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16},
+    "small": {"depth": 32, "hidden_size": 128, "intermediate_size": 256, "num_heads": 16},
     "smoke": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2},
 }
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0}
 
 
-def build_config(name: str):
-    """A ``Qwen2_5_VLConfig`` of the named size (transformers v5 layout: text and vision sub-configs)."""
+def build_config(
+    name: str, layers: int | None = None, vision_depth: int | None = None, vocab: int | None = None
+):
+    """A ``Qwen2_5_VLConfig`` of the named size (transformers v5 layout: text and vision sub-configs),
+    optionally with fewer decoder layers, vision blocks or vocabulary rows at the same widths."""
     from transformers import Qwen2_5_VLConfig
 
     text = dict(TEXT_CONFIGS[name])
     tie = text.pop("tie_word_embeddings")
+    if layers:
+        text["num_hidden_layers"] = layers
+    if vocab:
+        text["vocab_size"] = vocab
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     pairs = head_dim // 2  # M-RoPE sections (temporal, height, width): 1/4, 3/8, 3/8 of the rotary pairs
     temporal = pairs // 4
@@ -80,14 +127,17 @@ def build_config(name: str):
         },
         tie_word_embeddings=tie,
     )
+    depth = vision_depth or VISION_CONFIGS[name]["depth"]
     vision = dict(
         VISION_CONFIGS[name],
+        depth=depth,
         out_hidden_size=text["hidden_size"],
         patch_size=14,
         spatial_merge_size=2,
         temporal_patch_size=2,
         window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31] if name != "smoke" else [0],
+        # every 8th block attends over the whole image, the others within windows
+        fullatt_block_indexes=[index for index in range(depth) if index % 8 == 7] or [depth - 1],
         tokens_per_second=2,
     )
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
@@ -152,126 +202,339 @@ def _init_one_rank_group(backend: str) -> None:
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
-def run(args: argparse.Namespace) -> dict:
+def torch_shims() -> list[str]:
+    """What this torch lacks of the pinned one (mmrl/versions.py), stood in so that the bench still runs
+    (a GPU image may carry an older torch than a job installs): one line per stand-in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        return []
+    FSDPModule.set_reduce_scatter_unused_params = lambda self, enable: None  # torch < 2.13
     import torch
-    import torch.distributed as dist
+
+    return [
+        f"torch {torch.__version__}: no FSDPModule.set_reduce_scatter_unused_params (2.13); a no-op stands "
+        "in (one rank reduces nothing), a job needs torch 2.13 (mmrl/versions.py)"
+    ]
+
+
+def build_model(config, device):
+    """Random fp32 weights from seed 0 on ``device``: both sides of a run start from the same model."""
+    import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from mmrl.config import ActorConfig
-    from mmrl.models.prepare import prepare_for_training
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen2_5_VLForConditionalGeneration._from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa"
+        )
+
+
+class MmrlSide:
+    """mmrl's actor as the trainer builds it (prepare_for_training, apply_fsdp2, build_optimizer,
+    PolicyActor); ``step_context`` wraps its optimizer step (clipping included)."""
+
+    name = "mmrl"
+
+    def __init__(self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int):
+        import torch
+        import torch.distributed as dist
+
+        from mmrl.config import ActorConfig
+        from mmrl.models.prepare import prepare_for_training
+        from mmrl.workers.actor import PolicyActor
+        from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
+
+        model = build_model(config, device)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.param_tensors = sum(1 for _ in model.parameters())
+        prepare_for_training(model, packing=True, score_tokens=True)  # as the trainer prepares the actor
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+        model = apply_fsdp2(model, mesh, param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
+        self.actor = PolicyActor(
+            model,
+            ActorConfig(padding_free=True),
+            optimizer=optimizer,
+            device=device,
+            max_response_length=response_length,
+        )
+        self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def prepare(self, batch):
+        """``batch`` with its ``position_ids`` column, numbered once as the trainer numbers a rollout
+        batch (``add_position_ids``); the original is left as it is."""
+        from mmrl.workers.forward import add_position_ids
+
+        return add_position_ids(self.actor.module, batch[:])
+
+    def log_probs(self, batch, micro_batch: int):
+        return self.actor.compute_log_probs(batch, micro_batch, temperature=1.0)[0]
+
+    def update(self, batch, micro_batch: int) -> dict[str, float]:
+        from mmrl.workers import fsdp_engine
+
+        original = fsdp_engine.optimizer_step
+
+        def optimizer_step(*args, **kwargs):
+            with self.step_context():
+                return original(*args, **kwargs)
+
+        fsdp_engine.optimizer_step = optimizer_step  # train_on_batch looks it up at each call
+        try:
+            update = self.actor.update_policy(batch, len(batch), micro_batch, ppo_epochs=1, temperature=1.0)
+        finally:
+            fsdp_engine.optimizer_step = original
+        return {"loss": update.metrics["pg_loss"], "grad_norm": update.metrics["grad_norm"]}
+
+
+class PlainSide:
+    """The plain FSDP2 loop: ``fully_shard`` per decoder layer and vision block and the root, the same
+    mixed precision, fused AdamW, HF gradient checkpointing, ``logits_to_keep`` for the response tokens,
+    a log-softmax gather, PPO's dual-clip loss (mmrl's default clip range) as a token mean, torch's
+    ``clip_grad_norm_``."""
+
+    name = "plain"
+    CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.3, 3.0  # mmrl's PPO defaults (ActorConfig().clip_range)
+
+    def __init__(self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = build_model(config, device)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.param_tensors = sum(1 for _ in model.parameters())
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for block in [*model.model.language_model.layers, *model.model.visual.blocks]:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        self.model = fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, fused=True
+        )
+        self.device, self.response_length = device, response_length
+        self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def prepare(self, batch):
+        return batch
+
+    def _log_probs(self, input_ids, responses):
+        """log p(response token) [b, R] in float32: the last R + 1 positions' logits, one gather."""
+        import torch
+
+        logits = self.model(input_ids=input_ids, logits_to_keep=self.response_length + 1).logits[:, :-1]
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+    def log_probs(self, batch, micro_batch: int):
+        import torch
+
+        self.model.eval()
+        tensors = batch.batch
+        outputs = []
+        with torch.no_grad():
+            for start in range(0, len(batch), micro_batch):
+                rows = slice(start, start + micro_batch)
+                ids = tensors["input_ids"][rows].to(self.device)
+                outputs.append(self._log_probs(ids, tensors["responses"][rows].to(self.device)).cpu())
+        for module in self.model.modules():  # no backward follows to free the root's gathered weights
+            if hasattr(module, "reshard"):
+                module.reshard()
+        return torch.cat(outputs)
+
+    def update(self, batch, micro_batch: int) -> dict[str, float]:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        self.model.train()
+        tensors = {key: value.to(self.device) for key, value in batch.batch.items()}
+        mask = tensors["response_mask"].float()
+        num_tokens = mask.sum()
+        loss_sum = torch.zeros((), device=self.device)
+        for start in range(0, len(batch), micro_batch):
+            rows = slice(start, start + micro_batch)
+            log_probs = self._log_probs(tensors["input_ids"][rows], tensors["responses"][rows])
+            ratio = torch.exp(log_probs - tensors["old_log_probs"][rows])
+            advantages = tensors["advantages"][rows]
+            clipped = ratio.clamp(1 - self.CLIP_LOW, 1 + self.CLIP_HIGH)
+            token_loss = torch.maximum(-advantages * ratio, -advantages * clipped)
+            dual = torch.minimum(token_loss, -advantages * self.DUAL_CLIP)  # bounded for A < 0
+            token_loss = torch.where(advantages < 0, dual, token_loss)
+            loss = (token_loss * mask[rows]).sum() / num_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+        with self.step_context():
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
+
+
+SIDES = {"mmrl": MmrlSide, "plain": PlainSide}
+
+
+def release() -> None:
+    """Free the last side's model, gradients and optimizer states (its caller dropped it) before the
+    next side is built."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------ GPU: timings
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[float | None, float | None]:
+    """One update under the profiler: (host op time, device kernel time) in seconds, self times summed
+    (each microsecond counted once). None on the CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return None, None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        side.update(batch, micro_batch)
+        torch.cuda.synchronize()
+    events = profiler.key_averages()
+    host = sum(event.self_cpu_time_total for event in events)
+    kernel = sum(getattr(event, "self_device_time_total", 0) or 0 for event in events)
+    return host / 1e6, kernel / 1e6
+
+
+def measure_side(side, batch, args, device) -> dict:
+    """Timed updates (median of ``--repeats`` after a warm-up), the optimizer step's seconds, the
+    no-grad log-prob pass's seconds, peak memory and the host-bound share, of one side."""
+    import torch
+
+    step_seconds: list[float] = []
+
+    @contextlib.contextmanager
+    def timed_step() -> Iterator[None]:
+        synchronize(device)
+        begin = time.perf_counter()
+        yield
+        synchronize(device)
+        step_seconds.append(time.perf_counter() - begin)
+
+    def timed(call) -> tuple[float, object]:
+        synchronize(device)
+        begin = time.perf_counter()
+        value = call()
+        synchronize(device)
+        return time.perf_counter() - begin, value
+
+    metrics = side.update(batch, args.micro_batch)  # warm-up: allocator, kernels, optimizer states
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    side.step_context = timed_step
+    update_s = []
+    for _ in range(args.repeats):
+        seconds, metrics = timed(lambda: side.update(batch, args.micro_batch))
+        update_s.append(seconds)
+    side.step_context = contextlib.nullcontext
+    log_prob_s = timed(lambda: side.log_probs(batch, args.log_prob_micro_batch or args.micro_batch))[0]
+    peak = torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved() / 1024**3 if device.type == "cuda" else None
+    free = torch.cuda.mem_get_info()[0] / 1024**3 if device.type == "cuda" else None
+    host_s, kernel_s = (None, None)
+    if args.profile:
+        host_s, kernel_s = host_and_kernel_seconds(side, batch, args.micro_batch, device)
+    return {
+        "params": side.params,
+        "update_s": statistics.median(update_s),
+        "update_s_runs": update_s,
+        "optimizer_step_s": statistics.median(step_seconds),
+        "log_prob_s": log_prob_s,
+        "peak_memory_gib": peak,
+        "peak_reserved_gib": reserved,
+        "device_free_gib": free,
+        "host_s": host_s,
+        "kernel_s": kernel_s,
+        "host_per_kernel": host_s / kernel_s if host_s and kernel_s else None,
+        "metrics": metrics,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The timed mode: mmrl's side (and the plain loop with ``baseline="plain"``) on the same model and
+    batch. Returns mmrl's figures at the top level (``bench/gpu_check.py`` reads them) and each side's
+    under ``sides``."""
+    import torch
+    import torch.distributed as dist
+
     from mmrl.protocol import DataProto
-    from mmrl.workers.actor import PolicyActor
-    from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if not dist.is_initialized():  # bench/gpu_check.py runs this in its own one-rank group
         _init_one_rank_group("gloo" if args.smoke else "nccl")
-    config = build_config(args.model)
-    if getattr(args, "layers", None):  # fewer decoder layers at the same widths (bench/gpu_check.py --layers)
-        config.text_config.num_hidden_layers = args.layers
-    start = time.perf_counter()
-    with device:
-        model = Qwen2_5_VLForConditionalGeneration._from_config(
-            config, dtype=torch.float32, attn_implementation="sdpa"
-        )  # random fp32 master weights, built on the device
-    build_s = time.perf_counter() - start
-    params = sum(p.numel() for p in model.parameters())
-    prepare_for_training(model, packing=True, score_tokens=True)  # as the trainer prepares the actor
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
-    compute_dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = apply_fsdp2(model, mesh, param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
-    actor = PolicyActor(
-        model,
-        ActorConfig(padding_free=True),
-        optimizer=optimizer,
-        device=device,
-        max_response_length=args.response_length,
-    )
-
+    notes = torch_shims()
+    config = build_config(args.model, layers=getattr(args, "layers", None))
     text = dict(TEXT_CONFIGS[args.model], num_hidden_layers=config.text_config.num_hidden_layers)
+    compute_dtype = torch.float32 if args.smoke else torch.bfloat16
     batch = random_batch(args.rows, args.prompt_length, args.response_length, text["vocab_size"])
-    log_probs, _ = actor.compute_log_probs(batch, args.micro_batch, temperature=1.0)
-    batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": log_probs}))
-
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    update_metrics: dict[str, float] = {}
-
-    def timed_update() -> float:
-        synchronize()
-        begin = time.perf_counter()
-        update = actor.update_policy(batch, args.rows, args.micro_batch, ppo_epochs=1, temperature=1.0)
-        synchronize()
-        update_metrics.update(update.metrics)
-        return time.perf_counter() - begin
-
-    timed_update()  # warm-up: allocator, kernels, optimizer states
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    update_s = [timed_update() for _ in range(args.repeats)]
-    seconds = statistics.median(update_s)
     tokens = args.rows * (args.prompt_length + args.response_length)
     flops = update_flops(
         text, [args.prompt_length + args.response_length] * args.rows, args.rows * args.response_length
     )
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     peak = peak_tflops(device_name, args.peak_tflops)
+    sides = {}
+    names = ["mmrl"] + (["plain"] if getattr(args, "baseline", None) == "plain" else [])
+    for name in names:
+        start = time.perf_counter()
+        side = SIDES[name](config, device, compute_dtype, args.gradient_checkpointing, args.response_length)
+        build_s = time.perf_counter() - start
+        if "old_log_probs" not in batch.batch.keys():  # mmrl's pass; the plain loop reuses them
+            old = side.log_probs(side.prepare(batch), args.micro_batch)
+            batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
+        result = measure_side(
+            side, side.prepare(batch), argparse.Namespace(**{**_defaults(), **vars(args)}), device
+        )
+        del side
+        release()
+        result.update(
+            build_s=build_s,
+            tokens_per_s=tokens / result["update_s"],
+            log_prob_tokens_per_s=tokens / result["log_prob_s"],
+            achieved_tflops=flops / result["update_s"] / 1e12,
+            mfu=flops / result["update_s"] / (peak * 1e12) if peak else None,
+        )
+        sides[name] = result
     return {
+        **sides["mmrl"],
         "model": args.model,
         "device": device_name,
-        "params": params,
-        "build_s": build_s,
+        "torch": torch.__version__,
+        "notes": notes,
         "tokens_per_update": tokens,
-        "update_s": seconds,
-        "update_s_runs": update_s,
-        "tokens_per_s": tokens / seconds,
         "tflops_per_update": flops / 1e12,
-        "achieved_tflops": flops / seconds / 1e12,
         "peak_tflops": peak,
-        "mfu": flops / seconds / (peak * 1e12) if peak else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 1024**3 if device.type == "cuda" else None,
-        "device_free_gib": torch.cuda.mem_get_info()[0] / 1024**3 if device.type == "cuda" else None,
-        "metrics": update_metrics,
+        "sides": sides,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="3b", choices=["3b", "7b"])
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt_length", type=int, default=512)
-    parser.add_argument("--response_length", type=int, default=512)
-    parser.add_argument("--micro_batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--peak_tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of the GPU")
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny config on the CPU: checks the code path only"
-    )
-    args = parser.parse_args()
+def _defaults() -> dict:
+    """Options ``bench/gpu_check.py``'s namespace may lack."""
+    return {"log_prob_micro_batch": None, "profile": True, "baseline": None}
 
-    import torch
 
-    if args.smoke:
-        args.model, args.rows, args.prompt_length, args.response_length, args.repeats = "smoke", 4, 16, 16, 1
-    elif not torch.cuda.is_available():
-        print(
-            f"bench/gpu_mfu.py needs a CUDA GPU, and this machine has none (torch {torch.__version__}, "
-            f"CUDA build: {torch.version.cuda}). Nothing measured; run it on a GPU machine "
-            "(`python bench/gpu_mfu.py --smoke` checks the code path on the CPU)."
-        )
-        sys.exit(0)
-    result = run(args)
-    mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
-    memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}"
+def print_timings(args: argparse.Namespace, result: dict) -> None:
     setting = (
         "fp32 on the CPU (smoke check)"
         if args.smoke
@@ -280,19 +543,278 @@ def main() -> None:
     print(
         f"\nactor update, {args.rows} rows x ({args.prompt_length} prompt + {args.response_length} response) "
         f"tokens, micro-batch {args.micro_batch}, {setting}, gradient checkpointing "
-        f"{'on' if args.gradient_checkpointing else 'off'}; median of {args.repeats}\n"
+        f"{'on' if args.gradient_checkpointing else 'off'}; median of {args.repeats}; "
+        f"{result['device']}, torch {result['torch']}\n"
     )
-    print("| model | params | device | update s | tokens/s | TFLOP/update | TFLOP/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| Qwen2.5-VL-{result['model']} | {result['params'] / 1e9:.2f}B | {result['device']} "
-        f"| {result['update_s']:.3f} | {result['tokens_per_s']:.0f} | {result['tflops_per_update']:.1f} "
-        f"| {result['achieved_tflops']:.1f} | {mfu} | {memory} |"
+        "| side | params | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
+        "| log-prob tokens/s | host s / kernel s | loss | grad norm |"
     )
-    name = "gpu_mfu_smoke.json" if args.smoke else "gpu_mfu.json"
-    out = RESULTS / name
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, side in result["sides"].items():
+        mfu = "-" if side["mfu"] is None else f"{side['mfu']:.1%}"
+        memory = "-" if side["peak_memory_gib"] is None else f"{side['peak_memory_gib']:.1f}"
+        host = (
+            "-" if side["host_per_kernel"] is None
+            else f"{side['host_s']:.2f} / {side['kernel_s']:.2f} ({side['host_per_kernel']:.2f})"
+        )  # fmt: skip
+        print(
+            f"| {name} | {side['params'] / 1e9:.2f}B | {side['update_s']:.3f} | {side['tokens_per_s']:.0f} "
+            f"| {side['achieved_tflops']:.1f} | {mfu} | {memory} | {side['optimizer_step_s']:.3f} "
+            f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {side['metrics']['loss']:.6f} "
+            f"| {side['metrics']['grad_norm']:.6f} |"
+        )
+    if len(result["sides"]) == 2:
+        mmrl, plain = result["sides"]["mmrl"], result["sides"]["plain"]
+        print(f"\nmmrl / plain tokens/s: {mmrl['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    for note in result["notes"]:
+        print(f"note: {note}")
+
+
+# ------------------------------------------------------------------------------------ CPU: op counts
+
+TRACKED = ("copy_", "_to_copy", "_local_scalar_dense")  # device/dtype copies and casts, host syncs
+COLUMNS = ("ops", "copy_", "_to_copy", "_local_scalar_dense", "dtensor")
+
+
+def op_counter():
+    """A ``TorchDispatchMode`` counting every aten op dispatched below autograd, per phase (forward,
+    backward, FSDP2's own copies and the optimizer; an op on a DTensor once, not its local ops)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.phase = "micro_batches"
+            self.counts: dict[str, Counter] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts = self.counts.setdefault(self.phase, Counter())
+            counts["ops"] += 1
+            name = func.overloadpacket.__name__
+            if name in TRACKED:
+                counts[name] += 1
+            if any(issubclass(kind, DTensor) for kind in types):
+                counts["dtensor"] += 1
+            return func(*args, **(kwargs or {}))
+
+        @contextlib.contextmanager
+        def in_phase(self, phase: str) -> Iterator[None]:
+            previous, self.phase = self.phase, phase
+            try:
+                yield
+            finally:
+                self.phase = previous
+
+    return OpCounter()
+
+
+def counted(side, call: Callable, *args) -> dict[str, Counter]:
+    """The ops of ``call(*args)`` (a method of ``side``) by phase: ``micro_batches`` (everything but the step) and ``optimizer``
+    (gradient clipping and the optimizer step)."""
+    counter = op_counter()
+    side.step_context = lambda: counter.in_phase("optimizer")
+    try:
+        with counter:
+            value = call(*args)
+    finally:
+        side.step_context = contextlib.nullcontext
+    counts = {phase: counter.counts.get(phase, Counter()) for phase in ("micro_batches", "optimizer")}
+    return counts, value
+
+
+def count_side(name: str, args: argparse.Namespace, batch) -> dict:
+    """One side's counts over its runs (see the module docstring): ``full`` (``--layers``, 2
+    micro-batches), ``one_micro_batch`` (the same rows at once), ``half_rows`` (half the rows, 2
+    micro-batches of half the size), ``one_layer``, and the log-prob pass with 2 and with 1
+    micro-batch."""
+    import torch
+
+    device, rows = torch.device("cpu"), len(batch)
+    counts: dict[str, dict] = {}
+    for layers in (args.layers, 1):
+        config = build_config(args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab)
+        side = SIDES[name](config, device, torch.bfloat16, True, args.response_length)
+        batch = side.prepare(batch)
+        side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
+        key = "full" if layers == args.layers else "one_layer"
+        counts[key], metrics = counted(side, side.update, batch, rows // 2)
+        if layers == args.layers:
+            update_metrics = metrics  # the second update from the same weights on both sides
+            counts["one_micro_batch"] = counted(side, side.update, batch, rows)[0]
+            half = batch[list(range(rows // 2))]
+            counts["half_rows"] = counted(side, side.update, half, rows // 4)[0]
+            counts["log_probs"] = counted(side, side.log_probs, batch, rows // 2)[0]
+            counts["log_probs_one"] = counted(side, side.log_probs, batch, rows)[0]
+            param_tensors = side.param_tensors
+        print(f"  {name}: {layers}-layer runs counted", flush=True)
+        del side
+        release()
+    return {"param_tensors": param_tensors, "counts": counts, "metrics": update_metrics}
+
+
+def per_unit(side: dict) -> dict[str, dict[str, float]]:
+    """The table's rows for one side: each a {column: count} (see :func:`print_op_counts`)."""
+    counts = side["counts"]
+
+    def phase(run: str, which: str) -> Counter:
+        return counts[run][which]
+
+    def combine(*terms: tuple[float, Counter]) -> dict[str, float]:
+        return {column: sum(weight * counter[column] for weight, counter in terms) for column in COLUMNS}
+
+    full_mb, full_opt = phase("full", "micro_batches"), phase("full", "optimizer")
+    return {
+        "update (2 micro-batches)": combine((1, full_mb), (1, full_opt)),
+        "micro-batch loop": combine((1, full_mb)),
+        "optimizer step + clipping": combine((1, full_opt)),
+        # 2 micro-batches of half the rows - 1 micro-batch of all: what one more micro-batch costs
+        "per micro-batch": combine((1, full_mb), (-1, phase("one_micro_batch", "micro_batches"))),
+        # (L layers - 1 layer) / (L - 1), per micro-batch: forward and backward of one decoder layer
+        "per decoder layer, per micro-batch": combine(
+            (0.5 / max(1, side["layers"] - 1), full_mb),
+            (-0.5 / max(1, side["layers"] - 1), phase("one_layer", "micro_batches")),
+        ),
+        # all rows in 2 micro-batches - half the rows in 2: per row of a micro-batch
+        "per extra row in a micro-batch": combine(
+            (1 / side["rows"], full_mb), (-1 / side["rows"], phase("half_rows", "micro_batches"))
+        ),
+        "per parameter tensor, optimizer + clipping": combine((1 / side["param_tensors"], full_opt)),
+        "log-prob pass (no grad, 2 micro-batches)": combine((1, phase("log_probs", "micro_batches"))),
+        "log-prob pass, per micro-batch": combine(
+            (1, phase("log_probs", "micro_batches")), (-1, phase("log_probs_one", "micro_batches"))
+        ),
+    }
+
+
+def op_counts(args: argparse.Namespace) -> dict:
+    """The CPU mode: both sides counted on the same model and batch."""
+    import torch
+    import torch.distributed as dist
+
+    from mmrl.protocol import DataProto
+
+    if not dist.is_initialized():
+        _init_one_rank_group("gloo")
+    notes = torch_shims()
+    batch = random_batch(args.rows, args.prompt_length, args.response_length, args.vocab)
+    # old log-probs: those of near-uniform logits (random weights), so that the ratio is near 1 and no
+    # token is clipped (a clipped token's gradient is zero); the same for both sides
+    old = torch.full((args.rows, args.response_length), -math.log(args.vocab))
+    batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
+    sides = {}
+    for name in ("mmrl", "plain"):
+        side = count_side(name, args, batch)
+        side.update(layers=args.layers, rows=args.rows)
+        side["table"] = per_unit(side)
+        side["counts"] = {
+            run: {which: dict(counter) for which, counter in phases.items()}
+            for run, phases in side["counts"].items()
+        }
+        sides[name] = side
+    return {"torch": torch.__version__, "notes": notes, "sides": sides}
+
+
+def print_op_counts(args: argparse.Namespace, result: dict) -> None:
+    print(
+        f"\naten ops dispatched, Qwen2.5-VL-3B layout at {args.widths} widths, {args.layers} decoder layers, {args.vision_depth} "
+        f"vision blocks, vocabulary {args.vocab:,}; {args.rows} rows x ({args.prompt_length} prompt + "
+        f"{args.response_length} response) tokens; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
+        f"(gloo), gradient checkpointing on; torch {result['torch']}\n"
+    )
+    mmrl, plain = result["sides"]["mmrl"]["table"], result["sides"]["plain"]["table"]
+    print(
+        "| what | ops mmrl | ops plain | copy_ mmrl | copy_ plain | _to_copy mmrl | _to_copy plain "
+        "| syncs mmrl | syncs plain | DTensor mmrl | DTensor plain |"
+    )
+    print("|---|" + "---|" * 10)
+
+    def fmt(value: float) -> str:
+        return f"{value:,.0f}" if float(value).is_integer() or abs(value) >= 100 else f"{value:,.2f}"
+
+    for what in mmrl:
+        cells = [f"{fmt(mmrl[what][column])} | {fmt(plain[what][column])}" for column in COLUMNS]
+        print(f"| {what} | " + " | ".join(cells) + " |")
+    numbers = {name: side["metrics"] for name, side in result["sides"].items()}
+    print(
+        "\nthe counted update's loss and gradient norm (same weights and batch, bf16): "
+        + ", ".join(f"{name} {m['loss']:.6f} / {m['grad_norm']:.6f}" for name, m in numbers.items())
+    )
+    for note in result["notes"]:
+        print(f"note: {note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="3b", choices=["3b", "7b"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
+    parser.add_argument("--baseline", choices=["plain"], default=None, help="also time the plain FSDP2 loop")
+    parser.add_argument("--rows", type=int, default=None, help="default 16 (GPU), 4 (CPU)")
+    parser.add_argument("--prompt_length", type=int, default=None, help="default 512 (GPU), 16 (CPU)")
+    parser.add_argument("--response_length", type=int, default=None, help="default 512 (GPU), 16 (CPU)")
+    parser.add_argument("--micro_batch", type=int, default=4)
+    parser.add_argument("--log_prob_micro_batch", type=int, default=None, help="default: --micro_batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--no_profile", dest="profile", action="store_false", help="skip the profiled update")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of the GPU")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (CPU mode: default 2)")
+    parser.add_argument(
+        "--widths",
+        choices=["3b", "small", "smoke"],
+        default="3b",
+        help="CPU mode: 3B widths, or narrow ones (fast)",
+    )
+    parser.add_argument("--vision_depth", type=int, default=2, help="CPU mode: vision blocks")
+    parser.add_argument("--vocab", type=int, default=8192, help="CPU mode: vocabulary rows")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny config on the CPU: checks the timed code path only"
+    )
+    args = parser.parse_args()
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.model, args.rows, args.prompt_length, args.response_length, args.repeats = "smoke", 4, 16, 16, 1
+        args.micro_batch = min(args.micro_batch, 2)
+    elif device == "cpu":
+        args.layers = args.layers or 2
+        args.rows, args.prompt_length, args.response_length = (
+            args.rows or 4,
+            args.prompt_length or 16,
+            args.response_length or 16,
+        )
+        if args.rows % 4:
+            parser.error("--rows: the CPU mode halves the rows twice; give a multiple of 4")
+        result = op_counts(args)
+        print_op_counts(args, result)
+        write(args, result, "gpu_mfu_ops.json")
+    elif not torch.cuda.is_available():
+        print(
+            f"bench/gpu_mfu.py --device cuda needs a CUDA GPU, and this machine has none (torch "
+            f"{torch.__version__}, CUDA build: {torch.version.cuda}). Nothing measured; "
+            "`python bench/gpu_mfu.py --device cpu` counts the ops on the CPU."
+        )
+        sys.exit(0)
+    args.rows, args.prompt_length, args.response_length = (
+        args.rows or 16,
+        args.prompt_length or 512,
+        args.response_length or 512,
+    )
+    result = run(args)
+    print_timings(args, result)
+    write(args, result, "gpu_mfu_smoke.json" if args.smoke else "gpu_mfu.json")
+
+
+def write(args: argparse.Namespace, result: dict, name: str) -> None:
+    out = args.out or RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "result": result}, indent=2) + "\n")
+    out.write_text(json.dumps({"args": vars(args), "result": result}, indent=2, default=str) + "\n")
     print(f"\nwritten to {out}")
     os._exit(0)  # skip the process group's teardown
 

@@ -67,8 +67,8 @@ class PackedSequences(NamedTuple):
 
 class SharedPrefixSequences(NamedTuple):
     """A packed row where the n responses of a prompt share one copy of it: ``[prompt, response_1, ...,
-    response_n, next prompt, ...]``. Every token belongs to one *segment* (a prompt, or a response)
-    and attends causally to its segment's keys: a prompt's own tokens, or its prompt's tokens followed
+    response_n, next prompt, ...]``. Every token belongs to one *segment* (a prompt, a response, or a
+    row whose prompt has no other response, packed whole) and attends causally to its segment's keys: a prompt's own tokens, or its prompt's tokens followed
     by the response's own (bottom-right causal: query i of a q-token segment with k keys sees keys
     ``0 .. k - q + i``). Built by :func:`mmrl.models.inputs.build_shared_prefix_inputs`.
 
@@ -76,7 +76,12 @@ class SharedPrefixSequences(NamedTuple):
     ``kv_index`` int64 ``[sum(kv_lengths)]``: each segment's keys as positions of the row;
     ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (flash-attn's varlen layout over the gathered keys);
     ``buckets``: for the torch path, segments of equal (q, k) lengths batched:
-    ``(query positions [m, q], key positions [m, k])``.
+    ``(query positions [m, q], key positions [m, k], mask [q, k] or None, span)``, the bottom-right
+    causal mask made once per pass rather than in every layer, and None for segments that attend to
+    themselves only (q = k: a prompt, or a row whose prompt is not shared), which run causal without a
+    mask (no mask: sdpa's fused kernels and grouped-query heads without copying the keys on a GPU);
+    ``span`` ``(start, stop)`` when such segments lie back to back from ``start`` to ``stop`` (their
+    tokens are then taken as views of the row, not gathered), else None.
     """
 
     q_lengths: tuple[int, ...]
@@ -106,8 +111,10 @@ class SharedPrefixSequences(NamedTuple):
             (
                 torch.stack([torch.arange(segments[i][0], segments[i][0] + q) for i in members]).to(device),
                 torch.stack([key_positions[i] for i in members]).to(device),
+                None if q == k else bottom_right_causal_mask(q, k, device),
+                _span(segments, members, q, k),
             )
-            for (q, _), members in by_shape.items()
+            for (q, k), members in by_shape.items()
         )
         cu_q = torch.zeros(len(segments) + 1, dtype=torch.int32)
         cu_q[1:] = torch.tensor(q_lengths, dtype=torch.int32).cumsum(0)
@@ -123,6 +130,16 @@ class SharedPrefixSequences(NamedTuple):
             max(kv_lengths),
             buckets,
         )
+
+
+def _span(
+    segments: list[tuple[int, int, list[tuple[int, int]]]], members: list[int], q: int, k: int
+) -> tuple[int, int] | None:
+    """``(start, stop)`` of the bucket ``members`` of self-attending segments (q = k) lying back to back
+    in the row, else None."""
+    start = segments[members[0]][0]
+    back_to_back = all(segments[i][0] == start + j * q for j, i in enumerate(members))
+    return (start, start + len(members) * q) if q == k and back_to_back else None
 
 
 @functools.cache
@@ -252,21 +269,49 @@ def shared_prefix_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
-    output = query.new_empty(tokens, heads, head_dim)
-    for query_positions, key_positions in sequences.buckets:  # [m, q], [m, k]
-        mask = bottom_right_causal_mask(query_positions.shape[1], key_positions.shape[1], query.device)
+    buckets = sequences.buckets
+    output = None if len(buckets) == 1 else query.new_empty(tokens, heads, head_dim)
+    for query_positions, key_positions, mask, span in buckets:  # [m, q], [m, k], [q, k] or None
+        if span is not None:  # back-to-back segments: [m, H, q, D] views of the row
+            count = query_positions.shape[0]
+            q, k, v = (
+                x[0, :, span[0] : span[1]].unflatten(1, (count, -1)).transpose(0, 1)
+                for x in (query, key, value)
+            )
+        else:
+            q = query[0][:, query_positions].transpose(0, 1)  # [m, H, q, D]
+            k = key[0][:, key_positions].transpose(0, 1)  # [m, H_kv, k, D]
+            v = value[0][:, key_positions].transpose(0, 1)
         bucket_output, _ = sdpa_attention_forward(
             module,
-            query[0][:, query_positions].transpose(0, 1),  # [m, H, q, D]
-            key[0][:, key_positions].transpose(0, 1),  # [m, H_kv, k, D]
-            value[0][:, key_positions].transpose(0, 1),
-            mask.expand(query_positions.shape[0], 1, -1, -1),
+            q,
+            k,
+            v,
+            None if mask is None else mask.expand(query_positions.shape[0], 1, -1, -1),
             dropout=dropout,
             scaling=scaling,
-            is_causal=False,
+            is_causal=mask is None,  # q = k: the segment's own keys, causal (top-left = bottom-right)
         )  # [m, q, H, D]
-        output[query_positions.flatten()] = bucket_output.reshape(-1, heads, head_dim)
+        bucket_output = bucket_output.reshape(-1, heads, head_dim)
+        if output is None:  # one bucket: every token of the row, in row order
+            return (
+                bucket_output.unsqueeze(0)
+                if span is not None
+                else _in_row_order(bucket_output, query_positions)
+            )
+        if span is not None:
+            output[span[0] : span[1]] = bucket_output
+        else:
+            output[query_positions.flatten()] = bucket_output
     return output.unsqueeze(0)
+
+
+def _in_row_order(outputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``outputs`` [T, H, D] of the tokens at ``positions`` (all T of the row, in some order) as [1, T, H, D]
+    in row order."""
+    ordered = torch.empty_like(outputs)
+    ordered[positions.flatten()] = outputs
+    return ordered.unsqueeze(0)
 
 
 def packed_attention_forward(

@@ -141,8 +141,9 @@ def prompt_groups(
     )
     candidates: dict[bytes, list[int]] = {}
     first_of = []
+    ids, valid = prompt_ids.cpu().numpy(), prompt_mask.bool().cpu().numpy()  # one copy to the host
     for row in range(len(prompt_ids)):
-        tokens = prompt_ids[row, prompt_mask[row].bool()].cpu().numpy().tobytes()
+        tokens = ids[row, valid[row]].tobytes()
         same = candidates.setdefault(tokens, [])
         match = next((first for first in same if _same_media(rows_media[first], rows_media[row])), None)
         if match is None:
@@ -324,26 +325,31 @@ def build_shared_prefix_inputs(
         members.setdefault(first, []).append(row)
 
     token_pieces, position_pieces, segments = [], [], []
-    predicting: dict[int, torch.Tensor] = {}  # row -> packed positions predicting its response tokens
+    predicting: dict[int, list[int]] = {}  # row -> packed positions predicting its response tokens
+    response_counts = response_valid.sum(-1).tolist()  # one host sync, not one per row
+    prompt_columns = _prompt_columns(prompt_valid)
     cursor = 0
     for first, rows in members.items():
-        prompt_tokens = input_ids[first, :prompt_length][prompt_valid[first]]
-        token_pieces.append(prompt_tokens)
-        position_pieces.append(positions[..., first, :prompt_length][..., prompt_valid[first]])
-        prompt_start, prompt_count = cursor, len(prompt_tokens)
-        segments.append((prompt_start, prompt_count, [(prompt_start, prompt_count)]))
+        columns = prompt_columns[first]
+        token_pieces.append(input_ids[first, :prompt_length][columns])
+        position_pieces.append(positions[..., first, :prompt_length][..., columns])
+        prompt_start, prompt_count = cursor, token_pieces[-1].shape[0]
+        # a prompt with one response is that row packed whole: one segment attending to itself only
+        whole_row = len(rows) == 1 and response_counts[rows[0]] > 0
+        if not whole_row:
+            segments.append((prompt_start, prompt_count, [(prompt_start, prompt_count)]))
         cursor += prompt_count
         for row in rows:
-            count = int(response_valid[row].sum())
+            count = response_counts[row]
+            predicting[row] = [prompt_start + prompt_count - 1, *range(cursor, cursor + count - 1)][:count]
             if count == 0:
-                predicting[row] = torch.zeros(0, dtype=torch.long)
                 continue
             token_pieces.append(input_ids[row, prompt_length:][:count])
             position_pieces.append(positions[..., row, prompt_length : prompt_length + count])
-            segments.append((cursor, count, [(prompt_start, prompt_count), (cursor, count)]))
-            predicting[row] = torch.cat(
-                [torch.tensor([prompt_start + prompt_count - 1]), torch.arange(cursor, cursor + count - 1)]
-            )
+            if whole_row:
+                segments.append((prompt_start, prompt_count + count, [(prompt_start, prompt_count + count)]))
+            else:
+                segments.append((cursor, count, [(prompt_start, prompt_count), (cursor, count)]))
             cursor += count
     # in packed order: each prompt's media, then the media inside its rows' responses (trajectories)
     media = joined_media(
@@ -364,8 +370,23 @@ def build_shared_prefix_inputs(
         "packed_sequences": SharedPrefixSequences.from_segments(segments, device),
         **family_of(model).forward_media(media),
     }
-    indices = torch.cat([predicting[row] for row in range(len(input_ids))]).to(device)
+    indices = torch.tensor(
+        [position for row in range(len(input_ids)) for position in predicting[row]], dtype=torch.long
+    ).to(device)
     return inputs, indices, response_valid
+
+
+def _prompt_columns(prompt_valid: torch.Tensor) -> list[slice | torch.Tensor]:
+    """Each row's valid prompt columns: a slice (a view, no device sync) when they are the last ones
+    (left padding, as the rollout hands rows over), else the row's mask. One copy to the host in all."""
+    valid = prompt_valid.cpu().numpy()
+    width = valid.shape[1]
+    columns: list[slice | torch.Tensor] = []
+    for row, row_valid in enumerate(valid):
+        count = int(row_valid.sum())
+        left_padded = bool(row_valid[width - count :].all())
+        columns.append(slice(width - count, width) if left_padded else prompt_valid[row])
+    return columns
 
 
 def check_rollout_layout(valid: torch.Tensor, prompt_length: int) -> None:

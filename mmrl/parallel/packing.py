@@ -17,7 +17,6 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from mmrl.protocol import DataProto
 
@@ -131,10 +130,11 @@ def balance_batch(batch: DataProto, num_parts: int) -> tuple[DataProto, np.ndarr
     return batch.reorder(order), np.argsort(order)
 
 
-def padding_counts(attention_mask: torch.Tensor, padding_free: bool) -> tuple[int, int]:
-    """``(computed tokens, of which padding)`` of one forward pass over ``attention_mask`` [B, L]:
-    packed it computes the valid tokens only; padded, all ``B * L`` positions."""
-    valid = int(attention_mask.sum())
+def padding_counts(lengths: list[int], rows: list[int], width: int, padding_free: bool) -> tuple[int, int]:
+    """``(computed tokens, of which padding)`` of one forward pass over ``rows`` of a batch whose rows
+    hold ``lengths`` valid tokens of ``width`` columns: packed it computes the valid tokens only;
+    padded, all ``len(rows) * width`` positions. Plain ints: no host sync per micro-batch."""
+    valid = sum(lengths[row] for row in rows)
     if padding_free:
         return valid, 0
-    return attention_mask.numel(), attention_mask.numel() - valid
+    return len(rows) * width, len(rows) * width - valid

@@ -90,8 +90,7 @@ def micro_batch_token_outputs(
     """The model's head outputs predicting the K valid response tokens, [K, D] ([K, 2] log-prob and
     entropy with ``scoring``), and where those tokens are, ``response_valid`` [b, R] (see
     ``mmrl.models.inputs.response_token_outputs``)."""
-    batch = micro_batch.batch
-    check_alignment(module, micro_batch, [f"micro-batch row {row}" for row in range(len(micro_batch))])
+    batch = micro_batch.batch  # media alignment: checked once per pass (role_micro_batches, train_role)
     return response_token_outputs(
         module,
         *forward_arguments(micro_batch),
@@ -141,7 +140,9 @@ def forward_micro_batches(
 
 def role_micro_batches(role, data: DataProto, micro_batch_size: int) -> tuple[list[DataProto], np.ndarray]:
     """:func:`forward_micro_batches` of ``data``'s forward columns for ``role`` (a ``PolicyActor`` or
-    ``ValueCritic``: its token budget, device and data-parallel group)."""
+    ``ValueCritic``: its token budget, device and data-parallel group), after checking the media
+    alignment of all its rows at once."""
+    check_alignment(role.module, data, names=_sample_names(data))
     return forward_micro_batches(
         forward_columns(data),
         micro_batch_size,
@@ -155,7 +156,9 @@ def train_role(
     role, columns: DataProto, micro_batch_loss, mini_batch_size: int, micro_batch_size: int, epochs: int
 ) -> dict[str, float]:
     """One training step of ``role`` (a ``PolicyActor`` or ``ValueCritic``) over this rank's rows
-    (``train_on_batch`` with the role's clipping, packing and groups); the scheduler advances once."""
+    (``train_on_batch`` with the role's clipping, packing and groups); the scheduler advances once.
+    The media alignment of all rows is checked once, not per micro-batch and epoch."""
+    check_alignment(role.module, columns, names=_sample_names(columns))
     role.module.train()
     metrics = train_on_batch(
         role.module,

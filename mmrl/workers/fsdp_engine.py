@@ -413,9 +413,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
         total = total.to(collective_device(total)).full_tensor()
     total_norm = float(total)
     if max_norm > 0 and math.isfinite(total_norm) and total_norm > max_norm:
-        scale = max_norm / (total_norm + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
+        # one foreach op for all gradients (on DTensors too), not one dispatch per parameter
+        torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
     return total_norm
 
 
@@ -462,6 +461,14 @@ def micro_batch_rows(
     # On the mask's device: NCCL reduces CUDA tensors only.
     num_groups = all_reduce_max(torch.tensor([len(groups)], device=attention_mask.device), group)
     return split_groups(groups, seq_lengths, int(num_groups))
+
+
+def row_selection(rows: list[int]) -> slice | list[int]:
+    """``rows`` as a slice when they are consecutive (a micro-batch of views: no per-column index op),
+    else as they are."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return rows
 
 
 def global_counts(
@@ -541,8 +548,9 @@ def train_on_batch(
     through its own tokens only, so their gradients add up to the rows' gradient.
     """
     gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
-    metric_sums: dict[str, torch.Tensor] = {}
-    token_counts = torch.zeros(2, dtype=torch.float64)  # computed tokens, of which padding
+    # per micro-batch: its metric shares as one float64 vector (one cast, one add), keyed by their names
+    share_sums: dict[tuple[str, ...], torch.Tensor] = {}
+    token_counts = [0, 0]  # computed tokens, of which padding
     grad_norms: list[float] = []
     skipped_steps = 0
     num_steps = 0
@@ -552,22 +560,29 @@ def train_on_batch(
             mini_batch = mini_batch.to(device)
             num_tokens, num_seqs = global_counts(mini_batch.batch["response_mask"], group)
             attention_mask = mini_batch.batch["attention_mask"]
+            lengths = attention_mask.sum(-1).tolist()  # one host sync per mini-batch, not per micro-batch
             for rows in micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group):
-                micro_batch = mini_batch[rows]
+                micro_batch = mini_batch[row_selection(rows)]
                 loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
                 (loss * gradient_scale).backward()
-                for name, share in shares.items():
-                    share = share.detach().double()
-                    metric_sums[name] = metric_sums[name] + share if name in metric_sums else share
-                token_counts += torch.tensor(padding_counts(attention_mask[rows], padding_free))
+                names = tuple(shares)
+                stacked = torch.stack([share.detach() for share in shares.values()]).double()
+                share_sums[names] = share_sums[names] + stacked if names in share_sums else stacked
+                counts = padding_counts(lengths, rows, attention_mask.shape[1], padding_free)
+                token_counts = [total + count for total, count in zip(token_counts, counts)]
             grad_norm, stepped = optimizer_step(module, optimizer, max_grad_norm)
             num_steps += 1
             if stepped:
                 grad_norms.append(grad_norm)
             else:
                 skipped_steps += 1
+    metric_sums: dict[str, torch.Tensor] = {}
+    for names, sums in share_sums.items():
+        for name, total in zip(names, sums.unbind()):
+            metric_sums[name] = metric_sums[name] + total if name in metric_sums else total
+    token_totals = torch.tensor(token_counts, dtype=torch.float64)
     totals = all_reduce_metrics(
-        {**metric_sums, "_computed_tokens": token_counts[0], "_padding_tokens": token_counts[1]},
+        {**metric_sums, "_computed_tokens": token_totals[0], "_padding_tokens": token_totals[1]},
         device,
         group,
     )

@@ -402,9 +402,10 @@ def test_balance_batch_reorders_and_restores(batches):
 
 
 def test_padding_counts_by_hand():
-    attention_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])  # 5 valid of 8
-    assert padding_counts(attention_mask, padding_free=False) == (8, 3)
-    assert padding_counts(attention_mask, padding_free=True) == (5, 0)
+    lengths = [3, 2, 4]  # valid tokens of rows of 4 columns
+    assert padding_counts(lengths, [0, 1], 4, padding_free=False) == (8, 3)
+    assert padding_counts(lengths, [0, 1], 4, padding_free=True) == (5, 0)
+    assert padding_counts(lengths, [2], 4, padding_free=False) == (4, 0)
 
 
 # ---------------------------------------------------------------- position ids once per prompt
