@@ -407,12 +407,14 @@ class ResponseScoring:
     """Score the response tokens inside the model's head (:mod:`mmrl.models.token_scoring`): the
     outputs become ``[..., 2]`` = (``log_softmax(logits / temperature)`` of the response token,
     entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
-    (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only."""
+    (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only;
+    ``spread_top_k`` > 0: a third output, the collapse-recovery spread term (``[..., 3]``)."""
 
     temperature: float
     chunk_tokens: int
     entropy_grad: bool = False
     entropy_top_k: int = 0
+    spread_top_k: int = 0
 
 
 def _scoring_scope(
@@ -430,6 +432,7 @@ def _scoring_scope(
         scoring.entropy_grad,
         rows,
         scoring.entropy_top_k,
+        scoring.spread_top_k,
     )
 
 

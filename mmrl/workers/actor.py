@@ -40,6 +40,7 @@ from mmrl.core_algos import (
     kl_penalty,
     log_probs_from_logits,
     rollout_correction_weights,
+    spread_from_logits,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
 from mmrl.models.token_scoring import token_scoring_head
@@ -128,14 +129,22 @@ class PolicyActor:
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
 
     def _response_scores(
-        self, micro_batch: DataProto, temperature: float, with_entropy: bool, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        self,
+        micro_batch: DataProto,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool = False,
+        spread_top_k: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``log softmax(logits / temperature)`` of the valid response tokens [K] (float32), their
-        entropies [K] when ``with_entropy`` (differentiable with ``entropy_grad``, else detached) and
-        ``response_valid`` [b, R]."""
+        entropies [K] when ``with_entropy`` (differentiable with ``entropy_grad``, else detached),
+        ``response_valid`` [b, R], and with ``spread_top_k`` > 0 the collapse-recovery spread term [K]
+        (``core_algos.spread_from_logits``, differentiable), else None."""
         chunk_tokens, top_k = self.config.log_prob_chunk_tokens, self.config.entropy_top_k
         scoring = (
-            ResponseScoring(temperature, chunk_tokens, entropy_grad, top_k) if chunk_tokens > 0 else None
+            ResponseScoring(temperature, chunk_tokens, entropy_grad, top_k, spread_top_k)
+            if chunk_tokens > 0
+            else None
         )
         outputs, response_valid = micro_batch_token_outputs(
             self.module,
@@ -145,17 +154,20 @@ class PolicyActor:
             self.config.share_prompts,
             scoring,
         )
-        if scoring is not None:  # [K, 2]: the head scored the tokens chunk by chunk
+        if scoring is not None:  # [K, 2] (or [K, 3] with the spread): the head scored the tokens in chunks
             entropies = outputs[:, 1] if entropy_grad else outputs[:, 1].detach()
-            return outputs[:, 0], entropies if with_entropy else None, response_valid
+            spreads = outputs[:, 2] if spread_top_k > 0 else None
+            return outputs[:, 0], entropies if with_entropy else None, response_valid, spreads
         logits = outputs / temperature  # [K, V]
         log_probs = log_probs_from_logits(logits, micro_batch.batch["responses"][response_valid]).float()
+        spreads = spread_from_logits(logits.float(), spread_top_k) if spread_top_k > 0 else None
         if not with_entropy:
-            return log_probs, None, response_valid
+            return log_probs, None, response_valid, spreads
         if entropy_grad:
-            return log_probs, entropy_from_logits(logits.float(), top_k), response_valid
+            return log_probs, entropy_from_logits(logits.float(), top_k), response_valid, spreads
         with torch.no_grad():  # logged only: no graph through the softmax
-            return log_probs, entropy_from_logits(logits.detach().float(), top_k), response_valid
+            entropies = entropy_from_logits(logits.detach().float(), top_k)
+        return log_probs, entropies, response_valid, spreads
 
     @torch.no_grad()
     def compute_log_probs(
@@ -168,7 +180,7 @@ class PolicyActor:
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
-            token_log_probs, entropy, response_valid = self._response_scores(
+            token_log_probs, entropy, response_valid, _ = self._response_scores(
                 micro_batch, temperature, with_entropy
             )  # [K] each
             log_probs.append(scatter_response_tokens(token_log_probs, response_valid).cpu())
@@ -188,6 +200,7 @@ class PolicyActor:
         *,
         on_policy: bool = False,
         entropy_coeff: float | None = None,
+        spread_coeff: float = 0.0,
     ) -> PolicyUpdate:
         """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
         advances once per call (one training step). Sizes count this rank's rows.
@@ -199,11 +212,13 @@ class PolicyActor:
         pass is saved, and those log-probs and entropies come back in the :class:`PolicyUpdate`.
         ``entropy_coeff``: this step's weight of the entropy bonus (0: the entropy is only measured; the
         driver's controller decides it each step); None: ``worker.actor.entropy_coeff``, a fixed bonus.
+        ``spread_coeff``: this step's weight of the collapse-recovery term (the driver's
+        :class:`~mmrl.core_algos.CollapseGate`, ``worker.actor.collapse_recovery``); 0: not computed.
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
         ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means; with clip_cov or
         kl_cov ``pg_covfrac``, the share of tokens the covariance selected), ``kl_loss``
-        (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
+        (with the KL loss), ``collapse_spread`` (with ``spread_coeff``), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
         ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free), and with
         ``mask_truncated_responses`` ``truncated_masked_ratio`` (fraction of the rows left out of the
         loss; they need the ``truncated`` column), and with ``algorithm.rollout_correction`` (the batch
@@ -237,6 +252,7 @@ class PolicyActor:
             temperature=temperature,
             entropy_coeff=self.config.entropy_coeff if entropy_coeff is None else entropy_coeff,
             on_policy_outputs=outputs,
+            spread_coeff=spread_coeff,
         )
         metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if truncated_ratio is not None:
@@ -267,9 +283,11 @@ class PolicyActor:
         temperature: float,
         entropy_coeff: float = 0.0,
         on_policy_outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        spread_coeff: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the mini-batch loss
-        ``pg_loss - entropy_coeff * entropy + kl_coef * kl`` (each aggregated by ``loss_avg_mode``).
+        ``pg_loss - entropy_coeff * entropy + kl_coef * kl + spread_coeff * spread`` (each aggregated by
+        ``loss_avg_mode``; the spread term only with ``spread_coeff`` != 0).
         On-policy (``on_policy_outputs`` given) the old log-probs are this pass's own, detached, and
         (rows, log-probs, entropies) are appended to ``on_policy_outputs``."""
         config, batch = self.config, micro_batch.batch
@@ -283,8 +301,9 @@ class PolicyActor:
             max_response_length=self.max_response_length,
         )
         entropy_bonus = entropy_coeff != 0.0
-        token_log_probs, token_entropies, response_valid = self._response_scores(
-            micro_batch, temperature, with_entropy=True, entropy_grad=entropy_bonus
+        spread_top_k = config.collapse_recovery.top_k if spread_coeff != 0.0 else 0
+        token_log_probs, token_entropies, response_valid, token_spreads = self._response_scores(
+            micro_batch, temperature, True, entropy_bonus, spread_top_k
         )  # [K] each
         log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
         entropy = scatter_response_tokens(token_entropies, response_valid)  # [b, R]
@@ -301,6 +320,11 @@ class PolicyActor:
         loss = pg_loss
         if entropy_bonus:
             loss = loss - entropy_coeff * aggregate(entropy)
+        spread_share = {}
+        if token_spreads is not None:  # only while the driver's gate sees a collapse
+            spread = aggregate(scatter_response_tokens(token_spreads, response_valid))
+            loss = loss + spread_coeff * spread
+            spread_share["collapse_spread"] = spread.detach()
 
         if on_policy_outputs is not None:
             on_policy_outputs.append(
@@ -311,6 +335,7 @@ class PolicyActor:
             **{key: token_share(value, response_mask, num_tokens) for key, value in diagnostics.items()},
             "entropy": token_share(entropy, response_mask, num_tokens),
             **correction_shares,
+            **spread_share,
         }
         if self.use_kl_loss:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))

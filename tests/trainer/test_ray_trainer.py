@@ -1228,6 +1228,11 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         assert row["rollout/generated_responses"] == generated * 4
         assert 0 < row["rollout/generated_response_tokens"] <= generated * 4 * 4
         assert row["rollout/zero_adv_group_frac"] == 0.0, step
+        # the collapse signs count every round's groups: a 0/1 reward's dropped groups are its all-equal ones
+        all_equal = row["rollout/dropped_groups"] - row["rollout/surplus_groups"]
+        assert row["rollout/all_equal_group_frac"] == pytest.approx(all_equal / generated), step
+        assert row["rollout/steps_since_mixed_group"] == 0 and row["actor/collapse_coeff"] == 0.0
+        assert 0.0 <= row["actor/saturated_token_frac"] <= 1.0
         assert row["actor/grad_norm"] > 0
         # the rounds of a step share the last update's push; only the save of step 2 freed the weights
         assert row["rollout/weight_pushes_before_generate"] == (1.0 if step == 3 else 0.0), step
