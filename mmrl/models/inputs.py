@@ -405,10 +405,10 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 @dataclass(frozen=True)
 class ResponseScoring:
     """Score the response tokens inside the model's head (:mod:`mmrl.models.token_scoring`): the
-    outputs become ``[..., 2]`` = (``log_softmax(logits / temperature)`` of the response token,
-    entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
+    outputs become ``[..., 4]`` = (``log_softmax(logits / temperature)`` of the response token,
+    entropy, spread term, whole-vocabulary entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
     (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only;
-    ``spread_top_k`` > 0: a third output, the collapse-recovery spread term (``[..., 3]``)."""
+    ``spread_top_k`` > 0: the collapse-recovery spread term in the third column (else 0)."""
 
     temperature: float
     chunk_tokens: int
@@ -469,7 +469,7 @@ def response_head_outputs(
 
     ``input_ids`` [B, P + R] ends with the R response tokens; the output at position ``t`` predicts
     token ``t + 1``, so positions ``P - 1 .. P + R - 2`` are kept. ``D`` is the vocabulary for a policy
-    (logits, before temperature), 2 with ``scoring`` (log-prob, entropy of each response token) and 1
+    (logits, before temperature), 4 with ``scoring`` (log-prob, entropy, spread, whole-vocabulary entropy) and 1
     for a critic (values of the states before each response token).
     At padded response slots: whatever the model computes there, or 0 with ``padding_free``.
     """

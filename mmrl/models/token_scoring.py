@@ -15,10 +15,11 @@ stay tied, state-dict names unchanged). FSDP2 gathers that weight for the root m
 reduce-scatters its gradient after the root's backward, exactly as for a plain head. Inside
 ``with scoring_tokens(model, targets, temperature, ...)`` the head returns ``[..., 2]`` =
 ``(log-prob, entropy)`` of ``targets`` (one target id per hidden row it is given) instead of logits,
-and ``[..., 3]`` with a third column, the collapse-recovery spread term (``spread_top_k`` > 0:
+then two more columns: the collapse-recovery spread term (``spread_top_k`` > 0:
 ``KL(u_K || softmax(z))``, ``u_K`` uniform over the ``spread_top_k`` largest logits, whose logit
-gradient ``softmax(z) - u_K`` does not vanish at a saturated softmax); outside it is the plain linear
-head (generation, warm-up, rollout weight sync are untouched).
+gradient ``softmax(z) - u_K`` does not vanish at a saturated softmax; else 0) and the whole-vocabulary
+entropy (logged only; the entropy column itself when it is not a top-k one): ``[..., 4]``. Outside it
+is the plain linear head (generation, warm-up, rollout weight sync are untouched).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k, spread_k):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
-        spreads = torch.zeros_like(log_probs)
+        spreads, full_entropies = torch.zeros_like(log_probs), torch.empty_like(log_probs)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]: z
@@ -104,21 +105,24 @@ class _ChunkedTokenScores(torch.autograd.Function):
             log_probs[rows] = picked - lse
             if spread_k is not None:
                 spreads[rows] += lse
+            weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
+            full_entropies[rows] = sums.log() - weighted / sums
             if top_k is None:
-                weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
-                entropies[rows] = sums.log() - weighted / sums
+                entropies[rows] = full_entropies[rows]
             lses[rows] = lse
             del logits, shifted  # freed before the next chunk's buffer is allocated
         ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
         ctx.temperature, ctx.chunk, ctx.entropy_grad, ctx.top_k = temperature, chunk, entropy_grad, top_k
         ctx.spread_k = spread_k
         # one call: each call replaces the set of non-differentiable outputs
-        ctx.mark_non_differentiable(*([] if entropy_grad else [entropies]), *([] if spread_k else [spreads]))
+        ctx.mark_non_differentiable(
+            full_entropies, *([] if entropy_grad else [entropies]), *([] if spread_k else [spreads])
+        )
         ctx.set_materialize_grads(False)
-        return log_probs, entropies, spreads
+        return log_probs, entropies, spreads, full_entropies
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropies, grad_spreads):
+    def backward(ctx, grad_log_probs, grad_entropies, grad_spreads, _grad_full_entropies):
         hidden, weight, bias, targets, lses, entropies = ctx.saved_tensors
         if not ctx.entropy_grad:
             grad_entropies = None
@@ -203,10 +207,11 @@ def chunked_token_scores(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scoring: TokenScoring,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log_softmax(z)[targets], entropy(softmax(z)), spread)`` with ``z = (hidden W^T + b) / T``,
-    fp32 (the entropy over the top ``scoring.entropy_top_k`` logits when that is in ``(0, V)``; the
-    spread ``KL(u_K || softmax(z))`` with ``scoring.spread_top_k`` > 0, else 0),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log_softmax(z)[targets], entropy(softmax(z)), spread, full entropy)`` with
+    ``z = (hidden W^T + b) / T``, fp32 (the entropy over the top ``scoring.entropy_top_k`` logits when
+    that is in ``(0, V)``; the spread ``KL(u_K || softmax(z))`` with ``scoring.spread_top_k`` > 0, else
+    0; the whole-vocabulary entropy, never differentiable),
     both ``hidden.shape[:-1]`` (``[N]`` with ``scoring.rows``); differentiable in ``hidden``, ``weight``
     and ``bias`` (the entropy only with ``scoring.entropy_grad``). ``scoring.targets`` holds one id per
     row of ``hidden`` or of ``scoring.rows``."""
@@ -225,7 +230,7 @@ def chunked_token_scores(
         raise ValueError(f"token scoring: chunk_tokens={scoring.chunk_tokens} must be > 0")
     top_k = _top_k_or_none(scoring.entropy_top_k, weight.shape[0])
     spread_k = min(scoring.spread_top_k, weight.shape[0]) if scoring.spread_top_k > 0 else None
-    log_probs, entropies, spreads = _ChunkedTokenScores.apply(
+    outputs = _ChunkedTokenScores.apply(
         flat,
         weight,
         bias,
@@ -236,13 +241,13 @@ def chunked_token_scores(
         top_k,
         spread_k,
     )
-    return log_probs.reshape(shape), entropies.reshape(shape), spreads.reshape(shape)
+    return tuple(output.reshape(shape) for output in outputs)
 
 
 class TokenScoringHead(nn.Linear):
     """The model's output head: the plain ``nn.Linear`` unless :func:`scoring_tokens` has set
-    :attr:`scoring`, then ``[..., 2]`` = (log-prob of each row's target, entropy), fp32 (``[N, 2]``
-    with ``scoring.rows``); a third column, the spread term, with ``scoring.spread_top_k`` > 0."""
+    :attr:`scoring`, then ``[..., 4]`` = (log-prob of each row's target, entropy, spread term,
+    whole-vocabulary entropy), fp32 (``[N, 4]`` with ``scoring.rows``)."""
 
     scoring: TokenScoring | None = None
 
@@ -259,10 +264,7 @@ class TokenScoringHead(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scoring is None:
             return super().forward(hidden)
-        log_probs, entropies, spreads = chunked_token_scores(hidden, self.weight, self.bias, self.scoring)
-        if self.scoring.spread_top_k > 0:
-            return torch.stack([log_probs, entropies, spreads], dim=-1)
-        return torch.stack([log_probs, entropies], dim=-1)
+        return torch.stack(chunked_token_scores(hidden, self.weight, self.bias, self.scoring), dim=-1)
 
 
 def token_scoring_head(model: nn.Module) -> TokenScoringHead | None:
@@ -296,8 +298,8 @@ def scoring_tokens(
     entropy_top_k: int = 0,
     spread_top_k: int = 0,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s head returns ``[..., 2]`` (log-prob of ``targets``, entropy) for
-    the rows it gets, or ``[N, 2]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
+    """Within the block, ``model``'s head returns ``[..., 4]`` (log-prob of ``targets``, entropy, spread,
+    whole-vocabulary entropy) for the rows it gets, or ``[N, 4]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
     been prepared with :func:`install_token_scoring_head`."""
     head = token_scoring_head(model)
     if head is None:

@@ -59,7 +59,11 @@ def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bi
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
     scoring = TokenScoring(targets, TEMPERATURE, chunk, entropy_grad, entropy_top_k=top_k)
-    log_probs, entropies, _ = chunked_token_scores(hidden, weight, bias, scoring)
+    log_probs, entropies, _, full_entropies = chunked_token_scores(hidden, weight, bias, scoring)
+    # the fourth output, logged only: the whole vocabulary's entropy whatever the entropy measure
+    whole_vocabulary = _reference_scores(hidden, weight, bias, targets, TEMPERATURE)[1]
+    torch.testing.assert_close(full_entropies, whole_vocabulary, atol=1e-5, rtol=1e-5)
+    assert not full_entropies.requires_grad
     expected_log_probs, expected_entropies = _reference_scores(
         hidden, weight, bias, targets, TEMPERATURE, top_k
     )
@@ -116,7 +120,7 @@ def test_chunked_spread_term_equals_its_reference_in_values_and_gradients(chunk,
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
     head = TokenScoringHead.replacing(torch.nn.Linear(8, 11))
     head.scoring = scoring
-    assert head(hidden).shape == (2, 5, 3)  # the spread as a third column
+    assert head(hidden).shape == (2, 5, 4)  # log-prob, entropy, spread, whole-vocabulary entropy
 
 
 def test_chunked_scores_in_bf16_follow_the_fp32_ones():
@@ -126,7 +130,7 @@ def test_chunked_scores_in_bf16_follow_the_fp32_ones():
     targets = torch.randint(0, 50, (6,), generator=generator)
     expected = _reference_scores(hidden, weight, None, targets, TEMPERATURE)
     low = [tensor.bfloat16().requires_grad_() for tensor in (hidden, weight)]
-    log_probs, entropies, _ = chunked_token_scores(*low, None, TokenScoring(targets, TEMPERATURE, 4, True))
+    log_probs, entropies, _, _ = chunked_token_scores(*low, None, TokenScoring(targets, TEMPERATURE, 4, True))
     assert log_probs.dtype == torch.float32
     torch.testing.assert_close(log_probs, expected[0], atol=0.1, rtol=0.02)
     torch.testing.assert_close(entropies, expected[1], atol=0.1, rtol=0.02)

@@ -232,7 +232,8 @@ def test_the_spread_term_through_the_head_equals_the_one_from_whole_logits(colla
         results.append((metrics, model.state_dict()))
     (chunked, chunked_state), (whole, whole_state) = results
     assert chunked["collapse_spread"] > 1.0  # far from uniform over the top 8
-    for name in ("collapse_spread", "grad_norm", "entropy", "kl_loss"):
-        assert chunked[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-7), name
+    for name in ("collapse_spread", "grad_norm", "entropy", "entropy_full", "kl_loss"):
+        # abs: at p ~ 1 the whole-logits entropy, lse - sum p z, loses ~1e-6 to cancellation
+        assert chunked[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-5), name
     for name, tensor in whole_state.items():
         torch.testing.assert_close(chunked_state[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
