@@ -263,8 +263,7 @@ class RayPPOTrainer:
             algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
         )
         self.entropy_ctrl = build_entropy_controller(config)
-        self.collapse = build_collapse_gate(config)
-        self.group_counts = [0, 0]  # (all-equal groups, groups) generated this step, all rounds
+        self.collapse, self.group_counts = build_collapse_gate(config), [0, 0]  # (all-equal, all) groups
         self.checkpoints = CheckpointLayout(trainer.checkpoint_dir, trainer.save_limit)
         self.global_step = 0
         self.tracker = None
