@@ -20,6 +20,7 @@ Derived values are properties, never written back.
 from mmrl.config.actor import (
     ActorConfig,
     AdaptiveEntropyConfig,
+    CollapseRecoveryConfig,
     CriticConfig,
     PolicyLossConfig,
     RefConfig,
@@ -74,6 +75,7 @@ __all__ = [
     "ActorConfig",
     "ActorModelConfig",
     "AdaptiveEntropyConfig",
+    "CollapseRecoveryConfig",
     "AlgorithmConfig",
     "CodeConfig",
     "CriticConfig",

@@ -95,6 +95,23 @@ class AdaptiveEntropyConfig:
 
 
 @dataclass(frozen=True)
+class CollapseRecoveryConfig:
+    """A loss term that pulls a collapsed policy (one answer at p ~ 1 for every prompt) back open: while
+    the driver sees a collapse, the update adds ``coeff * KL(u_K || pi)``, ``u_K`` uniform over the
+    policy's own ``top_k`` most probable tokens at each response token. Its logit gradient is
+    ``pi - u_K``, of norm ~1 at a saturated softmax, where the policy gradient, the sample-based KL and
+    the entropy bonus all vanish. A collapse: for ``patience`` steps in a row (this one included), at
+    least ``all_equal_share`` of the step's generated groups had all-equal scores. Outside a collapse
+    the term is not computed, so the update is exactly the one without it (docs/recipes.md)."""
+
+    enabled: bool = False  # add the term while a collapse lasts (off: never computed)
+    coeff: float = 0.05  # weight of KL(u_K || pi) in the loss while active
+    top_k: int = 8  # K: the most probable tokens the term spreads probability over
+    all_equal_share: float = 0.95  # a collapsed step: at least this share of its groups all-equal
+    patience: int = 2  # consecutive collapsed steps before the term applies (this step included)
+
+
+@dataclass(frozen=True)
 class ActorConfig(PolicyLossConfig):
     global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
@@ -114,6 +131,7 @@ class ActorConfig(PolicyLossConfig):
     # on a small model a whole-vocabulary bonus spreads probability over non-words; 0 = whole vocabulary
     entropy_top_k: int = 0
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
+    collapse_recovery: CollapseRecoveryConfig = field(default_factory=CollapseRecoveryConfig)
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
@@ -138,6 +156,7 @@ class ActorConfig(PolicyLossConfig):
         _check_actor_sizes(errors, self)
         errors += self.check_loss()
         _check_entropy(errors, self)
+        _check_collapse_recovery(errors, self.collapse_recovery)
         return errors + self.model.check(config)
 
 
@@ -194,6 +213,24 @@ def _check_entropy(errors: list[str], actor: ActorConfig) -> None:
             f"worker.actor.entropy_coeff={actor.entropy_coeff} is the adaptive coefficient's start: it must "
             f"lie in [{key}.min_ent_coef, max_ent_coef] = [{adaptive.min_ent_coef}, {adaptive.max_ent_coef}]"
         )
+
+
+def _check_collapse_recovery(errors: list[str], recovery: CollapseRecoveryConfig) -> None:
+    """The collapse-recovery term's weight, its K and its gate."""
+    if not recovery.enabled:
+        return
+    key = "worker.actor.collapse_recovery"
+    if recovery.coeff <= 0:
+        errors.append(f"{key}.coeff={recovery.coeff} must be > 0 (or set {key}.enabled=false)")
+    if recovery.top_k < 2:
+        errors.append(f"{key}.top_k={recovery.top_k} must be >= 2 (the tokens probability spreads over)")
+    if not 0 < recovery.all_equal_share <= 1:
+        errors.append(
+            f"{key}.all_equal_share={recovery.all_equal_share} must be in (0, 1] (share of a step's "
+            "groups whose scores are all equal)"
+        )
+    if recovery.patience < 1:
+        errors.append(f"{key}.patience={recovery.patience} must be >= 1 (collapsed steps in a row)")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ One module per topic:
 - :mod:`~mmrl.core_algos.aggregation`: a per-token loss reduced to a scalar, split-invariant;
 - :mod:`~mmrl.core_algos.kl`: KL estimators, the KL reward penalty and its controllers;
 - :mod:`~mmrl.core_algos.entropy`: the entropy bonus's coefficient controller (Skywork-OR1);
+- :mod:`~mmrl.core_algos.collapse`: collapse signs (all-equal groups) and the recovery term's gate;
 - :mod:`~mmrl.core_algos.logits`: log-probs and entropies (whole-vocabulary or top-k) from logits;
 - :mod:`~mmrl.core_algos.value`, :mod:`~mmrl.core_algos.shaping`: the critic's loss, reward shaping;
 - :mod:`~mmrl.core_algos.masked`, :mod:`~mmrl.core_algos.registry`: masked reductions, name registries.
@@ -41,6 +42,7 @@ from mmrl.core_algos.advantages import (
     compute_rloo_advantages,
 )
 from mmrl.core_algos.aggregation import LOSS_AGG_MODES, aggregate_loss
+from mmrl.core_algos.collapse import CollapseGate, all_equal_groups
 from mmrl.core_algos.entropy import EntropyController
 from mmrl.core_algos.kl import (
     KL_CONTROLLER_TYPES,
@@ -54,7 +56,7 @@ from mmrl.core_algos.kl import (
     kl_k3,
     kl_penalty,
 )
-from mmrl.core_algos.logits import entropy_from_logits, log_probs_from_logits
+from mmrl.core_algos.logits import entropy_from_logits, log_probs_from_logits, spread_from_logits
 from mmrl.core_algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from mmrl.core_algos.policy_losses import (
     LOG_RATIO_CLAMP,
@@ -96,9 +98,11 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "ROLLOUT_RS_LEVELS",
     "AdaptiveKLController",
+    "CollapseGate",
     "EntropyController",
     "FixedKLController",
     "aggregate_loss",
+    "all_equal_groups",
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_cispo_policy_loss",
@@ -133,4 +137,5 @@ __all__ = [
     "overlong_penalty",
     "policy_clip_range",
     "rollout_correction_weights",
+    "spread_from_logits",
 ]

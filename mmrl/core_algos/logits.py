@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -21,6 +23,20 @@ def entropy_from_logits(logits: torch.Tensor, top_k: int = 0) -> torch.Tensor:
         logits = torch.topk(logits, top_k, dim=-1, sorted=False).values  # [..., k]
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def spread_from_logits(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``KL(u_K || softmax(z))`` over the last dim: ``[..., V] -> [...]``, ``u_K`` uniform over the set
+    ``K`` of the ``top_k`` largest logits: ``logsumexp(z) - mean(z_K) - log k`` (>= 0, 0 when the
+    policy is uniform on ``K`` and has nothing outside it).
+
+    Its gradient wrt the logits is ``softmax(z) - u_K``: of norm ~1 when one token holds p ~ 1, where
+    the gradients of a sampled token's log-prob (``1 - p``) and of the entropy (``p log p``) vanish.
+    It is what the collapse-recovery term (``worker.actor.collapse_recovery``) adds to the loss.
+    """
+    top_k = min(top_k, logits.shape[-1])
+    top = torch.topk(logits, top_k, dim=-1, sorted=False).values  # [..., k]
+    return torch.logsumexp(logits, dim=-1) - top.mean(dim=-1) - math.log(top_k)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:

@@ -426,14 +426,16 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 @dataclass(frozen=True)
 class ResponseScoring:
     """Score the response tokens inside the model's head (:mod:`mmrl.models.token_scoring`): the
-    outputs become ``[..., 2]`` = (``log_softmax(logits / temperature)`` of the response token,
-    entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
-    (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only."""
+    outputs become ``[..., 4]`` = (``log_softmax(logits / temperature)`` of the response token,
+    entropy, spread term, whole-vocabulary entropy), computed ``chunk_tokens`` rows at a time; ``entropy_grad``: the entropy is differentiable
+    (an entropy bonus) rather than logged only; ``entropy_top_k`` > 0: over the top-k logits only;
+    ``spread_top_k`` > 0: the collapse-recovery spread term in the third column (else 0)."""
 
     temperature: float
     chunk_tokens: int
     entropy_grad: bool = False
     entropy_top_k: int = 0
+    spread_top_k: int = 0
 
 
 def _scoring_scope(
@@ -451,6 +453,7 @@ def _scoring_scope(
         scoring.entropy_grad,
         rows,
         scoring.entropy_top_k,
+        scoring.spread_top_k,
     )
 
 
@@ -487,7 +490,7 @@ def response_head_outputs(
 
     ``input_ids`` [B, P + R] ends with the R response tokens; the output at position ``t`` predicts
     token ``t + 1``, so positions ``P - 1 .. P + R - 2`` are kept. ``D`` is the vocabulary for a policy
-    (logits, before temperature), 2 with ``scoring`` (log-prob, entropy of each response token) and 1
+    (logits, before temperature), 4 with ``scoring`` (log-prob, entropy, spread, whole-vocabulary entropy) and 1
     for a critic (values of the states before each response token).
     At padded response slots: whatever the model computes there, or 0 with ``padding_free``.
     """

@@ -14,13 +14,18 @@ The computation stays inside the model's forward: :func:`install_token_scoring_h
 stay tied, state-dict names unchanged). FSDP2 gathers that weight for the root module's forward and
 reduce-scatters its gradient after the root's backward, exactly as for a plain head. Inside
 ``with scoring_tokens(model, targets, temperature, ...)`` the head returns ``[..., 2]`` =
-``(log-prob, entropy)`` of ``targets`` (one target id per hidden row it is given) instead of logits;
-outside it is the plain linear head (generation, warm-up, rollout weight sync are untouched).
+``(log-prob, entropy)`` of ``targets`` (one target id per hidden row it is given) instead of logits,
+then two more columns: the collapse-recovery spread term (``spread_top_k`` > 0:
+``KL(u_K || softmax(z))``, ``u_K`` uniform over the ``spread_top_k`` largest logits, whose logit
+gradient ``softmax(z) - u_K`` does not vanish at a saturated softmax; else 0) and the whole-vocabulary
+entropy (logged only; the entropy column itself when it is not a top-k one): ``[..., 4]``. Outside it
+is the plain linear head (generation, warm-up, rollout weight sync are untouched).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,6 +52,7 @@ class TokenScoring:
     entropy_grad: bool = False
     rows: torch.Tensor | None = None
     entropy_top_k: int = 0
+    spread_top_k: int = 0  # > 0: a third output, KL(u_K || p) over the spread_top_k largest logits
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
@@ -73,13 +79,17 @@ class _ChunkedTokenScores(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k, spread_k):
         log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
+        spreads, full_entropies = torch.zeros_like(log_probs), torch.empty_like(log_probs)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]: z
             picked = logits.gather(-1, targets[rows, None]).squeeze(-1)  # [C]
+            if spread_k is not None:  # KL(u_K || p) = lse - mean(z_K) - log k; lse added below
+                top_mean = logits.topk(spread_k, dim=-1, sorted=False).values.mean(-1)
+                spreads[rows] = -top_mean - math.log(spread_k)
             if top_k is not None:  # before z is changed in place below
                 top = logits.topk(top_k, dim=-1, sorted=False).values  # [C, k]
                 top_lse = torch.logsumexp(top, dim=-1)
@@ -93,25 +103,33 @@ class _ChunkedTokenScores(torch.autograd.Function):
             sums = shifted.sum(-1)  # [C]
             lse = maxes.squeeze(-1) + sums.log()
             log_probs[rows] = picked - lse
+            if spread_k is not None:
+                spreads[rows] += lse
+            weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
+            full_entropies[rows] = sums.log() - weighted / sums
             if top_k is None:
-                weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
-                entropies[rows] = sums.log() - weighted / sums
+                entropies[rows] = full_entropies[rows]
             lses[rows] = lse
             del logits, shifted  # freed before the next chunk's buffer is allocated
         ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
         ctx.temperature, ctx.chunk, ctx.entropy_grad, ctx.top_k = temperature, chunk, entropy_grad, top_k
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropies)
+        ctx.spread_k = spread_k
+        # one call: each call replaces the set of non-differentiable outputs
+        ctx.mark_non_differentiable(
+            full_entropies, *([] if entropy_grad else [entropies]), *([] if spread_k else [spreads])
+        )
         ctx.set_materialize_grads(False)
-        return log_probs, entropies
+        return log_probs, entropies, spreads, full_entropies
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropies):
+    def backward(ctx, grad_log_probs, grad_entropies, grad_spreads, _grad_full_entropies):
         hidden, weight, bias, targets, lses, entropies = ctx.saved_tensors
         if not ctx.entropy_grad:
             grad_entropies = None
-        if grad_log_probs is None and grad_entropies is None:
-            return None, None, None, None, None, None, None, None
+        if ctx.spread_k is None:
+            grad_spreads = None
+        if grad_log_probs is None and grad_entropies is None and grad_spreads is None:
+            return None, None, None, None, None, None, None, None, None
         temperature = ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # one running sum over the chunks ([V, D]: it does not grow with the tokens), in the weight's dtype
@@ -130,6 +148,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
                 None if grad_entropies is None else grad_entropies[rows],
                 entropies[rows],
                 ctx.top_k,
+                None if grad_spreads is None else (grad_spreads[rows], ctx.spread_k),
             ).div_(temperature)  # dz / dlogits = 1 / T
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z.to(weight.dtype) @ weight
@@ -139,7 +158,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
                 grad_bias += grad_z.sum(0)
             del grad_z, log_p  # freed before the next chunk's buffers are allocated
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _chunk_logit_grad(
@@ -149,28 +168,37 @@ def _chunk_logit_grad(
     grad_entropies: torch.Tensor | None,
     entropies: torch.Tensor,
     top_k: int | None,
+    spread: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """The gradient wrt one chunk's ``z`` [C, V], built in ``log_p``'s buffer (``log_p`` is consumed):
     ``p * (-g_lp - g_H (log p + H)) + g_lp * onehot(y)``, or with ``top_k`` the entropy part
-    ``-g_H q (log q + H)`` on the top-k logits only."""
+    ``-g_H q (log q + H)`` on the top-k logits only; with ``spread = (g_S, k)`` plus
+    ``g_S (p - u_K)``, ``u_K`` = 1/k on the k largest logits."""
     probs = log_p.exp()
-    top_grad = None
+    top_grad = spread_index = None
     if grad_entropies is not None and top_k is not None:
         top_log_p, top_index = log_p.topk(top_k, dim=-1, sorted=False)  # [C, k]: log p differs from z by lse
         top_log_q = top_log_p - torch.logsumexp(top_log_p, dim=-1, keepdim=True)
         top_grad = top_log_q.exp() * (top_log_q + entropies[:, None]) * -grad_entropies[:, None]
+    if spread is not None:
+        spread_index = log_p.topk(spread[1], dim=-1, sorted=False).indices  # [C, k]
     if grad_entropies is not None and top_k is None:
         grad_z = log_p.add_(entropies[:, None]).mul_(-grad_entropies[:, None])
     else:
         grad_z = log_p.zero_()
     if grad_log_probs is not None:
         grad_z.sub_(grad_log_probs[:, None])
+    if spread is not None:
+        grad_z.add_(spread[0][:, None])
     grad_z.mul_(probs)
     del probs
     if grad_log_probs is not None:
         grad_z.scatter_add_(-1, targets[:, None], grad_log_probs[:, None])
     if top_grad is not None:
         grad_z.scatter_add_(-1, top_index, top_grad)
+    if spread is not None:
+        uniform = (-spread[0] / spread[1])[:, None].expand(-1, spread[1])
+        grad_z.scatter_add_(-1, spread_index, uniform)
     return grad_z
 
 
@@ -179,9 +207,11 @@ def chunked_token_scores(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scoring: TokenScoring,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_softmax(z)[targets], entropy(softmax(z)))`` with ``z = (hidden W^T + b) / T``, fp32 (the
-    entropy over the top ``scoring.entropy_top_k`` logits when that is in ``(0, V)``),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log_softmax(z)[targets], entropy(softmax(z)), spread, full entropy)`` with
+    ``z = (hidden W^T + b) / T``, fp32 (the entropy over the top ``scoring.entropy_top_k`` logits when
+    that is in ``(0, V)``; the spread ``KL(u_K || softmax(z))`` with ``scoring.spread_top_k`` > 0, else
+    0; the whole-vocabulary entropy, never differentiable),
     both ``hidden.shape[:-1]`` (``[N]`` with ``scoring.rows``); differentiable in ``hidden``, ``weight``
     and ``bias`` (the entropy only with ``scoring.entropy_grad``). ``scoring.targets`` holds one id per
     row of ``hidden`` or of ``scoring.rows``."""
@@ -199,16 +229,25 @@ def chunked_token_scores(
     if scoring.chunk_tokens <= 0:
         raise ValueError(f"token scoring: chunk_tokens={scoring.chunk_tokens} must be > 0")
     top_k = _top_k_or_none(scoring.entropy_top_k, weight.shape[0])
-    log_probs, entropies = _ChunkedTokenScores.apply(
-        flat, weight, bias, targets, scoring.temperature, scoring.chunk_tokens, scoring.entropy_grad, top_k
+    spread_k = min(scoring.spread_top_k, weight.shape[0]) if scoring.spread_top_k > 0 else None
+    outputs = _ChunkedTokenScores.apply(
+        flat,
+        weight,
+        bias,
+        targets,
+        scoring.temperature,
+        scoring.chunk_tokens,
+        scoring.entropy_grad,
+        top_k,
+        spread_k,
     )
-    return log_probs.reshape(shape), entropies.reshape(shape)
+    return tuple(output.reshape(shape) for output in outputs)
 
 
 class TokenScoringHead(nn.Linear):
     """The model's output head: the plain ``nn.Linear`` unless :func:`scoring_tokens` has set
-    :attr:`scoring`, then ``[..., 2]`` = (log-prob of each row's target, entropy), fp32 (``[N, 2]``
-    with ``scoring.rows``)."""
+    :attr:`scoring`, then ``[..., 4]`` = (log-prob of each row's target, entropy, spread term,
+    whole-vocabulary entropy), fp32 (``[N, 4]`` with ``scoring.rows``)."""
 
     scoring: TokenScoring | None = None
 
@@ -225,8 +264,7 @@ class TokenScoringHead(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scoring is None:
             return super().forward(hidden)
-        log_probs, entropies = chunked_token_scores(hidden, self.weight, self.bias, self.scoring)
-        return torch.stack([log_probs, entropies], dim=-1)
+        return torch.stack(chunked_token_scores(hidden, self.weight, self.bias, self.scoring), dim=-1)
 
 
 def token_scoring_head(model: nn.Module) -> TokenScoringHead | None:
@@ -258,9 +296,10 @@ def scoring_tokens(
     entropy_grad: bool = False,
     rows: torch.Tensor | None = None,
     entropy_top_k: int = 0,
+    spread_top_k: int = 0,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s head returns ``[..., 2]`` (log-prob of ``targets``, entropy) for
-    the rows it gets, or ``[N, 2]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
+    """Within the block, ``model``'s head returns ``[..., 4]`` (log-prob of ``targets``, entropy, spread,
+    whole-vocabulary entropy) for the rows it gets, or ``[N, 4]`` for its ``rows`` (see :class:`TokenScoring`). ``model`` must have
     been prepared with :func:`install_token_scoring_head`."""
     head = token_scoring_head(model)
     if head is None:
@@ -268,7 +307,9 @@ def scoring_tokens(
             f"{type(model).__name__} has no token scoring head: call "
             "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True) where the model is built"
         )
-    head.scoring = TokenScoring(targets, temperature, chunk_tokens, entropy_grad, rows, entropy_top_k)
+    head.scoring = TokenScoring(
+        targets, temperature, chunk_tokens, entropy_grad, rows, entropy_top_k, spread_top_k
+    )
     try:
         yield
     finally:

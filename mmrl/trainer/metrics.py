@@ -14,6 +14,10 @@ the meaning is the same, so its users' dashboards and comparisons carry over.
 - `throughput/<phase>_tokens_per_s`, and for the whole step `throughput/tokens_per_s` and
   `throughput/tokens_per_s_per_device` (`compute_timing_metrics`).
 - `actor/...`, `critic/...` losses, KL, entropy, grad norm and learning rate: written by the workers.
+- `actor/saturated_token_frac`: share of response tokens the policy sampled at p > 0.99 (its old
+  log-probs; `saturation_metrics`); with `rollout/all_equal_group_frac` and
+  `rollout/steps_since_mixed_group` (the trainer's collapse gate) the signs of a collapse
+  (docs/recipes.md).
 - `reward/<key>`: mean of every score key the reward function returns (`mmrl.rewards`).
 - `val/...`: the same names computed on the validation set, written by the trainer.
 
@@ -44,6 +48,18 @@ _DATA_KEYS = (
     "advantages",
     "returns",
 )
+
+
+SATURATED_LOG_PROB = math.log(0.99)
+
+
+def saturation_metrics(batch: DataProto) -> dict[str, float]:
+    """``actor/saturated_token_frac``: the share of valid response tokens whose sampled token had
+    probability > 0.99 under the policy that sampled it (``old_log_probs``). It rises towards 1 as the
+    policy settles on one answer, where the policy gradient of those tokens (``1 - p``) vanishes."""
+    mask = batch.batch["response_mask"].bool()
+    saturated = batch.batch["old_log_probs"][mask] > SATURATED_LOG_PROB
+    return {"actor/saturated_token_frac": float(saturated.float().mean()) if mask.any() else 0.0}
 
 
 def compute_data_metrics(

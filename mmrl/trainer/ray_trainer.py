@@ -53,7 +53,12 @@ from mmrl.trainer.dynamic_sampling import (
     loss_rows,
     zero_advantage_group_fraction,
 )
-from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, timer
+from mmrl.trainer.metrics import (
+    compute_data_metrics,
+    compute_timing_metrics,
+    saturation_metrics,
+    timer,
+)
 from mmrl.trainer.placement import Placement, plan_placement
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
@@ -133,6 +138,17 @@ def build_entropy_controller(config: PPOConfig) -> core_algos.EntropyController:
         delta=adaptive.delta_ent_coef,
         low=adaptive.min_ent_coef,
         high=adaptive.max_ent_coef,
+    )
+
+
+def build_collapse_gate(config: PPOConfig) -> core_algos.CollapseGate:
+    """The collapse-recovery term's weight per step (``worker.actor.collapse_recovery``)."""
+    recovery = config.worker.actor.collapse_recovery
+    return core_algos.CollapseGate(
+        enabled=recovery.enabled,
+        coeff=recovery.coeff,
+        all_equal_share=recovery.all_equal_share,
+        patience=recovery.patience,
     )
 
 
@@ -289,6 +305,7 @@ class RayPPOTrainer:
         self._build_model_workers(placement)
         self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
+        self.collapse, self.group_counts = build_collapse_gate(config), [0, 0]  # (all-equal, all) groups
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.tracker = None
@@ -348,6 +365,7 @@ class RayPPOTrainer:
         """One PPO step on the next batch of ``prompts``; returns its metrics."""
         plan = StepPlan.for_step(self.config, self.global_step)
         timings: dict[str, float] = {}
+        self.group_counts = [0, 0]
         transferred = self.transfers.snapshot()
         with timer("step", timings):
             with timer("gen", timings):
@@ -365,6 +383,9 @@ class RayPPOTrainer:
                 )
                 if collect_baselines is not None:
                     batch = batch.union(collect_baselines(batch))
+            if self.filter is None:  # dynamic sampling counted every round's groups as it went
+                self._count_groups(batch)
+            self.collapse.observe(*self.group_counts)  # decides this step's recovery weight
             with timer("adv", timings):
                 batch, kl_metrics = self.compute_advantages(batch)
             batch, update_metrics = self.update_models(batch, plan, timings)
@@ -388,6 +409,8 @@ class RayPPOTrainer:
             ),
             **self._rollout_gap(batch),
             **self._steer_entropy(batch),
+            **self.collapse.metrics(),
+            **saturation_metrics(batch),
             **{f"transfer/{kind}_bytes": size for kind, size in self.transfers.since(transferred).items()},
             **self._memory_peaks(),  # after the byte count: the call's own bytes are not the step's
             **self._rollout_counters(),
@@ -439,6 +462,7 @@ class RayPPOTrainer:
                 break
             batch = self._generate(next(prompts), round_index)
             scores = self.rewards.collect(self.rewards.launch(batch))
+            self._count_groups(batch.union(scores.select(batch_keys=["token_level_scores"])))
             uids = batch.non_tensor_batch["uid"]
             values = filter_scores(scores.non_tensor_batch["reward_scores"], options.key)
             keep = kept_groups(uids, values, options.low, options.high)
@@ -562,6 +586,7 @@ class RayPPOTrainer:
                     temperature=plan.temperature,
                     on_policy=plan.old_log_probs_from_update,
                     entropy_coeff=self.entropy_ctrl.coefficient,
+                    spread_coeff=self.collapse.coefficient,
                 )
                 metrics.update(self._worker_metrics(update))
             if plan.old_log_probs_from_update:
@@ -664,6 +689,7 @@ class RayPPOTrainer:
             "loader": self.train_loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
             "entropy_ctrl": self.entropy_ctrl.state_dict(),
+            "collapse": self.collapse.state_dict(),
         }
         save_trainer_state(tmp_dir, state)
         self.checkpoints.commit(
@@ -692,6 +718,8 @@ class RayPPOTrainer:
         self.kl_ctrl.value = state["kl_coef"]
         if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
+        if "collapse" in state:
+            self.collapse.load_state_dict(state["collapse"])
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -755,6 +783,14 @@ class RayPPOTrainer:
         entropy = core_algos.masked_mean(batch.batch["entropies"], batch.batch["response_mask"])
         self.entropy_ctrl.update(float(entropy))
         return metrics
+
+    def _count_groups(self, batch: DataProto) -> None:
+        """Add ``batch``'s groups, and those whose responses all got the same score, to the step's
+        counts (the collapse gate's input)."""
+        scores = batch.batch["token_level_scores"].sum(-1).float().cpu().numpy()
+        all_equal, groups = core_algos.all_equal_groups(batch.non_tensor_batch["uid"], scores)
+        self.group_counts[0] += all_equal
+        self.group_counts[1] += groups
 
     @staticmethod
     def _rollout_gap(batch: DataProto) -> dict[str, float]:

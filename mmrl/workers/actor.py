@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from mmrl.core_algos import (
     kl_penalty,
     log_probs_from_logits,
     rollout_correction_weights,
+    spread_from_logits,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
 from mmrl.models.token_scoring import token_scoring_head
@@ -75,6 +77,16 @@ class PolicyUpdate:
     metrics: dict[str, float]
     log_probs: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
+
+
+class ResponseScores(NamedTuple):
+    """A micro-batch's scores of its K valid response tokens (float32 [K] each), and where they are."""
+
+    log_probs: torch.Tensor  # log softmax(logits / temperature) of each token
+    entropies: torch.Tensor  # the actor's entropy measure (worker.actor.entropy_top_k)
+    response_valid: torch.Tensor  # [b, R]
+    full_entropies: torch.Tensor  # the whole vocabulary's entropy, logged only
+    spreads: torch.Tensor | None = None  # the collapse-recovery term, when asked for
 
 
 class PolicyActor:
@@ -128,14 +140,19 @@ class PolicyActor:
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
 
     def _response_scores(
-        self, micro_batch: DataProto, temperature: float, with_entropy: bool, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``log softmax(logits / temperature)`` of the valid response tokens [K] (float32), their
-        entropies [K] when ``with_entropy`` (differentiable with ``entropy_grad``, else detached) and
-        ``response_valid`` [b, R]."""
+        self,
+        micro_batch: DataProto,
+        temperature: float,
+        entropy_grad: bool = False,
+        spread_top_k: int = 0,
+    ) -> ResponseScores:
+        """The valid response tokens' scores (:class:`ResponseScores`): entropies differentiable with
+        ``entropy_grad``, the spread term with ``spread_top_k`` > 0."""
         chunk_tokens, top_k = self.config.log_prob_chunk_tokens, self.config.entropy_top_k
         scoring = (
-            ResponseScoring(temperature, chunk_tokens, entropy_grad, top_k) if chunk_tokens > 0 else None
+            ResponseScoring(temperature, chunk_tokens, entropy_grad, top_k, spread_top_k)
+            if chunk_tokens > 0
+            else None
         )
         outputs, response_valid = micro_batch_token_outputs(
             self.module,
@@ -145,17 +162,20 @@ class PolicyActor:
             self.config.share_prompts,
             scoring,
         )
-        if scoring is not None:  # [K, 2]: the head scored the tokens chunk by chunk
+        if scoring is not None:  # [K, 4]: the head scored the tokens chunk by chunk
             entropies = outputs[:, 1] if entropy_grad else outputs[:, 1].detach()
-            return outputs[:, 0], entropies if with_entropy else None, response_valid
+            spreads = outputs[:, 2] if spread_top_k > 0 else None
+            return ResponseScores(outputs[:, 0], entropies, response_valid, outputs[:, 3].detach(), spreads)
         logits = outputs / temperature  # [K, V]
         log_probs = log_probs_from_logits(logits, micro_batch.batch["responses"][response_valid]).float()
-        if not with_entropy:
-            return log_probs, None, response_valid
-        if entropy_grad:
-            return log_probs, entropy_from_logits(logits.float(), top_k), response_valid
+        spreads = spread_from_logits(logits.float(), spread_top_k) if spread_top_k > 0 else None
         with torch.no_grad():  # logged only: no graph through the softmax
-            return log_probs, entropy_from_logits(logits.detach().float(), top_k), response_valid
+            full_entropies = entropy_from_logits(logits.detach().float())
+            if not entropy_grad:
+                entropies = entropy_from_logits(logits.detach().float(), top_k)
+        if entropy_grad:
+            entropies = entropy_from_logits(logits.float(), top_k)
+        return ResponseScores(log_probs, entropies, response_valid, full_entropies, spreads)
 
     @torch.no_grad()
     def compute_log_probs(
@@ -168,12 +188,10 @@ class PolicyActor:
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
-            token_log_probs, entropy, response_valid = self._response_scores(
-                micro_batch, temperature, with_entropy
-            )  # [K] each
-            log_probs.append(scatter_response_tokens(token_log_probs, response_valid).cpu())
+            scores = self._response_scores(micro_batch, temperature)
+            log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
             if with_entropy:
-                entropies.append(scatter_response_tokens(entropy, response_valid).cpu())
+                entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())
         reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         restore = torch.from_numpy(restore)
         return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
@@ -188,6 +206,7 @@ class PolicyActor:
         *,
         on_policy: bool = False,
         entropy_coeff: float | None = None,
+        spread_coeff: float = 0.0,
     ) -> PolicyUpdate:
         """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
         advances once per call (one training step). Sizes count this rank's rows.
@@ -199,11 +218,15 @@ class PolicyActor:
         pass is saved, and those log-probs and entropies come back in the :class:`PolicyUpdate`.
         ``entropy_coeff``: this step's weight of the entropy bonus (0: the entropy is only measured; the
         driver's controller decides it each step); None: ``worker.actor.entropy_coeff``, a fixed bonus.
+        ``spread_coeff``: this step's weight of the collapse-recovery term (the driver's
+        :class:`~mmrl.core_algos.CollapseGate`, ``worker.actor.collapse_recovery``); 0: not computed.
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
-        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` (token means; with clip_cov or
-        kl_cov ``pg_covfrac``, the share of tokens the covariance selected), ``kl_loss``
-        (with the KL loss), ``grad_norm``, ``skipped_steps`` (non-finite gradient norm), ``lr``,
+        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` and ``entropy_full`` (the actor's
+        measure, ``entropy_top_k``, and the whole vocabulary's; token means; with clip_cov or kl_cov
+        ``pg_covfrac``, the share of tokens the covariance selected), ``kl_loss`` (with the KL loss),
+        ``collapse_spread`` (with ``spread_coeff``), ``grad_norm``, ``skipped_steps`` (non-finite
+        gradient norm), ``lr``,
         ``padding_ratio`` (padding share of the tokens computed; 0 when padding-free), and with
         ``mask_truncated_responses`` ``truncated_masked_ratio`` (fraction of the rows left out of the
         loss; they need the ``truncated`` column), and with ``algorithm.rollout_correction`` (the batch
@@ -237,6 +260,7 @@ class PolicyActor:
             temperature=temperature,
             entropy_coeff=self.config.entropy_coeff if entropy_coeff is None else entropy_coeff,
             on_policy_outputs=outputs,
+            spread_coeff=spread_coeff,
         )
         metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if truncated_ratio is not None:
@@ -267,9 +291,11 @@ class PolicyActor:
         temperature: float,
         entropy_coeff: float = 0.0,
         on_policy_outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        spread_coeff: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the mini-batch loss
-        ``pg_loss - entropy_coeff * entropy + kl_coef * kl`` (each aggregated by ``loss_avg_mode``).
+        ``pg_loss - entropy_coeff * entropy + kl_coef * kl + spread_coeff * spread`` (each aggregated by
+        ``loss_avg_mode``; the spread term only with ``spread_coeff`` != 0).
         On-policy (``on_policy_outputs`` given) the old log-probs are this pass's own, detached, and
         (rows, log-probs, entropies) are appended to ``on_policy_outputs``."""
         config, batch = self.config, micro_batch.batch
@@ -283,11 +309,11 @@ class PolicyActor:
             max_response_length=self.max_response_length,
         )
         entropy_bonus = entropy_coeff != 0.0
-        token_log_probs, token_entropies, response_valid = self._response_scores(
-            micro_batch, temperature, with_entropy=True, entropy_grad=entropy_bonus
-        )  # [K] each
-        log_probs = scatter_response_tokens(token_log_probs, response_valid)  # [b, R]
-        entropy = scatter_response_tokens(token_entropies, response_valid)  # [b, R]
+        spread_top_k = config.collapse_recovery.top_k if spread_coeff != 0.0 else 0
+        scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
+        response_valid = scores.response_valid
+        log_probs = scatter_response_tokens(scores.log_probs, response_valid)  # [b, R]
+        entropy = scatter_response_tokens(scores.entropies, response_valid)  # [b, R]
         old_log_probs = log_probs.detach() if on_policy_outputs is not None else batch["old_log_probs"]
         pg_loss_mat, diagnostics = compute_policy_loss(
             old_log_probs, log_probs, batch["advantages"], response_mask, config
@@ -301,6 +327,11 @@ class PolicyActor:
         loss = pg_loss
         if entropy_bonus:
             loss = loss - entropy_coeff * aggregate(entropy)
+        spread_share = {}
+        if scores.spreads is not None:  # only while the driver's gate sees a collapse
+            spread = aggregate(scatter_response_tokens(scores.spreads, response_valid))
+            loss = loss + spread_coeff * spread
+            spread_share["collapse_spread"] = spread.detach()
 
         if on_policy_outputs is not None:
             on_policy_outputs.append(
@@ -310,7 +341,11 @@ class PolicyActor:
             "pg_loss": pg_loss.detach(),
             **{key: token_share(value, response_mask, num_tokens) for key, value in diagnostics.items()},
             "entropy": token_share(entropy, response_mask, num_tokens),
+            "entropy_full": token_share(
+                scatter_response_tokens(scores.full_entropies, response_valid), response_mask, num_tokens
+            ),
             **correction_shares,
+            **spread_share,
         }
         if self.use_kl_loss:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))

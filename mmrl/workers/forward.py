@@ -87,7 +87,7 @@ def micro_batch_token_outputs(
     share_prompts: bool = False,
     scoring: ResponseScoring | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's head outputs predicting the K valid response tokens, [K, D] ([K, 2] log-prob and
+    """The model's head outputs predicting the K valid response tokens, [K, D] ([K, 4] log-prob and
     entropy with ``scoring``), and where those tokens are, ``response_valid`` [b, R] (see
     ``mmrl.models.inputs.response_token_outputs``)."""
     batch = micro_batch.batch  # media alignment: checked once per pass (role_micro_batches, train_role)

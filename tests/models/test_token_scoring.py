@@ -16,7 +16,7 @@ from _batches import TEMPERATURE, build_batch
 from _models import training_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmrl.core_algos import entropy_from_logits, log_probs_from_logits
+from mmrl.core_algos import entropy_from_logits, log_probs_from_logits, spread_from_logits
 from mmrl.models.inputs import ResponseScoring, response_token_outputs
 from mmrl.models.token_scoring import (
     TokenScoring,
@@ -59,7 +59,11 @@ def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bi
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
     scoring = TokenScoring(targets, TEMPERATURE, chunk, entropy_grad, entropy_top_k=top_k)
-    log_probs, entropies = chunked_token_scores(hidden, weight, bias, scoring)
+    log_probs, entropies, _, full_entropies = chunked_token_scores(hidden, weight, bias, scoring)
+    # the fourth output, logged only: the whole vocabulary's entropy whatever the entropy measure
+    whole_vocabulary = _reference_scores(hidden, weight, bias, targets, TEMPERATURE)[1]
+    torch.testing.assert_close(full_entropies, whole_vocabulary, atol=1e-5, rtol=1e-5)
+    assert not full_entropies.requires_grad
     expected_log_probs, expected_entropies = _reference_scores(
         hidden, weight, bias, targets, TEMPERATURE, top_k
     )
@@ -84,6 +88,41 @@ def test_chunked_scores_equal_log_softmax_in_values_and_gradients(chunk, with_bi
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("entropy_top_k", [0, 4])
+@pytest.mark.parametrize("spread_top_k", [3, 11])
+def test_chunked_spread_term_equals_its_reference_in_values_and_gradients(chunk, entropy_top_k, spread_top_k):
+    # the collapse-recovery term KL(u_K || p) (core_algos.spread_from_logits) as a third output, with
+    # the log-prob and a differentiable entropy in the same loss; 11 = the whole vocabulary
+    generator = torch.Generator().manual_seed(2)
+    hidden = (0.3 * torch.randn(2, 5, 8, generator=generator)).requires_grad_()
+    weight = torch.randn(11, 8, generator=generator, requires_grad=True)
+    bias = torch.randn(11, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5), generator=generator)
+    coefficients = torch.randn(3, 2, 5, generator=generator)
+    scoring = TokenScoring(
+        targets, TEMPERATURE, chunk, True, entropy_top_k=entropy_top_k, spread_top_k=spread_top_k
+    )
+    outputs = chunked_token_scores(hidden, weight, bias, scoring)
+    logits = torch.nn.functional.linear(hidden, weight, bias) / TEMPERATURE
+    expected = (
+        log_probs_from_logits(logits, targets),
+        entropy_from_logits(logits, entropy_top_k),
+        spread_from_logits(logits, spread_top_k),
+    )
+    for output, reference in zip(outputs, expected):
+        torch.testing.assert_close(output, reference, atol=1e-5, rtol=1e-5)
+    assert (outputs[2] >= -1e-6).all()
+    inputs = [hidden, weight, bias]
+    grads = _grads(inputs, sum((c * o).sum() for c, o in zip(coefficients, outputs)))
+    expected_grads = _grads(inputs, sum((c * o).sum() for c, o in zip(coefficients, expected)))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+    head = TokenScoringHead.replacing(torch.nn.Linear(8, 11))
+    head.scoring = scoring
+    assert head(hidden).shape == (2, 5, 4)  # log-prob, entropy, spread, whole-vocabulary entropy
+
+
 def test_chunked_scores_in_bf16_follow_the_fp32_ones():
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(6, 16, generator=generator)
@@ -91,7 +130,7 @@ def test_chunked_scores_in_bf16_follow_the_fp32_ones():
     targets = torch.randint(0, 50, (6,), generator=generator)
     expected = _reference_scores(hidden, weight, None, targets, TEMPERATURE)
     low = [tensor.bfloat16().requires_grad_() for tensor in (hidden, weight)]
-    log_probs, entropies = chunked_token_scores(*low, None, TokenScoring(targets, TEMPERATURE, 4, True))
+    log_probs, entropies, _, _ = chunked_token_scores(*low, None, TokenScoring(targets, TEMPERATURE, 4, True))
     assert log_probs.dtype == torch.float32
     torch.testing.assert_close(log_probs, expected[0], atol=0.1, rtol=0.02)
     torch.testing.assert_close(entropies, expected[1], atol=0.1, rtol=0.02)

@@ -226,6 +226,25 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "worker.actor.adaptive_entropy.delta_ent_coef=0.0 must be > 0",
         ),
         (
+            ["worker.actor.collapse_recovery.enabled=true", "worker.actor.collapse_recovery.top_k=1"],
+            "worker.actor.collapse_recovery.top_k=1 must be >= 2",
+        ),
+        (
+            [
+                "worker.actor.collapse_recovery.enabled=true",
+                "worker.actor.collapse_recovery.all_equal_share=0",
+            ],
+            "worker.actor.collapse_recovery.all_equal_share=0.0 must be in (0, 1]",
+        ),
+        (
+            ["worker.actor.collapse_recovery.enabled=true", "worker.actor.collapse_recovery.coeff=0"],
+            "worker.actor.collapse_recovery.coeff=0.0 must be > 0",
+        ),
+        (
+            ["worker.actor.collapse_recovery.enabled=true", "worker.actor.collapse_recovery.patience=0"],
+            "worker.actor.collapse_recovery.patience=0 must be >= 1",
+        ),
+        (
             ["worker.reward.overlong_buffer_length=512"],
             "overlong_buffer_length=512 must lie in [0, data.max_response_length=512)",
         ),

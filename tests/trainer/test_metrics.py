@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from mmrl.protocol import DataProto
-from mmrl.trainer.metrics import compute_data_metrics, compute_timing_metrics, reduce_metrics, timer
+from mmrl.trainer.metrics import (
+    compute_data_metrics,
+    compute_timing_metrics,
+    reduce_metrics,
+    saturation_metrics,
+    timer,
+)
 
 PAD = 9.0  # written on padding positions; any statistic that reads it is wrong
 
@@ -96,6 +102,14 @@ def test_data_metrics_names_missing_columns():
     batch.pop(batch_keys=["advantages", "values"])
     with pytest.raises(KeyError, match=r"\['advantages', 'values'\]"):
         compute_data_metrics(batch, use_critic=True)
+
+
+def test_saturated_token_share_by_hand():
+    # p of the sampled tokens: 0.995, 0.5 | 0.999, (padding at p = 1), 0.98 -> 2 of 4 valid tokens above 0.99
+    probs = torch.tensor([[0.995, 0.5, 1.0], [0.999, 1.0, 0.98]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    batch = DataProto.from_dict(tensors={"old_log_probs": probs.log(), "response_mask": mask})
+    assert saturation_metrics(batch) == {"actor/saturated_token_frac": 0.5}
 
 
 def test_timing_metrics_and_throughput():

@@ -1207,6 +1207,11 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
             "trainer.save_freq=2",
             "trainer.val_before_train=false",
             "trainer.val_freq=-1",
+            # the collapse gate opens on a second step in a row with any all-equal group: the recovery
+            # term reaches the workers' loss, and its state is part of what a resume restores
+            "worker.actor.collapse_recovery.enabled=true",
+            "worker.actor.collapse_recovery.all_equal_share=0.01",
+            "worker.actor.collapse_recovery.patience=2",
             *extra,
         ]
 
@@ -1250,6 +1255,7 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
 
     rows = metrics_by_step(metrics_lines(tmp_path / "a"))
     assert sorted(rows) == [1, 2, 3]
+    streak = 0
     for step, row in rows.items():
         assert row["rollout/kept_groups"] == 4, step
         assert row["rollout/rounds"] >= 2, step  # 2 prompts a round, 4 groups a step
@@ -1258,10 +1264,19 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         assert row["rollout/generated_responses"] == generated * 4
         assert 0 < row["rollout/generated_response_tokens"] <= generated * 4 * 4
         assert row["rollout/zero_adv_group_frac"] == 0.0, step
+        # the collapse signs count every round's groups: a 0/1 reward's dropped groups are its all-equal ones
+        all_equal = row["rollout/dropped_groups"] - row["rollout/surplus_groups"]
+        assert row["rollout/all_equal_group_frac"] == pytest.approx(all_equal / generated), step
+        assert row["rollout/steps_since_mixed_group"] == 0  # every step kept mixed groups
+        streak = streak + 1 if row["rollout/all_equal_group_frac"] >= 0.01 else 0
+        assert row["actor/collapse_coeff"] == (0.05 if streak >= 2 else 0.0), step
+        assert ("actor/collapse_spread" in row) == (streak >= 2), step
+        assert 0.0 <= row["actor/saturated_token_frac"] <= 1.0
         assert row["actor/grad_norm"] > 0
         # the rounds of a step share the last update's push; only the save of step 2 freed the weights
         assert row["rollout/weight_pushes_before_generate"] == (1.0 if step == 3 else 0.0), step
     assert sum(row["rollout/dropped_groups"] - row["rollout/surplus_groups"] for row in rows.values()) > 0
+    assert any(row["actor/collapse_coeff"] > 0 for row in rows.values())
     state = json.loads((tmp_path / "a" / "global_step_2" / "trainer_state.json").read_text())
     rounds = rows[1]["rollout/rounds"] + rows[2]["rollout/rounds"]
     assert state["loader"] == {"epoch": 0, "batch_index": rounds}  # one mini-batch of the loader a round
