@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mmrl.config.loading import ConfigError, load_config
 from mmrl.rewards.judge_server import VllmServer, listen_address
-from mmrl.trainer.config_loader import ConfigError, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # two nodes; micro batches that fit the smaller data-parallel shares, so only the host is in question

@@ -23,7 +23,7 @@ from mmrl.config import CHOICES, PPOConfig
 REPO = Path(__file__).resolve().parents[2]
 # checking a value is not using it: the loader and the file checks do not count as readers, nor does a
 # section's `check` (or a `check_*`/`_check_*` function) in the modules that define the tree
-NOT_READERS = ("mmrl/config/loading.py", "mmrl/config/files.py", "mmrl/trainer/config_loader.py")
+NOT_READERS = ("mmrl/config/loading.py", "mmrl/config/files.py")
 SCHEMA_MODULES = ("mmrl/config/", "mmrl/data/config.py", "mmrl/algorithms/")
 # keys read by something the static pass cannot see, each with the reason (keep this short)
 READ_ELSEWHERE: dict[str, str] = {}
