@@ -32,8 +32,22 @@ IMAGE_PIXELS = 448 * 448  # kept as is: 16 × 16 merged patches, 256 placeholder
 PHASES = ("gen", "update_actor", "sync")
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX). Without it torch emulates bf16
+    matmuls: the real-shape job's two steps took over 14 minutes on a 2-core AVX2 machine (81 s with
+    AVX512-BF16), so there it computes in fp32, the dtype such a CPU runs fastest."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def real_shape_overrides(
-    model_path, data_dir, save_dir, chunk_tokens: int = 256, response_tokens: int = RESPONSE_TOKENS
+    model_path,
+    data_dir,
+    save_dir,
+    chunk_tokens: int = 256,
+    response_tokens: int = RESPONSE_TOKENS,
+    dtype: str | None = None,
 ) -> list[str]:
     """The real-shape job (the test and this bench run the same): one worker, one prompt × 2 responses,
     no reference (so the update computes the old log-probs itself). One worker holds the fp32 weights,
@@ -41,7 +55,9 @@ def real_shape_overrides(
     GB) and a bf16 rollout copy (1.1 GB): it fits this 24 GB machine with bf16 gradient reduction (an
     fp32 one first casts the gathered gradients to a full fp32 copy) and 256-token chunks (each
     [256, 151,936] fp32 buffer of the head is 0.16 GB). Two ranks would halve the sharded state but
-    double the processes; the 2-rank FSDP2 paths are tested at small widths."""
+    double the processes; the 2-rank FSDP2 paths are tested at small widths. ``dtype`` is the compute
+    dtype (None: bf16 where the CPU has it natively, else fp32: :func:`native_bf16`)."""
+    dtype = dtype or ("bf16" if native_bf16() else "fp32")
     return [
         f"data.train_files={Path(data_dir) / 'train.jsonl'}",
         "data.max_prompt_length=320",
@@ -52,11 +68,11 @@ def real_shape_overrides(
         f"worker.actor.model.model_path={model_path}",
         "worker.actor.global_batch_size=1",  # one optimizer step per rollout: no separate old-log-prob pass
         "worker.actor.micro_batch_size_per_device_for_update=1",
-        "worker.actor.fsdp.mp_param_dtype=bf16",
-        "worker.actor.fsdp.mp_reduce_dtype=bf16",
+        f"worker.actor.fsdp.mp_param_dtype={dtype}",
+        f"worker.actor.fsdp.mp_reduce_dtype={dtype}",
         f"worker.actor.log_prob_chunk_tokens={chunk_tokens}",
         "worker.rollout.name=hf",
-        "worker.rollout.dtype=bf16",
+        f"worker.rollout.dtype={dtype}",
         "worker.rollout.prepack_cpu_linears=false",  # a second copy of the large weights: 0.9 GB
         "worker.rollout.n=2",
         "worker.rollout.ignore_eos=true",  # a random model seldom samples EOS anyway: full-length responses

@@ -3,7 +3,8 @@ widths and its 151,936-token vocabulary (2 decoder layers, 2 vision blocks, rand
 JPEG images and 32-token responses (``bench/scale_smoke.py`` runs 1,024, the length its memory table
 is about; here the image's ~290-token prompt and 32 response tokens still give every sequence two of
 the head's 256-token chunks: 81 s instead of 106 s at 128 tokens), two GRPO steps of an FSDP2
-worker with bf16 compute (the dtype of a GPU job) and the chunked log-prob head. ``bench/scale.py``
+worker with bf16 compute (the dtype of a GPU job; fp32 on a CPU that emulates bf16, where two bf16
+steps take over 14 minutes) and the chunked log-prob head. ``bench/scale.py``
 reports the same run's peak memory per worker and phase; here the run must finish, train and stay
 within its memory bounds."""
 
@@ -18,7 +19,7 @@ from _trainer_run import run_main
 from mmrl.demo.synthetic import write_photo_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ holds scripts, not a package
-from scale_smoke import real_shape_overrides  # noqa: E402
+from scale_smoke import native_bf16, real_shape_overrides  # noqa: E402
 
 RESPONSE_TOKENS = 32
 
@@ -38,14 +39,16 @@ def test_two_grpo_steps_at_the_3b_widths_and_real_vocabulary(real_width_vl_path,
         assert row["response_length/mean"] == RESPONSE_TOKENS  # every response ran to its end
         assert row["prompt_length/mean"] > 256  # the image's 256 placeholders and the question
         assert row["actor/grad_norm"] > 0
-        # the trainer's and the rollout's log-probs of the same bf16 tokens agree
-        assert row["rollout/log_prob_gap_mean"] < 0.1
+        # the trainer's and the rollout's log-probs of the same tokens agree (bf16: to its rounding)
+        assert row["rollout/log_prob_gap_mean"] < (0.1 if native_bf16() else 1e-3)
         # peak resident set per phase: the worker holds the fp32 weights, gradients and AdamW moments
         # (0.55B parameters: 8.8 GB), the bf16 rollout copy (1.1 GB) and, in the update, the gathered bf16
         # weights and their gradients (2.2 GB); the head's fp32 logits and log-softmax are bounded by
         # its 256-token chunks
         for phase in ("gen", "update_actor", "sync"):
-            assert 0.5 < row[f"memory/{phase}_peak_gib"] < 14, (phase, row[f"memory/{phase}_peak_gib"])
+            # (fp32 compute: the gathered weights, gradients and rollout copy twice as large, 3.3 GB more)
+            bound = 14 if native_bf16() else 17.5
+            assert 0.5 < row[f"memory/{phase}_peak_gib"] < bound, (phase, row[f"memory/{phase}_peak_gib"])
     # the two steps trained on different responses (their texts' CRC-32 mean; the distinct-character
     # reward of 1,024-token responses saturates, so two steps can share its mean)
     assert steps[0]["reward/fingerprint"] != steps[1]["reward/fingerprint"]
