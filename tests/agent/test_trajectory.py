@@ -129,19 +129,7 @@ def test_position_ids_are_the_models_own_over_each_whole_row(tiny_vl_path, traje
     input_ids, attention_mask, width, media, token_types = forward_arguments(trajectory_batch)
     assert isinstance(media[0], TrajectoryInputs) and not isinstance(media[3], TrajectoryInputs)
     assert prompt_inputs(media[0]) is not media[0] and len(media[0]["image_grid_thw"]) == 3
-    positions = model_layout(
-        sequence_position_ids(model, input_ids, attention_mask, width, media, token_types)
-    )
-    for row in range(len(input_ids)):
-        own = compute_position_ids(
-            model,
-            input_ids[row : row + 1],
-            attention_mask[row : row + 1],
-            concat_multi_modal_inputs([media[row]]),
-            token_types[row : row + 1],
-        )
-        valid = attention_mask[row].bool()
-        assert torch.equal(positions[:, row, valid], own[:, 0, valid]), row
+    _assert_batch_positions_equal_each_rows_own(model, input_ids, attention_mask, width, media, token_types)
 
 
 @pytest.mark.parametrize(
@@ -231,22 +219,29 @@ def test_an_opening_observation_with_media_is_aligned_positioned_and_scored_like
 
     model = training_model(tiny_vl_path)
     input_ids, attention_mask, width, row_media, token_types = forward_arguments(batch)
-    positions = model_layout(
-        sequence_position_ids(model, input_ids, attention_mask, width, row_media, token_types)
+    _assert_batch_positions_equal_each_rows_own(
+        model, input_ids, attention_mask, width, row_media, token_types
     )
-    for index in range(len(input_ids)):
-        own = compute_position_ids(
-            model,
-            input_ids[index : index + 1],
-            attention_mask[index : index + 1],
-            concat_multi_modal_inputs([row_media[index]]),
-            token_types[index : index + 1],
-        )
-        valid = attention_mask[index].bool()
-        assert torch.equal(positions[:, index, valid], own[:, 0, valid]), index
     padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 4, TEMPERATURE)
     mask = batch.batch["response_mask"].bool()
     for share_prompts in (False, True):
         actor = policy_actor(model, padding_free=True, share_prompts=share_prompts)
         packed, _ = actor.compute_log_probs(batch, 4, TEMPERATURE)
         torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+
+def _assert_batch_positions_equal_each_rows_own(model, input_ids, attention_mask, width, media, token_types):
+    """The batch's M-RoPE positions equal each row's computed alone (valid tokens)."""
+    positions = model_layout(
+        sequence_position_ids(model, input_ids, attention_mask, width, media, token_types)
+    )
+    for row in range(len(input_ids)):
+        own = compute_position_ids(
+            model,
+            input_ids[row : row + 1],
+            attention_mask[row : row + 1],
+            concat_multi_modal_inputs([media[row]]),
+            token_types[row : row + 1],
+        )
+        valid = attention_mask[row].bool()
+        assert torch.equal(positions[:, row, valid], own[:, 0, valid]), row
