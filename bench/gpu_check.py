@@ -9,10 +9,11 @@ No Ray, no vLLM: one process, a one-rank process group (NCCL; gloo with ``--dry`
 - ``update``: one bf16 FSDP2 actor update of a random-weight Qwen2.5-VL at the 3B model's widths with the
   chunked log-prob head (``bench/gpu_mfu.py``: tokens/s, MFU, peak allocated and reserved memory,
   device memory left free); the update's loss and gradient norm must be finite.
-- ``flash-attn``: mmrl's packed attention with flash-attn's varlen kernel against its own sdpa path, for
-  whole packed rows and rows sharing a prompt (``mmrl.models.attention``), values and q/k/v
-  gradients: each side's bf16 error against an fp32 computation, flash-attn's no worse than twice
-  sdpa's. ``--dry`` stands in a plain-torch kernel with flash-attn's documented semantics.
+- ``flash-attn``, ``torch varlen``: mmrl's packed attention with each varlen kernel present (flash-attn's,
+  and torch's own ``torch.nn.attention.varlen``, which packed attention uses without flash-attn) against
+  its own sdpa path, for whole packed rows and rows sharing a prompt (``mmrl.models.attention``), values
+  and q/k/v gradients: each side's bf16 error against an fp32 computation, the kernel's no worse than
+  twice sdpa's. ``--dry`` stands in a plain-torch kernel with flash-attn's documented semantics.
 - ``ring``: ring attention (``mmrl.parallel.ring_attention``) on a ring of one: every block pair of
   the zigzag layout through the CUDA flash-attention op and its backward (bf16) against the CPU path
   (the CPU flash op, fp32; itself checked against sdpa), with torch's bf16 sdpa on the whole
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -103,7 +105,8 @@ def update_rows(device: torch.device, layers: int | None) -> list[Row]:
         Row("update", f"bf16 FSDP2 actor update ({shape})", f"loss and grad norm finite: {finite}", finite)
     ]
     mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
-    rows.append(Row("update", "tokens/s, MFU", f"{result['tokens_per_s']:.0f} tok/s, MFU {mfu}", True))
+    speed = f"{result['tokens_per_s']:.0f} tok/s, MFU {mfu}, attention: {result['attention']}"
+    rows.append(Row("update", "tokens/s, MFU", speed, True))
     if result["peak_memory_gib"] is not None:
         memory = (
             f"peak {result['peak_memory_gib']:.1f} GiB allocated, {result['peak_reserved_gib']:.1f} reserved, "
@@ -136,17 +139,17 @@ def reference_flash_varlen(
 
 
 @contextlib.contextmanager
-def packed_attention_kernel(flash: Callable | None) -> Iterator[None]:
-    """mmrl's packed attention with flash-attn's varlen function ``flash`` (None: the sdpa path)."""
+def packed_attention_kernel(kernel: Callable | None) -> Iterator[None]:
+    """mmrl's packed attention with the varlen ``kernel`` (flash-attn's calling convention; None: the
+    sdpa path)."""
     from mmrl.models import attention
 
-    saved = attention._can_use_flash_attn, attention._flash_attn_varlen_func
-    attention._can_use_flash_attn = lambda query: flash is not None
-    attention._flash_attn_varlen_func = lambda: flash
+    saved = attention._varlen_kernel
+    attention._varlen_kernel = lambda query, dropout, torch_varlen: kernel
     try:
         yield
     finally:
-        attention._can_use_flash_attn, attention._flash_attn_varlen_func = saved
+        attention._varlen_kernel = saved
 
 
 def _attention_outputs(function, inputs, dtype, kernel, out_grad):
@@ -158,7 +161,7 @@ def _attention_outputs(function, inputs, dtype, kernel, out_grad):
     return [out, *(leaf.grad for leaf in leaves)]
 
 
-def attention_rows(device: torch.device, flash: Callable | None) -> list[Row]:
+def attention_rows(device: torch.device, flash: Callable, kernel_name: str) -> list[Row]:
     from mmrl.models import attention
 
     dry = device.type == "cpu"
@@ -199,7 +202,7 @@ def attention_rows(device: torch.device, flash: Callable | None) -> list[Row]:
         tested = _attention_outputs(function, inputs, dtype, flash, grad)
         for label, ref, low, fast in zip(("out", "dq", "dk", "dv"), reference, sdpa, tested):
             errors = (relative_error(fast, ref), relative_error(low, ref))
-            rows.append(no_worse(f"{name}: {label}", "flash-attn", errors, ("flash", "sdpa")))
+            rows.append(no_worse(f"{name}: {label}", kernel_name, errors, ("varlen", "sdpa")))
     return rows
 
 
@@ -360,20 +363,30 @@ def planted_mismatch_rows() -> list[Row]:
 # ---------------------------------------------------------------------------------------- driver
 
 
-def flash_attn_kernel(dry: bool, allow_missing: bool) -> tuple[Callable | None, list[Row]]:
+def varlen_kernels(dry: bool, allow_missing: bool) -> tuple[dict[str, Callable], list[Row]]:
+    """The varlen kernels packed attention can use here, by name: flash-attn's (its own install step)
+    and torch's own (``torch.nn.attention.varlen``, torch >= 2.10)."""
     if dry:
-        return reference_flash_varlen, [Row("flash-attn", "kernel", "plain-torch stand-in (--dry)", True)]
-    from mmrl.models.attention import _flash_attn_varlen_func
-
-    kernel = _flash_attn_varlen_func()
-    if kernel is None:
-        note = "not installed or does not load (docs/gpu.md: its own install step)"
-        return None, [
-            Row("flash-attn", "kernel", note + ("; allowed" if allow_missing else ""), allow_missing)
+        return {"flash-attn": reference_flash_varlen}, [
+            Row("flash-attn", "kernel", "plain-torch stand-in (--dry)", True)
         ]
-    import flash_attn
+    from mmrl.models.attention import _flash_attn_varlen_func, _torch_varlen_func
 
-    return kernel, [Row("flash-attn", "kernel", f"flash_attn {flash_attn.__version__}", True)]
+    kernels, rows = {}, []
+    flash = _flash_attn_varlen_func()
+    if flash is None:
+        note = "not installed or does not load (docs/gpu.md: its own install step)"
+        rows.append(Row("flash-attn", "kernel", note + ("; allowed" if allow_missing else ""), allow_missing))
+    else:
+        import flash_attn
+
+        kernels["flash-attn"] = flash
+        rows.append(Row("flash-attn", "kernel", f"flash_attn {flash_attn.__version__}", True))
+    torch_kernel = _torch_varlen_func()
+    if torch_kernel is not None:
+        kernels["torch varlen"] = torch_kernel
+    rows.append(Row("torch varlen", "kernel", "present" if torch_kernel else f"absent in torch {torch.__version__}", True))  # fmt: skip
+    return kernels, rows
 
 
 def torch_shims() -> list[Row]:
@@ -386,10 +399,13 @@ def torch_shims() -> list[Row]:
 
 def run_checks(device: torch.device, args: argparse.Namespace) -> list[Row]:
     dry = device.type == "cpu"
-    kernel, rows = flash_attn_kernel(dry, args.allow_missing_flash_attn)
+    kernels, rows = varlen_kernels(dry, args.allow_missing_flash_attn)
     checks: list[tuple[str, Callable[[], list[Row]]]] = [
         ("update", lambda: update_rows(device, args.layers)),
-        ("flash-attn", lambda: attention_rows(device, kernel) if kernel is not None else []),
+        *(
+            (name, functools.partial(attention_rows, device, kernel, name))
+            for name, kernel in kernels.items()
+        ),
         ("ring", lambda: ring_rows(device)),
         ("weight sync", lambda: weight_sync_rows(device)),
         ("storage dtypes", lambda: storage_dtype_rows(device)),

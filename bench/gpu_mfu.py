@@ -21,7 +21,9 @@ FSDP2 loop (``fully_shard`` per decoder layer and vision block, the same mixed p
 numbers a rollout batch. Each side: a warm-up update, then ``--repeats`` timed ones (median,
 ``torch.cuda.synchronize`` around each), the optimizer step timed on its own (clipping included), the
 no-grad log-prob pass timed, and one update profiled: host-bound share = CPU time of the ops (self,
-summed) / GPU kernel time; above 1 the GPU waits on the host.
+summed) / GPU kernel time (kernels only, each counted once); above 1 the GPU waits on the host. GPU
+busy = that kernel time / the median update's seconds. The profiled update's top ops and kernels by
+device time are printed for each side.
 
 FLOPs (:func:`update_flops`): matmul FLOPs of the forward pass (2 per multiply-add) times 3 for
 forward + backward: per layer and token, the q/k/v/o projections and the SwiGLU MLP; per sequence, the
@@ -236,7 +238,16 @@ class MmrlSide:
 
     name = "mmrl"
 
-    def __init__(self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int):
+    def __init__(
+        self,
+        config,
+        device,
+        compute_dtype,
+        gradient_checkpointing: bool,
+        response_length: int,
+        max_tokens: int | None = None,
+        packed_attention: str = "sdpa",
+    ):
         import torch
         import torch.distributed as dist
 
@@ -248,7 +259,9 @@ class MmrlSide:
         model = build_model(config, device)
         self.params = sum(p.numel() for p in model.parameters())
         self.param_tensors = sum(1 for _ in model.parameters())
-        prepare_for_training(model, packing=True, score_tokens=True)  # as the trainer prepares the actor
+        prepare_for_training(  # as the trainer prepares the actor
+            model, packing=True, score_tokens=True, packed_attention=packed_attention
+        )
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
@@ -256,7 +269,7 @@ class MmrlSide:
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
         self.actor = PolicyActor(
             model,
-            ActorConfig(padding_free=True),
+            ActorConfig(padding_free=True, max_tokens_per_micro_batch=max_tokens),
             optimizer=optimizer,
             device=device,
             max_response_length=response_length,
@@ -299,7 +312,9 @@ class PlainSide:
     name = "plain"
     CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.3, 3.0  # mmrl's PPO defaults (ActorConfig().clip_range)
 
-    def __init__(self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int):
+    def __init__(
+        self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int, **_
+    ):
         import torch
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -400,6 +415,9 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+TOP_OPS = 25  # ops (and kernels) listed per side, by device time, from the profiled update
+
+
 def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[float | None, float | None]:
     """One update under the profiler: (host op time, device kernel time) in seconds, self times summed
     (each microsecond counted once). None on the CPU."""
@@ -411,9 +429,17 @@ def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[floa
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         side.update(batch, micro_batch)
         torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
     events = profiler.key_averages()
     host = sum(event.self_cpu_time_total for event in events)
-    kernel = sum(getattr(event, "self_device_time_total", 0) or 0 for event in events)
+    # kernels only: an op's own device time repeats the time of the kernels it launched
+    kernel = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA)
+    top = sorted(events, key=lambda event: -(getattr(event, "self_device_time_total", 0) or 0))[:TOP_OPS]
+    side.top_ops = [
+        (event.key, event.count, (event.self_device_time_total or 0) / 1e3, event.self_cpu_time_total / 1e3)
+        for event in top
+    ]
     return host / 1e6, kernel / 1e6
 
 
@@ -467,6 +493,8 @@ def measure_side(side, batch, args, device) -> dict:
         "host_s": host_s,
         "kernel_s": kernel_s,
         "host_per_kernel": host_s / kernel_s if host_s and kernel_s else None,
+        "gpu_busy": min(1.0, kernel_s / statistics.median(update_s)) if kernel_s else None,
+        "top_ops": getattr(side, "top_ops", []),
         "metrics": metrics,
     }
 
@@ -484,6 +512,7 @@ def run(args: argparse.Namespace) -> dict:
     if not dist.is_initialized():  # bench/gpu_check.py runs this in its own one-rank group
         _init_one_rank_group("gloo" if args.smoke else "nccl")
     notes = torch_shims()
+    kernel = attention_kernel(device, getattr(args, "attention", "sdpa"))
     config = build_config(args.model, layers=getattr(args, "layers", None))
     text = dict(TEXT_CONFIGS[args.model], num_hidden_layers=config.text_config.num_hidden_layers)
     compute_dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -498,7 +527,15 @@ def run(args: argparse.Namespace) -> dict:
     names = ["mmrl"] + (["plain"] if getattr(args, "baseline", None) == "plain" else [])
     for name in names:
         start = time.perf_counter()
-        side = SIDES[name](config, device, compute_dtype, args.gradient_checkpointing, args.response_length)
+        side = SIDES[name](
+            config,
+            device,
+            compute_dtype,
+            args.gradient_checkpointing,
+            args.response_length,
+            max_tokens=getattr(args, "max_tokens", None),
+            packed_attention=getattr(args, "attention", "sdpa"),
+        )
         build_s = time.perf_counter() - start
         if "old_log_probs" not in batch.batch.keys():  # mmrl's pass; the plain loop reuses them
             old = side.log_probs(side.prepare(batch), args.micro_batch)
@@ -522,6 +559,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": device_name,
         "torch": torch.__version__,
         "notes": notes,
+        "attention": kernel,
         "tokens_per_update": tokens,
         "tflops_per_update": flops / 1e12,
         "peak_tflops": peak,
@@ -529,9 +567,29 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def attention_kernel(device, choice: str) -> str:
+    """The kernel mmrl's packed attention runs here with ``--attention`` (the trainer's
+    ``worker.actor.model.packed_attention``)."""
+    import torch
+
+    from mmrl.models import attention
+
+    probe = torch.zeros(1, 1, 1, 8, device=device, dtype=torch.bfloat16)
+    kernel = attention._varlen_kernel(probe, 0.0, choice == "torch_varlen")
+    if kernel is None:
+        return "sdpa per sequence"
+    return "flash-attn varlen" if kernel is attention._flash_attn_varlen_func() else "torch varlen"
+
+
 def _defaults() -> dict:
     """Options ``bench/gpu_check.py``'s namespace may lack."""
-    return {"log_prob_micro_batch": None, "profile": True, "baseline": None}
+    return {
+        "log_prob_micro_batch": None,
+        "profile": True,
+        "baseline": None,
+        "attention": "auto",
+        "max_tokens": None,
+    }
 
 
 def print_timings(args: argparse.Namespace, result: dict) -> None:
@@ -542,15 +600,16 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
     )
     print(
         f"\nactor update, {args.rows} rows x ({args.prompt_length} prompt + {args.response_length} response) "
-        f"tokens, micro-batch {args.micro_batch}, {setting}, gradient checkpointing "
-        f"{'on' if args.gradient_checkpointing else 'off'}; median of {args.repeats}; "
-        f"{result['device']}, torch {result['torch']}\n"
+        f"tokens, micro-batch {args.micro_batch}"
+        f"{f' (mmrl: {args.max_tokens} tokens)' if args.max_tokens else ''}, {setting}, gradient "
+        f"checkpointing {'on' if args.gradient_checkpointing else 'off'}; mmrl's attention: "
+        f"{result['attention']}; median of {args.repeats}; {result['device']}, torch {result['torch']}\n"
     )
     print(
         "| side | params | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
-        "| log-prob tokens/s | host s / kernel s | loss | grad norm |"
+        "| log-prob tokens/s | host s / kernel s | GPU busy | loss | grad norm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, side in result["sides"].items():
         mfu = "-" if side["mfu"] is None else f"{side['mfu']:.1%}"
         memory = "-" if side["peak_memory_gib"] is None else f"{side['peak_memory_gib']:.1f}"
@@ -558,12 +617,19 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
             "-" if side["host_per_kernel"] is None
             else f"{side['host_s']:.2f} / {side['kernel_s']:.2f} ({side['host_per_kernel']:.2f})"
         )  # fmt: skip
+        busy = "-" if side.get("gpu_busy") is None else f"{side['gpu_busy']:.0%}"
         print(
             f"| {name} | {side['params'] / 1e9:.2f}B | {side['update_s']:.3f} | {side['tokens_per_s']:.0f} "
             f"| {side['achieved_tflops']:.1f} | {mfu} | {memory} | {side['optimizer_step_s']:.3f} "
-            f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {side['metrics']['loss']:.6f} "
+            f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {busy} | {side['metrics']['loss']:.6f} "
             f"| {side['metrics']['grad_norm']:.6f} |"
         )
+    for name, side in result["sides"].items():
+        if side["top_ops"]:
+            print(f"\n{name}: the profiled update's top ops by device time\n")
+            print("| op or kernel | calls | device ms | host ms |\n|---|---|---|---|")
+            for key, count, device_ms, host_ms in side["top_ops"]:
+                print(f"| {key[:90]} | {count} | {device_ms:.1f} | {host_ms:.1f} |")
     if len(result["sides"]) == 2:
         mmrl, plain = result["sides"]["mmrl"], result["sides"]["plain"]
         print(f"\nmmrl / plain tokens/s: {mmrl['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
@@ -759,6 +825,18 @@ def main() -> None:
     parser.add_argument("--log_prob_micro_batch", type=int, default=None, help="default: --micro_batch")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument(
+        "--attention",
+        choices=["sdpa", "torch_varlen"],
+        default="sdpa",
+        help="mmrl's packed attention without flash-attn (worker.actor.model.packed_attention)",
+    )
+    parser.add_argument(
+        "--max_tokens",
+        type=int,
+        default=None,
+        help="mmrl: token-budget micro-batches (max_tokens_per_micro_batch)",
+    )
     parser.add_argument("--no_profile", dest="profile", action="store_false", help="skip the profiled update")
     parser.add_argument("--peak_tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of the GPU")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (CPU mode: default 2)")

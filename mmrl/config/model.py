@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     from mmrl.config.schema import PPOConfig
 
 
+PACKED_ATTENTION_KERNELS = ("sdpa", "torch_varlen")  # worker.*.model.packed_attention
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A trained model; the actor's section adds what the whole run shares (:class:`ActorModelConfig`)."""
@@ -21,6 +24,10 @@ class ModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
     enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
     freeze_vision_tower: bool = False  # keep the vision (and audio) encoder weights fixed
+    # padding-free attention without flash-attn: sdpa on each packed sequence (cuDNN/flash kernels per
+    # sequence: measured faster on H100/H200 with torch 2.11, docs/throughput.md) or torch's own
+    # variable-length kernel (one call per layer; CUDA bf16/fp16). flash-attn, when installed, serves both
+    packed_attention: str = "sdpa"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,13 @@ from mmrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from mmrl.config.actor import ActorConfig, CriticConfig, RefConfig
 from mmrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from mmrl.config.files import check_files
-from mmrl.config.model import FSDPConfig, OptimConfig
+from mmrl.config.model import (
+    PACKED_ATTENTION_KERNELS,
+    ActorModelConfig,
+    FSDPConfig,
+    ModelConfig,
+    OptimConfig,
+)
 from mmrl.config.reward import CodeConfig, JudgeConfig, RewardConfig, RewardModelConfig, SandboxConfig
 from mmrl.config.rollout import RolloutConfig
 from mmrl.config.trainer import LOGGERS, TrainerConfig
@@ -170,6 +176,8 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (FSDPConfig, "mp_param_dtype"): DTYPES,
     (FSDPConfig, "mp_reduce_dtype"): STORAGE_DTYPES,
     (FSDPConfig, "mp_buffer_dtype"): STORAGE_DTYPES,
+    (ModelConfig, "packed_attention"): PACKED_ATTENTION_KERNELS,
+    (ActorModelConfig, "packed_attention"): PACKED_ATTENTION_KERNELS,
     (RolloutConfig, "name"): ("vllm", "hf"),
     (RolloutConfig, "dtype"): DTYPES,
     (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE

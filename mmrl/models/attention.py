@@ -11,10 +11,12 @@ transformers v5 hands unknown forward keywords through the decoder layers to the
 ``AttentionMaskInterface`` and set on the text decoder only (:func:`enable_packed_attention`, where
 the model is built):
 
-- with ``packed_sequences``: flash-attn's ``flash_attn_varlen_func`` when the package is installed (and
-  loads: a broken install warns once and is not used) and the tensors are fp16/bf16 on CUDA; otherwise
-  torch sdpa run causally on each sequence in turn, which is exact (a padded batch computes the same
-  sums, with masked keys adding exp(-inf) = 0).
+- with ``packed_sequences``, on fp16/bf16 CUDA tensors: one variable-length kernel call per layer,
+  flash-attn's ``flash_attn_varlen_func`` when the package is installed (and loads: a broken install
+  warns once and is not used), else torch's own ``torch.nn.attention.varlen.varlen_attn`` (the flash
+  kernel torch ships, torch >= 2.10); otherwise (CPU, fp32, an older torch, dropout) torch sdpa run
+  causally on each sequence in turn, which is exact (a padded batch computes the same sums, with masked
+  keys adding exp(-inf) = 0).
 - without it (the padded path): exactly transformers' own sdpa attention and sdpa mask;
 - with a :class:`SharedPrefixSequences` (a prompt once, followed by its n responses): each response
   attends to its prompt's keys and causally to its own;
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +41,9 @@ from mmrl.parallel.sequence import ShardedSequences
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "mmrl_packed"
+# the same, with torch's variable-length kernel where flash-attn is absent (``packed_attention: torch_varlen``)
+PACKED_VARLEN_ATTENTION = "mmrl_packed_varlen"
+PACKED_ATTENTIONS = {"sdpa": PACKED_ATTENTION, "torch_varlen": PACKED_VARLEN_ATTENTION}
 
 
 class PackedSequences(NamedTuple):
@@ -169,15 +176,55 @@ def flash_attn_available() -> bool:
     return _flash_attn_varlen_func() is not None
 
 
-def _can_use_flash_attn(query: torch.Tensor) -> bool:
-    return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and _flash_attn_varlen_func() is not None
-    )
+@functools.cache
+def _torch_varlen_func() -> Callable | None:
+    """torch's variable-length flash kernel (``torch.nn.attention.varlen.varlen_attn``, CUDA fp16/bf16)
+    behind flash-attn's calling convention, or None when this torch has none (< 2.10). Its keywords
+    moved between releases: causal is ``is_causal=True`` (2.10) or ``window_size=(-1, 0)`` (2.11+);
+    ``scale`` and ``enable_gqa`` (grouped-query heads) exist only in later releases, and without them the
+    query is pre-scaled and the key/value heads repeated."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+
+    def kernel(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal_
+    ):
+        if not causal_ or dropout_p:
+            raise ValueError("torch's varlen kernel serves causal attention without dropout only")
+        keywords = dict(causal)
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in parameters:
+                keywords["enable_gqa"] = True
+            else:
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        if softmax_scale is not None:
+            if "scale" in parameters:
+                keywords["scale"] = softmax_scale
+            else:  # the kernel's own scale is head_dim ** -0.5
+                q = q * (softmax_scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **keywords)
+
+    return kernel
+
+
+def _varlen_kernel(query: torch.Tensor, dropout: float, torch_varlen: bool) -> Callable | None:
+    """The variable-length kernel for these tensors (flash-attn's calling convention: ``[T, H, D]``,
+    cumulative lengths, causal bottom-right aligned), or None for the per-sequence sdpa path: flash-attn
+    when it loads, else with ``torch_varlen`` torch's own (no dropout), on fp16/bf16 CUDA tensors only."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    kernel = _flash_attn_varlen_func()
+    if kernel is None and torch_varlen and not dropout:
+        kernel = _torch_varlen_func()
+    return kernel
 
 
 def _flash_varlen(
+    kernel: Callable,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -186,20 +233,20 @@ def _flash_varlen(
     scaling: float | None,
     dropout: float,
 ) -> torch.Tensor:
-    """flash-attn's varlen kernel, causal (bottom-right aligned when a segment has more keys than
-    queries), on ``query`` [H, T, D] and ``key``/``value`` [H_kv, T_k, D] (it handles H_kv < H itself);
-    ``cu_seqlens``/``max_seqlens`` for (queries, keys). Returns ``[1, T, H, D]``."""
-    output = _flash_attn_varlen_func()(
+    """A varlen ``kernel`` (:func:`_varlen_kernel`), causal (bottom-right aligned when a segment has more
+    keys than queries), on ``query`` [H, T, D] and ``key``/``value`` [H_kv, T_k, D] (H_kv < H handled by
+    the kernel); ``cu_seqlens``/``max_seqlens`` for (queries, keys). Returns ``[1, T, H, D]``."""
+    output = kernel(
         query.transpose(0, 1),
         key.transpose(0, 1),
         value.transpose(0, 1),
-        cu_seqlens_q=cu_seqlens[0],
-        cu_seqlens_k=cu_seqlens[1],
-        max_seqlen_q=max_seqlens[0],
-        max_seqlen_k=max_seqlens[1],
-        dropout_p=dropout,
-        softmax_scale=scaling,
-        causal=True,
+        cu_seqlens[0],
+        cu_seqlens[1],
+        max_seqlens[0],
+        max_seqlens[1],
+        dropout,
+        scaling,
+        True,
     )
     return output.unsqueeze(0)
 
@@ -212,15 +259,19 @@ def varlen_attention(
     packed: PackedSequences,
     scaling: float | None,
     dropout: float = 0.0,
+    torch_varlen: bool = False,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence.
 
     ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]`` (grouped-query heads allowed);
     returns ``[1, T, H, D]`` (transformers' attention-output layout).
     """
-    if _can_use_flash_attn(query):
+    kernel = _varlen_kernel(query, dropout, torch_varlen)
+    if kernel is not None:
         cu, longest = packed.cu_seqlens, packed.max_seqlen
-        return _flash_varlen(query[0], key[0], value[0], (cu, cu), (longest, longest), scaling, dropout)
+        return _flash_varlen(
+            kernel, query[0], key[0], value[0], (cu, cu), (longest, longest), scaling, dropout
+        )
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     outputs = [
@@ -249,15 +300,18 @@ def shared_prefix_attention(
     sequences: SharedPrefixSequences,
     scaling: float | None,
     dropout: float = 0.0,
+    torch_varlen: bool = False,
 ) -> torch.Tensor:
     """Each segment's queries against its own keys (see :class:`SharedPrefixSequences`).
 
-    ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``; returns ``[1, T, H, D]``. flash-attn:
-    one varlen call over the gathered keys (its causal mask is bottom-right aligned). Otherwise torch sdpa,
+    ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``; returns ``[1, T, H, D]``. A varlen
+    kernel (flash-attn's or torch's): one call over the gathered keys (its causal mask is bottom-right aligned). Otherwise torch sdpa,
     one call per bucket of equally shaped segments, with an explicit bottom-right causal mask.
     """
-    if _can_use_flash_attn(query):
+    kernel = _varlen_kernel(query, dropout, torch_varlen)
+    if kernel is not None:
         return _flash_varlen(
+            kernel,
             query[0],
             key[0, :, sequences.kv_index],
             value[0, :, sequences.kv_index],
@@ -323,10 +377,12 @@ def packed_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     packed_sequences: PackedSequences | None = None,
+    torch_varlen: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function of :data:`PACKED_ATTENTION`: varlen attention on a packed row,
-    transformers' sdpa attention on anything else."""
+    """The ``AttentionInterface`` function of :data:`PACKED_ATTENTION` (and, with ``torch_varlen``, of
+    :data:`PACKED_VARLEN_ATTENTION`): varlen attention on a packed row, transformers' sdpa attention on
+    anything else."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_sequences is None:
@@ -339,7 +395,10 @@ def packed_attention_forward(
             f"uses a window of {kwargs['sliding_window']}); set worker.actor.padding_free=false for this model"
         )
     if isinstance(packed_sequences, SharedPrefixSequences):  # responses sharing their prompt
-        return shared_prefix_attention(module, query, key, value, packed_sequences, scaling, dropout), None
+        output = shared_prefix_attention(
+            module, query, key, value, packed_sequences, scaling, dropout, torch_varlen
+        )
+        return output, None
     if isinstance(packed_sequences, ShardedSequences):  # this rank's tokens of a sequence-parallel row
         from mmrl.parallel.ring_attention import sharded_attention
 
@@ -349,7 +408,7 @@ def packed_attention_forward(
             f"packed attention: expected one row of {sum(packed_sequences.lengths)} tokens (the sum of the "
             f"packed lengths), got query of shape {tuple(query.shape)} [batch, heads, tokens, head_dim]"
         )
-    return varlen_attention(module, query, key, value, packed_sequences, scaling, dropout), None
+    return varlen_attention(module, query, key, value, packed_sequences, scaling, dropout, torch_varlen), None
 
 
 def packed_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
@@ -372,13 +431,16 @@ def register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED_ATTENTION, packed_attention_mask)
+    for name in PACKED_ATTENTIONS.values():
+        forward = functools.partial(packed_attention_forward, torch_varlen=name == PACKED_VARLEN_ATTENTION)
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, packed_attention_mask)
 
 
-def enable_packed_attention(model: nn.Module) -> None:
-    """Make the text decoder of ``model`` use :data:`PACKED_ATTENTION` (idempotent). Called by
-    :func:`mmrl.models.prepare.prepare_for_training` where the model is built.
+def enable_packed_attention(model: nn.Module, kernel: str = "sdpa") -> None:
+    """Make the text decoder of ``model`` use packed attention (idempotent): :data:`PACKED_ATTENTION`,
+    or with ``kernel="torch_varlen"`` :data:`PACKED_VARLEN_ATTENTION` (``worker.*.model.packed_attention``).
+    Called by :func:`mmrl.models.prepare.prepare_for_training` where the model is built.
 
     Only the decoder's config changes: the vision/audio towers keep their own attention, and a padded
     forward computes what transformers' sdpa computes.
@@ -387,10 +449,10 @@ def enable_packed_attention(model: nn.Module) -> None:
     if torch.cuda.is_available():
         flash_attn_available()  # a broken flash-attn install warns here, where the model is built
     config = model.get_decoder().config
-    if config._attn_implementation != PACKED_ATTENTION:
-        config._attn_implementation = PACKED_ATTENTION
+    if config._attn_implementation != PACKED_ATTENTIONS[kernel]:
+        config._attn_implementation = PACKED_ATTENTIONS[kernel]
 
 
 def packed_attention_enabled(model: nn.Module) -> bool:
     """Whether ``model``'s text decoder uses :data:`PACKED_ATTENTION` (:func:`enable_packed_attention`)."""
-    return model.get_decoder().config._attn_implementation == PACKED_ATTENTION
+    return model.get_decoder().config._attn_implementation in PACKED_ATTENTIONS.values()

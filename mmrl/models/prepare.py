@@ -27,10 +27,15 @@ PREPARE_HINT = (
 
 
 def prepare_for_training(
-    model: nn.Module, packing: bool, sequence_parallel: bool = False, score_tokens: bool = False
+    model: nn.Module,
+    packing: bool,
+    sequence_parallel: bool = False,
+    score_tokens: bool = False,
+    packed_attention: str = "sdpa",
 ) -> nn.Module:
     """Make ``model`` (before FSDP wrapping) ready for padded passes and, with ``packing``,
-    packed ones (padding-free, shared prompts); with ``sequence_parallel`` also for passes whose rows
+    packed ones (padding-free, shared prompts; ``packed_attention`` the kernel without flash-attn:
+    ``sdpa`` or ``torch_varlen``); with ``sequence_parallel`` also for passes whose rows
     are split over ranks (which are packed); with ``score_tokens`` (a policy, not a critic's value
     head) for log-prob passes that score tokens inside the head. Idempotent; returns ``model`` itself."""
     if sequence_parallel and not packing:
@@ -39,7 +44,7 @@ def prepare_for_training(
     if family.fix_model is not None:
         family.fix_model(model)
     if packing:
-        enable_packed_attention(model)
+        enable_packed_attention(model, packed_attention)
     if sequence_parallel:
         enable_sequence_parallel(model, family.shard_decoder_inputs)
         enable_sharded_encoders([tower for _, tower in family.tower_modules(model)])

@@ -156,7 +156,11 @@ def build_fsdp_model(
         empty=from_rank0 and dist.get_rank() != 0,
     )
     prepare_for_training(
-        module, packing=padding_free, sequence_parallel=sequence_parallel, score_tokens=role == "actor"
+        module,
+        packing=padding_free,
+        sequence_parallel=sequence_parallel,
+        score_tokens=role == "actor",
+        packed_attention=model_config.packed_attention,
     )
     if trainable and lora is not None and lora.rank > 0:
         add_adapter(module, lora, fsdp, device)

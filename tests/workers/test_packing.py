@@ -613,10 +613,115 @@ def test_flash_attn_arguments_of_packed_and_shared_prefix_rows(monkeypatch, batc
     batch = _with_repeated_prompts(batches["image"])
     model = training_model(str(tiny_vl_path))
     expected = {share: _shared_outputs(model, batch, share)[0] for share in (False, True)}
-    monkeypatch.setattr(attention, "_can_use_flash_attn", lambda query: True)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_varlen)
+    monkeypatch.setattr(
+        attention, "_varlen_kernel", lambda query, dropout, torch_varlen: _reference_flash_varlen
+    )
     for share, log_probs in expected.items():
         torch.testing.assert_close(_shared_outputs(model, batch, share)[0], log_probs, atol=1e-5, rtol=0)
+
+
+def _reference_torch_varlen(new_signature: bool):
+    """torch's ``varlen_attn`` as documented, in plain torch ([T, H, D]): 2.11+ takes ``window_size``
+    ((-1, 0) = causal, bottom-right aligned), ``scale`` and ``enable_gqa`` (fewer key/value heads refused
+    without it); 2.10 takes ``is_causal`` and neither of the others (equal head counts, scale
+    head_dim ** -0.5). Each call is recorded."""
+    calls = []
+
+    def check(q, k, cu_q, cu_k, max_q, max_k):
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and q.dim() == k.dim() == 3
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+
+    def attend(q, k, v, cu_q, cu_k, scale):
+        return _reference_flash_varlen(q, k, v, cu_q, cu_k, None, None, 0.0, scale, True)
+
+    if new_signature:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+            check(q, k, cu_q, cu_k, max_q, max_k)
+            assert tuple(window_size) == (-1, 0) and (enable_gqa or q.shape[1] == k.shape[1])
+            calls.append({"gqa": enable_gqa, "scale": scale})
+            return attend(q, k, v, cu_q, cu_k, q.shape[-1] ** -0.5 if scale is None else scale)
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            check(q, k, cu_q, cu_k, max_q, max_k)
+            assert is_causal and q.shape[1] == k.shape[1]
+            calls.append({"gqa": False, "scale": None})
+            return attend(q, k, v, cu_q, cu_k, q.shape[-1] ** -0.5)
+
+    return varlen_attn, calls
+
+
+@pytest.mark.parametrize("new_signature", [True, False], ids=["torch 2.11+", "torch 2.10"])
+def test_torch_varlen_kernel_arguments_of_packed_and_shared_prefix_rows(
+    monkeypatch, batches, tiny_vl_path, new_signature
+):
+    """Without flash-attn, packed attention on CUDA runs torch's own varlen kernel: with a stand-in of
+    ``varlen_attn`` that follows torch's documented signature of each release (causal by
+    ``window_size`` or ``is_causal``, grouped-query heads by ``enable_gqa`` or repeated, the scale passed
+    or folded into the query), the adapter computes what the sdpa path computes, in one call per layer."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from mmrl.models import attention
+
+    batch = _with_repeated_prompts(batches["image"])
+    model = training_model(str(tiny_vl_path))
+    expected = {share: _shared_outputs(model, batch, share)[0] for share in (False, True)}
+    stand_in, calls = _reference_torch_varlen(new_signature)
+    monkeypatch.setattr(torch_varlen, "varlen_attn", stand_in)
+    attention._torch_varlen_func.cache_clear()
+    try:
+        kernel = attention._torch_varlen_func()
+        monkeypatch.setattr(attention, "_varlen_kernel", lambda query, dropout, torch_varlen: kernel)
+        for share, log_probs in expected.items():
+            torch.testing.assert_close(_shared_outputs(model, batch, share)[0], log_probs, atol=1e-5, rtol=0)
+    finally:
+        attention._torch_varlen_func.cache_clear()  # later tests see this torch's own kernel
+    layers = model.config.get_text_config().num_hidden_layers
+    grouped = (
+        model.config.get_text_config().num_key_value_heads
+        < model.config.get_text_config().num_attention_heads
+    )
+    assert len(calls) >= 2 * layers  # one call per layer and pass (forward; backward reruns none of it)
+    assert all(call["gqa"] == (grouped and new_signature) for call in calls)
+    assert all((call["scale"] is not None) == new_signature for call in calls)
+    with pytest.raises(ValueError, match="without dropout"):
+        kernel(*[torch.zeros(1)] * 7, 0.1, None, True)
+
+
+def test_varlen_kernel_serves_cuda_half_precision_only():
+    """CPU or fp32 tensors take the sdpa path (neither varlen kernel runs there)."""
+    from mmrl.models import attention
+
+    for torch_varlen in (False, True):
+        assert (
+            attention._varlen_kernel(torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16), 0.0, torch_varlen) is None
+        )
+        assert attention._varlen_kernel(torch.zeros(1, 2, 3, 8), 0.0, torch_varlen) is None
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "torch_varlen"])
+def test_packed_attention_key_picks_the_attention_function_the_decoder_calls(
+    monkeypatch, tiny_vl_path, kernel
+):
+    """``worker.*.model.packed_attention`` reaches the decoder: ``torch_varlen`` makes its attention calls
+    ask for torch's kernel, ``sdpa`` does not (recorded at the kernel choice, on a packed forward)."""
+    from mmrl.models import attention
+    from mmrl.models.loading import load_model
+    from mmrl.models.prepare import prepare_for_training
+
+    model = prepare_for_training(load_model(str(tiny_vl_path)), packing=True, packed_attention=kernel)
+    assert attention.packed_attention_enabled(model)
+    asked = []
+    monkeypatch.setattr(
+        attention, "_varlen_kernel", lambda query, dropout, torch_varlen: asked.append(torch_varlen)
+    )
+    packed = attention.PackedSequences.from_lengths([3, 2], "cpu")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]]), packed_sequences=packed)
+    layers = model.config.get_text_config().num_hidden_layers
+    assert asked == [kernel == "torch_varlen"] * layers
 
 
 BROKEN_FLASH_ATTN = (
