@@ -119,8 +119,12 @@ COSTLY_SESSION_FIXTURES = {"real_width_vl_path": "real_width"}
 
 
 def _cost(item) -> float:
-    """A rough guess of an item's seconds, to hand the workers their longest groups first."""
-    return 25.0 if item.get_closest_marker("slow") else 2.0 if item.get_closest_marker("distributed") else 0.2
+    """A rough guess of an item's seconds, to hand the workers their longest groups first: a slow test's
+    own ``@pytest.mark.slow(seconds=...)`` where it is far from the usual 25 s (a 300 s test handed out
+    last would keep one worker busy for minutes after the other ran out of work)."""
+    if slow := item.get_closest_marker("slow"):
+        return float(slow.kwargs.get("seconds", 25.0))
+    return 2.0 if item.get_closest_marker("distributed") else 0.2
 
 
 @pytest.hookimpl(tryfirst=True)

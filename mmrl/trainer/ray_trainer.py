@@ -79,9 +79,9 @@ FAULT_ENV = "MMRL_FAULT_AT"  # a test hook: see fault_point
 def fault_point(phase: str, step: int) -> None:
     """Test hook of the chaos test (``test_sigkill_at_any_moment_*`` in tests/trainer/test_ray_trainer.py):
     with ``MMRL_FAULT_AT=<phase>:<step>`` in the environment, the driver SIGKILLs itself on entering
-    ``phase`` ("rollout", "reward", "update", "sync", "checkpoint": after the workers wrote their part of
-    ``global_step_N.tmp``, before the commit) of training step ``step`` (1-based), so that a kill lands
-    in a chosen phase. Unset (always, outside tests) it does nothing."""
+    ``phase`` ("rollout": the step's start, "sync": after the update, "checkpoint": after the workers
+    wrote their part of ``global_step_N.tmp``, before the commit) of training step ``step`` (1-based),
+    so that a kill lands in a chosen phase. Unset (always, outside tests) it does nothing."""
     if os.environ.get(FAULT_ENV) == f"{phase}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -376,7 +376,6 @@ class RayPPOTrainer:
             batch, restore = balance_batch(batch, self.actor_dp_size)
             batch = self.compute_log_probs(batch, plan, timings)
             with timer("reward", timings):
-                fault_point("reward", self.global_step + 1)
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
                 batch = batch.union(
                     scores.select(batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"])
@@ -573,7 +572,6 @@ class RayPPOTrainer:
         """Critic, then actor updates, then the new weights into the rollout; ``batch`` gains the
         on-policy update's ``old_log_probs`` and ``entropies`` when it computed them (for the metrics)."""
         metrics: dict[str, float] = {}
-        fault_point("update", self.global_step + 1)
         if plan.use_critic:
             with timer("update_critic", timings):
                 update = self.model_workers.dispatch(HybridWorker.update_critic, batch)

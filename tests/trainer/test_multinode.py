@@ -80,7 +80,7 @@ def _run(overrides: list[str], save_dir: Path) -> tuple[str, list[dict]]:
     return output, rows
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=95)
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_two_nodes_place_rendezvous_save_and_resume(

@@ -24,7 +24,7 @@ from scale_smoke import native_bf16, real_shape_overrides  # noqa: E402
 RESPONSE_TOKENS = 32
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=300)
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_two_grpo_steps_at_the_3b_widths_and_real_vocabulary(real_width_vl_path, tmp_path):

@@ -725,7 +725,7 @@ def test_only_stale_cpu_shared_memory_is_unlinked(tmp_path):
 # ---------------------------------------------------------------- the trainer
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 @pytest.mark.distributed
 def test_trainer_runs_with_the_vllm_rollout_and_moves_each_media_file_once(tiny_vl_path, tmp_path):
     """Two workers, each with its (compiled) engine, on photo-sized JPEGs (~100 kB, each 1.2 MB of
