@@ -135,6 +135,9 @@ class ActorConfig(PolicyLossConfig):
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
+    # packed tokens per forward of the no-grad passes (old log-probs, reference): no activations are
+    # kept, so it may be larger than the update's; null = max_tokens_per_micro_batch
+    max_tokens_per_micro_batch_for_experience: int | None = None
     # response tokens per chunk of the log-prob/entropy head (actor, ref): [chunk, vocab] logits at a
     # time, in forward and backward; 0 = the whole [tokens, vocab] logits at once
     log_prob_chunk_tokens: int = 1024
@@ -170,6 +173,7 @@ def _check_actor_sizes(errors: list[str], actor: ActorConfig) -> None:
     }
     errors.extend(f"{key}={value} must be > 0" for key, value in positive.items() if value <= 0)
     _check_token_budget(errors, "actor", actor.max_tokens_per_micro_batch)
+    _check_token_budget(errors, "actor", actor.max_tokens_per_micro_batch_for_experience, "_for_experience")
     if actor.log_prob_chunk_tokens < 0:
         errors.append(
             f"worker.actor.log_prob_chunk_tokens={actor.log_prob_chunk_tokens} must be >= 0 (tokens per "
@@ -181,10 +185,10 @@ def _check_actor_sizes(errors: list[str], actor: ActorConfig) -> None:
         )
 
 
-def _check_token_budget(errors: list[str], role: str, budget: int | None) -> None:
+def _check_token_budget(errors: list[str], role: str, budget: int | None, suffix: str = "") -> None:
     if budget is not None and budget <= 0:
         errors.append(
-            f"worker.{role}.max_tokens_per_micro_batch={budget} must be > 0 (packed tokens per forward "
+            f"worker.{role}.max_tokens_per_micro_batch{suffix}={budget} must be > 0 (packed tokens per forward "
             "pass; a longer sequence gets a micro-batch of its own), or null to count responses"
         )
 
@@ -252,6 +256,8 @@ class CriticConfig:
     padding_free: bool = True  # train on packed sequences
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
+    # packed tokens per forward of the no-grad value pass; null = max_tokens_per_micro_batch
+    max_tokens_per_micro_batch_for_experience: int | None = None
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     # model_path null = the actor's folder; the other model keys are the critic's own
@@ -268,4 +274,7 @@ class CriticConfig:
     def check(self) -> list[str]:
         errors: list[str] = []
         _check_token_budget(errors, "critic", self.max_tokens_per_micro_batch)
+        _check_token_budget(
+            errors, "critic", self.max_tokens_per_micro_batch_for_experience, "_for_experience"
+        )
         return errors

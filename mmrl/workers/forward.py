@@ -140,13 +140,14 @@ def forward_micro_batches(
 
 def role_micro_batches(role, data: DataProto, micro_batch_size: int) -> tuple[list[DataProto], np.ndarray]:
     """:func:`forward_micro_batches` of ``data``'s forward columns for ``role`` (a ``PolicyActor`` or
-    ``ValueCritic``: its token budget, device and data-parallel group), after checking the media
-    alignment of all its rows at once."""
+    ``ValueCritic``: its token budget for no-grad passes, device and data-parallel group), after
+    checking the media alignment of all its rows at once."""
     check_alignment(role.module, data, names=_sample_names(data))
+    config = role.config
     return forward_micro_batches(
         forward_columns(data),
         micro_batch_size,
-        role.config.max_tokens_per_micro_batch,
+        config.max_tokens_per_micro_batch_for_experience or config.max_tokens_per_micro_batch,
         role.device,
         role.dp_group,
     )

@@ -250,6 +250,15 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         ),
         (["worker.reward.overlong_penalty_factor=-1"], "overlong_penalty_factor=-1.0 must be >= 0"),
         (["worker.actor.log_prob_chunk_tokens=-1"], "worker.actor.log_prob_chunk_tokens=-1 must be >= 0"),
+        (
+            ["worker.actor.max_tokens_per_micro_batch_for_experience=0"],
+            "worker.actor.max_tokens_per_micro_batch_for_experience=0 must be > 0",
+        ),
+        (
+            ["worker.critic.max_tokens_per_micro_batch_for_experience=-5"],
+            "worker.critic.max_tokens_per_micro_batch_for_experience=-5 must be > 0",
+        ),
+        (["worker.actor.model.packed_attention=flash"], "worker.actor.model.packed_attention"),
         (["worker.actor.ring_size=3"], "ulysses_size × worker.actor.ring_size = 3 must divide"),
         (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0 must be >= 1"),
         (

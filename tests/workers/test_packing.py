@@ -302,6 +302,29 @@ def test_token_budget_log_probs_and_values_come_back_in_row_order(tiny_vl_path, 
     torch.testing.assert_close(budget_values[mask], values[mask], atol=1e-5, rtol=0)
 
 
+def test_no_grad_passes_take_their_own_token_budget(tiny_vl_path, mixed_training_batch):
+    """``max_tokens_per_micro_batch_for_experience`` forms the log-prob and value passes' micro-batches
+    (first-fit decreasing over the lengths 36, 39, 44, 33, 43: a budget of 88 gives [44, 43], [39, 36],
+    [33]), the update's budget still forms the update's; null falls back to the update's budget. The
+    outputs do not depend on the split."""
+    from mmrl.workers.forward import role_micro_batches
+
+    batch, mask = mixed_training_batch, mixed_training_batch.batch["response_mask"].bool()
+    model = training_model(str(tiny_vl_path))
+    own = policy_actor(model, max_tokens_per_micro_batch=50, max_tokens_per_micro_batch_for_experience=88)
+    shared = policy_actor(model, max_tokens_per_micro_batch=50)
+    assert [len(m) for m in role_micro_batches(own, batch, 1)[0]] == [2, 2, 1]
+    assert [len(m) for m in role_micro_batches(shared, batch, 1)[0]] == [1, 1, 1, 1, 1]
+    by_own, _ = own.compute_log_probs(batch, 1, TEMPERATURE)
+    torch.testing.assert_close(by_own[mask], shared.compute_log_probs(batch, 1, TEMPERATURE)[0][mask], atol=1e-5, rtol=0)  # fmt: skip
+    critic = value_critic(
+        training_model(str(tiny_vl_path), role="critic"),
+        max_tokens_per_micro_batch=50,
+        max_tokens_per_micro_batch_for_experience=88,
+    )
+    assert [len(m) for m in role_micro_batches(critic, batch, 1)[0]] == [2, 2, 1]
+
+
 def _budget_rank_job(rank: int, world_size: int, model_path: str, data: DataProto, budget: int) -> dict:
     """A sharded packed update with a token budget, where the ranks need different micro-batch counts."""
     from torch.distributed.device_mesh import init_device_mesh
