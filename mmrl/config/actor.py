@@ -112,6 +112,16 @@ class CollapseRecoveryConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts models (the families with routers, e.g. Qwen3-VL MoE; docs/moe.md). Router
+    metrics are logged for every MoE model whatever these keys say."""
+
+    # weight of the routers' load-balancing loss (E * sum_i f_i * P_i, mean over layers; 1 = balanced)
+    # added to the actor loss, weighted per micro-batch by its share of the response tokens; 0 = off
+    aux_loss_coef: float = 0.0
+
+
+@dataclass(frozen=True)
 class ActorConfig(PolicyLossConfig):
     global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
@@ -132,6 +142,7 @@ class ActorConfig(PolicyLossConfig):
     entropy_top_k: int = 0
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
     collapse_recovery: CollapseRecoveryConfig = field(default_factory=CollapseRecoveryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
@@ -157,6 +168,8 @@ class ActorConfig(PolicyLossConfig):
         errors += self.check_loss()
         _check_entropy(errors, self)
         _check_collapse_recovery(errors, self.collapse_recovery)
+        if self.moe.aux_loss_coef < 0:
+            errors.append(f"worker.actor.moe.aux_loss_coef={self.moe.aux_loss_coef} must be >= 0 (0: off)")
         return errors + self.model.check(config)
 
 

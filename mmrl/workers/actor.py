@@ -23,6 +23,7 @@ or with ``log_prob_chunk_tokens`` 0 from the whole [K, vocab] logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +45,7 @@ from mmrl.core_algos import (
     spread_from_logits,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
+from mmrl.models.moe import RouterRecorder, mean_load_balancing_loss, num_experts_of, router_metrics
 from mmrl.models.token_scoring import token_scoring_head
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
@@ -130,6 +132,12 @@ class PolicyActor:
                 f"but {type(module).__name__} has the plain one: build it with "
                 "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True), or set "
                 "worker.actor.log_prob_chunk_tokens=0"
+            )
+        self.num_experts = num_experts_of(module)  # 0: a dense model
+        if config.moe.aux_loss_coef > 0 and not self.num_experts:
+            raise ValueError(
+                f"worker.actor.moe.aux_loss_coef={config.moe.aux_loss_coef} adds the routers' load-balancing "
+                f"loss, but {type(module).__name__} has no MoE routers; set it to 0"
             )
         self.module = module
         self.optimizer = optimizer
@@ -232,7 +240,9 @@ class PolicyActor:
         loss; they need the ``truncated`` column), and with ``algorithm.rollout_correction`` (the batch
         then needs ``rollout_log_probs``) the token means ``rollout_is_weight_mean``,
         ``rollout_is_truncated_frac``, ``rollout_rs_masked_frac``, ``rollout_kl_k1``, ``rollout_kl_k3``
-        and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``.
+        and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``; with a MoE model
+        ``moe_aux_loss``, ``moe_max_expert_share`` and ``moe_router_entropy`` (:mod:`mmrl.models.moe`;
+        micro-batch values weighted by their response tokens).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -310,7 +320,9 @@ class PolicyActor:
         )
         entropy_bonus = entropy_coeff != 0.0
         spread_top_k = config.collapse_recovery.top_k if spread_coeff != 0.0 else 0
-        scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
+        routers = RouterRecorder(self.module) if self.num_experts else None
+        with routers.recording() if routers is not None else contextlib.nullcontext():
+            scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
         response_valid = scores.response_valid
         log_probs = scatter_response_tokens(scores.log_probs, response_valid)  # [b, R]
         entropy = scatter_response_tokens(scores.entropies, response_valid)  # [b, R]
@@ -351,7 +363,28 @@ class PolicyActor:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))
             loss = loss + self.kl_coef * kl_loss
             shares["kl_loss"] = kl_loss.detach()
+        if routers is not None:
+            loss = self._add_router_terms(
+                loss, shares, routers, response_mask.sum() / num_tokens.clamp(min=1.0)
+            )
         return loss, shares
+
+    def _add_router_terms(
+        self,
+        loss: torch.Tensor,
+        shares: dict[str, torch.Tensor],
+        routers: RouterRecorder,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """``loss`` plus ``moe.aux_loss_coef`` times this micro-batch's load-balancing loss, both weighted
+        by ``weight`` (its share of the mini-batch's response tokens, so that the micro-batches' terms
+        sum to a token-weighted mean); the router metrics' shares go into ``shares``."""
+        aux_loss = mean_load_balancing_loss(routers.calls, self.num_experts)
+        shares["moe_aux_loss"] = aux_loss.detach() * weight
+        for name, value in router_metrics(routers.calls, self.num_experts).items():
+            shares[name] = value * weight
+        coef = self.config.moe.aux_loss_coef
+        return loss + coef * weight * aux_loss if coef > 0 else loss
 
     def _corrected(
         self,

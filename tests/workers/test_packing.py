@@ -100,7 +100,9 @@ def mixed_training_batch(tiny_vl_path, batches) -> DataProto:
 
 
 @pytest.fixture(scope="module")
-def model_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path) -> dict[str, object]:
+def model_paths(
+    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path
+) -> dict[str, object]:
     """The tiny model of each batch kind's family."""
     return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path,
             "qwen3_vl_moe": tiny_qwen3_vl_moe_path}  # fmt: skip
@@ -137,7 +139,8 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed"]
+    "kind",
+    ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed"],
 )
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]

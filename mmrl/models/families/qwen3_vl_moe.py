@@ -16,6 +16,4 @@ from dataclasses import replace
 
 from mmrl.models.families.qwen3_vl import FAMILY as QWEN3_VL
 
-FAMILY = replace(
-    QWEN3_VL, name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), moe_router="mlp.gate"
-)
+FAMILY = replace(QWEN3_VL, name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), moe_router="mlp.gate")

@@ -189,7 +189,11 @@ def test_rollout_log_probs_match_the_trainer_per_family(
     """Sampled-token log-probs of the transformers rollout equal the trainer's (packed) log-probs of the
     same tokens, for each vision family on images and on videos (Qwen3-VL: frame timestamps in the
     prompt, deepstack features; its MoE: routed experts)."""
-    paths = {"qwen2_5_vl": tiny_vl_path, "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path}
+    paths = {
+        "qwen2_5_vl": tiny_vl_path,
+        "qwen3_vl": tiny_qwen3_vl_path,
+        "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
+    }
     path = paths[family]
     tokenizer, processor = load_tokenizer_and_processor(str(path))
     pixels = DataConfig(
