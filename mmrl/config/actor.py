@@ -119,6 +119,10 @@ class MoEConfig:
     # weight of the routers' load-balancing loss (E * sum_i f_i * P_i, mean over layers; 1 = balanced)
     # added to the actor loss, weighted per micro-batch by its share of the response tokens; 0 = off
     aux_loss_coef: float = 0.0
+    # rollout routing replay: the transformers rollout records each token's experts per layer and the
+    # actor's old-log-prob and update passes route every token by them (needs worker.rollout.name=hf,
+    # single-turn rollouts, worker.actor.share_prompts=false, no sequence parallelism)
+    routing_replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,9 +172,29 @@ class ActorConfig(PolicyLossConfig):
         errors += self.check_loss()
         _check_entropy(errors, self)
         _check_collapse_recovery(errors, self.collapse_recovery)
-        if self.moe.aux_loss_coef < 0:
-            errors.append(f"worker.actor.moe.aux_loss_coef={self.moe.aux_loss_coef} must be >= 0 (0: off)")
+        _check_moe(errors, self, config)
         return errors + self.model.check(config)
+
+
+def _check_moe(errors: list[str], actor: ActorConfig, config: PPOConfig) -> None:
+    """The load-balancing weight; what routing replay needs (the rollout that records the experts, the
+    token layouts it replays into)."""
+    if actor.moe.aux_loss_coef < 0:
+        errors.append(f"worker.actor.moe.aux_loss_coef={actor.moe.aux_loss_coef} must be >= 0 (0: off)")
+    if not actor.moe.routing_replay:
+        return
+    key = "worker.actor.moe.routing_replay=true"
+    rollout = config.worker.rollout
+    if rollout.name != "hf":
+        errors.append(
+            f"{key} needs worker.rollout.name=hf (the backend that records experts), got {rollout.name!r}"
+        )
+    if rollout.multi_turn.enable:
+        errors.append(f"{key} replays single-turn rollouts only: set worker.rollout.multi_turn.enable=false")
+    if actor.padding_free and actor.share_prompts:
+        errors.append(f"{key} needs worker.actor.share_prompts=false (shared prompts reorder the tokens)")
+    if actor.sequence_parallel_size > 1:
+        errors.append(f"{key} does not support sequence parallelism: set ulysses_size and ring_size to 1")
 
 
 def _check_actor_sizes(errors: list[str], actor: ActorConfig) -> None:

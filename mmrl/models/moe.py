@@ -4,7 +4,10 @@ A MoE family names its routers (:attr:`~mmrl.models.families.ModelFamily.moe_rou
 map a layer's hidden states [T, D] to ``(logits [T, E], weights [T, k], experts [T, k])``.
 :class:`RouterRecorder` hooks them for the length of a block and keeps each call's logits (with their
 graph, so the load-balancing loss can be trained) and chosen experts, and which of the T tokens are real
-(a padded forward routes its padding too; a packed one has none).
+(a padded forward routes its padding too; a packed one has none). It also replays routing: the
+transformers rollout records each token's experts per layer (the ``routed_experts`` column, [B, L,
+layers, k]), and with ``worker.actor.moe.routing_replay`` the actor's old-log-prob and update passes
+route every token by them (:func:`forward_routing` lays them out as a forward's routers see the tokens).
 
 Losses and metrics are plain functions of those calls:
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,38 +55,89 @@ def router_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return family_of(model).router_modules(model)
 
 
-@dataclass
-class RouterRecorder:
-    """The router calls of every forward of ``model`` inside ``with recorder.recording():`` (in call
-    order: layer by layer, forward by forward)."""
+ROUTED_EXPERTS = "routed_experts"  # the batch column of the experts the rollout chose (mmrl.columns)
+FREE = -1  # a token without recorded experts (padding, a response's last token): its router chooses
 
-    model: nn.Module
-    calls: list[RouterCall] = field(default_factory=list)
-    _valid: torch.Tensor | None = None  # [B * L] of the forward under way (padded inputs), else None
+
+class RouterRecorder:
+    """Hooks on ``model``'s routers for the length of a pass (``with recorder.hooked():``, backward
+    included, so that a layer recomputed by gradient checkpointing routes as in its forward). Each
+    forward's router calls go to :attr:`calls` (layer by layer; :meth:`begin` clears them).
+
+    Routing replay: after ``begin(replay)`` with ``replay`` [T, layers, k] (the experts of the T tokens
+    the next forward's routers see, in their order; :data:`FREE` rows route freely) every router takes
+    the given experts instead of its top-k, weighted as the router weighs its own choice: the softmax
+    probabilities at those experts, renormalised to sum to 1 (so replaying a router's own choice changes
+    nothing, bit for bit). The logits, and the load-balancing loss's gradient, are the router's own."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        routers = router_modules(model)
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no MoE routers to record")
+        self.routers = [router for _, router in routers]
+        self.layer_of = {id(router): layer for layer, router in enumerate(self.routers)}
+        self.calls: list[RouterCall] = []
+        self.replay: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None  # [B * L] of the forward under way (padded), else None
+
+    def begin(self, replay: torch.Tensor | None = None) -> None:
+        """Start a new forward: no calls recorded, ``replay`` [T, layers, k] (or None: free routing)."""
+        self.calls, self.replay = [], replay
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[RouterRecorder]:
-        routers = router_modules(self.model)
-        if not routers:
-            raise ValueError(f"{type(self.model).__name__} has no MoE routers to record")
+    def hooked(self) -> Iterator[RouterRecorder]:
         handles = [self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
-        handles += [router.register_forward_hook(self._on_router_call) for _, router in routers]
+        handles += [router.register_forward_hook(self._on_router_call) for router in self.routers]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
-            self._valid = None
+            self.replay = self._valid = None
+
+    @contextlib.contextmanager
+    def recording(self, replay: torch.Tensor | None = None) -> Iterator[RouterRecorder]:
+        """One block of forwards (no backward after it): hooked, and begun with ``replay``."""
+        with self.hooked():
+            self.begin(replay)
+            yield self
+
+    def layer_experts(self) -> torch.Tensor:
+        """The experts of the last forward's tokens, [T, layers, k] (its last ``layers`` calls)."""
+        return torch.stack([call.experts for call in self.calls[-len(self.routers) :]], dim=1)
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # a padded forward gets its [B, L] mask; a packed one none (all its tokens are real)
         mask = kwargs.get("attention_mask")
         self._valid = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 
-    def _on_router_call(self, module: nn.Module, args: tuple, output: tuple) -> None:
-        logits, _, experts = output
+    def _on_router_call(self, module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+        logits, weights, experts = output
+        if self.replay is not None:
+            chosen = self.replay[:, self.layer_of[id(module)]].to(experts.device, experts.dtype)  # [T, k]
+            if chosen.shape != experts.shape:
+                raise ValueError(
+                    f"routing replay: the router sees {len(experts)} tokens, the replayed experts are "
+                    f"for {len(chosen)}; the recorded routing does not belong to this forward's rows"
+                )
+            experts = torch.where(chosen == FREE, experts, chosen)
+            chosen_probs = logits.float().softmax(-1).gather(-1, experts)
+            weights = (chosen_probs / chosen_probs.sum(-1, keepdim=True)).to(weights.dtype)
         valid = self._valid if self._valid is not None and len(self._valid) == len(logits) else None
         self.calls.append(RouterCall(logits, experts.detach(), valid))
+        return (logits, weights, experts) if self.replay is not None else None
+
+
+def forward_routing(
+    routed_experts: torch.Tensor, attention_mask: torch.Tensor, padding_free: bool
+) -> torch.Tensor:
+    """The recorded experts [B, L, layers, k] of a micro-batch's rows in the order its forward's
+    routers see the tokens, [T, layers, k]: all B * L of a padded forward, the valid ones in row order
+    of a packed one (one packed sequence per row; shared prompts would reorder them)."""
+    if not padding_free:
+        return routed_experts.reshape(-1, *routed_experts.shape[2:])
+    return routed_experts[attention_mask.bool()]
 
 
 def load_balancing_loss(call: RouterCall, num_experts: int) -> torch.Tensor:

@@ -45,7 +45,14 @@ from mmrl.core_algos import (
     spread_from_logits,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
-from mmrl.models.moe import RouterRecorder, mean_load_balancing_loss, num_experts_of, router_metrics
+from mmrl.models.moe import (
+    ROUTED_EXPERTS,
+    RouterRecorder,
+    forward_routing,
+    mean_load_balancing_loss,
+    num_experts_of,
+    router_metrics,
+)
 from mmrl.models.token_scoring import token_scoring_head
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
@@ -111,6 +118,7 @@ class PolicyActor:
         device: torch.device | str = "cpu",
         dp_group: dist.ProcessGroup | None = None,
         sequence_parallel: SequenceParallelGroups | None = None,
+        replay_routing: bool = False,
     ):
         self.config = config = config or ActorConfig()
         algorithm = algorithm or AlgorithmConfig()
@@ -139,6 +147,12 @@ class PolicyActor:
                 f"worker.actor.moe.aux_loss_coef={config.moe.aux_loss_coef} adds the routers' load-balancing "
                 f"loss, but {type(module).__name__} has no MoE routers; set it to 0"
             )
+        # a MoE model's routers: metrics and the load-balancing loss; with ``replay_routing`` every
+        # pass routes each token by the experts the rollout recorded (the batch's routed_experts)
+        self.routers = RouterRecorder(module) if self.num_experts else None
+        self.replay_routing = replay_routing
+        if replay_routing:
+            _check_replayable(module, self.num_experts, config, sequence_parallel)
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -194,12 +208,14 @@ class PolicyActor:
         self.module.eval()
         log_probs, entropies = [], []
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
-        for micro_batch in micro_batches:
-            micro_batch = micro_batch.to(self.device)
-            scores = self._response_scores(micro_batch, temperature)
-            log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
-            if with_entropy:
-                entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())
+        with self._hooked_routers():
+            for micro_batch in micro_batches:
+                micro_batch = micro_batch.to(self.device)
+                self._begin_routing(micro_batch)
+                scores = self._response_scores(micro_batch, temperature)
+                log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
+                if with_entropy:
+                    entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())
         reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         restore = torch.from_numpy(restore)
         return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
@@ -272,7 +288,8 @@ class PolicyActor:
             on_policy_outputs=outputs,
             spread_coeff=spread_coeff,
         )
-        metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
+        with self._hooked_routers():  # through backward: recomputed layers route as in their forward
+            metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if truncated_ratio is not None:
             metrics["truncated_masked_ratio"] = truncated_ratio
         if not outputs:
@@ -320,9 +337,8 @@ class PolicyActor:
         )
         entropy_bonus = entropy_coeff != 0.0
         spread_top_k = config.collapse_recovery.top_k if spread_coeff != 0.0 else 0
-        routers = RouterRecorder(self.module) if self.num_experts else None
-        with routers.recording() if routers is not None else contextlib.nullcontext():
-            scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
+        self._begin_routing(micro_batch)
+        scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
         response_valid = scores.response_valid
         log_probs = scatter_response_tokens(scores.log_probs, response_valid)  # [b, R]
         entropy = scatter_response_tokens(scores.entropies, response_valid)  # [b, R]
@@ -363,11 +379,29 @@ class PolicyActor:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))
             loss = loss + self.kl_coef * kl_loss
             shares["kl_loss"] = kl_loss.detach()
-        if routers is not None:
-            loss = self._add_router_terms(
-                loss, shares, routers, response_mask.sum() / num_tokens.clamp(min=1.0)
-            )
+        if self.routers is not None:
+            weight = response_mask.sum() / num_tokens.clamp(min=1.0)
+            loss = self._add_router_terms(loss, shares, self.routers, weight)
         return loss, shares
+
+    def _hooked_routers(self) -> contextlib.AbstractContextManager:
+        return self.routers.hooked() if self.routers is not None else contextlib.nullcontext()
+
+    def _begin_routing(self, micro_batch: DataProto) -> None:
+        """A new forward for the routers: recorded calls cleared, and with ``replay_routing`` the
+        micro-batch's recorded experts laid out as its forward's routers see the tokens."""
+        if self.routers is None:
+            return
+        replay = None
+        if self.replay_routing:
+            batch = micro_batch.batch
+            if ROUTED_EXPERTS not in batch.keys():
+                raise KeyError(
+                    f"routing replay: the batch has no {ROUTED_EXPERTS!r} column; the transformers rollout "
+                    "records it when worker.actor.moe.routing_replay=true"
+                )
+            replay = forward_routing(batch[ROUTED_EXPERTS], batch["attention_mask"], self.config.padding_free)
+        self.routers.begin(replay)
 
     def _add_router_terms(
         self,
@@ -408,3 +442,19 @@ class PolicyActor:
             rejected = (diagnostics["rollout_rs_masked"].sum(-1) > 0).float()  # [b]: whole responses
             shares["rollout_rs_masked_seq_frac"] = rejected.sum() / num_seqs.clamp(min=1.0)
         return pg_loss_mat * weights, shares
+
+
+def _check_replayable(
+    module: nn.Module, num_experts: int, config: ActorConfig, sequence_parallel: SequenceParallelGroups | None
+) -> None:
+    """Routing replay lays the recorded experts out as one padded or packed forward sees the tokens."""
+    if not num_experts:
+        raise ValueError(f"routing replay needs a MoE model; {type(module).__name__} has no routers")
+    if config.padding_free and config.share_prompts:
+        raise ValueError(
+            "routing replay: set worker.actor.share_prompts=false (shared prompts reorder tokens)"
+        )
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        raise ValueError(
+            "routing replay: sequence parallelism (ulysses_size, ring_size > 1) is not supported"
+        )
