@@ -1,6 +1,7 @@
 """A Qwen3-VL MoE run of the trainer: two FSDP2 workers (the expert tensors sharded with the rest of
-each decoder layer), the transformers rollout, the routers' load-balancing loss in the update and the
-router metrics logged; the checkpoint merges into a Hugging Face folder that loads back."""
+each decoder layer), the transformers rollout recording its routing and the actor replaying it, the
+routers' load-balancing loss in the update and the router metrics logged; the checkpoint merges into a
+Hugging Face folder that loads back."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def test_moe_run_trains_two_steps_with_router_loss_and_merges(
     overrides = small_run_overrides(tiny_qwen3_vl_moe_path, shapes_data_dir, save_dir) + [
         "worker.rollout.name=hf",
         "worker.actor.moe.aux_loss_coef=0.01",
+        "worker.actor.moe.routing_replay=true",  # the rollout's experts cross to the actor and are replayed
+        "worker.actor.share_prompts=false",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
         "trainer.save_freq=2",
