@@ -121,3 +121,34 @@ def test_replay_refuses_layouts_it_cannot_follow(tiny_qwen3_vl_moe_path, tiny_qw
         policy_actor(model, share_prompts=False, replay_routing=True).compute_log_probs(
             without, 6, TEMPERATURE
         )
+
+
+def test_a_replayed_update_with_gradient_checkpointing_equals_one_without(
+    tiny_qwen3_vl_moe_path, rollout_batch
+):
+    """The routers stay hooked through backward: layers recomputed by gradient checkpointing route by
+    the replayed experts too (a policy whose free routing differs from the recorded one)."""
+    batch = rollout_batch.select(
+        batch_keys=list(rollout_batch.batch.keys()), non_tensor_keys=["multi_modal_inputs"]
+    )
+    batch.batch["advantages"] = torch.randn(
+        batch.batch["response_mask"].shape, generator=torch.Generator().manual_seed(0)
+    )
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    after = {}
+    for checkpointing in (False, True):
+        model = _spread(_spread(training_model(tiny_qwen3_vl_moe_path), seed=0), seed=5, scale=0.5)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        actor = policy_actor(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), share_prompts=False, replay_routing=True
+        )
+        actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE)
+        after[checkpointing] = {
+            name: router.weight.detach().clone() for name, router in router_modules(model)
+        }
+        after[checkpointing]["experts"] = (
+            model.model.language_model.layers[0].mlp.experts.down_proj.detach().clone()
+        )
+    for name, weight in after[False].items():
+        torch.testing.assert_close(after[True][name], weight, atol=1e-6, rtol=0, msg=name)
