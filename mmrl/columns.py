@@ -129,6 +129,9 @@ _SPECS = (
            "1 on the rows of dynamic sampling's top-up groups that did not fail: the update leaves them out"),
     Column("rollout_log_probs", "generate", ("update", "metrics"), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
+    Column("routed_experts", "generate", ("log_probs", "update"), torch.int16, "[B, L, layers, k]",
+           "MoE with worker.actor.moe.routing_replay: each token's experts per layer as the transformers "
+           "rollout routed it, -1 where it was not fed (padding, the last response token)"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
            "M-RoPE (or 1-D) ids numbered once per distinct prompt"),
     # ---- reward: mmrl.workers.reward_worker

@@ -22,6 +22,7 @@ from mmrl.config.actor import (
     AdaptiveEntropyConfig,
     CollapseRecoveryConfig,
     CriticConfig,
+    MoEConfig,
     PolicyLossConfig,
     RefConfig,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "ActorModelConfig",
     "AdaptiveEntropyConfig",
     "CollapseRecoveryConfig",
+    "MoEConfig",
     "AlgorithmConfig",
     "CodeConfig",
     "CriticConfig",

@@ -112,6 +112,20 @@ class CollapseRecoveryConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts models (the families with routers, e.g. Qwen3-VL MoE; docs/moe.md). Router
+    metrics are logged for every MoE model whatever these keys say."""
+
+    # weight of the routers' load-balancing loss (E * sum_i f_i * P_i, mean over layers; 1 = balanced)
+    # added to the actor loss, weighted per micro-batch by its share of the response tokens; 0 = off
+    aux_loss_coef: float = 0.0
+    # rollout routing replay: the transformers rollout records each token's experts per layer and the
+    # actor's old-log-prob and update passes route every token by them (needs worker.rollout.name=hf,
+    # single-turn rollouts, worker.actor.share_prompts=false, no sequence parallelism)
+    routing_replay: bool = False
+
+
+@dataclass(frozen=True)
 class ActorConfig(PolicyLossConfig):
     global_batch_size: int = 128  # prompts per optimizer step (each brings rollout.n responses)
     micro_batch_size_per_device_for_update: int = 4  # responses per forward/backward in the update
@@ -132,6 +146,7 @@ class ActorConfig(PolicyLossConfig):
     entropy_top_k: int = 0
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
     collapse_recovery: CollapseRecoveryConfig = field(default_factory=CollapseRecoveryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward (actor, ref); null = by count
@@ -160,7 +175,29 @@ class ActorConfig(PolicyLossConfig):
         errors += self.check_loss()
         _check_entropy(errors, self)
         _check_collapse_recovery(errors, self.collapse_recovery)
+        _check_moe(errors, self, config)
         return errors + self.model.check(config)
+
+
+def _check_moe(errors: list[str], actor: ActorConfig, config: PPOConfig) -> None:
+    """The load-balancing weight; what routing replay needs (the rollout that records the experts, the
+    token layouts it replays into)."""
+    if actor.moe.aux_loss_coef < 0:
+        errors.append(f"worker.actor.moe.aux_loss_coef={actor.moe.aux_loss_coef} must be >= 0 (0: off)")
+    if not actor.moe.routing_replay:
+        return
+    key = "worker.actor.moe.routing_replay=true"
+    rollout = config.worker.rollout
+    if rollout.name != "hf":
+        errors.append(
+            f"{key} needs worker.rollout.name=hf (the backend that records experts), got {rollout.name!r}"
+        )
+    if rollout.multi_turn.enable:
+        errors.append(f"{key} replays single-turn rollouts only: set worker.rollout.multi_turn.enable=false")
+    if actor.padding_free and actor.share_prompts:
+        errors.append(f"{key} needs worker.actor.share_prompts=false (shared prompts reorder the tokens)")
+    if actor.sequence_parallel_size > 1:
+        errors.append(f"{key} does not support sequence parallelism: set ulysses_size and ring_size to 1")
 
 
 def _check_actor_sizes(errors: list[str], actor: ActorConfig) -> None:

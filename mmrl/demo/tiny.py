@@ -14,6 +14,8 @@ calls reload:
 - ``qwen3_vl``: ``Qwen3VLForConditionalGeneration`` (interleaved M-RoPE, deepstack features of the
   first vision blocks added in the first decoder layers); ``AutoModelForImageTextToText`` and
   ``AutoProcessor`` (``Qwen3VLProcessor``: 16-pixel patches, timestamps between video frames).
+- ``qwen3_vl_moe``: ``Qwen3VLMoeForConditionalGeneration``, Qwen3-VL with every decoder MLP a sparse
+  block of ``MOE_EXPERTS`` experts (top-2, softmax router); the same processor.
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -56,7 +58,7 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl")
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -74,6 +76,7 @@ QWEN_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
+MOE_EXPERTS = 4  # experts per sparse block of the tiny MoE kinds (top-2 routed)
 REASONING_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 
 # Named multimodal tokens per kind, in Qwen's id order. Qwen2.5-Omni renames the Qwen2.5 tokens
@@ -99,6 +102,7 @@ NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen2_5_omni": _OMNI_TOKENS,
     "qwen2": _VL_TOKENS,
     "qwen3_vl": _VL_TOKENS,
+    "qwen3_vl_moe": _VL_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -456,8 +460,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
     vocab_size = len(tokenizer)
     if kind == "qwen2":
         return Qwen2Config(**_text_config(size, vocab_size, ids, mrope=False), tie_word_embeddings=True)
-    if kind == "qwen3_vl":
-        return _qwen3_vl_config(size, vocab_size, ids)
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
+        return _qwen3_vl_config(size, vocab_size, ids, moe=kind == "qwen3_vl_moe")
     if kind == "qwen2_5_vl":
         tied = {"tie_word_embeddings": size.tie_word_embeddings}
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
@@ -502,11 +506,14 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
 
 
-def _qwen3_vl_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+def _qwen3_vl_config(
+    size: ModelSize, vocab_size: int, ids: dict[str, int], moe: bool = False
+) -> PreTrainedConfig:
     """A Qwen3-VL config: Qwen3 text layers (explicit ``head_dim``, q/k norms) with interleaved M-RoPE
     (Qwen3-VL's 24:20:20 split of the rotary pairs), and a vision tower of 16-pixel patches whose first
-    blocks feed deepstack mergers (block i's features are added in decoder layer i)."""
-    from transformers import Qwen3VLConfig
+    blocks feed deepstack mergers (block i's features are added in decoder layer i). ``moe``: the
+    Qwen3-VL MoE config, every decoder MLP a sparse block of ``MOE_EXPERTS`` experts, top-2 routed."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     pairs = size.head_dim // 2
     spatial = round(pairs * 20 / 64)
@@ -521,6 +528,9 @@ def _qwen3_vl_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> P
         },
         "tie_word_embeddings": True,
     }
+    if moe:  # experts a quarter of the dense MLP wide, as Qwen3-VL-30B-A3B's (768 vs 6144 per expert)
+        text_config |= {"num_experts": MOE_EXPERTS, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": size.intermediate_size // 4, "decoder_sparse_step": 1}  # fmt: skip
     vision_config = {
         "depth": size.vision_depth,
         "hidden_size": size.vision_hidden_size,
@@ -534,7 +544,7 @@ def _qwen3_vl_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> P
         # block i feeds decoder layer i; never the last layer, whose visual positions no later token reads
         "deepstack_visual_indexes": list(range(min(size.vision_depth, size.num_layers - 1))),
     }
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["image_token"],
@@ -574,6 +584,7 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -594,7 +605,7 @@ def build_processor(
     """
     if kind == "qwen2":
         return None
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_processor(tokenizer)
     from transformers import (
         Qwen2_5_VLProcessor,
@@ -744,6 +755,7 @@ _FOLDER_NAMES = {
     "qwen2_5_omni": "qwen2.5-omni",
     "qwen2": "qwen2",
     "qwen3_vl": "qwen3-vl",
+    "qwen3_vl_moe": "qwen3-vl-moe",
 }
 
 

@@ -23,6 +23,7 @@ or with ``log_prob_chunk_tokens`` 0 from the whole [K, vocab] logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +45,14 @@ from mmrl.core_algos import (
     spread_from_logits,
 )
 from mmrl.models.inputs import ResponseScoring, scatter_response_tokens
+from mmrl.models.moe import (
+    ROUTED_EXPERTS,
+    RouterRecorder,
+    forward_routing,
+    mean_load_balancing_loss,
+    num_experts_of,
+    router_metrics,
+)
 from mmrl.models.token_scoring import token_scoring_head
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
@@ -109,6 +118,7 @@ class PolicyActor:
         device: torch.device | str = "cpu",
         dp_group: dist.ProcessGroup | None = None,
         sequence_parallel: SequenceParallelGroups | None = None,
+        replay_routing: bool = False,
     ):
         self.config = config = config or ActorConfig()
         algorithm = algorithm or AlgorithmConfig()
@@ -131,6 +141,18 @@ class PolicyActor:
                 "mmrl.models.prepare.prepare_for_training(model, ..., score_tokens=True), or set "
                 "worker.actor.log_prob_chunk_tokens=0"
             )
+        self.num_experts = num_experts_of(module)  # 0: a dense model
+        if config.moe.aux_loss_coef > 0 and not self.num_experts:
+            raise ValueError(
+                f"worker.actor.moe.aux_loss_coef={config.moe.aux_loss_coef} adds the routers' load-balancing "
+                f"loss, but {type(module).__name__} has no MoE routers; set it to 0"
+            )
+        # a MoE model's routers: metrics and the load-balancing loss; with ``replay_routing`` every
+        # pass routes each token by the experts the rollout recorded (the batch's routed_experts)
+        self.routers = RouterRecorder(module) if self.num_experts else None
+        self.replay_routing = replay_routing
+        if replay_routing:
+            _check_replayable(module, self.num_experts, config, sequence_parallel)
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -186,12 +208,14 @@ class PolicyActor:
         self.module.eval()
         log_probs, entropies = [], []
         micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
-        for micro_batch in micro_batches:
-            micro_batch = micro_batch.to(self.device)
-            scores = self._response_scores(micro_batch, temperature)
-            log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
-            if with_entropy:
-                entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())
+        with self._hooked_routers():
+            for micro_batch in micro_batches:
+                micro_batch = micro_batch.to(self.device)
+                self._begin_routing(micro_batch)
+                scores = self._response_scores(micro_batch, temperature)
+                log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
+                if with_entropy:
+                    entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())
         reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         restore = torch.from_numpy(restore)
         return torch.cat(log_probs)[restore], torch.cat(entropies)[restore] if with_entropy else None
@@ -232,7 +256,9 @@ class PolicyActor:
         loss; they need the ``truncated`` column), and with ``algorithm.rollout_correction`` (the batch
         then needs ``rollout_log_probs``) the token means ``rollout_is_weight_mean``,
         ``rollout_is_truncated_frac``, ``rollout_rs_masked_frac``, ``rollout_kl_k1``, ``rollout_kl_k3``
-        and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``.
+        and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``; with a MoE model
+        ``moe_aux_loss``, ``moe_max_expert_share`` and ``moe_router_entropy`` (:mod:`mmrl.models.moe`;
+        micro-batch values weighted by their response tokens).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -262,7 +288,8 @@ class PolicyActor:
             on_policy_outputs=outputs,
             spread_coeff=spread_coeff,
         )
-        metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
+        with self._hooked_routers():  # through backward: recomputed layers route as in their forward
+            metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
         if truncated_ratio is not None:
             metrics["truncated_masked_ratio"] = truncated_ratio
         if not outputs:
@@ -310,6 +337,7 @@ class PolicyActor:
         )
         entropy_bonus = entropy_coeff != 0.0
         spread_top_k = config.collapse_recovery.top_k if spread_coeff != 0.0 else 0
+        self._begin_routing(micro_batch)
         scores = self._response_scores(micro_batch, temperature, entropy_bonus, spread_top_k)  # [K] each
         response_valid = scores.response_valid
         log_probs = scatter_response_tokens(scores.log_probs, response_valid)  # [b, R]
@@ -351,7 +379,46 @@ class PolicyActor:
             kl_loss = aggregate(kl_penalty(log_probs, batch["ref_log_probs"], self.kl_penalty))
             loss = loss + self.kl_coef * kl_loss
             shares["kl_loss"] = kl_loss.detach()
+        if self.routers is not None:
+            weight = response_mask.sum() / num_tokens.clamp(min=1.0)
+            loss = self._add_router_terms(loss, shares, self.routers, weight)
         return loss, shares
+
+    def _hooked_routers(self) -> contextlib.AbstractContextManager:
+        return self.routers.hooked() if self.routers is not None else contextlib.nullcontext()
+
+    def _begin_routing(self, micro_batch: DataProto) -> None:
+        """A new forward for the routers: recorded calls cleared, and with ``replay_routing`` the
+        micro-batch's recorded experts laid out as its forward's routers see the tokens."""
+        if self.routers is None:
+            return
+        replay = None
+        if self.replay_routing:
+            batch = micro_batch.batch
+            if ROUTED_EXPERTS not in batch.keys():
+                raise KeyError(
+                    f"routing replay: the batch has no {ROUTED_EXPERTS!r} column; the transformers rollout "
+                    "records it when worker.actor.moe.routing_replay=true"
+                )
+            replay = forward_routing(batch[ROUTED_EXPERTS], batch["attention_mask"], self.config.padding_free)
+        self.routers.begin(replay)
+
+    def _add_router_terms(
+        self,
+        loss: torch.Tensor,
+        shares: dict[str, torch.Tensor],
+        routers: RouterRecorder,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """``loss`` plus ``moe.aux_loss_coef`` times this micro-batch's load-balancing loss, both weighted
+        by ``weight`` (its share of the mini-batch's response tokens, so that the micro-batches' terms
+        sum to a token-weighted mean); the router metrics' shares go into ``shares``."""
+        aux_loss = mean_load_balancing_loss(routers.calls, self.num_experts)
+        shares["moe_aux_loss"] = aux_loss.detach() * weight
+        for name, value in router_metrics(routers.calls, self.num_experts).items():
+            shares[name] = value * weight
+        coef = self.config.moe.aux_loss_coef
+        return loss + coef * weight * aux_loss if coef > 0 else loss
 
     def _corrected(
         self,
@@ -375,3 +442,19 @@ class PolicyActor:
             rejected = (diagnostics["rollout_rs_masked"].sum(-1) > 0).float()  # [b]: whole responses
             shares["rollout_rs_masked_seq_frac"] = rejected.sum() / num_seqs.clamp(min=1.0)
         return pg_loss_mat * weights, shares
+
+
+def _check_replayable(
+    module: nn.Module, num_experts: int, config: ActorConfig, sequence_parallel: SequenceParallelGroups | None
+) -> None:
+    """Routing replay lays the recorded experts out as one padded or packed forward sees the tokens."""
+    if not num_experts:
+        raise ValueError(f"routing replay needs a MoE model; {type(module).__name__} has no routers")
+    if config.padding_free and config.share_prompts:
+        raise ValueError(
+            "routing replay: set worker.actor.share_prompts=false (shared prompts reorder tokens)"
+        )
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        raise ValueError(
+            "routing replay: sequence parallelism (ulysses_size, ring_size > 1) is not supported"
+        )

@@ -20,7 +20,8 @@ from mmrl.protocol import DataProto
 from mmrl.workers.fsdp_engine import micro_batch_rows, train_on_batch
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
-OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids", "response_turns")
+# routed_experts: what a MoE rollout routed, replayed by the actor (mmrl.models.moe)
+OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids", "response_turns", "routed_experts")
 MEDIA_COLUMN = "multi_modal_inputs"
 
 

@@ -433,6 +433,7 @@ class HybridWorker:
             scheduler,
             max_response_length=config.data.max_response_length,
             device=self.device,
+            replay_routing=actor_cfg.moe.routing_replay,  # the actor's passes only, not the reference's
             **sp_args,
         )
         self.ref = self._build_ref(module, passes, sp_args) if config.algorithm.use_reference else None
@@ -521,7 +522,13 @@ class HybridWorker:
         ).to(self.device)
         prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
         model.requires_grad_(False)
-        rollout = HFRollout(model, tokenizer, return_log_probs=True, prepack=rollout_cfg.prepack_cpu_linears)
+        rollout = HFRollout(
+            model,
+            tokenizer,
+            return_log_probs=True,
+            prepack=rollout_cfg.prepack_cpu_linears,
+            record_routing=self.config.worker.actor.moe.routing_replay,
+        )
         return rollout, model.config.model_type
 
     def _build_agent(self, eos: list[int], model_type: str):

@@ -52,10 +52,13 @@ def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
     from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
 
-    keys = list(model.state_dict().keys())
+    state = model.state_dict()
+    keys = list(state.keys())
     if not isinstance(model, PreTrainedModel):
         return {key: key for key in keys}
-    placeholders = {key: torch.empty(0) for key in keys}
+    # shaped like the weights (on meta): a shape-checked conversion (Qwen3-VL MoE's expert transpose,
+    # transformers 5.19) leaves a tensor of the model's own shape as it is, so its name maps 1:1
+    placeholders = {key: torch.empty(tuple(tensor.shape), device="meta") for key, tensor in state.items()}
     key_of_placeholder = {id(tensor): key for key, tensor in placeholders.items()}
     mapping = {}
     for saved_key, tensor in revert_weight_conversion(model, dict(placeholders)).items():

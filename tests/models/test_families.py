@@ -29,13 +29,16 @@ SHIPPED = {
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen2_5_omni_thinker": "qwen2_5_omni",
     "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
 }
 
 
 @pytest.fixture(scope="module")
-def tiny_paths(tiny_text_path, tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path) -> dict[str, object]:
+def tiny_paths(
+    tiny_text_path, tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path
+) -> dict[str, object]:
     return {"qwen2": tiny_text_path, "qwen2_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path,
-            "qwen3_vl": tiny_qwen3_vl_path}  # fmt: skip
+            "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the registry

@@ -245,6 +245,18 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "worker.actor.collapse_recovery.patience=0 must be >= 1",
         ),
         (
+            ["worker.actor.moe.aux_loss_coef=-0.1"],
+            "worker.actor.moe.aux_loss_coef=-0.1 must be >= 0",
+        ),
+        (
+            ["worker.actor.moe.routing_replay=true", "worker.rollout.name=vllm"],
+            "worker.actor.moe.routing_replay=true needs worker.rollout.name=hf",
+        ),
+        (
+            ["worker.actor.moe.routing_replay=true", "worker.rollout.name=hf"],
+            "worker.actor.moe.routing_replay=true needs worker.actor.share_prompts=false",
+        ),
+        (
             ["worker.reward.overlong_buffer_length=512"],
             "overlong_buffer_length=512 must lie in [0, data.max_response_length=512)",
         ),

@@ -90,6 +90,7 @@ def batches(vl_processor, omni_processor, qwen3_processor) -> dict[str, DataProt
         "qwen3_image": build_batch(qwen3_processor, IMAGE_ROWS, (7, 2, 5), seed=40),
         "qwen3_video": build_batch(qwen3_processor, QWEN3_VIDEO_ROWS, (3, 6), seed=50),
         "qwen3_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=60),
+        "qwen3_moe_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=70),
     }
 
 
@@ -99,12 +100,17 @@ def mixed_training_batch(tiny_vl_path, batches) -> DataProto:
 
 
 @pytest.fixture(scope="module")
-def model_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path) -> dict[str, object]:
+def model_paths(
+    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path
+) -> dict[str, object]:
     """The tiny model of each batch kind's family."""
-    return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path}
+    return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path,
+            "qwen3_vl_moe": tiny_qwen3_vl_moe_path}  # fmt: skip
 
 
 def _model_path(kind: str, model_paths):
+    if kind.startswith("qwen3_moe_"):  # the Qwen3-VL batches on the MoE model (the same tokenizer)
+        return model_paths["qwen3_vl_moe"]
     if kind.startswith("qwen3_"):
         return model_paths["qwen3_vl"]
     return model_paths["qwen2_5_omni" if kind == "audio" else "qwen2_5_vl"]
@@ -133,7 +139,8 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed"]
+    "kind",
+    ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed"],
 )
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]
@@ -230,7 +237,7 @@ def test_packed_mrope_positions_are_the_models_own(kind, batches, model_paths):
 # ---------------------------------------------------------------- training steps
 
 
-@pytest.mark.parametrize("kind", ["mixed", "audio", "qwen3_mixed"])
+@pytest.mark.parametrize("kind", ["mixed", "audio", "qwen3_mixed", "qwen3_moe_mixed"])
 def test_packed_step_changes_every_trainable_tensor_towers_included(kind, batches, model_paths):
     """One packed update on text + image + video rows (Qwen2.5-VL) and on audio + image + video-with-audio
     rows (Omni thinker) moves every tensor, the vision and audio towers included."""

@@ -4,7 +4,8 @@ A :class:`ModelFamily` says how the trained model is loaded (its Auto class; Qwe
 thinker's sub-config), where its vision/audio towers are, which tokens only the processor may place
 (never sampled), how its position ids are computed (a plain function calling the model's own
 ``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
-outputs serve only the position ids, and how its weights are named for vLLM.
+outputs serve only the position ids, how its weights are named for vLLM, and where the routers of
+a mixture-of-experts model are.
 
 Families are looked up by the config's ``model_type`` (:func:`family_for`, :func:`family_of`). Every
 module of this package defining ``FAMILY`` is registered on first lookup, so adding a family is one
@@ -54,6 +55,10 @@ class ModelFamily:
     # Sequence parallelism: slices family-specific decoder keyword arguments (besides the embeddings
     # and position ids) to this rank's ``local_index`` [T_local] of the packed row, in place.
     shard_decoder_inputs: Callable[[dict[str, Any], torch.Tensor], None] | None = None
+    # Mixture-of-experts: the name, below a decoder layer, of each sparse block's router (a module
+    # returning ``(logits [T, E], weights [T, k], experts [T, k])`` with ``top_k`` and ``num_experts``);
+    # None: a dense model. Read by :mod:`mmrl.models.moe`.
+    moe_router: str | None = None
 
     @property
     def multimodal(self) -> bool:
@@ -79,6 +84,13 @@ class ModelFamily:
         """Ids of this family's placeholder tokens that ``tokenizer`` knows."""
         vocab = tokenizer.get_vocab()
         return sorted({vocab[token] for token in self.placeholder_tokens if token in vocab})
+
+    def router_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of each MoE router of ``model``, in layer order (none for a dense model)."""
+        if self.moe_router is None:
+            return []
+        suffix = f".{self.moe_router}"
+        return [(name, module) for name, module in model.named_modules() if name.endswith(suffix)]
 
     def tower_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(attribute path, module)`` of each encoder tower ``model`` has."""

@@ -16,7 +16,9 @@ gets n responses:
   ``generate``'s per-step input preparation;
 - sampling draws each token by inverse transform from one seeded uniform per row, after temperature,
   top-k and top-p (the placeholder tokens blocked); greedy is the argmax;
-- on a CPU, the large linear layers multiply by weights prepacked by oneDNN (``prepack.py``).
+- on a CPU, the large linear layers multiply by weights prepacked by oneDNN (``prepack.py``);
+- a MoE model's routing is recorded with ``record_routing`` (every fed token's experts per layer, the
+  ``routed_experts`` column) for the actor's routing replay (:mod:`mmrl.models.moe`).
 
 Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`HFRollout.turn_generator`,
 the same decode loop over each turn's context (the prompt and the trajectory so far).
@@ -24,6 +26,7 @@ the same decode loop over each turn's context (the prompt and the trajectory so 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -35,6 +38,7 @@ from mmrl.agent.backend import GenerateTurns, SampledTurn, TurnRequest, trajecto
 from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, joined_media, next_text_position
+from mmrl.models.moe import FREE, ROUTED_EXPERTS, RouterRecorder
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 from mmrl.workers.rollout.prepack import PrepackedLinear, prepack_linears
@@ -128,6 +132,7 @@ class HFRollout:
         micro_batch_size: int = 64,
         return_log_probs: bool = False,
         prepack: bool = True,
+        record_routing: bool = False,
     ):
         self.model = model.eval()
         if prepack:  # on a CPU: large linear layers multiply by oneDNN-prepacked weights
@@ -135,6 +140,8 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size  # responses decoded together
         self.return_log_probs = return_log_probs
+        # a MoE model: each token's experts per layer, as the ``routed_experts`` column (routing replay)
+        self.routing = RouterRecorder(self.model) if record_routing else None
         self.eos_token_ids = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
@@ -241,13 +248,31 @@ class HFRollout:
         log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, log_probs
 
+    def _routed(self, valid: torch.Tensor) -> torch.Tensor:
+        """The last forward's experts as [rows, tokens, layers, k], :data:`FREE` where ``valid`` [rows,
+        tokens] is False; the recorder is cleared for the next forward."""
+        experts = self.routing.layer_experts().to(torch.int16)  # [rows * tokens, layers, k]
+        experts = experts.view(*valid.shape, *experts.shape[1:])
+        self.routing.begin()
+        return experts.masked_fill(~valid.to(experts.device).bool()[..., None, None], FREE)
+
     @torch.inference_mode()  # its outputs are joined by generate() outside it, into normal tensors
     def _generate_micro_batch(
         self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``len(prompts) * n`` responses [B, r <= max_tokens] (rows of a prompt together) and their
-        log-probs (or None)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``len(prompts) * n`` responses [B, r <= max_tokens] (rows of a prompt together), their
+        log-probs (or None) and, recording routing, every fed token's experts [B, P + r, layers, k]
+        (the last response token is never fed: :data:`FREE`, as are padding and tokens after EOS)."""
+        with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
+            return self._decode(prompts, sampling, generator)
+
+    def _decode(
+        self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         logits, cache, attention_mask, next_position = self._prefill(prompts, sampling.n, sampling.max_tokens)
+        routed = None
+        if self.routing is not None:  # the prompts' routing, copied to their n rows
+            routed = [self._routed(prompts.batch["attention_mask"]).repeat_interleave(sampling.n, dim=0)]
         padded = not bool(attention_mask.all())  # without padding, decoding needs no mask at all
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -255,6 +280,7 @@ class HFRollout:
         for step in range(sampling.max_tokens):
             token, token_log_prob = self._sample(logits, sampling, generator)
             token = token.masked_fill(finished, self.pad_token_id)
+            fed = ~finished  # [B]: a real token (not padding after EOS) if it is fed back
             tokens.append(token)
             if token_log_prob is not None:
                 log_probs.append(token_log_prob.masked_fill(finished, 0.0))
@@ -272,8 +298,11 @@ class HFRollout:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+            if routed is not None:
+                routed.append(self._routed(fed.unsqueeze(-1)))
         responses = torch.stack(tokens, dim=1)
-        return responses, torch.stack(log_probs, dim=1) if log_probs else None
+        routing = torch.cat(routed, dim=1) if routed is not None else None
+        return responses, torch.stack(log_probs, dim=1) if log_probs else None, routing
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         if self.weights_discarded:
@@ -291,13 +320,19 @@ class HFRollout:
         decoded ``micro_batch_size`` responses (whole prompts) at a time."""
         generator = self._generator(sampling)
         prompts_per_pass = max(1, self.micro_batch_size // sampling.n)
-        responses, log_probs = [], []
+        responses, log_probs, routing = [], [], []
+        width = prompts.batch["input_ids"].shape[1] + sampling.max_tokens
         for part in prompts.split(prompts_per_pass):
-            part_responses, part_log_probs = self._generate_micro_batch(part, sampling, generator)
+            part_responses, part_log_probs, part_routing = self._generate_micro_batch(
+                part, sampling, generator
+            )
             responses.append(self._pad_width(part_responses.cpu(), sampling.max_tokens, self.pad_token_id))
             if part_log_probs is not None:
                 log_probs.append(self._pad_width(part_log_probs.cpu(), sampling.max_tokens, 0.0))
-        return assemble_rollout_batch(
+            if part_routing is not None:  # [b, P + r, layers, k] -> [b, P + max_tokens, layers, k]
+                pad = (0, 0, 0, 0, 0, width - part_routing.shape[1])
+                routing.append(torch.nn.functional.pad(part_routing.cpu(), pad, value=FREE))
+        batch = assemble_rollout_batch(
             prompts.repeat(sampling.n, interleave=True),  # uid and media kept per row
             torch.cat(responses, dim=0),
             self.eos_token_ids,
@@ -305,6 +340,9 @@ class HFRollout:
             ignore_eos=sampling.ignore_eos,
             rollout_log_probs=torch.cat(log_probs, dim=0) if log_probs else None,
         )
+        if routing:
+            batch.batch[ROUTED_EXPERTS] = torch.cat(routing, dim=0)
+        return batch
 
     def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
         """Model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`): the requests'
@@ -318,7 +356,7 @@ class HFRollout:
                 part = requests[start : start + self.micro_batch_size]
                 contexts = trajectory_contexts(prompts, part, self.pad_token_id)
                 turn_sampling = sampling.override(n=1, max_tokens=max(request.max_tokens for request in part))
-                tokens, log_probs = self._generate_micro_batch(contexts, turn_sampling, generator)
+                tokens, log_probs, _ = self._generate_micro_batch(contexts, turn_sampling, generator)
                 if log_probs is None:
                     log_probs = torch.zeros(tokens.shape)
                 turns += [SampledTurn(ids, lps) for ids, lps in zip(tokens.tolist(), log_probs.tolist())]
