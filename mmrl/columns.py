@@ -129,6 +129,9 @@ _SPECS = (
            "1 on the rows of dynamic sampling's top-up groups that did not fail: the update leaves them out"),
     Column("rollout_log_probs", "generate", ("update", "metrics"), _FLOAT, "[B, R]",
            "log_softmax(logits / T) of the sampled tokens as the rollout engine computed them"),
+    Column("policy_version", "generate", ("metrics",), _LONG, "[B, R]",
+           "the policy version (actor updates so far) whose weights sampled each response token; only "
+           "when trainer.async_mode is not sync (trainer.records_policy_versions)"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
            "M-RoPE (or 1-D) ids numbered once per distinct prompt"),
     # ---- reward: mmrl.workers.reward_worker

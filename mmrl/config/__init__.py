@@ -25,7 +25,7 @@ from mmrl.config.actor import (
     PolicyLossConfig,
     RefConfig,
 )
-from mmrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+from mmrl.config.algorithm import AlgorithmConfig, DecoupledConfig, RolloutCorrectionConfig
 from mmrl.config.model import (
     ActorModelConfig,
     FSDPConfig,
@@ -98,6 +98,7 @@ __all__ = [
     "RewardSourceConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "DecoupledConfig",
     "SandboxConfig",
     "StageConfig",
     "TrainerConfig",

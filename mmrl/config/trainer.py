@@ -60,11 +60,22 @@ class TrainerConfig:
     # the other in one command, each resuming from the last one's checkpoint; their steps replace
     # max_steps; empty = one stage, this config
     stages: list[StageConfig] = field(default_factory=list)
+    # when a step's responses are generated (docs/async.md): sync (at the step's start, by the weights it
+    # trains) | one_step_off (during the step before, by the weights before its update: every sample is
+    # one update old, except after a checkpoint, where nothing is generated ahead)
+    async_mode: str = "sync"
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def records_policy_versions(self) -> bool:
+        """The rollout stamps each token with the policy version that sampled it (``policy_version``):
+        only when samples may be older than the weights they train (a synchronous batch is version
+        for version the policy it trains, and stays byte for byte what it was)."""
+        return self.async_mode != "sync"
 
     @property
     def checkpoint_dir(self) -> str:

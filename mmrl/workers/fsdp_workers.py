@@ -444,6 +444,7 @@ class HybridWorker:
         # multi-turn trajectories: the agent loop drives the backend's turn generation (mmrl.agent)
         self.agent = self._build_agent(self.rollout.eos_token_ids, model_type)
         self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
+        self.rollout_version = 0  # the policy version (actor updates) of the weights the engine holds
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
         # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
@@ -568,7 +569,8 @@ class HybridWorker:
         self, prompts: DataProto, *, mode: GenerationMode, global_step: int, round_index: int = 0
     ) -> DataProto:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
-        ``position_ids`` (validation and greedy baselines are only scored). ``round_index``: the
+        ``position_ids`` and, with ``trainer.records_policy_versions``, ``policy_version`` (validation and
+        greedy baselines are only scored). ``round_index``: the
         generation round within the step (online filtering), for a sampling stream of its own."""
         if self.encoding_cache is not None:
             self.encoding_cache.clear()  # a step begins: the last one's media are not asked again
@@ -595,6 +597,9 @@ class HybridWorker:
             output = self.rollout.generate(prompts, sampling)
         if mode is GenerationMode.TRAIN:
             output = add_position_ids(self.actor.module, output)
+            if self.config.trainer.records_policy_versions:  # every token: the weights that sampled it
+                versions = torch.full_like(output.batch["responses"], self.rollout_version)
+                output = output.union(DataProto.from_dict(tensors={"policy_version": versions}))
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors
 
     def _with_prompt_encodings(self, prompts: DataProto) -> DataProto:
@@ -708,6 +713,7 @@ class HybridWorker:
                     self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
                 )
             )
+        self.rollout_version = self.actor.version
 
     def _release_rollout(self) -> None:
         """A training phase begins: the rollout engine frees what it holds on the device (vLLM's sleep;
