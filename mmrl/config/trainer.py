@@ -92,6 +92,12 @@ class TrainerConfig:
         errors = [f"trainer.{key}={value} must be > 0" for key, value in positive.items() if value <= 0]
         if self.max_steps is not None and self.max_steps <= 0:
             errors.append(f"trainer.max_steps={self.max_steps} must be > 0 (or null for total_epochs)")
+        if self.async_mode == "one_step_off" and self.save_freq == 1:
+            errors.append(
+                "trainer.async_mode=one_step_off generates nothing ahead of a checkpoint (a checkpoint holds "
+                "no batch in flight), and trainer.save_freq=1 saves after every step: the run would be "
+                "synchronous. Set trainer.save_freq >= 2 (or -1: only at the end), or trainer.async_mode=sync"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             errors.append(
                 f"trainer.cpus_per_worker={self.cpus_per_worker} must be > 0 (CPUs per training process), or null"
