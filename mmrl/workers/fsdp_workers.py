@@ -570,8 +570,8 @@ class HybridWorker:
     ) -> DataProto:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
         ``position_ids`` and, with ``trainer.records_policy_versions``, ``policy_version`` (validation and
-        greedy baselines are only scored). ``round_index``: the
-        generation round within the step (online filtering), for a sampling stream of its own."""
+        greedy baselines are only scored). ``round_index``: the generation round within the step (online
+        filtering), for a sampling stream of its own."""
         if self.encoding_cache is not None:
             self.encoding_cache.clear()  # a step begins: the last one's media are not asked again
         with self.peaks.phase("gen" if mode is GenerationMode.TRAIN else f"gen_{mode.value}"):
@@ -705,7 +705,8 @@ class HybridWorker:
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling), each shard cast
-        to the engine's dtype before it is gathered."""
+        to the engine's dtype before it is gathered. The engine then holds the actor's policy version
+        (``rollout_version``), which it stamps on the tokens it samples."""
         rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
         with self.actor_offload.loaded():
             self.rollout.update_weights(
