@@ -33,8 +33,8 @@ ACTOR_SETTINGS = {
     "max_response_length": 7,
 }
 
-# AlgorithmConfig fields an actor reads: the KL loss and the rollout correction
-KL_LOSS_KEYS = {"use_kl_loss", "kl_penalty", "kl_coef", "rollout_correction"}
+# AlgorithmConfig fields an actor reads: the KL loss, the rollout correction, the off-policy objective
+KL_LOSS_KEYS = {"use_kl_loss", "kl_penalty", "kl_coef", "rollout_correction", "off_policy", "decoupled"}
 
 
 def _split_settings(section: type, settings: dict) -> tuple[dict, dict, dict]:

@@ -1,4 +1,4 @@
-"""Every advantage estimator and policy loss, one spec each (:mod:`mmrl.algorithms.spec`): its function,
+"""Every advantage estimator, policy loss and off-policy objective, one spec each (:mod:`mmrl.algorithms.spec`): its function,
 its defaults, the checks of its options and the flags the step plan reads.
 
 The config's choices (``algorithm.adv_estimator``, ``worker.actor.loss_type``), the loader's checks and
@@ -12,11 +12,14 @@ import pkgutil
 
 from mmrl.algorithms.spec import (
     ADVANTAGE_ESTIMATORS,
+    OFF_POLICY_OBJECTIVES,
     POLICY_LOSSES,
     AdvantageSpec,
     AlgorithmSpec,
+    OffPolicySpec,
     PolicyLossSpec,
     advantage_estimator,
+    off_policy_objective,
     policy_clip_range,
     policy_loss,
     register,
@@ -32,11 +35,14 @@ _discover()
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "OFF_POLICY_OBJECTIVES",
     "POLICY_LOSSES",
     "AdvantageSpec",
     "AlgorithmSpec",
+    "OffPolicySpec",
     "PolicyLossSpec",
     "advantage_estimator",
+    "off_policy_objective",
     "policy_clip_range",
     "policy_loss",
     "register",

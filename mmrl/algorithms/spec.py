@@ -60,13 +60,29 @@ class PolicyLossSpec(AlgorithmSpec):
         return "no ratio clip" if clip is None else f"ratio clipped to [1 - {clip[0]:g}, 1 + {clip[1]:g}]"
 
 
+@dataclass(frozen=True)
+class OffPolicySpec(AlgorithmSpec):
+    """A correction of the policy loss for samples that an older policy (or another engine) drew:
+    ``(proximal_log_probs, behaviour_log_probs, response_mask, algorithm) -> (weights, diagnostics)``,
+    the per-token weights [B, R] on the policy loss (whose ratio is taken against the proximal policy,
+    the old-log-prob pass's) and per-token diagnostics [B, R], logged as token means ``actor/<name>``;
+    ``check`` gets ``algorithm``. Selected by ``algorithm.off_policy`` (``none``: no correction)."""
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageSpec] = {}
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+OFF_POLICY_OBJECTIVES: dict[str, OffPolicySpec] = {}
 
 
-def register(spec: AdvantageSpec | PolicyLossSpec) -> AdvantageSpec | PolicyLossSpec:
+def register(spec: AdvantageSpec | PolicyLossSpec | OffPolicySpec) -> AlgorithmSpec:
     """Add ``spec`` to its registry (a module of :mod:`mmrl.algorithms` calls this at import)."""
-    registry: dict[str, Any] = ADVANTAGE_ESTIMATORS if isinstance(spec, AdvantageSpec) else POLICY_LOSSES
+    registry: dict[str, Any] = (
+        ADVANTAGE_ESTIMATORS
+        if isinstance(spec, AdvantageSpec)
+        else OFF_POLICY_OBJECTIVES
+        if isinstance(spec, OffPolicySpec)
+        else POLICY_LOSSES
+    )
     if spec.name in registry:
         raise ValueError(f"{type(spec).__name__} {spec.name!r} is registered twice")
     registry[spec.name] = spec
@@ -90,6 +106,11 @@ def advantage_estimator(name: str) -> AdvantageSpec:
 def policy_loss(name: str) -> PolicyLossSpec:
     """The spec registered as ``name``; ValueError listing the valid names otherwise."""
     return _lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def off_policy_objective(name: str) -> OffPolicySpec | None:
+    """The spec registered as ``name``; None for ``none`` (no correction); ValueError otherwise."""
+    return None if name == "none" else _lookup(OFF_POLICY_OBJECTIVES, name, "off-policy objective")
 
 
 def policy_clip_range(

@@ -26,7 +26,7 @@ from mmrl.config.actor import (
     PolicyLossConfig,
     RefConfig,
 )
-from mmrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+from mmrl.config.algorithm import AlgorithmConfig, DecoupledConfig, RolloutCorrectionConfig
 from mmrl.config.model import (
     ActorModelConfig,
     FSDPConfig,
@@ -100,6 +100,7 @@ __all__ = [
     "RewardSourceConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "DecoupledConfig",
     "SandboxConfig",
     "StageConfig",
     "TrainerConfig",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mmrl.algorithms import ADVANTAGE_ESTIMATORS
+from mmrl.algorithms import ADVANTAGE_ESTIMATORS, OFF_POLICY_OBJECTIVES
 
 if TYPE_CHECKING:
     from mmrl.config.schema import PPOConfig
@@ -61,6 +61,28 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class DecoupledConfig:
+    """Decoupled PPO (``algorithm.off_policy=decoupled``; Fu et al. 2025, AReaL): the ratio is clipped
+    around the proximal policy (the weights at the start of the update: the old-log-prob pass), and each
+    token's loss is weighted by ``w = pi_prox / pi_behav``, the behaviour policy being the one that
+    sampled it (the rollout engine's log-probs, ``rollout_log_probs``, of possibly older weights)."""
+
+    # bound on w: tokens whose weight exceeds it are dropped from the loss (over_cap=mask, AReaL's) or
+    # get the cap as weight (over_cap=truncate); null: no bound
+    behaviour_weight_cap: float | None = 5.0
+    over_cap: str = "mask"  # mask | truncate
+
+    def check(self) -> list[str]:
+        cap = self.behaviour_weight_cap
+        if cap is not None and cap < 1:
+            return [
+                f"algorithm.decoupled.behaviour_weight_cap={cap} must be >= 1 (a bound on pi_prox / pi_behav, "
+                "which is 1 on fresh samples; AReaL uses 5), or null for no bound"
+            ]
+        return []
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     # advantage estimator, by name: grpo | grpo_passk | rloo | reinforce_plus_plus | remax | gae | any other
     # registered in mmrl/algorithms (docs/algorithms.md)
@@ -90,6 +112,11 @@ class AlgorithmConfig:
     unfilled_step: str = "stop"
     # correction of the mismatch between the rollout engine's and the trainer's probabilities
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # the objective's correction for samples drawn by older weights (trainer.async_mode) or another
+    # engine: none (plain PPO: the ratio against the old-log-prob pass's policy) | decoupled (decoupled PPO,
+    # section algorithm.decoupled) | any other registered in mmrl/algorithms (docs/async.md)
+    off_policy: str = "none"
+    decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
 
     @property
     def use_reference(self) -> bool:
@@ -118,6 +145,9 @@ class AlgorithmConfig:
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             errors.append(f"algorithm.gamma={self.gamma} and algorithm.lam={self.lam} must lie in [0, 1]")
         errors += self.rollout_correction.check()
+        objective = OFF_POLICY_OBJECTIVES.get(self.off_policy)  # unknown or none: nothing to check
+        if objective is not None:
+            errors += objective.problems(self)
         return errors
 
 

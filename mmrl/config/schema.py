@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from mmrl.algorithms import ADVANTAGE_ESTIMATORS, OFF_POLICY_OBJECTIVES, POLICY_LOSSES
 from mmrl.config.actor import ActorConfig, CriticConfig, RefConfig
-from mmrl.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+from mmrl.config.algorithm import AlgorithmConfig, DecoupledConfig, RolloutCorrectionConfig
 from mmrl.config.files import check_files
 from mmrl.config.model import (
     PACKED_ATTENTION_KERNELS,
@@ -167,6 +167,8 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (AlgorithmConfig, "unfilled_step"): ("stop", "train"),
     (RolloutCorrectionConfig, "rollout_is"): ("token", "sequence"),  # or null: off
     (RolloutCorrectionConfig, "rollout_rs"): ("token", "sequence", "geometric"),  # or null: off
+    (AlgorithmConfig, "off_policy"): ("none", *OFF_POLICY_OBJECTIVES),  # mmrl/algorithms
+    (DecoupledConfig, "over_cap"): ("mask", "truncate"),
     (ActorConfig, "loss_type"): tuple(POLICY_LOSSES),  # mmrl/algorithms
     (ActorConfig, "loss_avg_mode"): LOSS_AVG_MODES,
     (CriticConfig, "loss_avg_mode"): LOSS_AVG_MODES,
@@ -190,6 +192,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (RewardModelConfig, "device"): ("auto", "cuda", "cpu"),
     (TrainerConfig, "logger"): LOGGERS,  # a list: each entry one of these
     (TrainerConfig, "device"): ("auto", "cuda", "cpu"),
+    (TrainerConfig, "async_mode"): ("sync", "one_step_off"),
 }
 
 

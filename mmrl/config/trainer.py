@@ -60,11 +60,22 @@ class TrainerConfig:
     # the other in one command, each resuming from the last one's checkpoint; their steps replace
     # max_steps; empty = one stage, this config
     stages: list[StageConfig] = field(default_factory=list)
+    # when a step's responses are generated (docs/async.md): sync (at the step's start, by the weights it
+    # trains) | one_step_off (during the step before, by the weights before its update: every sample is
+    # one update old, except after a checkpoint, where nothing is generated ahead)
+    async_mode: str = "sync"
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def records_policy_versions(self) -> bool:
+        """The rollout stamps each token with the policy version that sampled it (``policy_version``):
+        only when samples may be older than the weights they train (a synchronous batch is version
+        for version the policy it trains, and stays byte for byte what it was)."""
+        return self.async_mode != "sync"
 
     @property
     def checkpoint_dir(self) -> str:
@@ -81,6 +92,12 @@ class TrainerConfig:
         errors = [f"trainer.{key}={value} must be > 0" for key, value in positive.items() if value <= 0]
         if self.max_steps is not None and self.max_steps <= 0:
             errors.append(f"trainer.max_steps={self.max_steps} must be > 0 (or null for total_epochs)")
+        if self.async_mode == "one_step_off" and self.save_freq == 1:
+            errors.append(
+                "trainer.async_mode=one_step_off generates nothing ahead of a checkpoint (a checkpoint holds "
+                "no batch in flight), and trainer.save_freq=1 saves after every step: the run would be "
+                "synchronous. Set trainer.save_freq >= 2 (or -1: only at the end), or trainer.async_mode=sync"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             errors.append(
                 f"trainer.cpus_per_worker={self.cpus_per_worker} must be > 0 (CPUs per training process), or null"

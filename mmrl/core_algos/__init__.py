@@ -15,6 +15,8 @@ One module per topic:
 
 - :mod:`~mmrl.core_algos.rollout_correction`: weights on the per-token policy loss that correct for
   the rollout engine's probabilities not being the trainer's (truncated importance sampling, rejection).
+- :mod:`~mmrl.core_algos.off_policy`: weights on it for tokens an older policy sampled
+  (``algorithm.off_policy``: decoupled PPO).
 
 Conventions shared by every function here:
 

@@ -43,6 +43,7 @@ from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
 from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
 from mmrl.rewards.source import RewardSourceError
+from mmrl.trainer.asynchrony import Rollout, RolloutSchedule, check_versions, staleness_metrics
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -308,6 +309,8 @@ class RayPPOTrainer:
         self.collapse, self.group_counts = build_collapse_gate(config), [0, 0]  # (all-equal, all) groups
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
+        self.policy_version = 0  # actor updates so far: the version of the weights in the engines
+        self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
         self.tracker = None
 
     def _build_model_workers(self, placement: Placement) -> None:
@@ -355,8 +358,7 @@ class RayPPOTrainer:
             if self._due(self.config.trainer.val_freq) or self.global_step == self.total_steps:
                 metrics.update(self.validate() if self.val_loader is not None else {})
             self.tracker.log(metrics, self.global_step)
-            save_freq = self.config.trainer.save_freq
-            if self._due(save_freq) or (self.global_step == self.total_steps and save_freq != 0):
+            if self._checkpoint_after(self.global_step):
                 self.save_checkpoint(metrics.get(VAL_METRIC))
             last_metrics = metrics
         return last_metrics
@@ -369,7 +371,11 @@ class RayPPOTrainer:
         transferred = self.transfers.snapshot()
         with timer("step", timings):
             with timer("gen", timings):
-                batch, collect_scores, rollout_metrics = self.make_batch(prompts)
+                rollout = self.rollouts.take(
+                    self.global_step, lambda step: self.make_batch(prompts, step), self._next_step_trains()
+                )
+                batch, collect_scores = rollout.batch, rollout.collect_scores
+                rollout_metrics = {**rollout.metrics, **self._staleness(rollout)}
                 # ReMax: the greedy responses too, before a training phase puts the engine to sleep
                 collect_baselines = self._greedy_baselines(batch) if plan.greedy_baseline else None
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
@@ -417,26 +423,25 @@ class RayPPOTrainer:
 
     # ---- phases ---------------------------------------------------------------------------------
 
-    def make_batch(
-        self, prompts: Iterator[DataProto]
-    ) -> tuple[DataProto, Callable[[], DataProto], dict[str, float]]:
-        """The step's responses (generation order), a function returning their scores, and the rollout's
-        metrics. Without online filtering one batch is generated and scored in the background while the
-        log-prob passes run; with it, :meth:`_filtered_rollout` scores as it goes."""
-        fault_point("rollout", self.global_step + 1)
+    def make_batch(self, prompts: Iterator[DataProto], step: int) -> Rollout:
+        """The responses of step ``step`` (0-based; generation order), a function returning their scores,
+        and the rollout's metrics. Without online filtering one batch is generated and scored in the
+        background while the log-prob passes run; with it, :meth:`_filtered_rollout` scores as it goes."""
+        fault_point("rollout", step + 1)
+        version = self.policy_version
         if self.filter is not None:
-            batch, scores, metrics = self._filtered_rollout(prompts, self.filter)
-            return batch, lambda: scores, metrics
-        batch = self._generate(next(prompts), round_index=0)
+            batch, scores, metrics = self._filtered_rollout(prompts, self.filter, step)
+            return Rollout(batch, lambda: scores, metrics, version)
+        batch = self._generate(next(prompts), round_index=0, step=step)
         pending = self.rewards.launch(batch)  # scored in the background, in generation order
         metrics = {
             "rollout/generated_responses": len(batch),
             "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
         }
-        return batch, lambda: self.rewards.collect(pending), metrics
+        return Rollout(batch, lambda: self.rewards.collect(pending), metrics, version)
 
     def _filtered_rollout(
-        self, prompts: Iterator[DataProto], options: FilterOptions
+        self, prompts: Iterator[DataProto], options: FilterOptions, step: int
     ) -> tuple[DataProto, DataProto, dict[str, float]]:
         """DAPO dynamic sampling: generate and score a mini-batch of prompts a round, keep the groups
         :func:`kept_groups` accepts, until ``options.groups_per_step`` are kept; returns exactly that
@@ -459,7 +464,7 @@ class RayPPOTrainer:
                     raise DynamicSamplingError(options.give_up_message(round_index, kept, kept + dropped))
                 logger.warning(options.top_up_message(round_index, kept))
                 break
-            batch = self._generate(next(prompts), round_index)
+            batch = self._generate(next(prompts), round_index, step)
             scores = self.rewards.collect(self.rewards.launch(batch))
             self._count_groups(batch.union(scores.select(batch_keys=["token_level_scores"])))
             uids = batch.non_tensor_batch["uid"]
@@ -500,14 +505,14 @@ class RayPPOTrainer:
         }
         return batch[rows], scores[rows], metrics
 
-    def _generate(self, prompts: DataProto, round_index: int) -> DataProto:
-        """Training responses for ``prompts``; ``round_index`` gives each round of a step its own
-        sampling stream."""
+    def _generate(self, prompts: DataProto, round_index: int, step: int) -> DataProto:
+        """Training responses for ``prompts`` of step ``step`` (its sampling stream, whichever step
+        generates them); ``round_index`` gives each round of a step its own stream."""
         batch = self.model_workers.dispatch(
             HybridWorker.generate,
             self._share_media(prompts),
             mode=GenerationMode.TRAIN,
-            global_step=self.global_step,
+            global_step=step,
             round_index=round_index,
         )
         conform_to_columns(batch, "generate")
@@ -587,6 +592,7 @@ class RayPPOTrainer:
                     spread_coeff=self.collapse.coefficient,
                 )
                 metrics.update(self._worker_metrics(update))
+            self.policy_version += 1
             if plan.old_log_probs_from_update:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
             with timer("sync", timings):
@@ -688,6 +694,7 @@ class RayPPOTrainer:
             "kl_coef": self.kl_ctrl.value,
             "entropy_ctrl": self.entropy_ctrl.state_dict(),
             "collapse": self.collapse.state_dict(),
+            "policy_version": self.policy_version,
         }
         save_trainer_state(tmp_dir, state)
         self.checkpoints.commit(
@@ -712,6 +719,10 @@ class RayPPOTrainer:
         self.model_workers.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
+        # checkpoints written before versions were counted: every step after the critic's warm-up updated
+        self.policy_version = state.get(
+            "policy_version", max(0, self.global_step - self.config.trainer.critic_warmup)
+        )
         self.train_loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
         if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
@@ -745,6 +756,29 @@ class RayPPOTrainer:
 
     def _due(self, frequency: int) -> bool:
         return frequency > 0 and self.global_step % frequency == 0
+
+    def _checkpoint_after(self, steps_done: int) -> bool:
+        """A checkpoint is written once ``steps_done`` steps are: every ``trainer.save_freq`` steps, and
+        after the last one unless ``save_freq`` is 0."""
+        save_freq = self.config.trainer.save_freq
+        if steps_done == self.total_steps:
+            return save_freq != 0
+        return save_freq > 0 and steps_done % save_freq == 0
+
+    def _next_step_trains(self) -> bool:
+        """The step after this one runs in this trainer with no checkpoint before it: only then may its
+        batch be generated ahead (a checkpoint holds no batch in flight, :mod:`mmrl.trainer.asynchrony`)."""
+        steps_done = self.global_step + 1
+        return steps_done < self.total_steps and not self._checkpoint_after(steps_done)
+
+    def _staleness(self, rollout: Rollout) -> dict[str, float]:
+        """Versions behind of the step's tokens when they train (``trainer.records_policy_versions``),
+        after checking that the engines sampled with the version the driver had pushed."""
+        if not self.config.trainer.records_policy_versions:
+            return {}
+        check_versions(rollout)
+        batch = rollout.batch.batch
+        return staleness_metrics(batch["policy_version"], batch["response_mask"], self.policy_version)
 
     @staticmethod
     def _worker_metrics(output: DataProto) -> dict[str, float]:

@@ -3,7 +3,8 @@
 
 Batch columns (:mod:`mmrl.columns`): the forward columns of :mod:`mmrl.workers.forward`; the update
 also reads ``response_mask``, ``advantages`` and, unless on-policy, ``old_log_probs`` (and
-``ref_log_probs`` with the KL loss, ``rollout_log_probs`` with ``algorithm.rollout_correction``), all
+``ref_log_probs`` with the KL loss, ``rollout_log_probs`` with ``algorithm.rollout_correction`` or
+``algorithm.off_policy``), all
 [B, R], and with ``mask_truncated_responses`` ``truncated`` [B].
 
 The actor takes its config section (:class:`~mmrl.config.ActorConfig`: loss, clipping,
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmrl.algorithms import off_policy_objective
 from mmrl.config import ActorConfig, AlgorithmConfig
 from mmrl.core_algos import (
     LOSS_AGG_MODES,
@@ -134,6 +136,9 @@ class PolicyActor:
         self.rollout_correction = (
             algorithm.rollout_correction if algorithm.rollout_correction.enabled else None
         )
+        # decoupled PPO and the like (algorithm.off_policy): weights from the behaviour log-probs
+        self.off_policy = off_policy_objective(algorithm.off_policy)
+        self.algorithm = algorithm
         if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
             raise ValueError(
                 f"log_prob_chunk_tokens={config.log_prob_chunk_tokens} scores tokens in the model's head, "
@@ -160,6 +165,12 @@ class PolicyActor:
         self.device = torch.device(device)
         self.dp_group = dp_group
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer updates so far (the scheduler advances once per
+        :meth:`update_policy` and is checkpointed with the optimizer, so a resumed actor counts on)."""
+        return self.lr_scheduler.last_epoch if self.lr_scheduler is not None else 0
 
     def _response_scores(
         self,
@@ -258,7 +269,9 @@ class PolicyActor:
         ``rollout_is_truncated_frac``, ``rollout_rs_masked_frac``, ``rollout_kl_k1``, ``rollout_kl_k3``
         and, when whole responses are rejected, ``rollout_rs_masked_seq_frac``; with a MoE model
         ``moe_aux_loss``, ``moe_max_expert_share`` and ``moe_router_entropy`` (:mod:`mmrl.models.moe`;
-        micro-batch values weighted by their response tokens).
+        micro-batch values weighted by their response tokens); with ``algorithm.off_policy`` (it too
+        needs ``rollout_log_probs``) its diagnostics' token means (decoupled: ``behaviour_weight``,
+        ``behaviour_over_cap``, ``behaviour_kl``).
         """
         if self.optimizer is None:
             raise RuntimeError(
@@ -272,7 +285,8 @@ class PolicyActor:
             )
         extra_keys = ("response_mask", "advantages") + (() if on_policy else ("old_log_probs",))
         extra_keys += ("ref_log_probs",) if self.use_kl_loss else ()
-        extra_keys += ("rollout_log_probs",) if self.rollout_correction is not None else ()
+        behaviour = self.rollout_correction is not None or self.off_policy is not None
+        extra_keys += ("rollout_log_probs",) if behaviour else ()
         columns = forward_columns(data, extra_keys)
         truncated_ratio = None
         if self.config.mask_truncated_responses:
@@ -350,6 +364,17 @@ class PolicyActor:
         if self.rollout_correction is not None:
             pg_loss_mat, correction_shares = self._corrected(
                 pg_loss_mat, old_log_probs, batch["rollout_log_probs"], response_mask, num_tokens, num_seqs
+            )
+        if self.off_policy is not None:  # the proximal policy is the old one: the ratio's denominator
+            weights, off_policy_diagnostics = self.off_policy.load()(
+                old_log_probs, batch["rollout_log_probs"], response_mask, self.algorithm
+            )
+            pg_loss_mat = pg_loss_mat * weights
+            correction_shares.update(
+                {
+                    key: token_share(value, response_mask, num_tokens)
+                    for key, value in off_policy_diagnostics.items()
+                }
             )
         pg_loss = aggregate(pg_loss_mat)
         loss = pg_loss

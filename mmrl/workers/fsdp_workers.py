@@ -449,6 +449,7 @@ class HybridWorker:
         # multi-turn trajectories: the agent loop drives the backend's turn generation (mmrl.agent)
         self.agent = self._build_agent(self.rollout.eos_token_ids, model_type)
         self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
+        self.rollout_version = 0  # the policy version (actor updates) of the weights the engine holds
         self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
         # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
@@ -579,8 +580,9 @@ class HybridWorker:
         self, prompts: DataProto, *, mode: GenerationMode, global_step: int, round_index: int = 0
     ) -> DataProto:
         """``len(prompts) * n`` responses sampled as ``mode`` says; training rollouts also get their
-        ``position_ids`` (validation and greedy baselines are only scored). ``round_index``: the
-        generation round within the step (online filtering), for a sampling stream of its own."""
+        ``position_ids`` and, with ``trainer.records_policy_versions``, ``policy_version`` (validation and
+        greedy baselines are only scored). ``round_index``: the generation round within the step (online
+        filtering), for a sampling stream of its own."""
         if self.encoding_cache is not None:
             self.encoding_cache.clear()  # a step begins: the last one's media are not asked again
         with self.peaks.phase("gen" if mode is GenerationMode.TRAIN else f"gen_{mode.value}"):
@@ -606,6 +608,9 @@ class HybridWorker:
             output = self.rollout.generate(prompts, sampling)
         if mode is GenerationMode.TRAIN:
             output = add_position_ids(self.actor.module, output)
+            if self.config.trainer.records_policy_versions:  # every token: the weights that sampled it
+                versions = torch.full_like(output.batch["responses"], self.rollout_version)
+                output = output.union(DataProto.from_dict(tensors={"policy_version": versions}))
         return without_model_media(output)  # the driver gets the compact refs back, not the tensors
 
     def _with_prompt_encodings(self, prompts: DataProto) -> DataProto:
@@ -711,7 +716,8 @@ class HybridWorker:
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
         of the model's files (what vLLM's loader reads; HFRollout takes either spelling), each shard cast
-        to the engine's dtype before it is gathered."""
+        to the engine's dtype before it is gathered. The engine then holds the actor's policy version
+        (``rollout_version``), which it stamps on the tokens it samples."""
         rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
         with self.actor_offload.loaded():
             self.rollout.update_weights(
@@ -719,6 +725,7 @@ class HybridWorker:
                     self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
                 )
             )
+        self.rollout_version = self.actor.version
 
     def _release_rollout(self) -> None:
         """A training phase begins: the rollout engine frees what it holds on the device (vLLM's sleep;

@@ -329,6 +329,20 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             ["algorithm.rollout_correction.rollout_rs_threshold_lower=3"],
             "[rollout_rs_threshold_lower, rollout_rs_threshold] = [3.0, 2.0]; need 0 <= lower < upper",
         ),
+        (
+            ["trainer.async_mode=one_step_off", "trainer.save_freq=1"],
+            "trainer.save_freq=1 saves after every step: the run would be synchronous",
+        ),
+        (["trainer.async_mode=stream"], "trainer.async_mode='stream' is not one of sync, one_step_off"),
+        (["algorithm.off_policy=decoupld"], "algorithm.off_policy='decoupld' is not one of none, decoupled"),
+        (
+            ["algorithm.off_policy=decoupled", "algorithm.decoupled.behaviour_weight_cap=0.5"],
+            "algorithm.decoupled.behaviour_weight_cap=0.5 must be >= 1",
+        ),
+        (
+            ["algorithm.off_policy=decoupled", "algorithm.rollout_correction.rollout_is=token"],
+            "algorithm.rollout_correction would weight it twice",
+        ),
     ],
 )
 def test_cross_field_rules(run_files, args, expected):

@@ -1244,13 +1244,15 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                     with pytest.raises(
                         DynamicSamplingError, match=r"in 2 rounds \(trainer.max_try_make_batch=2\)"
                     ):
-                        trainer._filtered_rollout(trainer._training_batches(), hopeless)
+                        trainer._filtered_rollout(trainer._training_batches(), hopeless, trainer.global_step)
                     # algorithm.unfilled_step=train: the step trains on the groups it dropped instead
                     top_up = build_filter(
                         load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=train"))
                     )
                     top_up = dataclasses.replace(top_up, low=2.0, high=2.0, max_rounds=2)
-                    batch, scores, metrics = trainer._filtered_rollout(trainer._training_batches(), top_up)
+                    batch, scores, metrics = trainer._filtered_rollout(
+                        trainer._training_batches(), top_up, trainer.global_step
+                    )
                     assert len(set(batch.non_tensor_batch["uid"])) == 4 and len(batch) == len(scores) == 16
                     assert (metrics["rollout/kept_groups"], metrics["rollout/unfilled_groups"]) == (0, 4)
                     assert (metrics["rollout/rounds"], metrics["rollout/dropped_groups"]) == (2, 4)
@@ -1258,7 +1260,9 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
                     assert metrics["rollout/left_out_groups"] == 0 and not batch.batch["left_out"].any()
                     # no mean is below -1: no top-up group failed, all are left out of the loss
                     passed = dataclasses.replace(top_up, low=-1.0, high=-1.0)
-                    batch, _, metrics = trainer._filtered_rollout(trainer._training_batches(), passed)
+                    batch, _, metrics = trainer._filtered_rollout(
+                        trainer._training_batches(), passed, trainer.global_step
+                    )
                     assert metrics["rollout/left_out_groups"] == 4 and batch.batch["left_out"].all()
             finally:
                 trainer.shutdown()

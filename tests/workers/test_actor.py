@@ -224,3 +224,30 @@ def test_rollout_correction_weighs_each_tokens_loss(training_batches):
     assert corrected[0]["rollout_is_truncated_frac"] == pytest.approx(float((valid == 2).float().mean()))
     assert corrected[0]["rollout_kl_k1"] == pytest.approx(float(-log_rho[mask].mean()), abs=1e-5)
     assert "rollout_rs_masked_seq_frac" not in corrected[0]  # token rejection masks no whole response
+
+
+def test_decoupled_ppo_weighs_each_tokens_loss_by_proximal_over_behaviour(training_batches):
+    # on-policy: the proximal policy is the update's own first forward. The rollout (behaviour) log-probs
+    # sit log w below it, w per token 3, 1, 0.5, 1.5, 8 (over the cap 5: masked): the step equals plain
+    # PPO with advantages * w' (w' = w, 0 where masked; every policy loss is linear in a positive weight
+    # on A), the KL and entropy terms unweighted. (Behaviour == proximal gives plain PPO itself:
+    # tests/algorithms/test_decoupled.py.)
+    from mmrl.config import DecoupledConfig
+
+    path, batch = training_batches["qwen2_5_vl"]
+    own, _ = policy_actor(training_model(path)).compute_log_probs(batch, len(batch), TEMPERATURE)
+    mask = batch.batch["response_mask"].bool()
+    weights = torch.tensor([3.0, 1.0, 0.5, 1.5, 8.0]).repeat(3)[: mask.shape[1]].expand_as(own)
+    applied = torch.where(weights > 5.0, 0.0, weights)
+    behaviour = DataProto.from_dict(tensors={"rollout_log_probs": (own - weights.log()) * mask})
+    decoupled = {"off_policy": "decoupled", "decoupled": DecoupledConfig(5.0, "mask")}
+    stale = _step(path, batch.union(behaviour), on_policy=True, **decoupled)
+    weighted = batch.select(batch_keys=[key for key in batch.batch.keys() if key != "advantages"])
+    weighted = weighted.union(
+        DataProto.from_dict(tensors={"advantages": batch.batch["advantages"] * applied})
+    )
+    weighted.batch["old_log_probs"] = own
+    _assert_same_step(stale, _step(path, weighted), ("pg_loss", "kl_loss", "entropy", "grad_norm"))
+    assert stale[0]["behaviour_over_cap"] == pytest.approx(float((weights[mask] > 5).float().mean()))
+    assert stale[0]["behaviour_weight"] == pytest.approx(float(weights[mask].mean()), rel=1e-5)
+    assert stale[0]["behaviour_kl"] == pytest.approx(float(-weights[mask].log().mean()), abs=1e-5)
