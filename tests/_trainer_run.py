@@ -32,6 +32,9 @@ def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
         "worker.actor.global_batch_size=4",
         "worker.actor.optim.lr=0.02",
         "worker.rollout.n=4",
+        # vLLM without torch.compile: each engine start compiles again on this CPU (vLLM 0.32 cannot load
+        # its AOT cache there), ~20 s a run; test_vllm_rollout's trainer run keeps the compiled default
+        "worker.rollout.enforce_eager=true",
         f"worker.reward.reward_function={FINGERPRINT_REWARD}:compute_score",
         "trainer.max_steps=2",
         "trainer.logger=[jsonl]",

@@ -70,7 +70,7 @@ class RolloutConfig:
     cpu_kv_cache_gib: float = 1.0  # vLLM on CPU: KV cache size in GiB (its default takes 90% of RAM)
     max_model_len: int | None = None  # vLLM context; null = max_prompt_length + max_response_length
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget per step
-    enforce_eager: bool = False  # vLLM: no CUDA graphs
+    enforce_eager: bool = False  # vLLM: no torch.compile, no CUDA graphs (starts faster, decodes slower)
     enable_chunked_prefill: bool = False  # vLLM chunked prefill
     enable_sleep_mode: bool = True  # vLLM: free KV cache + weights while training (GPU only)
     limit_images: int = 0  # vLLM: max images per prompt; 0 = no limit
