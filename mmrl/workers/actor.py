@@ -136,8 +136,10 @@ class PolicyActor:
         self.rollout_correction = (
             algorithm.rollout_correction if algorithm.rollout_correction.enabled else None
         )
-        # decoupled PPO and the like (algorithm.off_policy): weights from the behaviour log-probs
-        self.off_policy = off_policy_objective(algorithm.off_policy)
+        # decoupled PPO and the like (algorithm.off_policy): weights from the behaviour log-probs (the
+        # objective's function, imported once here rather than in every micro-batch's loss)
+        objective = off_policy_objective(algorithm.off_policy)
+        self.off_policy = objective.load() if objective is not None else None
         self.algorithm = algorithm
         if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
             raise ValueError(
@@ -366,7 +368,7 @@ class PolicyActor:
                 pg_loss_mat, old_log_probs, batch["rollout_log_probs"], response_mask, num_tokens, num_seqs
             )
         if self.off_policy is not None:  # the proximal policy is the old one: the ratio's denominator
-            weights, off_policy_diagnostics = self.off_policy.load()(
+            weights, off_policy_diagnostics = self.off_policy(
                 old_log_probs, batch["rollout_log_probs"], response_mask, self.algorithm
             )
             pg_loss_mat = pg_loss_mat * weights
