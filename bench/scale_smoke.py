@@ -48,6 +48,7 @@ def real_shape_overrides(
     chunk_tokens: int = 256,
     response_tokens: int = RESPONSE_TOKENS,
     dtype: str | None = None,
+    steps: int = 2,
 ) -> list[str]:
     """The real-shape job (the test and this bench run the same): one worker, one prompt × 2 responses,
     no reference (so the update computes the old log-probs itself). One worker holds the fp32 weights,
@@ -56,7 +57,8 @@ def real_shape_overrides(
     fp32 one first casts the gathered gradients to a full fp32 copy) and 256-token chunks (each
     [256, 151,936] fp32 buffer of the head is 0.16 GB). Two ranks would halve the sharded state but
     double the processes; the 2-rank FSDP2 paths are tested at small widths. ``dtype`` is the compute
-    dtype (None: bf16 where the CPU has it natively, else fp32: :func:`native_bf16`)."""
+    dtype (None: bf16 where the CPU has it natively, else fp32: :func:`native_bf16`); ``steps``: training
+    steps (the first already has every phase: generation, update with the AdamW moments made, sync)."""
     dtype = dtype or ("bf16" if native_bf16() else "fp32")
     return [
         f"data.train_files={Path(data_dir) / 'train.jsonl'}",
@@ -78,7 +80,7 @@ def real_shape_overrides(
         "worker.rollout.ignore_eos=true",  # a random model seldom samples EOS anyway: full-length responses
         f"worker.reward.reward_function={FINGERPRINT_REWARD}:compute_score",
         "algorithm.disable_kl=true",
-        "trainer.max_steps=2",
+        f"trainer.max_steps={steps}",
         "trainer.logger=[jsonl]",
         "trainer.n_gpus_per_node=1",
         "trainer.device=cpu",
