@@ -688,6 +688,118 @@ def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch
     assert sharded_metrics["vf_loss"] == pytest.approx(metrics["vf_loss"], rel=1e-5)
 
 
+# ---------------------------------------------------------------- the vision tower's own FSDP unit
+
+MIXED_ORDER = [0, 2, 3, 1]  # rank 0: image row, text row; rank 1: text row, image row
+TEXT_ORDER = [2, 3, 2, 3]  # text rows only, on both ranks
+
+
+def _recording_tower_collectives() -> list[tuple[str, str]]:
+    """``(kind, unit)`` of every all-gather and reduce-scatter FSDP2 issues for a vision tower unit from
+    now on in this process (the real collectives, noted as they start)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    record: list[tuple[str, str]] = []
+    unshard, reduce = group_module.FSDPParamGroup.unshard, group_module.foreach_reduce
+
+    def recording_unshard(self, *args, **kwargs):
+        if "visual" in self._module_fqn and not self.is_unsharded and self._all_gather_result is None:
+            record.append(("all_gather", self._module_fqn))
+        return unshard(self, *args, **kwargs)
+
+    def recording_reduce(fsdp_params, *args, **kwargs):
+        if any(param._param_fqn.startswith("model.visual.") for param in fsdp_params):
+            record.append(("reduce_scatter", "model.visual"))  # the tower is one unit: one call
+        return reduce(fsdp_params, *args, **kwargs)
+
+    group_module.FSDPParamGroup.unshard = recording_unshard
+    group_module.foreach_reduce = recording_reduce
+    return record
+
+
+def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, text: DataProto) -> dict:
+    """A log-prob pass and an update on a batch whose image rows lie in different micro-batches on
+    the two ranks, then the same on text rows only, each noting the tower's collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.workers.towers import tower_sync
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    record = _recording_tower_collectives()
+    results: dict = {}
+    for name, data in (("mixed", mixed), ("text", text)):
+        shard = data.chunk(world_size)[rank]
+        model = _sharded(model_path, mesh, checkpointing=True)
+        actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **ACTOR_SETTINGS)
+        del record[:]
+        log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
+        log_prob_collectives = list(record)
+        del record[:]
+        metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
+        results[name] = {
+            "state": _full_state(model),
+            "metrics": metrics,
+            "log_probs": log_probs,
+            "update_collectives": list(record),
+            "log_prob_collectives": log_prob_collectives,
+            "placeholders": tower_sync(model).placeholder_calls,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def tower_results(tiny_vl_path, vl_batch) -> list[dict]:
+    return run_on_ranks(
+        _tower_job, 2, str(tiny_vl_path), vl_batch[MIXED_ORDER], vl_batch[TEXT_ORDER], timeout_s=300
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, order", [("mixed", MIXED_ORDER), ("text", TEXT_ORDER)])
+def test_tower_unit_update_equals_one_rank(tiny_vl_path, vl_batch, tower_results, name, order):
+    """Image rows on one rank and text rows on the other in the same micro-batch, each rank's image in
+    another micro-batch (the other rank runs the tower on its placeholder there), or no image at all:
+    the update, its metrics and the log-probs equal one process's on the whole batch."""
+    batch = vl_batch[order]
+    expected, expected_metrics = _reference_update(tiny_vl_path, batch, micro_batch_size=4)
+    model = training_model(str(tiny_vl_path))
+    log_probs, _ = policy_actor(model, **{**ACTOR_SETTINGS, **UNCHUNKED}).compute_log_probs(
+        batch, 4, TEMPERATURE
+    )
+    mask = batch.batch["response_mask"].bool()
+    sharded = torch.cat([result[name]["log_probs"] for result in tower_results])
+    torch.testing.assert_close(sharded[mask], log_probs[mask], atol=1e-5, rtol=0)
+    for result in tower_results:
+        _assert_states_close(result[name]["state"], expected, atol=1e-6)
+        for metric in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm"):
+            assert result[name]["metrics"][metric] == pytest.approx(
+                expected_metrics[metric], rel=1e-5, abs=1e-7
+            ), metric
+    initial = _unique_state(training_model(str(tiny_vl_path)))
+    state = tower_results[0][name]["state"]
+    moved = {key for key in initial if not torch.equal(state[key], initial[key])}
+    towers = {key for key in initial if key.startswith("model.visual.")}
+    # text rows only: the tower gets no gradient and SGD leaves it as it is (as on one process)
+    assert moved == (set(initial) - towers if name == "text" else set(initial))
+
+
+@pytest.mark.distributed
+def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
+    for rank, result in enumerate(tower_results):
+        mixed, text = result["mixed"], result["text"]
+        # two micro-batches, an image on one rank in each: one gather and one reduction of the tower
+        # per micro-batch whatever the rank holds, and one placeholder per rank (its text row)
+        assert mixed["update_collectives"] == [
+            ("all_gather", "model.visual"),
+            ("reduce_scatter", "model.visual"),
+        ] * 2, rank
+        assert mixed["placeholders"] == 2, rank  # one in the update, one in the log-prob pass
+        assert mixed["log_prob_collectives"] == [("all_gather", "model.visual")], rank  # kept for the pass
+        # text rows only: the tower is never gathered, cast or reduced, and no placeholder runs
+        assert text["update_collectives"] == text["log_prob_collectives"] == [], rank
+        assert text["placeholders"] == 0, rank
+
+
 @pytest.mark.distributed
 def test_full_state_dict_of_sharded_model_loads_into_a_fresh_model(
     tiny_vl_path, vl_processor, two_rank_results
