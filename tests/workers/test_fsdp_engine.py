@@ -722,6 +722,8 @@ def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, te
     the two ranks, then the same on text rows only, each noting the tower's collectives."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from mmrl.models.encoding_cache import prompt_encodings
+    from mmrl.workers.fsdp_engine import root_gathered
     from mmrl.workers.towers import tower_sync
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -744,6 +746,15 @@ def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, te
             "log_prob_collectives": log_prob_collectives,
             "placeholders": tower_sync(model).placeholder_calls,
         }
+    # the rollout's prompt encodings: the tower called outside the forward, by the ranks with images only
+    shard = mixed.chunk(world_size)[rank]
+    model = _sharded(model_path, mesh)
+    del record[:]
+    with root_gathered(model), torch.no_grad():
+        encodings = prompt_encodings(
+            vision_modules(model), list(shard.non_tensor_batch["multi_modal_inputs"]), torch.device("cpu")
+        )
+    results["prompt_encodings"] = (encodings, list(record))
     return results
 
 
@@ -789,15 +800,38 @@ def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
         mixed, text = result["mixed"], result["text"]
         # two micro-batches, an image on one rank in each: one gather and one reduction of the tower
         # per micro-batch whatever the rank holds, and one placeholder per rank (its text row)
-        assert mixed["update_collectives"] == [
-            ("all_gather", "model.visual"),
-            ("reduce_scatter", "model.visual"),
-        ] * 2, rank
+        assert (
+            mixed["update_collectives"]
+            == [
+                ("all_gather", "model.visual"),
+                ("reduce_scatter", "model.visual"),
+            ]
+            * 2
+        ), rank
         assert mixed["placeholders"] == 2, rank  # one in the update, one in the log-prob pass
         assert mixed["log_prob_collectives"] == [("all_gather", "model.visual")], rank  # kept for the pass
         # text rows only: the tower is never gathered, cast or reduced, and no placeholder runs
         assert text["update_collectives"] == text["log_prob_collectives"] == [], rank
         assert text["placeholders"] == 0, rank
+
+
+@pytest.mark.distributed
+def test_tower_unit_encodes_prompts_outside_the_forward(tiny_vl_path, vl_batch, tower_results):
+    """``root_gathered`` gathers the tower unit too: the rank with an image encodes it (the other has
+    none and calls nothing), and the encoding is the unsharded tower's."""
+    from mmrl.models.encoding_cache import prompt_encodings
+
+    model = training_model(str(tiny_vl_path))
+    rows = list(vl_batch[MIXED_ORDER].non_tensor_batch["multi_modal_inputs"])
+    with torch.no_grad():
+        expected = prompt_encodings(vision_modules(model), rows, torch.device("cpu"))
+    sharded = [encoding for result in tower_results for encoding in result["prompt_encodings"][0]]
+    assert [encoding is None for encoding in sharded] == [False, True, True, False]
+    for got, want in zip(sharded, expected):
+        if want is not None:
+            torch.testing.assert_close(got["image"]["image_embeds"], want["image"]["image_embeds"])
+    for result in tower_results:  # one explicit gather on each rank, no other collective of the tower
+        assert result["prompt_encodings"][1] == [("all_gather", "model.visual")]
 
 
 @pytest.mark.distributed
