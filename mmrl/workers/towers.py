@@ -54,6 +54,7 @@ class TowerSync:
         self.agreed: bool | None = None  # set by media_step; None: agree in the forward itself
         self.expected = False  # this forward: some rank calls the towers
         self.called: set[int] = set()
+        self.reduce_unused = False  # the towers' set_reduce_scatter_unused_params (apply_fsdp2: False)
         self.placeholder_calls = 0  # placeholders run (tests)
 
     def model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -71,9 +72,11 @@ class TowerSync:
                 )
             self.expected = self.agreed
         self.called.clear()
-        for tower in self.towers:  # an unused tower's zero gradients are reduced only where it ran
-            if hasattr(tower, "set_reduce_scatter_unused_params"):
-                tower.set_reduce_scatter_unused_params(self.expected)
+        if self.expected != self.reduce_unused:  # zeros for unused gradients only where the tower ran
+            for tower in self.towers:
+                if hasattr(tower, "set_reduce_scatter_unused_params"):  # torch >= 2.13
+                    tower.set_reduce_scatter_unused_params(self.expected, recurse=False)
+            self.reduce_unused = self.expected
 
     def tower_pre_hook(self, tower: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.expected:

@@ -765,6 +765,24 @@ def tower_results(tiny_vl_path, vl_batch) -> list[dict]:
     )
 
 
+def test_tower_placeholder_runs_through_every_sharded_tower(tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+    """The placeholder a rank without media feeds its tower: one merged token's patches through each
+    family's vision tower (Qwen3-VL with its deepstack features), every output finite, and its 0-times
+    sum's gradient zero on every tower parameter."""
+    from mmrl.parallel.encoders import takes_grid
+    from mmrl.workers.towers import _tensors, placeholder_inputs
+
+    for path in (tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+        towers = [tower for _, tower in tower_modules(load_model(str(path))) if takes_grid(tower)]
+        assert len(towers) == 1, path
+        (tower,) = towers
+        outputs = list(_tensors(tower(*placeholder_inputs(tower))))
+        assert outputs and all(bool(torch.isfinite(output).all()) for output in outputs), path
+        (sum(output.float().sum() for output in outputs) * 0.0).backward()
+        grads = [param.grad for param in tower.parameters() if param.requires_grad]
+        assert grads and all(grad is not None and not grad.any() for grad in grads), path
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, order", [("mixed", MIXED_ORDER), ("text", TEXT_ORDER)])
 def test_tower_unit_update_equals_one_rank(tiny_vl_path, vl_batch, tower_results, name, order):
