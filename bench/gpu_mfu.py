@@ -103,10 +103,15 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, 
 
 
 def build_config(
-    name: str, layers: int | None = None, vision_depth: int | None = None, vocab: int | None = None
+    name: str,
+    layers: int | None = None,
+    vision_depth: int | None = None,
+    vocab: int | None = None,
+    images: bool = False,
 ):
     """A ``Qwen2_5_VLConfig`` of the named size (transformers v5 layout: text and vision sub-configs),
-    optionally with fewer decoder layers, vision blocks or vocabulary rows at the same widths."""
+    optionally with fewer decoder layers, vision blocks or vocabulary rows at the same widths;
+    ``images``: the media token ids at the top of the (cut) vocabulary (:func:`random_batch`)."""
     from transformers import Qwen2_5_VLConfig
 
     text = dict(TEXT_CONFIGS[name])
@@ -143,14 +148,14 @@ def build_config(
         tokens_per_second=2,
     )
     top = text["vocab_size"]  # the media tokens inside a cut vocabulary (random tokens stay below)
+    media = {
+        "image_token_id": top - 1,
+        "video_token_id": top - 2,
+        "vision_start_token_id": top - 3,
+        "vision_end_token_id": top - 4,
+    }
     return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=tie,
-        image_token_id=top - 1,
-        video_token_id=top - 2,
-        vision_start_token_id=top - 3,
-        vision_end_token_id=top - 4,
+        text_config=text, vision_config=vision, tie_word_embeddings=tie, **(media if images else {})
     )
 
 
@@ -752,7 +757,9 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
     device, rows = torch.device("cpu"), len(batch)
     counts: dict[str, dict] = {}
     for layers in (args.layers, 1):
-        config = build_config(args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab)
+        config = build_config(
+            args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab, images=args.images
+        )
         side = SIDES[name](config, device, torch.bfloat16, True, args.response_length)
         batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
