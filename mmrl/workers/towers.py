@@ -49,8 +49,8 @@ TOWER_INPUTS = ("pixel_values", "pixel_values_videos")
 class TowerSync:
     """The model's separately sharded towers and the current forward's state (see the module doc)."""
 
-    def __init__(self, model: nn.Module, towers: list[nn.Module], group: dist.ProcessGroup | None):
-        self.model, self.towers, self.group = model, towers, group
+    def __init__(self, towers: list[nn.Module], group: dist.ProcessGroup | None):
+        self.towers, self.group = towers, group
         self.agreed: bool | None = None  # set by media_step; None: agree in the forward itself
         self.expected = False  # this forward: some rank calls the towers
         self.called: set[int] = set()
@@ -101,7 +101,7 @@ class TowerSync:
                 f"{type(decoder).__name__} was called without inputs_embeds: the towers' placeholder "
                 "cannot join the graph; its model family needs support in mmrl.workers.towers"
             )
-        zero = sum(tensor.float().sum() for output in outputs for tensor in _tensors(output)) * 0.0
+        zero = sum(tensor.float().sum() for output in outputs for tensor in output_tensors(output)) * 0.0
         kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
         return args, kwargs
 
@@ -118,17 +118,17 @@ def _device(module: nn.Module) -> torch.device:
     return parameter.device
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def output_tensors(output: Any) -> Iterator[torch.Tensor]:
     """Every floating tensor in a tower's output (pooled embeddings, Qwen3-VL's deepstack features)."""
     if isinstance(output, torch.Tensor):
         if output.is_floating_point():
             yield output
     elif isinstance(output, (list, tuple)):
         for item in output:
-            yield from _tensors(item)
+            yield from output_tensors(item)
     elif isinstance(output, dict) or hasattr(output, "values"):
         for item in output.values():
-            yield from _tensors(item)
+            yield from output_tensors(item)
 
 
 def placeholder_inputs(tower: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +150,7 @@ def shard_towers(model: nn.Module, shard, mesh) -> list[nn.Module]:
         return []
     for tower in towers:
         shard(tower, reshard_after_forward=False)
-    sync = TowerSync(model, towers, None if mesh is None else mesh.get_group())
+    sync = TowerSync(towers, None if mesh is None else mesh.get_group())
     model.register_forward_pre_hook(sync.model_pre_hook, with_kwargs=True)
     for tower in towers:
         tower.register_forward_pre_hook(sync.tower_pre_hook, with_kwargs=True)

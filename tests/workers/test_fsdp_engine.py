@@ -770,13 +770,13 @@ def test_tower_placeholder_runs_through_every_sharded_tower(tiny_vl_path, tiny_q
     family's vision tower (Qwen3-VL with its deepstack features), every output finite, and its 0-times
     sum's gradient zero on every tower parameter."""
     from mmrl.parallel.encoders import takes_grid
-    from mmrl.workers.towers import _tensors, placeholder_inputs
+    from mmrl.workers.towers import output_tensors, placeholder_inputs
 
     for path in (tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
         towers = [tower for _, tower in tower_modules(load_model(str(path))) if takes_grid(tower)]
         assert len(towers) == 1, path
         (tower,) = towers
-        outputs = list(_tensors(tower(*placeholder_inputs(tower))))
+        outputs = list(output_tensors(tower(*placeholder_inputs(tower))))
         assert outputs and all(bool(torch.isfinite(output).all()) for output in outputs), path
         (sum(output.float().sum() for output in outputs) * 0.0).backward()
         grads = [param.grad for param in tower.parameters() if param.requires_grad]
