@@ -103,10 +103,15 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, 
 
 
 def build_config(
-    name: str, layers: int | None = None, vision_depth: int | None = None, vocab: int | None = None
+    name: str,
+    layers: int | None = None,
+    vision_depth: int | None = None,
+    vocab: int | None = None,
+    images: bool = False,
 ):
     """A ``Qwen2_5_VLConfig`` of the named size (transformers v5 layout: text and vision sub-configs),
-    optionally with fewer decoder layers, vision blocks or vocabulary rows at the same widths."""
+    optionally with fewer decoder layers, vision blocks or vocabulary rows at the same widths;
+    ``images``: the media token ids at the top of the (cut) vocabulary (:func:`random_batch`)."""
     from transformers import Qwen2_5_VLConfig
 
     text = dict(TEXT_CONFIGS[name])
@@ -142,7 +147,16 @@ def build_config(
         fullatt_block_indexes=[index for index in range(depth) if index % 8 == 7] or [depth - 1],
         tokens_per_second=2,
     )
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+    top = text["vocab_size"]  # the media tokens inside a cut vocabulary (random tokens stay below)
+    media = {
+        "image_token_id": top - 1,
+        "video_token_id": top - 2,
+        "vision_start_token_id": top - 3,
+        "vision_end_token_id": top - 4,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=tie, **(media if images else {})
+    )
 
 
 def forward_flops(text: dict, sequence_lengths: list[int], response_tokens: int) -> float:
@@ -170,26 +184,51 @@ def peak_tflops(device_name: str, override: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in device_name), None)
 
 
-def random_batch(rows: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0):
-    """Text-only rows, every token valid; advantages random, old log-probs filled in later."""
+IMAGE_GRID = (1, 4, 4)  # --images: one image of 4 x 4 patches (4 merged tokens) per row
+PATCH_WIDTH = 3 * 2 * 14 * 14  # channels x temporal patch x patch^2 (Qwen2.5-VL's patch embedding)
+SPECIAL_TOKENS = 8  # the top of the vocabulary: media tokens (build_config)
+
+
+def random_batch(
+    rows: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0, images: bool = False
+):
+    """Random rows, every token valid; advantages random, old log-probs filled in later. ``images``:
+    each prompt begins with an image (random pixels, :data:`IMAGE_GRID`) in its placeholder tokens."""
     import torch
 
     from mmrl.protocol import DataProto
 
     generator = torch.Generator().manual_seed(seed)
     low = 16  # stay clear of the special tokens at the bottom of the vocabulary
-    prompts = torch.randint(low, vocab, (rows, prompt_length), generator=generator)
-    responses = torch.randint(low, vocab, (rows, response_length), generator=generator)
+    high = vocab - SPECIAL_TOKENS if images else vocab
+    prompts = torch.randint(low, high, (rows, prompt_length), generator=generator)
+    responses = torch.randint(low, high, (rows, response_length), generator=generator)
     response_mask = torch.ones(rows, response_length, dtype=torch.long)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": torch.ones(rows, prompt_length + response_length, dtype=torch.long),
-        "response_mask": response_mask,
-        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, response_length).contiguous(),
-    }
-    return DataProto.from_dict(tensors=tensors)
+    token_types = torch.zeros(rows, prompt_length + response_length, dtype=torch.long)
+    non_tensors = {}
+    if images:
+        t, h, w = IMAGE_GRID
+        tokens = t * h * w // 4  # merged 2 x 2
+        prompts[:, 0], prompts[:, tokens + 1] = vocab - 3, vocab - 4  # vision start / end
+        prompts[:, 1 : tokens + 1] = vocab - 1
+        token_types[:, 1 : tokens + 1] = 1
+        pixels = [torch.randn(t * h * w, PATCH_WIDTH, generator=generator) for _ in range(rows)]
+        grid = torch.tensor([IMAGE_GRID])
+        non_tensors["multi_modal_inputs"] = [{"pixel_values": p, "image_grid_thw": grid} for p in pixels]
+    tensors = {"mm_token_type_ids": token_types} if images else {}
+    tensors.update(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": torch.ones(rows, prompt_length + response_length, dtype=torch.long),
+            "response_mask": response_mask,
+            "advantages": torch.randn(rows, 1, generator=generator)
+            .expand(rows, response_length)
+            .contiguous(),
+        }
+    )
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors or None)
 
 
 def _init_one_rank_group(backend: str) -> None:
@@ -211,7 +250,7 @@ def torch_shims() -> list[str]:
 
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         return []
-    FSDPModule.set_reduce_scatter_unused_params = lambda self, enable: None  # torch < 2.13
+    FSDPModule.set_reduce_scatter_unused_params = lambda self, enable, recurse=True: None  # torch < 2.13
     import torch
 
     return [
@@ -339,11 +378,27 @@ class PlainSide:
     def prepare(self, batch):
         return batch
 
-    def _log_probs(self, input_ids, responses):
+    def _media(self, batch, rows) -> dict:
+        """The rows' images joined, as a processor hands them to the model (none for text rows)."""
+        import torch
+
+        media = batch.non_tensor_batch.get("multi_modal_inputs")
+        if media is None:
+            return {}
+        parts = list(media[rows])
+        return {
+            "pixel_values": torch.cat([part["pixel_values"] for part in parts]).to(self.device),
+            "image_grid_thw": torch.cat([part["image_grid_thw"] for part in parts]).to(self.device),
+            "mm_token_type_ids": batch.batch["mm_token_type_ids"][rows].to(self.device),
+        }
+
+    def _log_probs(self, input_ids, responses, media=None):
         """log p(response token) [b, R] in float32: the last R + 1 positions' logits, one gather."""
         import torch
 
-        logits = self.model(input_ids=input_ids, logits_to_keep=self.response_length + 1).logits[:, :-1]
+        logits = self.model(
+            input_ids=input_ids, logits_to_keep=self.response_length + 1, **(media or {})
+        ).logits[:, :-1]
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
     def log_probs(self, batch, micro_batch: int):
@@ -356,7 +411,8 @@ class PlainSide:
             for start in range(0, len(batch), micro_batch):
                 rows = slice(start, start + micro_batch)
                 ids = tensors["input_ids"][rows].to(self.device)
-                outputs.append(self._log_probs(ids, tensors["responses"][rows].to(self.device)).cpu())
+                responses = tensors["responses"][rows].to(self.device)
+                outputs.append(self._log_probs(ids, responses, self._media(batch, rows)).cpu())
         for module in self.model.modules():  # no backward follows to free the root's gathered weights
             if hasattr(module, "reshard"):
                 module.reshard()
@@ -373,7 +429,8 @@ class PlainSide:
         loss_sum = torch.zeros((), device=self.device)
         for start in range(0, len(batch), micro_batch):
             rows = slice(start, start + micro_batch)
-            log_probs = self._log_probs(tensors["input_ids"][rows], tensors["responses"][rows])
+            media = self._media(batch, rows)
+            log_probs = self._log_probs(tensors["input_ids"][rows], tensors["responses"][rows], media)
             ratio = torch.exp(log_probs - tensors["old_log_probs"][rows])
             advantages = tensors["advantages"][rows]
             clipped = ratio.clamp(1 - self.CLIP_LOW, 1 + self.CLIP_HIGH)
@@ -700,7 +757,9 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
     device, rows = torch.device("cpu"), len(batch)
     counts: dict[str, dict] = {}
     for layers in (args.layers, 1):
-        config = build_config(args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab)
+        config = build_config(
+            args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab, images=args.images
+        )
         side = SIDES[name](config, device, torch.bfloat16, True, args.response_length)
         batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
@@ -764,7 +823,7 @@ def op_counts(args: argparse.Namespace) -> dict:
     if not dist.is_initialized():
         _init_one_rank_group("gloo")
     notes = torch_shims()
-    batch = random_batch(args.rows, args.prompt_length, args.response_length, args.vocab)
+    batch = random_batch(args.rows, args.prompt_length, args.response_length, args.vocab, images=args.images)
     # old log-probs: those of near-uniform logits (random weights), so that the ratio is near 1 and no
     # token is clipped (a clipped token's gradient is zero); the same for both sides
     old = torch.full((args.rows, args.response_length), -math.log(args.vocab))
@@ -786,7 +845,7 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
     print(
         f"\naten ops dispatched, Qwen2.5-VL-3B layout at {args.widths} widths, {args.layers} decoder layers, {args.vision_depth} "
         f"vision blocks, vocabulary {args.vocab:,}; {args.rows} rows x ({args.prompt_length} prompt + "
-        f"{args.response_length} response) tokens; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
+        f"{args.response_length} response) tokens{', an image of 4 x 4 patches each' if args.images else ''}; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
         f"(gloo), gradient checkpointing on; torch {result['torch']}\n"
     )
     mmrl, plain = result["sides"]["mmrl"]["table"], result["sides"]["plain"]["table"]
@@ -848,6 +907,9 @@ def main() -> None:
     )
     parser.add_argument("--vision_depth", type=int, default=2, help="CPU mode: vision blocks")
     parser.add_argument("--vocab", type=int, default=8192, help="CPU mode: vocabulary rows")
+    parser.add_argument(
+        "--images", action="store_true", help="CPU mode: each prompt begins with an image of 4 x 4 patches"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny config on the CPU: checks the timed code path only"

@@ -304,7 +304,10 @@ def prompt_encodings(
     Only towers of :data:`ENGINE_EMBEDS_TOWERS`; only videos whose temporal patches are 1 s apart
     (vLLM's embedding input has no field for the time per patch, and takes 1 s for M-RoPE): other
     videos stay media that the engine encodes itself."""
-    tower = next((t for t in towers if type(t).__name__ in ENGINE_EMBEDS_TOWERS), None)
+    # by the class or a base: FSDP2 gives a sharded module a subclass of its own (FSDP<name>)
+    tower = next(
+        (t for t in towers if any(kind.__name__ in ENGINE_EMBEDS_TOWERS for kind in type(t).__mro__)), None
+    )
     distinct = {id(row): row for row in rows if row}
     encodings: dict[int, dict[str, dict[str, torch.Tensor]]] = {key: {} for key in distinct}
     if tower is None:

@@ -66,6 +66,7 @@ from mmrl.workers.forward import (
     train_role,
 )
 from mmrl.workers.fsdp_engine import all_reduce_sum, reshard_after_no_grad, token_share
+from mmrl.workers.towers import media_step
 
 ROW_KEY = "_row"  # each row's place in the update's batch (on-policy updates return per-row outputs)
 # token means of rollout_correction_weights' diagnostics, logged as actor/<name>_mean or _frac
@@ -220,12 +221,13 @@ class PolicyActor:
         of the same distribution [B, R] when ``with_entropy``. Padding positions hold 0."""
         self.module.eval()
         log_probs, entropies = [], []
-        micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
+        micro_batches, media, restore = role_micro_batches(self, data, micro_batch_size)
         with self._hooked_routers():
-            for micro_batch in micro_batches:
+            for micro_batch, agreed in zip(micro_batches, media):
                 micro_batch = micro_batch.to(self.device)
                 self._begin_routing(micro_batch)
-                scores = self._response_scores(micro_batch, temperature)
+                with media_step(self.module, agreed):
+                    scores = self._response_scores(micro_batch, temperature)
                 log_probs.append(scatter_response_tokens(scores.log_probs, scores.response_valid).cpu())
                 if with_entropy:
                     entropies.append(scatter_response_tokens(scores.entropies, scores.response_valid).cpu())

@@ -24,6 +24,7 @@ from mmrl.workers.forward import (
     train_role,
 )
 from mmrl.workers.fsdp_engine import reshard_after_no_grad, token_share
+from mmrl.workers.towers import media_step
 
 
 class ValueCritic:
@@ -68,8 +69,11 @@ class ValueCritic:
     def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
         """Values [B, R] float32 on the CPU (0 on padding)."""
         self.module.eval()
-        micro_batches, restore = role_micro_batches(self, data, micro_batch_size)
-        values = [self._values(micro_batch.to(self.device)).cpu() for micro_batch in micro_batches]
+        micro_batches, media, restore = role_micro_batches(self, data, micro_batch_size)
+        values = []
+        for micro_batch, agreed in zip(micro_batches, media):
+            with media_step(self.module, agreed):
+                values.append(self._values(micro_batch.to(self.device)).cpu())
         reshard_after_no_grad(self.module)  # no backward frees the root unit's gathered weights
         return torch.cat(values)[torch.from_numpy(restore)]
 

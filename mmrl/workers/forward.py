@@ -18,11 +18,11 @@ from mmrl.models.inputs import ResponseScoring, response_token_outputs, sequence
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
 from mmrl.workers.fsdp_engine import micro_batch_rows, train_on_batch
+from mmrl.workers.towers import MEDIA_COLUMN, agreed_media
 
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
 # routed_experts: what a MoE rollout routed, replayed by the actor (mmrl.models.moe)
 OPTIONAL_FORWARD_KEYS = ("mm_token_type_ids", "position_ids", "response_turns", "routed_experts")
-MEDIA_COLUMN = "multi_modal_inputs"
 
 
 def forward_columns(data: DataProto, extra_keys: tuple[str, ...] = ()) -> DataProto:
@@ -139,19 +139,25 @@ def forward_micro_batches(
     return [data[rows] for rows in groups], np.argsort(order)
 
 
-def role_micro_batches(role, data: DataProto, micro_batch_size: int) -> tuple[list[DataProto], np.ndarray]:
+def role_micro_batches(
+    role, data: DataProto, micro_batch_size: int
+) -> tuple[list[DataProto], list[bool | None], np.ndarray]:
     """:func:`forward_micro_batches` of ``data``'s forward columns for ``role`` (a ``PolicyActor`` or
     ``ValueCritic``: its token budget for no-grad passes, device and data-parallel group), after
-    checking the media alignment of all its rows at once."""
+    checking the media alignment of all its rows at once, with each micro-batch's "media on some rank"
+    flag for :func:`~mmrl.workers.towers.media_step` (:func:`~mmrl.workers.towers.agreed_media`: one
+    collective for the pass)."""
     check_alignment(role.module, data, names=_sample_names(data))
     config = role.config
-    return forward_micro_batches(
+    micro_batches, restore = forward_micro_batches(
         forward_columns(data),
         micro_batch_size,
         config.max_tokens_per_micro_batch_for_experience or config.max_tokens_per_micro_batch,
         role.device,
         role.dp_group,
     )
+    media = [batch.non_tensor_batch.get(MEDIA_COLUMN) for batch in micro_batches]
+    return micro_batches, agreed_media(role.module, media, role.device, role.dp_group), restore
 
 
 def train_role(

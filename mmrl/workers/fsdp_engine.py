@@ -40,6 +40,16 @@ from mmrl.models.loading import decoder_layers
 from mmrl.parallel.packing import padding_counts, split_groups, token_budget_groups
 from mmrl.protocol import DataProto
 from mmrl.workers.optim import AdamWBf16
+from mmrl.workers.towers import (
+    agreed_media,
+    media_step,
+    micro_batch_media,
+    reshard_towers,
+    shard_towers,
+    sharded_towers,
+    towers_gathered,
+    unshard_towers,
+)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 SCHEDULER_TYPES = ("constant", "cosine")
@@ -79,15 +89,13 @@ def apply_fsdp2(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` in place with ``fully_shard``: one unit per decoder layer, the input embedding
-    (when not tied to ``lm_head``), then the root, which holds the rest.
-
-    The vision/audio towers stay in the root unit on purpose. A rank whose micro-batch holds no image
-    never calls the tower, so a separately sharded tower would miss the all-gather and reduce-scatter
-    that the other ranks issue and the job would hang. In the root unit its parameters are gathered
-    with the root's on every rank, and ``set_reduce_scatter_unused_params`` reduces zeros for its
-    unused gradients. (Cost: the towers stay unsharded during the pass, ~1.3 GB in bf16 for the
-    0.67B-parameter Qwen2.5-VL tower.) Parameters are moved to the mesh's device unless offloaded.
+    """Shard ``model`` in place with ``fully_shard``: one unit per decoder layer, one per Qwen-VL
+    vision tower (:func:`mmrl.workers.towers.shard_towers`: gathered only in micro-batches where some
+    rank has media, which the ranks agree on once per pass), the input embedding (when not tied to
+    ``lm_head``), then the root, which holds the rest (audio towers included: a rank without audio
+    never calls its tower, so it is gathered with the root on every rank, and
+    ``set_reduce_scatter_unused_params`` reduces zeros for its unused gradients). Parameters are moved
+    to the mesh's device unless offloaded.
     """
     mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory needs an accelerator; without CUDA pinning fails (ENVIRONMENT.md).
@@ -95,12 +103,15 @@ def apply_fsdp2(
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mixed_precision, offload_policy=offload)
     for layer in decoder_layers(model):
         shard(layer, reshard_after_forward=reshard_after_forward)
+    shard_towers(model, shard, mesh)
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or head.weight is not embeddings.weight:
         shard(embeddings, reshard_after_forward=reshard_after_forward)
     # None lets FSDP keep the root gathered after forward: backward would gather it again at once.
     shard(model, reshard_after_forward=None if reshard_after_forward else False)
     model.set_reduce_scatter_unused_params(True)
+    for tower in sharded_towers(model):  # decided per forward (mmrl.workers.towers)
+        tower.set_reduce_scatter_unused_params(False)
     return model
 
 
@@ -188,16 +199,21 @@ def _keep_own_rows(target: torch.Tensor, rows: torch.Tensor, start: int) -> None
 
 @contextlib.contextmanager
 def root_gathered(model: nn.Module) -> Iterator[None]:
-    """The root FSDP2 unit's parameters (vision towers, embeddings, head) gathered, for a call of one
-    of its submodules outside the model's forward (whose hooks would gather them), then freed. Every
-    rank of the mesh must enter it together. A no-op for an unsharded model."""
+    """The root FSDP2 unit's parameters (embeddings, head, audio towers) and the separately sharded
+    vision towers gathered, for a call of one of its submodules outside the model's forward (whose
+    hooks would gather them), then freed. Every rank of the mesh must enter it together. A no-op for
+    an unsharded model."""
     if not isinstance(model, FSDPModule):
         yield
         return
+    model._get_fsdp_state()._lazy_init()  # the root's, before a tower unit's own call could claim it
     model.unshard()
+    unshard_towers(model)
     try:
-        yield
+        with towers_gathered(model):
+            yield
     finally:
+        reshard_towers(model)
         model.reshard()
 
 
@@ -555,16 +571,28 @@ def train_on_batch(
     skipped_steps = 0
     num_steps = 0
     lr = optimizer.param_groups[0]["lr"]
+    mini_batches = data.split(mini_batch_size)
+    plans = [  # the same micro-batches in every epoch
+        micro_batch_rows(
+            mini_batch.batch["attention_mask"].to(device), micro_batch_size, max_tokens_per_micro_batch, group
+        )
+        for mini_batch in mini_batches
+    ]
+    # whether some rank has media in each micro-batch: one collective for the whole update
+    media = [rows for mini, plan in zip(mini_batches, plans) for rows in micro_batch_media(mini, plan)]
+    agreed = iter(agreed_media(module, media, device, group))
+    media_flags = [[next(agreed) for _ in plan] for plan in plans]
     for _ in range(epochs):
-        for mini_batch in data.split(mini_batch_size):
+        for mini_batch, plan, flags in zip(mini_batches, plans, media_flags):
             mini_batch = mini_batch.to(device)
             num_tokens, num_seqs = global_counts(mini_batch.batch["response_mask"], group)
             attention_mask = mini_batch.batch["attention_mask"]
             lengths = attention_mask.sum(-1).tolist()  # one host sync per mini-batch, not per micro-batch
-            for rows in micro_batch_rows(attention_mask, micro_batch_size, max_tokens_per_micro_batch, group):
+            for rows, flag in zip(plan, flags):
                 micro_batch = mini_batch[row_selection(rows)]
-                loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
-                (loss * gradient_scale).backward()
+                with media_step(module, flag):
+                    loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
+                    (loss * gradient_scale).backward()
                 names = tuple(shares)
                 stacked = torch.stack([share.detach() for share in shares.values()]).double()
                 share_sums[names] = share_sums[names] + stacked if names in share_sums else stacked

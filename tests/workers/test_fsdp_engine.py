@@ -688,6 +688,170 @@ def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch
     assert sharded_metrics["vf_loss"] == pytest.approx(metrics["vf_loss"], rel=1e-5)
 
 
+# ---------------------------------------------------------------- the vision tower's own FSDP unit
+
+MIXED_ORDER = [0, 2, 3, 1]  # rank 0: image row, text row; rank 1: text row, image row
+TEXT_ORDER = [2, 3, 2, 3]  # text rows only, on both ranks
+
+
+def _recording_tower_collectives() -> list[tuple[str, str]]:
+    """``(kind, unit)`` of every all-gather and reduce-scatter FSDP2 issues for a vision tower unit from
+    now on in this process (the real collectives, noted as they start)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    record: list[tuple[str, str]] = []
+    unshard, reduce = group_module.FSDPParamGroup.unshard, group_module.foreach_reduce
+
+    def recording_unshard(self, *args, **kwargs):
+        if "visual" in self._module_fqn and not self.is_unsharded and self._all_gather_result is None:
+            record.append(("all_gather", self._module_fqn))
+        return unshard(self, *args, **kwargs)
+
+    def recording_reduce(fsdp_params, *args, **kwargs):
+        if any(param._param_fqn.startswith("model.visual.") for param in fsdp_params):
+            record.append(("reduce_scatter", "model.visual"))  # the tower is one unit: one call
+        return reduce(fsdp_params, *args, **kwargs)
+
+    group_module.FSDPParamGroup.unshard = recording_unshard
+    group_module.foreach_reduce = recording_reduce
+    return record
+
+
+def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, text: DataProto) -> dict:
+    """A log-prob pass and an update on a batch whose image rows lie in different micro-batches on
+    the two ranks, then the same on text rows only, each noting the tower's collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mmrl.models.encoding_cache import prompt_encodings
+    from mmrl.workers.fsdp_engine import root_gathered
+    from mmrl.workers.towers import tower_sync
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    record = _recording_tower_collectives()
+    results: dict = {}
+    for name, data in (("mixed", mixed), ("text", text)):
+        shard = data.chunk(world_size)[rank]
+        model = _sharded(model_path, mesh, checkpointing=True)
+        actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **ACTOR_SETTINGS)
+        del record[:]
+        log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
+        log_prob_collectives = list(record)
+        del record[:]
+        metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
+        results[name] = {
+            "state": _full_state(model),
+            "metrics": metrics,
+            "log_probs": log_probs,
+            "update_collectives": list(record),
+            "log_prob_collectives": log_prob_collectives,
+            "placeholders": tower_sync(model).placeholder_calls,
+        }
+    # the rollout's prompt encodings: the tower called outside the forward, by the ranks with images only
+    shard = mixed.chunk(world_size)[rank]
+    model = _sharded(model_path, mesh)
+    del record[:]
+    with root_gathered(model), torch.no_grad():
+        encodings = prompt_encodings(
+            vision_modules(model), list(shard.non_tensor_batch["multi_modal_inputs"]), torch.device("cpu")
+        )
+    results["prompt_encodings"] = (encodings, list(record))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tower_results(tiny_vl_path, vl_batch) -> list[dict]:
+    return run_on_ranks(
+        _tower_job, 2, str(tiny_vl_path), vl_batch[MIXED_ORDER], vl_batch[TEXT_ORDER], timeout_s=300
+    )
+
+
+def test_tower_placeholder_runs_through_every_sharded_tower(tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+    """The placeholder a rank without media feeds its tower: one merged token's patches through each
+    family's vision tower (Qwen3-VL with its deepstack features), every output finite, and its 0-times
+    sum's gradient zero on every tower parameter."""
+    from mmrl.parallel.encoders import takes_grid
+    from mmrl.workers.towers import output_tensors, placeholder_inputs
+
+    for path in (tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+        towers = [tower for _, tower in tower_modules(load_model(str(path))) if takes_grid(tower)]
+        assert len(towers) == 1, path
+        (tower,) = towers
+        outputs = list(output_tensors(tower(*placeholder_inputs(tower))))
+        assert outputs and all(bool(torch.isfinite(output).all()) for output in outputs), path
+        (sum(output.float().sum() for output in outputs) * 0.0).backward()
+        grads = [param.grad for param in tower.parameters() if param.requires_grad]
+        assert grads and all(grad is not None and not grad.any() for grad in grads), path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, order", [("mixed", MIXED_ORDER), ("text", TEXT_ORDER)])
+def test_tower_unit_update_equals_one_rank(tiny_vl_path, vl_batch, tower_results, name, order):
+    """Image rows on one rank and text rows on the other in the same micro-batch, each rank's image in
+    another micro-batch (the other rank runs the tower on its placeholder there), or no image at all:
+    the update, its metrics and the log-probs equal one process's on the whole batch."""
+    batch = vl_batch[order]
+    expected, expected_metrics = _reference_update(tiny_vl_path, batch, micro_batch_size=4)
+    model = training_model(str(tiny_vl_path))
+    log_probs, _ = policy_actor(model, **{**ACTOR_SETTINGS, **UNCHUNKED}).compute_log_probs(
+        batch, 4, TEMPERATURE
+    )
+    mask = batch.batch["response_mask"].bool()
+    sharded = torch.cat([result[name]["log_probs"] for result in tower_results])
+    torch.testing.assert_close(sharded[mask], log_probs[mask], atol=1e-5, rtol=0)
+    for result in tower_results:
+        _assert_states_close(result[name]["state"], expected, atol=1e-6)
+        for metric in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm"):
+            assert result[name]["metrics"][metric] == pytest.approx(
+                expected_metrics[metric], rel=1e-5, abs=1e-7
+            ), metric
+    initial = _unique_state(training_model(str(tiny_vl_path)))
+    state = tower_results[0][name]["state"]
+    moved = {key for key in initial if not torch.equal(state[key], initial[key])}
+    towers = {key for key in initial if key.startswith("model.visual.")}
+    # text rows only: the tower gets no gradient and SGD leaves it as it is (as on one process)
+    assert moved == (set(initial) - towers if name == "text" else set(initial))
+
+
+@pytest.mark.distributed
+def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
+    for rank, result in enumerate(tower_results):
+        mixed, text = result["mixed"], result["text"]
+        # two micro-batches, an image on one rank in each: one gather and one reduction of the tower
+        # per micro-batch whatever the rank holds, and one placeholder per rank (its text row)
+        assert (
+            mixed["update_collectives"]
+            == [
+                ("all_gather", "model.visual"),
+                ("reduce_scatter", "model.visual"),
+            ]
+            * 2
+        ), rank
+        assert mixed["placeholders"] == 2, rank  # one in the update, one in the log-prob pass
+        assert mixed["log_prob_collectives"] == [("all_gather", "model.visual")], rank  # kept for the pass
+        # text rows only: the tower is never gathered, cast or reduced, and no placeholder runs
+        assert text["update_collectives"] == text["log_prob_collectives"] == [], rank
+        assert text["placeholders"] == 0, rank
+
+
+@pytest.mark.distributed
+def test_tower_unit_encodes_prompts_outside_the_forward(tiny_vl_path, vl_batch, tower_results):
+    """``root_gathered`` gathers the tower unit too: the rank with an image encodes it (the other has
+    none and calls nothing), and the encoding is the unsharded tower's."""
+    from mmrl.models.encoding_cache import prompt_encodings
+
+    model = training_model(str(tiny_vl_path))
+    rows = list(vl_batch[MIXED_ORDER].non_tensor_batch["multi_modal_inputs"])
+    with torch.no_grad():
+        expected = prompt_encodings(vision_modules(model), rows, torch.device("cpu"))
+    sharded = [encoding for result in tower_results for encoding in result["prompt_encodings"][0]]
+    assert [encoding is None for encoding in sharded] == [False, True, True, False]
+    for got, want in zip(sharded, expected):
+        if want is not None:
+            torch.testing.assert_close(got["image"]["image_embeds"], want["image"]["image_embeds"])
+    for result in tower_results:  # one explicit gather on each rank, no other collective of the tower
+        assert result["prompt_encodings"][1] == [("all_gather", "model.visual")]
+
+
 @pytest.mark.distributed
 def test_full_state_dict_of_sharded_model_loads_into_a_fresh_model(
     tiny_vl_path, vl_processor, two_rank_results
