@@ -335,6 +335,10 @@ class RayPPOTrainer:
         print(placement_line(self.model_workers.node_ids), flush=True)
         if self.separate is not None:
             self.separate.start(self.config, placement.worker_threads)
+            print(
+                f"mmrl: {self.separate.group.world_size} rollout worker(s) of their own (worker.rollout.placement=separate)",
+                flush=True,
+            )
             self.separate.connect(self.model_workers)
             self._push_weights()  # the engines loaded the model's files; the actor's weights may differ (LoRA)
 

@@ -41,7 +41,7 @@ class WeightPushGroup:
         )
         store = dist.PrefixStore(STORE_PREFIX, self.store)
         if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, timeout)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self.rank, self.world_size, self.device = rank, world_size, device
