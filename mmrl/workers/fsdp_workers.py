@@ -2,7 +2,8 @@
 
 ``HybridWorker`` holds the actor (FSDP2, trained; with ``worker.actor.model.lora.rank`` > 0 only its
 LoRA adapter trains), the reference policy (FSDP2, frozen; with LoRA the actor's own model with the
-adapter switched off, no second copy), the rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
+adapter switched off, no second copy), the rollout engine (unless the engines run in rollout workers of
+their own, ``worker.rollout.placement=separate``) and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
 roles share the device, its CUDA context and one torch.distributed world (as in verl and EasyR1), so
 a critic needs no devices of its own; each role's ``offload`` settings move it off the device between
 its phases. It is a plain class: the single controller instantiates it inside Ray actors after
@@ -390,7 +391,9 @@ class CriticRole:
 
 
 class HybridWorker:
-    """Actor + reference + rollout (+ the GAE critic) in one process per device."""
+    """Actor + reference + rollout (+ the GAE critic) in one process per device. With
+    ``worker.rollout.placement=separate`` it holds no engine: rank 0 sends the weights to the rollout
+    workers (:meth:`push_rollout_weights`, :mod:`mmrl.workers.rollout_worker`)."""
 
     def __init__(self, config: PPOConfig, total_training_steps: int, cpu_threads: int | None = None):
         """``cpu_threads``: torch threads of this process (the driver's placement: the CPUs Ray reserved
