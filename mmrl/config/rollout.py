@@ -86,6 +86,15 @@ class RolloutConfig:
         default_factory=dict
     )  # sampling keys for validation, e.g. {temperature: 0, n: 1}
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # where the engines run (docs/async.md): colocated (in the training processes, taking turns with
+    # training) | separate (rollout workers of their own: Ray actors on GPUs, or CPU cores, of their own;
+    # weights pushed from the training ranks after every update over a collective group)
+    placement: str = "colocated"
+    num_workers: int = 1  # placement=separate: rollout worker processes (one GPU each on GPUs)
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
 
     def sampling_for_validation(self) -> dict[str, Any]:
         """Sampling parameters for validation: the training ones with val_override_config applied."""
@@ -102,7 +111,27 @@ class RolloutConfig:
         ]
         _check_rollout(errors, config)
         _check_reused_encodings(errors, config)
+        errors += self._check_placement()
         return errors
+
+    def _check_placement(self) -> list[str]:
+        """What rollout workers of their own (``placement=separate``) do not do yet."""
+        if self.num_workers < 1:
+            return [f"worker.rollout.num_workers={self.num_workers} must be >= 1"]
+        if not self.separate:
+            return []
+        refused = {
+            "worker.rollout.name=vllm": self.name == "vllm",
+            "worker.rollout.multi_turn.enable=true": self.multi_turn.enable,
+            "worker.rollout.reuse_encodings=true (the encodings come from the actor's tower)": self.reuse_encodings,
+            f"worker.rollout.tensor_parallel_size={self.tensor_parallel_size}": self.tensor_parallel_size > 1,
+        }
+        return [
+            f"worker.rollout.placement=separate does not support {what} yet: use worker.rollout.placement="
+            "colocated, or change that key"
+            for what, refused_here in refused.items()
+            if refused_here
+        ]
 
 
 def _check_rollout(errors: list[str], cfg: PPOConfig) -> None:

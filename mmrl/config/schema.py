@@ -182,6 +182,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (ActorModelConfig, "packed_attention"): PACKED_ATTENTION_KERNELS,
     (RolloutConfig, "name"): ("vllm", "hf"),
     (RolloutConfig, "dtype"): DTYPES,
+    (RolloutConfig, "placement"): ("colocated", "separate"),
     (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE
     (CodeConfig, "score"): ("pass_rate", "all_passed"),
     (SandboxConfig, "isolation"): ("namespaces", "process"),

@@ -413,6 +413,20 @@ class RayWorkerGroup(Generic[Worker]):
         device mesh: `dp_rank_of[r] = r // sp_size`). Results are joined by `merge_dp_outputs`: B rows in
         the input order.
         """
+        return self.dispatch_async(method, data, *args, dp_size=dp_size, dp_rank_of=dp_rank_of, **kwargs)()
+
+    def dispatch_async(
+        self,
+        method: Callable[Concatenate[Worker, DataProto, ...], DataProto],
+        data: DataProto,
+        /,
+        *args: Any,
+        dp_size: int | None = None,
+        dp_rank_of: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> Callable[[], DataProto]:
+        """`dispatch`, started: the ranks run while the caller goes on; the returned function waits for
+        them and joins their results (failing fast as `collect` does)."""
         name = self._resolve(method)
         dp_size = self._declared_dp_size(method, dp_size, dp_rank_of)
         dp_rank_of = self._dp_rank_of(dp_size, dp_rank_of)
@@ -425,10 +439,14 @@ class RayWorkerGroup(Generic[Worker]):
             host.execute.remote(name, chunk_refs[dp_rank_of[rank]], *shared_args, **shared_kwargs)
             for rank, host in enumerate(self._hosts)
         ]
-        outputs = self._collect(refs, name, timeout_s=self.timeout_s)
-        self.transfers.received(refs)
-        self.transfers.add_tensor_bytes([*chunks, *outputs])
-        return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, name)
+
+        def join() -> DataProto:
+            outputs = self._collect(refs, name, timeout_s=self.timeout_s)
+            self.transfers.received(refs)
+            self.transfers.add_tensor_bytes([*chunks, *outputs])
+            return merge_dp_outputs(outputs, dp_rank_of, len(padded) // num_chunks, pad_size, name)
+
+        return join
 
     def _share_arguments(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Each argument put in the object store once (N ranks read one copy), counted as sent."""

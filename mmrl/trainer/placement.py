@@ -14,6 +14,10 @@ so the worker sets torch's threads to the same number. ``null``: on GPU nodes ea
 (after the reward workers' ``num_workers × num_cpus``) shared by its ``n_gpus_per_node`` processes
 (Ray's default for an actor, 1 CPU, would leave one thread per GPU); on a CPU machine 0.5 each, and
 each rank then uses the machine's cores divided by the ranks on it.
+
+Rollout workers of their own (``worker.rollout.placement=separate``, ``rollout_workers`` of them) are
+placed like training processes: a GPU each besides the training ranks', and the same CPUs; on a CPU
+machine the training ranks and the rollout workers split its cores between them.
 """
 
 from __future__ import annotations
@@ -44,14 +48,19 @@ def _describe(nodes: list[dict[str, float]]) -> str:
 
 
 def plan_placement(
-    trainer: TrainerConfig, reward_cpus: float, nodes: list[dict[str, float]], reward_gpus: float = 0.0
+    trainer: TrainerConfig,
+    reward_cpus: float,
+    nodes: list[dict[str, float]],
+    reward_gpus: float = 0.0,
+    rollout_workers: int = 0,
 ) -> Placement:
-    """The placement of ``trainer.world_size`` training processes on a cluster whose alive nodes have
-    ``nodes`` resources (``{"CPU": 16.0, "GPU": 8.0, ...}`` each); ``reward_cpus`` / ``reward_gpus`` =
-    what the reward workers and a served judge take. Raises :class:`PlacementError` when GPUs are asked
-    for and the cluster lacks them."""
+    """The placement of ``trainer.world_size`` training processes (and ``rollout_workers`` rollout
+    workers of their own) on a cluster whose alive nodes have ``nodes`` resources
+    (``{"CPU": 16.0, "GPU": 8.0, ...}`` each); ``reward_cpus`` / ``reward_gpus`` = what the reward
+    workers and a served judge take. Raises :class:`PlacementError` when GPUs are asked for and the
+    cluster lacks them."""
     gpus = sum(node.get("GPU", 0.0) for node in nodes) - reward_gpus
-    asked = trainer.world_size
+    asked = trainer.world_size + rollout_workers
     use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and gpus + reward_gpus > 0)
     note = None
     if trainer.device == "auto" and not use_gpu:
@@ -64,8 +73,14 @@ def plan_placement(
         )
         besides = f" besides the {reward_gpus:g} of the reward workers" if reward_gpus else ""
         raise PlacementError(
-            f"{how}: trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node} = "
-            f"{asked} GPUs asked for, but the Ray cluster has {gpus:g}{besides} (nodes: {_describe(nodes)}). Lower "
+            f"{how}: trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
+            + (
+                f" + worker.rollout.num_workers={rollout_workers} (placement=separate)"
+                if rollout_workers
+                else ""
+            )
+            + f" = {asked} GPUs asked for,"
+            f" but the Ray cluster has {gpus:g}{besides} (nodes: {_describe(nodes)}). Lower "
             "trainer.n_gpus_per_node / trainer.nnodes, add GPU nodes (`ray start --address=<head>:6379` on "
             "each), or set trainer.device=cpu"
         )
@@ -75,5 +90,6 @@ def plan_placement(
     if not use_gpu:
         return Placement(False, CPU_RANK_CPUS, None, note)
     gpu_node_cpus = min(node.get("CPU", 0.0) for node in nodes if node.get("GPU", 0.0) > 0)
-    per_process = max(1, math.floor((gpu_node_cpus - reward_cpus) / trainer.n_gpus_per_node))
+    processes = trainer.n_gpus_per_node + rollout_workers  # a separate rollout's workers: on one node
+    per_process = max(1, math.floor((gpu_node_cpus - reward_cpus) / processes))
     return Placement(True, float(per_process), per_process, note)

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,7 @@ from mmrl.trainer.metrics import (
     timer,
 )
 from mmrl.trainer.placement import Placement, plan_placement
+from mmrl.trainer.separate_rollout import RolloutWorkers, generation_window, overlap_s
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.fsdp_workers import HybridWorker
@@ -157,7 +159,9 @@ def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
     per device holds every model role, the critic's included; a judge mmrl serves has CPUs of its own."""
-    workers = config.trainer.world_size * max(1.0, config.trainer.cpus_per_worker or 1.0)
+    rollout = config.worker.rollout
+    processes = config.trainer.world_size + (rollout.num_workers if rollout.separate else 0)
+    workers = processes * max(1.0, config.trainer.cpus_per_worker or 1.0)
     rewards = config.worker.reward.num_workers * config.worker.reward.num_cpus
     judge = config.worker.reward.judge
     served_judge = judge.serve.num_cpus if judge.enable and judge.serve.model_path else 0.0
@@ -245,6 +249,7 @@ def plan_cluster_placement(config: PPOConfig) -> Placement:
         reward_cpus=reward.num_workers * reward.num_cpus + (served.num_cpus if served else 0.0),
         nodes=alive_node_resources(),
         reward_gpus=reward.num_workers * reward.num_gpus + (served.num_gpus if served else 0.0),
+        rollout_workers=config.worker.rollout.num_workers if config.worker.rollout.separate else 0,
     )
     if placement.note:
         print(placement.note, flush=True)
@@ -299,17 +304,21 @@ class RayPPOTrainer:
         self.rewards = start_reward_workers(config, self.judge_server, self.transfers)
         placement = plan_cluster_placement(config)
         self.model_workers = start_model_processes(config, placement, self.transfers)
+        # worker.rollout.placement=separate: the engines' own processes; None: in the training processes
+        self.separate = (
+            RolloutWorkers(config, placement, self.transfers) if config.worker.rollout.separate else None
+        )
         self.tokenizer, processor = load_tokenizer(config)
         self.train_loader, self.val_loader = build_loaders(config, self.tokenizer, processor, self._collate)
         self.total_steps = total_training_steps(config, len(self.train_loader.dataset))
         self.filter = build_filter(config)  # None: one generation per step, no filtering
+        self.policy_version = 0  # actor updates so far: the version of the weights in the engines
         self._build_model_workers(placement)
         self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
         self.collapse, self.group_counts = build_collapse_gate(config), [0, 0]  # (all-equal, all) groups
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
-        self.policy_version = 0  # actor updates so far: the version of the weights in the engines
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
         self.tracker = None
 
@@ -324,6 +333,14 @@ class RayPPOTrainer:
             }
         )
         print(placement_line(self.model_workers.node_ids), flush=True)
+        if self.separate is not None:
+            self.separate.start(self.config, placement.worker_threads)
+            print(
+                f"mmrl: {self.separate.group.world_size} rollout worker(s) of their own (worker.rollout.placement=separate)",
+                flush=True,
+            )
+            self.separate.connect(self.model_workers)
+            self._push_weights()  # the engines loaded the model's files; the actor's weights may differ (LoRA)
 
     def _collate(self, items: list[dict[str, Any]]) -> DataProto:
         return collate_prompts(items, self.tokenizer.pad_token_id)
@@ -372,7 +389,7 @@ class RayPPOTrainer:
         with timer("step", timings):
             with timer("gen", timings):
                 rollout = self.rollouts.take(
-                    self.global_step, lambda step: self.make_batch(prompts, step), self._next_step_trains()
+                    self.global_step, lambda step: self.start_batch(prompts, step), self._next_step_trains()
                 )
                 batch, collect_scores = rollout.batch, rollout.collect_scores
                 rollout_metrics = {**rollout.metrics, **self._staleness(rollout)}
@@ -380,6 +397,7 @@ class RayPPOTrainer:
                 collect_baselines = self._greedy_baselines(batch) if plan.greedy_baseline else None
             # rank chunks of equal token counts, not only equal row counts; rows keep their uid
             batch, restore = balance_batch(batch, self.actor_dp_size)
+            trained_from = time.time()  # the training passes begin (a generation ahead may overlap them)
             batch = self.compute_log_probs(batch, plan, timings)
             with timer("reward", timings):
                 scores = collect_scores().reorder(np.argsort(restore))  # balanced order
@@ -393,7 +411,7 @@ class RayPPOTrainer:
             self.collapse.observe(*self.group_counts)  # decides this step's recovery weight
             with timer("adv", timings):
                 batch, kl_metrics = self.compute_advantages(batch)
-            batch, update_metrics = self.update_models(batch, plan, timings)
+            batch, update_metrics = self.update_models(batch, plan, timings, trained_from)
         conform_to_columns(batch, "the training step")
         return {
             **rollout_metrics,
@@ -423,22 +441,33 @@ class RayPPOTrainer:
 
     # ---- phases ---------------------------------------------------------------------------------
 
-    def make_batch(self, prompts: Iterator[DataProto], step: int) -> Rollout:
-        """The responses of step ``step`` (0-based; generation order), a function returning their scores,
-        and the rollout's metrics. Without online filtering one batch is generated and scored in the
-        background while the log-prob passes run; with it, :meth:`_filtered_rollout` scores as it goes."""
+    def start_batch(self, prompts: Iterator[DataProto], step: int) -> Callable[[], Rollout]:
+        """Start the rollout of step ``step`` (0-based); the returned function waits for it: the
+        responses (generation order), a function returning their scores, and the rollout's metrics.
+        Without online filtering one batch is generated and scored in the background while the log-prob
+        passes run (on rollout workers of their own, the generation itself runs until the function is
+        called); with it, :meth:`_filtered_rollout` generates and scores as it goes, before returning."""
         fault_point("rollout", step + 1)
         version = self.policy_version
         if self.filter is not None:
             batch, scores, metrics = self._filtered_rollout(prompts, self.filter, step)
-            return Rollout(batch, lambda: scores, metrics, version)
-        batch = self._generate(next(prompts), round_index=0, step=step)
-        pending = self.rewards.launch(batch)  # scored in the background, in generation order
-        metrics = {
-            "rollout/generated_responses": len(batch),
-            "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
-        }
-        return Rollout(batch, lambda: self.rewards.collect(pending), metrics, version)
+            filtered = Rollout(batch, lambda: scores, metrics, version)
+            return lambda: filtered
+        generation = self._start_generation(next(prompts), round_index=0, step=step)
+
+        def finish() -> Rollout:
+            batch, window = generation()
+            pending = self.rewards.launch(batch)  # scored in the background, in generation order
+            metrics = {
+                "rollout/generated_responses": len(batch),
+                "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
+            }
+            return Rollout(batch, lambda: self.rewards.collect(pending), metrics, version, window)
+
+        if self.separate is not None:
+            return finish
+        done = finish()  # colocated: generated already; its rewards start now
+        return lambda: done
 
     def _filtered_rollout(
         self, prompts: Iterator[DataProto], options: FilterOptions, step: int
@@ -508,15 +537,53 @@ class RayPPOTrainer:
     def _generate(self, prompts: DataProto, round_index: int, step: int) -> DataProto:
         """Training responses for ``prompts`` of step ``step`` (its sampling stream, whichever step
         generates them); ``round_index`` gives each round of a step its own stream."""
-        batch = self.model_workers.dispatch(
-            HybridWorker.generate,
-            self._share_media(prompts),
-            mode=GenerationMode.TRAIN,
-            global_step=step,
-            round_index=round_index,
+        return self._start_generation(prompts, round_index, step)()[0]
+
+    def _start_generation(
+        self, prompts: DataProto, round_index: int, step: int
+    ) -> Callable[[], tuple[DataProto, tuple[float, float] | None]]:
+        """:meth:`_generate`, started: the returned function waits for the responses and the window in
+        which rollout workers of their own generated them (None colocated, where the generation is done
+        when this returns)."""
+        generation = self._dispatch_generate(
+            self._share_media(prompts), mode=GenerationMode.TRAIN, global_step=step, round_index=round_index
         )
-        conform_to_columns(batch, "generate")
-        return batch
+
+        def finish() -> tuple[DataProto, tuple[float, float] | None]:
+            batch = generation()
+            window = generation_window(batch)
+            conform_to_columns(batch, "generate")
+            return batch, window
+
+        return finish
+
+    def _dispatch_generate(self, prompts: DataProto, **kwargs: Any) -> Callable[[], DataProto]:
+        """``generate(prompts, **kwargs)`` on the engines: started on rollout workers of their own (the
+        returned function waits for it), done in the training processes when colocated."""
+        if self.separate is not None:
+            return self.separate.start_generation(prompts, **kwargs)
+        output = self.model_workers.dispatch(HybridWorker.generate, prompts, **kwargs)
+        return lambda: output
+
+    def _push_weights(self) -> dict[str, float]:
+        """The actor's weights into the rollout engines: in the training processes, or pushed to rollout
+        workers of their own (``transfer/weight_push_bytes``)."""
+        if self.separate is None:
+            self.model_workers.call(HybridWorker.sync_rollout_weights)
+            return {}
+        return self.separate.push(self.model_workers, self.policy_version)
+
+    def _settle_ahead(self, trained_from: float, timings: dict[str, float]) -> dict[str, float]:
+        """Rollout workers of their own: wait for the generation started ahead (it must not see the
+        weights pushed next) and measure how long it ran (``timing_s/gen_ahead``) and how much of that
+        while this step's passes did (``timing_s/gen_overlap``)."""
+        with timer("gen_wait", timings):
+            ahead = self.rollouts.settle()
+        window = ahead.generated if ahead is not None else None
+        return {
+            "timing_s/gen_ahead": window[1] - window[0] if window is not None else 0.0,
+            "timing_s/gen_overlap": overlap_s(window, trained_from, time.time()),
+        }
 
     def compute_log_probs(self, batch: DataProto, plan: StepPlan, timings: dict[str, float]) -> DataProto:
         """``batch`` with the passes ``plan`` asks for: old log-probs (unless the update computes them,
@@ -572,10 +639,11 @@ class RayPPOTrainer:
         return self.config.trainer.world_size // self.config.worker.actor.sequence_parallel_size
 
     def update_models(
-        self, batch: DataProto, plan: StepPlan, timings: dict[str, float]
+        self, batch: DataProto, plan: StepPlan, timings: dict[str, float], trained_from: float
     ) -> tuple[DataProto, dict[str, float]]:
         """Critic, then actor updates, then the new weights into the rollout; ``batch`` gains the
-        on-policy update's ``old_log_probs`` and ``entropies`` when it computed them (for the metrics)."""
+        on-policy update's ``old_log_probs`` and ``entropies`` when it computed them (for the metrics).
+        ``trained_from``: when the step's training passes began (time.time)."""
         metrics: dict[str, float] = {}
         if plan.use_critic:
             with timer("update_critic", timings):
@@ -595,9 +663,11 @@ class RayPPOTrainer:
             self.policy_version += 1
             if plan.old_log_probs_from_update:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
+            if self.separate is not None:
+                metrics.update(self._settle_ahead(trained_from, timings))
             with timer("sync", timings):
                 fault_point("sync", self.global_step + 1)
-                self.model_workers.call(HybridWorker.sync_rollout_weights)
+                metrics.update(self._push_weights())
         return batch, metrics
 
     def _greedy_baselines(self, batch: DataProto) -> Callable[[DataProto], DataProto]:
@@ -613,9 +683,8 @@ class RayPPOTrainer:
             tensors={k: v[:, : batch.batch["prompts"].shape[-1]] for k, v in prompts.batch.items()},
             non_tensors={k: v[first_rows] for k, v in batch.non_tensor_batch.items() if k != "reward_scores"},
         )
-        greedy = self.model_workers.dispatch(
-            HybridWorker.generate, prompts, mode=GenerationMode.GREEDY, global_step=self.global_step
-        )
+        greedy = self._dispatch_generate(prompts, mode=GenerationMode.GREEDY, global_step=self.global_step)()
+        generation_window(greedy)
         pending = self.rewards.launch(greedy)
 
         def collect(rows: DataProto) -> DataProto:
@@ -633,9 +702,10 @@ class RayPPOTrainer:
         scores, sources, samples, records = [], [], [], []
         for batch in self._validation_batches():
             prompts = self._share_media(batch)
-            output = self.model_workers.dispatch(
-                HybridWorker.generate, prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
-            )
+            output = self._dispatch_generate(
+                prompts, mode=GenerationMode.VALIDATE, global_step=self.global_step
+            )()
+            generation_window(output)  # not a training batch: its window is not measured
             scored = self.rewards.collect(self.rewards.launch(output))
             scores.extend(scored.non_tensor_batch["reward_scores"])
             sources.extend(
@@ -716,13 +786,13 @@ class RayPPOTrainer:
             if os.path.isdir(os.path.join(path, role)):
                 check_role_folder(os.path.join(path, role))
         self.model_workers.call(HybridWorker.load_checkpoint, str(path))  # the critic's too
-        self.model_workers.call(HybridWorker.sync_rollout_weights)
         state = load_trainer_state(path)
         self.global_step = state["global_step"]
         # checkpoints written before versions were counted: every step after the critic's warm-up updated
         self.policy_version = state.get(
             "policy_version", max(0, self.global_step - self.config.trainer.critic_warmup)
         )
+        self._push_weights()
         self.train_loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
         if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
@@ -856,6 +926,8 @@ class RayPPOTrainer:
         self.rewards.shutdown()
         if self.stage is not None:  # the next stage builds workers of its own
             self.model_workers.shutdown()
+            if self.separate is not None:
+                self.separate.shutdown()
         if self.judge_server is not None:
             self.judge_server.stop()
 

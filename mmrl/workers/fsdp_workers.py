@@ -2,7 +2,8 @@
 
 ``HybridWorker`` holds the actor (FSDP2, trained; with ``worker.actor.model.lora.rank`` > 0 only its
 LoRA adapter trains), the reference policy (FSDP2, frozen; with LoRA the actor's own model with the
-adapter switched off, no second copy), the rollout engine and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
+adapter switched off, no second copy), the rollout engine (unless the engines run in rollout workers of
+their own, ``worker.rollout.placement=separate``) and, for GAE, the value model (:class:`CriticRole`) in one process per device: the
 roles share the device, its CUDA context and one torch.distributed world (as in verl and EasyR1), so
 a critic needs no devices of its own; each role's ``offload`` settings move it off the device between
 its phases. It is a plain class: the single controller instantiates it inside Ray actors after
@@ -35,7 +36,6 @@ import torch.distributed as dist
 from mmrl.checkpoint.state import adapter_info, load_train_state, save_train_state
 from mmrl.checkpoint.tracker import read_save_id
 from mmrl.config import (
-    SAMPLING_KEYS,
     ActorConfig,
     ActorModelConfig,
     CriticConfig,
@@ -51,7 +51,6 @@ from mmrl.data.processing import (
     MediaProcessor,
     attach_media,
     load_tokenizer_and_processor,
-    without_model_media,
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
 from mmrl.models.encoding_cache import (
@@ -70,7 +69,6 @@ from mmrl.protocol import DataProto
 from mmrl.versions import check_versions, packages_of_run
 from mmrl.workers.actor import PolicyActor
 from mmrl.workers.critic import ValueCritic
-from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_engine import (
     PhaseOffload,
     apply_fsdp2,
@@ -83,34 +81,44 @@ from mmrl.workers.fsdp_engine import (
     storage_dtype,
 )
 from mmrl.workers.memory import PhasePeaks, measured
-from mmrl.workers.rollout import GenerationMode, SamplingParams
-from mmrl.workers.weight_sync import iter_full_state_dict
+from mmrl.workers.rollout import GenerationMode
+from mmrl.workers.rollout.engine import build_agent, build_rollout_engine, generate_with, sampling_params
+from mmrl.workers.weight_push import WeightPushGroup
+from mmrl.workers.weight_sync import full_state_manifest, iter_full_state_dict
 
 logger = logging.getLogger(__name__)
-# seed offset between generation rounds of one step: past any step's own offsets of a realistic run
-ROUND_SEED_STRIDE = 1_000_003
 
 
-def worker_threads(cpu_threads: int | None, on_gpu: bool) -> int | None:
-    """torch threads of a training process: ``cpu_threads`` (the CPUs Ray reserved for it, from the
-    driver's placement) when given; otherwise on a CPU machine the cores shared by the ranks on it (more
-    threads per rank only contend), on a GPU torch's own choice (None)."""
+def worker_threads(cpu_threads: int | None, on_gpu: bool, processes_on_node: int | None = None) -> int | None:
+    """torch threads of a training (or rollout) process: ``cpu_threads`` (the CPUs Ray reserved for it,
+    from the driver's placement) when given; otherwise on a CPU machine the cores shared by the
+    ``processes_on_node`` (default: this group's ranks on it; more threads per rank only contend), on a
+    GPU torch's own choice (None)."""
     if cpu_threads is not None:
         return max(1, cpu_threads)
     if on_gpu:
         return None
-    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    processes = processes_on_node or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, (os.cpu_count() or 1) // processes)
 
 
-def setup_distributed(cpu_threads: int | None = None) -> torch.device:
+def processes_on_node(config: PPOConfig) -> int | None:
+    """Processes sharing a CPU node's cores: with ``worker.rollout.placement=separate`` the training
+    ranks and the rollout workers; None (colocated): the group's own ranks (``LOCAL_WORLD_SIZE``)."""
+    rollout = config.worker.rollout
+    return rollout.num_workers + config.trainer.n_gpus_per_node if rollout.separate else None
+
+
+def setup_distributed(cpu_threads: int | None = None, processes_on_node: int | None = None) -> torch.device:
     """Join the process group described by the torchrun variables; NCCL on GPU, gloo on CPU. The
     process runs ``worker_threads(cpu_threads, ...)`` torch threads (and as many OpenMP threads in the
-    libraries it loads later), on GPU too: media decoding and processing run here."""
+    libraries it loads later), on GPU too: media decoding and processing run here. ``processes_on_node``:
+    those sharing the node's cores (:func:`processes_on_node`; None: this group's ranks alone)."""
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    threads = worker_threads(cpu_threads, use_cuda)
+    threads = worker_threads(cpu_threads, use_cuda, processes_on_node)
     if threads is not None:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -383,7 +391,9 @@ class CriticRole:
 
 
 class HybridWorker:
-    """Actor + reference + rollout (+ the GAE critic) in one process per device."""
+    """Actor + reference + rollout (+ the GAE critic) in one process per device. With
+    ``worker.rollout.placement=separate`` it holds no engine: rank 0 sends the weights to the rollout
+    workers (:meth:`push_rollout_weights`, :mod:`mmrl.workers.rollout_worker`)."""
 
     def __init__(self, config: PPOConfig, total_training_steps: int, cpu_threads: int | None = None):
         """``cpu_threads``: torch threads of this process (the driver's placement: the CPUs Ray reserved
@@ -391,7 +401,7 @@ class HybridWorker:
         self.config = config
         # this node's packages (they may differ from the driver's): too old stops here, naming them
         check_versions(packages_of_run(config.worker.rollout.name))
-        self.device = setup_distributed(cpu_threads)
+        self.device = setup_distributed(cpu_threads, processes_on_node(config))
         self.peaks = PhasePeaks(self.device)  # set first: the constructor's weight push is measured
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.trainer.seed)
@@ -445,12 +455,19 @@ class HybridWorker:
             optimizer=optimizer,
             optimizer_state=actor_offload.offload_optimizer,
         )
-        self.rollout, model_type = self._build_rollout()
-        # multi-turn trajectories: the agent loop drives the backend's turn generation (mmrl.agent)
-        self.agent = self._build_agent(self.rollout.eos_token_ids, model_type)
         self.pushes_before_generate = 0  # pushes a generation needed since the last report (see _generate)
         self.rollout_version = 0  # the policy version (actor updates) of the weights the engine holds
-        self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
+        self.weight_push: WeightPushGroup | None = (
+            None  # placement=separate: joined by rank 0 (driver's call)
+        )
+        self.push_manifest: list = []  # what rank 0 sends, in order (weight_manifest)
+        self.rollout: Any = None  # placement=separate: the engines are the rollout workers'
+        self.agent = None
+        if not config.worker.rollout.separate:
+            self.rollout, model_type = build_rollout_engine(config, self.model_path, self.device)
+            # multi-turn trajectories: the agent loop drives the backend's turn generation (mmrl.agent)
+            self.agent = build_agent(config, self.media, self.rollout.eos_token_ids, model_type)
+            self.sync_rollout_weights()  # the vLLM engine starts with random weights; offloads after
         # after the engine: vLLM refuses to start unless gpu_memory_utilization x the device's memory is
         # free then; once built it sleeps (mmrl.workers.rollout.vllm_spmd), leaving that memory to the critic
         self.critic = self._build_critic(total_training_steps) if config.use_critic else None
@@ -486,60 +503,6 @@ class HybridWorker:
         # the reference scores with the actor's packing settings; it has no loss
         return PolicyActor(ref_module, actor_cfg, device=self.device, **sp_args)
 
-    def _build_rollout(self) -> tuple[Any, str]:
-        """The rollout backend of ``worker.rollout.name``, and the model type it runs."""
-        from transformers import AutoTokenizer
-
-        rollout_cfg = self.config.worker.rollout
-        model_cfg = self.config.worker.actor.model
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(
-                model_cfg.tokenizer_or_model_path, model_cfg.tokenizer_key, without_weights=True
-            ),
-            trust_remote_code=model_cfg.trust_remote_code,
-        )
-        if rollout_cfg.name == "vllm":
-            from mmrl.workers.rollout.vllm_spmd import VLLMRollout
-
-            data = self.config.data
-            rollout = VLLMRollout(
-                self.model_path,
-                tokenizer,
-                rollout_cfg,
-                context_length=data.max_prompt_length + data.max_response_length,
-                # weights are pushed after every update anyway: nothing is gained by keeping a host copy
-                sleep_level=2,
-                trust_remote_code=model_cfg.trust_remote_code,
-                override_config=dict(model_cfg.override_config),
-            )
-            return rollout, rollout.llm.llm_engine.model_config.hf_config.model_type
-        from mmrl.workers.rollout.hf import HFRollout
-
-        model = load_model(
-            self.model_path,
-            torch_dtype=resolve_dtype(rollout_cfg.dtype, self.device),
-            trust_remote_code=model_cfg.trust_remote_code,
-            override_config=dict(model_cfg.override_config),
-        ).to(self.device)
-        prepare_for_training(model, packing=False)  # padded passes only: prefill and decoding
-        model.requires_grad_(False)
-        rollout = HFRollout(
-            model,
-            tokenizer,
-            return_log_probs=True,
-            prepack=rollout_cfg.prepack_cpu_linears,
-            record_routing=self.config.worker.actor.moe.routing_replay,
-        )
-        return rollout, model.config.model_type
-
-    def _build_agent(self, eos: list[int], model_type: str):
-        """The agent loop of ``worker.rollout.multi_turn`` (None when it is off), for either backend."""
-        if not self.config.worker.rollout.multi_turn.enable:
-            return None
-        from mmrl.agent.loop import build_agent_loop
-
-        return build_agent_loop(self.config.worker.rollout.multi_turn, self.media, eos, model_type)
-
     def _build_critic(self, total_training_steps: int) -> CriticRole:
         critic_cfg, actor_cfg = self.config.worker.critic, self.config.worker.actor
         layout = (critic_cfg.ulysses_size, critic_cfg.ring_size)
@@ -554,24 +517,6 @@ class HybridWorker:
             else self.model_path
         )
         return CriticRole(self.config, total_training_steps, self.device, groups, folder)
-
-    def _sampling(self, mode: GenerationMode, global_step: int, round_index: int = 0) -> SamplingParams:
-        rollout_cfg = self.config.worker.rollout
-        if mode is GenerationMode.VALIDATE:
-            params = rollout_cfg.sampling_for_validation()
-        else:
-            params = {key: getattr(rollout_cfg, key) for key in SAMPLING_KEYS}
-        if mode is GenerationMode.GREEDY:
-            params.update(n=1, temperature=0.0)
-        # a distinct, reproducible stream per step, rank and validation (resume needs no RNG state for
-        # sampling); greedy draws no random numbers
-        validate = mode is GenerationMode.VALIDATE
-        params["seed"] = params["seed"] + (global_step * self.world_size + self.rank) * 2 + int(validate)
-        # the extra rounds of a step under online filtering (trainer.max_try_make_batch) draw new numbers
-        params["seed"] += round_index * ROUND_SEED_STRIDE
-        return SamplingParams(
-            **params, max_tokens=self.config.data.max_response_length, ignore_eos=rollout_cfg.ignore_eos
-        )
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -601,17 +546,9 @@ class HybridWorker:
         reuse = self.config.worker.rollout.reuse_encodings and self.encoding_cache is not None
         if reuse and mode is GenerationMode.TRAIN:  # the prompts the step's passes score next
             prompts = self._with_prompt_encodings(prompts)
-        sampling = self._sampling(mode, global_step, round_index)
-        if self.agent is not None:
-            output = self.agent.generate(self.rollout, prompts, sampling)
-        else:
-            output = self.rollout.generate(prompts, sampling)
-        if mode is GenerationMode.TRAIN:
-            output = add_position_ids(self.actor.module, output)
-            if self.config.trainer.records_policy_versions:  # every token: the weights that sampled it
-                versions = torch.full_like(output.batch["responses"], self.rollout_version)
-                output = output.union(DataProto.from_dict(tensors={"policy_version": versions}))
-        return without_model_media(output)  # the driver gets the compact refs back, not the tensors
+        sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
+        version = self.rollout_version if self.config.trainer.records_policy_versions else None
+        return generate_with(self.rollout, self.agent, prompts, sampling, mode, self.actor.module, version)
 
     def _with_prompt_encodings(self, prompts: DataProto) -> DataProto:
         """``prompts`` with the actor's frozen-tower encodings of their images and videos for the
@@ -726,6 +663,44 @@ class HybridWorker:
                 )
             )
         self.rollout_version = self.actor.version
+
+    def weight_push_address(self) -> tuple[str, int]:
+        """Where the push group meets (``worker.rollout.placement=separate``): this rank's node address
+        (its group's ``MASTER_ADDR``, rank 0's) and a port free there now."""
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
+
+    def weight_manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(name, shape, dtype)`` of every tensor a push sends, in order (what receivers allocate)."""
+        rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
+        return full_state_manifest(self.actor.module, dtype=rollout_dtype, checkpoint_format=True)
+
+    def join_weight_push(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 opens the push group at ``host:port`` as its rank 0 (the rollout workers join it at
+        once, :mod:`mmrl.workers.weight_push`); the other ranks only gather in :meth:`push_rollout_weights`."""
+        if self.rank == 0:
+            self.weight_push = WeightPushGroup(host, port, 0, world_size, self.device)
+            self.push_manifest = self.weight_manifest()
+
+    @measured("sync")
+    def push_rollout_weights(self) -> int:
+        """Send the actor's weights to the rollout workers (collective over the training ranks: each
+        shard cast to the rollout's dtype, gathered, then broadcast by rank 0 over the push group);
+        returns the bytes each rollout worker received (0 on the other ranks)."""
+        rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
+        with self.actor_offload.loaded():
+            tensors = iter_full_state_dict(
+                self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
+            )
+            if self.weight_push is None:  # gather in step with rank 0, send nothing
+                for _ in tensors:
+                    pass
+                return 0
+            return self.weight_push.send(tensors, self.push_manifest)
 
     def _release_rollout(self) -> None:
         """A training phase begins: the rollout engine frees what it holds on the device (vLLM's sleep;

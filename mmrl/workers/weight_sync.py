@@ -82,6 +82,20 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return tensor
 
 
+def _entries(
+    model: nn.Module, checkpoint_format: bool
+) -> Iterator[tuple[str, torch.Tensor, nn.Module | None]]:
+    """``(yielded name, stored tensor, its LoRA layer or None)`` of every entry the model is pushed as."""
+    key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
+    adapters = dict(adapter_layers(model))
+    for name, tensor in _unique_state_tensors(model):
+        if is_adapter_tensor(name):  # folded into their layer's weight
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        layer = adapters.get(owner) if leaf == "weight" else None
+        yield base_name(key_mapping.get(name, name)), tensor, layer
+
+
 @torch.no_grad()
 def iter_full_state_dict(
     model: nn.Module,
@@ -98,19 +112,29 @@ def iter_full_state_dict(
     buffers keep their dtype. LoRA layers are yielded merged, under the plain model's names (module
     docstring). Collective: every rank of the mesh must consume the iterator in step.
     """
-    key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
-    adapters = dict(adapter_layers(model))
-    for name, tensor in _unique_state_tensors(model):
-        if is_adapter_tensor(name):  # folded into their layer's weight below
-            continue
-        owner, _, leaf = name.rpartition(".base_layer.")
-        if leaf == "weight" and owner in adapters:
-            layer = adapters[owner]
+    for name, tensor, layer in _entries(model, checkpoint_format):
+        if layer is not None:
             lora_a, lora_b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
             full = _full(merged_weight(_full(tensor), lora_a, lora_b, lora_scale(layer)), dtype)
         else:
             full = _full(tensor, dtype)
-        yield base_name(key_mapping.get(name, name)), full.detach().to(device=device)
+        yield name, full.detach().to(device=device)
+
+
+def full_state_manifest(
+    model: nn.Module, dtype: torch.dtype | None = None, checkpoint_format: bool = False
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of what :func:`iter_full_state_dict` yields with the same arguments, in
+    its order, read from the (sharded) model's metadata: nothing is gathered. A receiver of pushed
+    weights allocates its buffers from it (:mod:`mmrl.workers.weight_push`)."""
+    return [
+        (
+            name,
+            tuple(tensor.shape),
+            dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
+        )
+        for name, tensor, _ in _entries(model, checkpoint_format)
+    ]
 
 
 @torch.no_grad()

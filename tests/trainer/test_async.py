@@ -1,13 +1,17 @@
 """One-step off-policy training (``trainer.async_mode=one_step_off``) with decoupled PPO
-(``algorithm.off_policy=decoupled``) on the trainer: each step trains the batch the step before
-generated with the weights before its update, every token records the version that sampled it, and a
-run resumed from a checkpoint trains the uninterrupted run's samples to its numbers
-(mmrl/trainer/asynchrony.py, docs/async.md)."""
+(``algorithm.off_policy=decoupled``) on the trainer, its rollout engine in a worker of its own
+(``worker.rollout.placement=separate``: one training rank, one rollout worker): each step trains the
+batch the step before generated with the weights before its update, while that update ran; every
+token records the version that sampled it; the weights reach the rollout worker over the push group;
+and a run resumed from a checkpoint trains the uninterrupted run's samples to its numbers
+(mmrl/trainer/asynchrony.py, mmrl/trainer/separate_rollout.py, docs/async.md)."""
 
 from __future__ import annotations
 
 import pytest
 from _trainer_run import run_main, small_run_overrides
+
+from mmrl.models.loading import load_model
 
 STEPS = 4
 RUN_TIMEOUT_S = 600  # a loaded 2-core machine starts Ray and two ranks in minutes
@@ -16,7 +20,8 @@ VARYING = ("timing_s/", "throughput/", "transfer/", "memory/", "rollout/weight_p
 
 
 def async_overrides(model_path, data_dir, save_dir) -> list[str]:
-    """4 steps, one step off with decoupled PPO, checkpoints after steps 2 and 4, no validation."""
+    """4 steps, one step off with decoupled PPO, one training rank and one rollout worker of its own,
+    checkpoints after steps 2 and 4, no validation."""
     overrides = small_run_overrides(model_path, data_dir, save_dir)
     return [key for key in overrides if not key.startswith("data.val_files=")] + [
         "trainer.async_mode=one_step_off",
@@ -26,6 +31,9 @@ def async_overrides(model_path, data_dir, save_dir) -> list[str]:
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
         "worker.rollout.name=hf",  # starts in seconds where vLLM's CPU engine takes a minute
+        "worker.rollout.placement=separate",
+        "worker.rollout.num_workers=1",
+        "trainer.n_gpus_per_node=1",
     ]
 
 
@@ -85,3 +93,30 @@ def test_resume_from_a_checkpoint_trains_the_uninterrupted_runs_samples(
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert deterministic(resumed[step]) == deterministic(uninterrupted[step]), step
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_the_generation_ahead_runs_while_the_step_trains(uninterrupted):
+    # steps 1 and 3 started the next step's generation on the rollout worker before their log-prob pass:
+    # the rollout worker's recorded window overlaps the training ranks' passes (timestamps, not speed);
+    # steps 2 and 4 (a checkpoint follows) generated nothing ahead
+    overlaps = [uninterrupted[step]["timing_s/gen_overlap"] for step in range(1, STEPS + 1)]
+    assert overlaps[0] > 0 and overlaps[2] > 0, overlaps
+    assert overlaps[1] == overlaps[3] == 0, overlaps
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_each_update_pushes_the_whole_model_once(uninterrupted, tiny_vl_path):
+    # fp32 on CPU: every parameter and persistent buffer (tied ones once) in its own dtype, per update
+    model, seen, expected = load_model(str(tiny_vl_path)), set(), 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            expected += tensor.numel() * tensor.element_size()
+    for step in range(1, STEPS + 1):
+        assert uninterrupted[step]["transfer/weight_push_bytes"] == expected
+        assert uninterrupted[step]["timing_s/sync"] > 0

@@ -22,9 +22,10 @@ def _schedule_run(ahead: bool, checkpoint_after: set[int], steps: int) -> list[t
     update per step; no batch ahead of a checkpoint or past the last step (as the trainer decides)."""
     schedule, version, trained, generated_in = RolloutSchedule(ahead), 0, [], {}
 
-    def generate(step: int) -> Rollout:
+    def generate(step: int):
         generated_in[step] = current
-        return _rollout(version)
+        rollout = _rollout(version)
+        return lambda: rollout
 
     for current in range(steps):
         next_trains = current + 1 < steps and current + 1 not in checkpoint_after
@@ -63,3 +64,27 @@ def test_a_batch_sampled_by_other_weights_than_pushed_stops_the_run():
         RuntimeError, match=r"sampled with policy versions \[1\], but the driver had pushed version 2"
     ):
         check_versions(_rollout(2, stamped=1))
+
+
+def test_a_rollout_started_ahead_runs_until_settled_and_is_waited_for_once():
+    # rollout workers of their own: start() returns at once, the wait comes later; the step's update
+    # happens between the start of the next generation and its settling (before the push)
+    events, schedule = [], RolloutSchedule(ahead=True)
+
+    def start(step: int):
+        events.append(f"start {step}")
+
+        def wait() -> Rollout:
+            events.append(f"wait {step}")
+            return _rollout(step)
+
+        return wait
+
+    first = schedule.take(0, start, next_step_trains=True)
+    events.append("update 0")
+    ahead = schedule.settle()
+    events.append("push 1")
+    second = schedule.take(1, start, next_step_trains=False)
+    assert events == ["start 0", "wait 0", "start 1", "update 0", "wait 1", "push 1"]
+    assert (first.policy_version, ahead, second.policy_version) == (0, second, 1)
+    assert schedule.settle() is None and schedule.pending is None

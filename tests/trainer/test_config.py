@@ -334,6 +334,15 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "trainer.save_freq=1 saves after every step: the run would be synchronous",
         ),
         (["trainer.async_mode=stream"], "trainer.async_mode='stream' is not one of sync, one_step_off"),
+        (
+            ["worker.rollout.placement=apart"],
+            "worker.rollout.placement='apart' is not one of colocated, separate",
+        ),
+        (["worker.rollout.num_workers=0"], "worker.rollout.num_workers=0 must be >= 1"),
+        (
+            ["worker.rollout.placement=separate", "worker.rollout.name=vllm"],
+            "worker.rollout.placement=separate does not support worker.rollout.name=vllm yet",
+        ),
         (["algorithm.off_policy=decoupld"], "algorithm.off_policy='decoupld' is not one of none, decoupled"),
         (
             ["algorithm.off_policy=decoupled", "algorithm.decoupled.behaviour_weight_cap=0.5"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mmrl.config import TrainerConfig
+from mmrl.config import PPOConfig, RolloutConfig, TrainerConfig, WorkerConfig
 from mmrl.trainer.placement import CPU_RANK_CPUS, Placement, PlacementError, plan_placement
 from mmrl.versions import (
     TESTED,
@@ -22,7 +22,7 @@ from mmrl.versions import (
     release,
     version_problems,
 )
-from mmrl.workers.fsdp_workers import worker_threads
+from mmrl.workers.fsdp_workers import processes_on_node, worker_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_NODE = {"CPU": 96.0, "GPU": 8.0, "memory": 1e12}
@@ -86,6 +86,32 @@ def test_worker_threads(monkeypatch):
     assert worker_threads(None, on_gpu=False) == 4  # the ranks of a CPU machine share its cores
     assert worker_threads(None, on_gpu=True) is None  # torch's own choice
     assert worker_threads(11, on_gpu=True) == worker_threads(11, on_gpu=False) == 11
+
+
+def test_rollout_workers_of_their_own_take_gpus_and_cpus_beside_the_training_ranks():
+    # 6 training GPUs + 2 rollout workers' = the node's 8; CPUs split over the 8 processes: (96 - 2) // 8
+    placement = plan_placement(
+        trainer(n_gpus_per_node=6), reward_cpus=2.0, nodes=[GPU_NODE], rollout_workers=2
+    )
+    assert placement == Placement(use_gpu=True, cpus_per_worker=11.0, worker_threads=11)
+    with pytest.raises(
+        PlacementError, match=r"\+ worker.rollout.num_workers=2 \(placement=separate\) = 10 GPUs asked"
+    ):
+        plan_placement(trainer(), reward_cpus=2.0, nodes=[GPU_NODE], rollout_workers=2)
+
+
+def test_on_a_cpu_machine_training_ranks_and_rollout_workers_split_the_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+    def config(placement: str) -> PPOConfig:
+        rollout = RolloutConfig(name="hf", placement=placement, num_workers=3)
+        return PPOConfig(worker=WorkerConfig(rollout=rollout), trainer=trainer(n_gpus_per_node=1))
+
+    assert processes_on_node(config("colocated")) is None  # the group's own ranks (LOCAL_WORLD_SIZE)
+    assert worker_threads(None, False, processes_on_node(config("colocated"))) == 8
+    assert processes_on_node(config("separate")) == 4  # 1 training rank + 3 rollout workers
+    assert worker_threads(None, False, processes_on_node(config("separate"))) == 2
 
 
 # ---------------------------------------------------------------------------------------- versions

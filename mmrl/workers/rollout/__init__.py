@@ -19,7 +19,7 @@ from mmrl.sampling import SamplingParams  # where the backends and the agent loo
 
 
 class GenerationMode(Enum):
-    """What a generation is for; it decides the sampling settings (``HybridWorker._sampling``)."""
+    """What a generation is for; it decides the sampling settings (:func:`mmrl.workers.rollout.engine.sampling_params`)."""
 
     TRAIN = "train"  # worker.rollout sampling, n responses per prompt, scored and trained on
     VALIDATE = "validate"  # worker.rollout.val_override_config applied; scored only

@@ -61,7 +61,7 @@ from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_tok
 logger = logging.getLogger(__name__)
 
 BLOCKED_TOKEN_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
-# Seeds of consecutive steps and ranks differ by 1 or 2 (see HybridWorker._sampling); spreading them
+# Seeds of consecutive steps and ranks differ by 1 or 2 (see engine.sampling_params); spreading them
 # by this prime keeps every prompt's n seeds of one call apart from those of other calls.
 SEED_STRIDE = 1_000_003
 MAX_SEED = 2**31 - 1

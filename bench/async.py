@@ -1,0 +1,203 @@
+"""Asynchronous RL on the CPU: synchronous colocated vs rollout workers of their own, synchronous and one
+step off, on the colour demo.
+
+    python bench/async.py [--steps 6] [--warmup 1] [--prompts 8] [--n 8] [--response_length 24]
+
+Four runs of the same GRPO job (``bench/harness.py``'s ``mmrl_command``, transformers rollout, one
+training process):
+
+- ``sync colocated, 2 threads``: the engine in the training process, which has the machine's cores;
+- ``sync colocated, 1 thread``: the same on one core (``trainer.cpus_per_worker=1``): on a shared
+  2-core machine two threads per process contend with the other jobs' load;
+- ``separate sync``: the engine in a rollout worker of its own (``worker.rollout.placement=separate``),
+  one core each (``trainer.cpus_per_worker=1``): each step waits for its own generation;
+- ``one_step_off separate``: the same, with ``trainer.async_mode=one_step_off`` (decoupled PPO): the
+  generation of step k+1 runs while step k trains.
+
+Per run, medians over the steps after ``--warmup``: seconds per step, samples (responses) per second,
+the idle share of the training process (the step's seconds it waits for a generation: ``timing_s/gen``
+plus ``timing_s/gen_wait``) and of the rollout engine (the step's seconds it is not generating: colocated
+and separate sync ``timing_s/gen``, one step off ``timing_s/gen_ahead``), the push's seconds and bytes.
+
+A cost model then predicts, from the separate synchronous run's phase times (generation G on one core,
+the rest of the step T on one core, the push P) and the colocated run's in-process copy S, the speed-up
+of one step off on an 8-GPU node split 4/4 and 6/2 (rollout/training) over synchronous colocated on all
+8, assuming each phase scales linearly with its devices: colocated (G + T) / 8 + S, one step off
+max(G / r, T / t) + P. It is a prediction from
+CPU phase ratios, not a GPU measurement (on GPUs generation is memory-bound and the ratio differs).
+
+Prints the tables and writes ``bench/results/async.json``; ``--report`` prints them again from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from harness import (
+    RESULTS,
+    JobSettings,
+    build_models_and_data,
+    markdown_table,
+    mmrl_command,
+    run_monitored,
+    write_json,
+)
+
+RUN_TIMEOUT_S = 3600  # a safety net for hangs on a shared machine
+MODES = {
+    "sync colocated, 2 threads": [],
+    "sync colocated, 1 thread": ["trainer.cpus_per_worker=1"],
+    "separate sync": ["worker.rollout.placement=separate", "trainer.cpus_per_worker=1"],
+    "one_step_off separate": [
+        "worker.rollout.placement=separate",
+        "trainer.cpus_per_worker=1",
+        "trainer.async_mode=one_step_off",
+        "algorithm.off_policy=decoupled",
+    ],
+}
+SPLITS = ((4, 4), (6, 2))  # (rollout GPUs, training GPUs) of 8
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def summarize(records: list[dict], warmup: int, responses_per_step: int) -> dict:
+    """Medians over the training steps after ``warmup``, and the phase times the cost model reads."""
+    steps = [record for record in records if record.get("timing_s/step") is not None][warmup:]
+    if not steps:
+        raise ValueError(f"no step after the {warmup} warm-up step(s)")
+    step_s = median([r["timing_s/step"] for r in steps])
+    gen_s = median([r["timing_s/gen"] for r in steps])
+    waited = median([r["timing_s/gen"] + r.get("timing_s/gen_wait", 0.0) for r in steps])
+    # one step off: the generation ran ahead (its window); otherwise inside the step (timing_s/gen)
+    generating = median([r.get("timing_s/gen_ahead") or r["timing_s/gen"] for r in steps])
+    sync_s = median([r.get("timing_s/sync", 0.0) for r in steps])
+    return {
+        "steps": len(steps),
+        "s_per_step": step_s,
+        "samples_per_s": responses_per_step / step_s,
+        "trainer_idle": waited / step_s,
+        "rollout_idle": max(0.0, 1 - generating / step_s),
+        "gen_s": gen_s,
+        "rest_s": median(
+            [r["timing_s/step"] - r["timing_s/gen"] - r.get("timing_s/sync", 0.0) for r in steps]
+        ),
+        "push_s": sync_s,
+        "push_bytes": median([r.get("transfer/weight_push_bytes", 0.0) for r in steps]),
+        "overlap_s": median([r.get("timing_s/gen_overlap", 0.0) for r in steps]),
+    }
+
+
+def cost_model(separate: dict, colocated_sync_s: float, devices: int = 8) -> list[dict]:
+    """Predicted seconds per step on ``devices`` GPUs from one-core phase times (module docstring):
+    ``separate``'s generation, rest of the step and push; ``colocated_sync_s``: the in-process weight
+    copy of a colocated step."""
+    generate, rest, push = separate["gen_s"], separate["rest_s"], separate["push_s"]
+    colocated = (generate + rest) / devices + colocated_sync_s
+    rows = []
+    for rollout, train in SPLITS:
+        off = max(generate / rollout, rest / train) + push
+        rows.append(
+            {
+                "split": f"{rollout}/{train}",
+                "colocated_s": colocated,
+                "one_step_off_s": off,
+                "speedup": colocated / off,
+            }
+        )
+    return rows
+
+
+def print_tables(results: dict, predictions: list[dict]) -> None:
+    rows = [
+        [
+            mode,
+            f"{r['s_per_step']:.2f}",
+            f"{r['samples_per_s']:.1f}",
+            f"{r['trainer_idle']:.0%}",
+            f"{r['rollout_idle']:.0%}",
+            f"{r['overlap_s']:.2f}",
+            f"{r['push_s']:.3f}",
+            f"{r['push_bytes'] / 2**20:.1f}",
+            f"{r['other_load_cores']:.1f}",
+        ]
+        for mode, r in results.items()
+    ]
+    headers = [
+        "mode",
+        "s/step",
+        "samples/s",
+        "trainer idle",
+        "rollout idle",
+        "overlap s",
+        "sync/push s",
+        "push MiB",
+    ]
+    print(markdown_table([*headers, "other load (cores)"], rows))
+    headers = [
+        "8 GPUs, rollout/training",
+        "sync colocated s/step",
+        "one_step_off s/step",
+        "predicted speed-up",
+    ]
+    cells = [
+        [p["split"], f"{p['colocated_s']:.3f}", f"{p['one_step_off_s']:.3f}", f"{p['speedup']:.2f}x"]
+        for p in predictions
+    ]
+    print(markdown_table(headers, cells))
+
+
+def predict(results: dict) -> list[dict]:
+    return cost_model(results["separate sync"], results["sync colocated, 1 thread"]["push_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--response_length", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--report", action="store_true", help="print the tables of the last run's results file"
+    )
+    args = parser.parse_args()
+    if args.report:
+        results = json.loads((RESULTS / "async.json").read_text())["results"]
+        print_tables(results, predict(results))
+        return
+    assets = build_models_and_data(["tiny"])
+    job = JobSettings(
+        model=assets["models"]["tiny"],
+        data_dir=assets["data_dir"],
+        prompts=args.prompts,
+        n=args.n,
+        response_length=args.response_length,
+        force_length=True,  # every response as long: the modes do the same work
+        micro_batch=args.prompts * args.n,
+        lr=5e-4,
+        steps=args.steps,
+        seed=args.seed,
+    )
+    results = {}
+    for mode, extra in MODES.items():
+        run_dir = RESULTS / "runs" / "async" / mode.replace(" ", "_").replace(",", "")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command, log_file = mmrl_command(job, "hf", run_dir)
+        run = run_monitored(command + extra, log_file, run_dir / "output.txt", RUN_TIMEOUT_S)
+        results[mode] = {
+            **summarize(run.records, args.warmup, job.prompts * job.n),
+            "other_load_cores": run.other_load_cores,
+        }
+        print(f"{mode}: {results[mode]}", flush=True)
+    predictions = predict(results)
+    print_tables(results, predictions)
+    write_json("async.json", {"settings": vars(args), "results": results, "cost_model": predictions})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Weights pushed to a rollout engine of its own over the push group (mmrl/workers/weight_push.py): a
+real gloo group on loopback, the sender and the receiver in two threads of this process, as training
+rank 0 and a rollout worker run them (worker.rollout.placement=separate)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.models.loading import load_model
+from mmrl.workers.rollout import SamplingParams
+from mmrl.workers.rollout.hf import HFRollout
+from mmrl.workers.weight_push import WeightPushGroup, manifest_bytes
+from mmrl.workers.weight_sync import full_state_manifest, iter_full_state_dict
+
+CPU = torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _push(sender: torch.nn.Module, receiver: HFRollout, dtype: torch.dtype | None) -> int:
+    """Push ``sender``'s weights (cast to ``dtype``) into ``receiver``; returns the bytes sent."""
+    port, sent, errors = _free_port(), [], []
+    manifest = full_state_manifest(sender, dtype=dtype, checkpoint_format=True)
+
+    def member(rank: int) -> None:
+        try:
+            group = WeightPushGroup("127.0.0.1", port, rank, 2, CPU, timeout_s=60)
+            if rank == 0:
+                tensors = iter_full_state_dict(sender, dtype=dtype, checkpoint_format=True)
+                sent.append(group.send(tensors, manifest))
+            else:
+                receiver.update_weights(group.receive(manifest))
+        except Exception as error:  # raised in the test's thread below
+            errors.append(error)
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert sent[0] == manifest_bytes(manifest)
+    return sent[0]
+
+
+def _state_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of every parameter and persistent buffer (tied ones once), floats counted in ``dtype``."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        size = torch.empty((), dtype=dtype).element_size() if dtype and tensor.is_floating_point() else None
+        total += tensor.numel() * (size or tensor.element_size())
+    return total
+
+
+def _trained(path) -> torch.nn.Module:
+    """The tiny model with every weight moved, as an actor's are after updates."""
+    model = load_model(str(path))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_vl_path, shapes_data_dir):
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    dataset = PromptDataset(
+        str(shapes_data_dir / "train.jsonl"),
+        tokenizer,
+        processor,
+        DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+    )
+    return tokenizer, attach_media(
+        collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id), dataset.media
+    )
+
+
+def test_a_rollout_engine_given_pushed_weights_samples_as_the_trainers_weights(tiny_vl_path, prompts):
+    # the receiver starts from the model's files (as a rollout worker does); the sender holds weights
+    # trained away from them: after the push the receiver's greedy responses and their log-probs are the
+    # trainer's weights' own, and before it they were not
+    tokenizer, batch = prompts
+    trainer_model = _trained(tiny_vl_path)
+    reference = HFRollout(_trained(tiny_vl_path), tokenizer, return_log_probs=True, prepack=False)
+    receiver = HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True, prepack=False)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    expected = reference.generate(batch, greedy).batch
+    before = receiver.generate(batch, greedy).batch
+    assert not torch.allclose(before["rollout_log_probs"], expected["rollout_log_probs"])
+
+    sent = _push(trainer_model, receiver, dtype=None)
+
+    after = receiver.generate(batch, greedy).batch
+    assert torch.equal(after["responses"], expected["responses"])
+    torch.testing.assert_close(after["rollout_log_probs"], expected["rollout_log_probs"], rtol=0, atol=1e-6)
+    assert sent == _state_bytes(trainer_model)  # every parameter and buffer once, tied ones once
+
+
+def test_a_bf16_push_casts_before_sending_and_sends_half_the_bytes(tiny_vl_path):
+    # fp32 masters, a bf16 engine: the tensors travel as bf16 (half of the floats' bytes) and arrive
+    # as the masters rounded to bf16
+    trainer_model = _trained(tiny_vl_path)
+    tokenizer, _ = load_tokenizer_and_processor(str(tiny_vl_path))
+    receiver = HFRollout(load_model(str(tiny_vl_path), torch_dtype=torch.bfloat16), tokenizer, prepack=False)
+
+    sent = _push(trainer_model, receiver, dtype=torch.bfloat16)
+
+    assert sent == _state_bytes(trainer_model, torch.bfloat16) < _state_bytes(trainer_model)
+    received = receiver.model.state_dict()
+    for name, tensor in trainer_model.state_dict().items():
+        assert torch.equal(received[name], tensor.to(received[name].dtype)), name
