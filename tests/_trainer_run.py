@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # dense (distinct characters of the response): GRPO advantages are non-zero from the first step
@@ -65,8 +69,13 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
             raise
     assert run.returncode == 0, stdout[-4000:] + stderr[-4000:]
     assert_left_nothing(run.pid)
-    lines = (Path(save_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return metrics_rows(save_dir)
+
+
+def metrics_rows(save_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl (none when it wrote none)."""
+    path = Path(save_dir) / "logs" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def assert_left_nothing(driver_pid: int, timeout_s: float = 15) -> None:
@@ -92,3 +101,50 @@ def _session_processes(session_glob: str) -> list[str]:
         for pid, (cmdline, files) in debris.user_processes().items()
         if any(fnmatch.fnmatch(path, session_glob + "/*") for path in files)
     ]
+
+
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """Live (not zombie) processes of the session ``session_id``."""
+    found = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(process.pid) == session_id and process.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (OSError, psutil.Error):
+            continue  # exited meanwhile
+    return found
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """Kills the trainer's process group and every process left in its session, by pid; never raises."""
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+    for leftover in session_processes(process.pid):
+        with contextlib.suppress(psutil.Error):
+            leftover.kill()
+
+
+def run_killed(overrides: list[str], fault: str, log_path: Path, timeout_s: float = 300) -> str:
+    """Run the trainer until it SIGKILLs itself at ``fault`` (``<phase>:<step>``, see
+    ``mmrl.trainer.ray_trainer.fault_point``), as a crashed machine stops it, then kill what is left of
+    its session (Ray's processes, as the machine's end would); returns its output (written to
+    ``log_path``: Ray's processes outlive the driver holding a pipe's end)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMRL_FAULT_AT": fault}
+    with open(log_path, "wb") as log:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "mmrl.trainer.main", *overrides],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        returncode = run.wait(timeout=timeout_s)
+    finally:
+        kill_session(run)
+    output = Path(log_path).read_text(errors="replace")
+    assert returncode == -signal.SIGKILL, output[-4000:]
+    return output

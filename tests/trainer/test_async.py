@@ -3,13 +3,14 @@
 (``worker.rollout.placement=separate``: one training rank, one rollout worker): each step trains the
 batch the step before generated with the weights before its update, while that update ran; every
 token records the version that sampled it; the weights reach the rollout worker over the push group;
-and a run resumed from a checkpoint trains the uninterrupted run's samples to its numbers
+and a run killed with a batch in flight, resumed from its checkpoint, trains the uninterrupted run's
+samples to its numbers
 (mmrl/trainer/asynchrony.py, mmrl/trainer/separate_rollout.py, docs/async.md)."""
 
 from __future__ import annotations
 
 import pytest
-from _trainer_run import run_main, small_run_overrides
+from _trainer_run import metrics_rows, run_killed, run_main, small_run_overrides
 
 from mmrl.models.loading import load_model
 
@@ -75,20 +76,27 @@ def test_each_step_trains_the_batch_the_weights_one_update_older_sampled(uninter
         assert row["rollout/generated_responses"] == 16
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=110)
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_resume_from_a_checkpoint_trains_the_uninterrupted_runs_samples(
+def test_a_kill_with_a_batch_in_flight_resumes_to_the_uninterrupted_runs_numbers(
     uninterrupted, tiny_vl_path, shapes_data_dir, tmp_path
 ):
-    # the checkpoint of step 2 holds no batch in flight (step 2 generated nothing ahead): resumed from it,
-    # steps 3 and 4 train the same samples as the uninterrupted run, none twice, none lost, and the
-    # versions the resumed engines stamp match the driver's restored count: every number equals it
+    # resumed from step 2's checkpoint (which holds no batch in flight: step 2 generated nothing ahead),
+    # the run is SIGKILLed after step 3's update, when step 4's batch, generated ahead during step 3, is
+    # in the driver waiting to be trained: a kill between checkpoints loses it, and its prompts are drawn
+    # again (docs/async.md). Run again from the same checkpoint, steps 3 and 4 train the same samples as
+    # the uninterrupted run, none twice, none lost, and the versions the resumed engines stamp match the
+    # driver's restored count: every number equals it
     source = uninterrupted["save_dir"] / "global_step_2"
     save_dir = tmp_path / "resumed"
     overrides = async_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"trainer.load_checkpoint_path={source}"
     ]
+    output = run_killed(overrides, "sync:3", tmp_path / "killed.log", timeout_s=RUN_TIMEOUT_S)
+    assert f"resuming from {source}" in output, output[-4000:]
+    assert not list(save_dir.glob("global_step_*")), "the killed run had no checkpoint to write"
+    assert training_lines(metrics_rows(save_dir)) == {}  # killed inside its first step, step 3
     resumed = training_lines(run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S))
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):

@@ -40,6 +40,7 @@ from _trackers import (
     wandb_offline_exit_code,
     wandb_offline_run,
 )
+from _trainer_run import kill_session, session_processes
 
 from mmrl.checkpoint.tracker import find_last_checkpoint
 from mmrl.config.loading import config_to_yaml, load_config
@@ -170,18 +171,6 @@ def read_log(log_path: Path) -> str:
     return log_path.read_text(errors="replace")
 
 
-def session_processes(session_id: int) -> list[psutil.Process]:
-    """Live (not zombie) processes of the session ``session_id``."""
-    found = []
-    for process in psutil.process_iter(["status"]):
-        try:
-            if os.getsid(process.pid) == session_id and process.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(process)
-        except (OSError, psutil.Error):
-            continue  # exited meanwhile
-    return found
-
-
 def leftover_processes(session_id: int, timeout_s: float) -> list[str]:
     """Waits up to ``timeout_s`` for the session to empty; describes the processes still running."""
     deadline = time.monotonic() + timeout_s
@@ -194,17 +183,6 @@ def leftover_processes(session_id: int, timeout_s: float) -> list[str]:
         except psutil.Error:
             continue
     return described
-
-
-def kill_session(process: subprocess.Popen) -> None:
-    """Kills the trainer's process group and every process left in its session, by pid; never raises."""
-    with contextlib.suppress(OSError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=30)
-    for leftover in session_processes(process.pid):
-        with contextlib.suppress(psutil.Error):
-            leftover.kill()
 
 
 def wait_for_exit(process: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
