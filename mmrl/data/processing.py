@@ -367,7 +367,11 @@ class MediaProcessor:
         if images:
             rollout_media["images"] = images
         if videos:
-            rollout_media["videos"] = [(video.frames, video.metadata()) for video in videos]
+            # the frames are sampled already: vLLM's processors read that from the metadata (its GLM-4.1V
+            # processor requires the key, and samples again where it is missing)
+            rollout_media["videos"] = [
+                (video.frames, {**video.metadata(), "do_sample_frames": False}) for video in videos
+            ]
         if audio_inputs:
             rollout_media["audios"] = [
                 (waveform, self.feature_extractor.sampling_rate) for waveform in audio_inputs

@@ -59,6 +59,10 @@ class ModelFamily:
     # returning ``(logits [T, E], weights [T, k], experts [T, k])`` with ``top_k`` and ``num_experts``);
     # None: a dense model. Read by :mod:`mmrl.models.moe`.
     moe_router: str | None = None
+    # (config, input_ids [B, L]) -> ``mm_token_type_ids`` [B, L] (1 image, 2 video), for a family whose
+    # placeholder ids alone do not tell the media kinds apart (GLM-4.1V: a video's frames are image
+    # tokens); None: each kind has its own placeholder id. Read by :mod:`mmrl.models.alignment`.
+    token_types_from_ids: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def multimodal(self) -> bool:

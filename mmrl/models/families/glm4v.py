@@ -103,4 +103,5 @@ FAMILY = ModelFamily(
     position_keys=("image_grid_thw", "video_grid_thw"),
     token_type_ids=True,
     fix_model=separate_image_and_video_slots,
+    token_types_from_ids=token_types_from_ids,
 )

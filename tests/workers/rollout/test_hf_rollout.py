@@ -182,17 +182,19 @@ def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("media", ["image", "video"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_rollout_log_probs_match_the_trainer_per_family(
-    family, media, tiny_vl_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, media_data_files
+    family, media, tiny_vl_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, tiny_glm4v_path, media_data_files
 ):
     """Sampled-token log-probs of the transformers rollout equal the trainer's (packed) log-probs of the
     same tokens, for each vision family on images and on videos (Qwen3-VL: frame timestamps in the
-    prompt, deepstack features; its MoE: routed experts)."""
+    prompt, deepstack features; its MoE: routed experts; GLM-4.1V: frames as image tokens inside video
+    tokens, each frame after its second)."""
     paths = {
         "qwen2_5_vl": tiny_vl_path,
         "qwen3_vl": tiny_qwen3_vl_path,
         "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
+        "glm4v": tiny_glm4v_path,
     }
     path = paths[family]
     tokenizer, processor = load_tokenizer_and_processor(str(path))
