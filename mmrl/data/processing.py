@@ -311,9 +311,12 @@ class MediaProcessor:
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = images
-            # already on the grid (media.smart_size): a range holding every image leaves them as they are
+            # already on the grid (media.smart_size): a range holding every image leaves them as they are;
+            # GLM-4.1V's resize counts an image as the 2 frames of its temporal patch, Qwen's as one
             pixels = [image.width * image.height for image in images]
-            kwargs["images_kwargs"] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
+            kwargs["images_kwargs"] = {
+                "size": {"shortest_edge": min(pixels), "longest_edge": 2 * max(pixels)}
+            }
         if videos:
             if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
                 raise DataError(

@@ -611,6 +611,9 @@ def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreT
             "mrope_section": [temporal, height, pairs - temporal - height],
         },
         "rms_norm_eps": 1e-5,
+        # transformers' GLM-4 attention always has q/k/v biases; vLLM (0.32) builds them only when the
+        # text config says so (its default: none), and would silently drop the trained biases
+        "attention_bias": True,
     }
     vision_config = {
         "depth": size.vision_depth,
@@ -639,13 +642,15 @@ def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreT
 def _glm4v_processor(tokenizer: PreTrainedTokenizerFast, pixels: tuple[int, int]) -> ProcessorMixin:
     """``Glm4vProcessor``: images and video frames resized into ``pixels`` in 28-pixel steps (14-pixel
     patches, 2x2 merge), CLIP's normalisation as GLM-4.1V's; frames sampled at 2 fps, two per temporal
-    patch, each temporal patch after its second."""
+    patch, each temporal patch after its second. GLM's image resize bounds the pixels of the 2 frames
+    an image's temporal patch repeats it to, so the image range is twice ``pixels``."""
     from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
     size = {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
+    image_size = {"shortest_edge": 2 * pixels[0], "longest_edge": 2 * pixels[1]}
     vision = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
     return Glm4vProcessor(
-        image_processor=Glm4vImageProcessor(size=size, **vision),
+        image_processor=Glm4vImageProcessor(size=image_size, **vision),
         video_processor=Glm4vVideoProcessor(size=size, max_image_size={"longest_edge": pixels[1]}, **vision),
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,

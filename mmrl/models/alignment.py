@@ -61,7 +61,9 @@ def alignment_settings(config: Any) -> tuple[dict[str, int], int] | None:
     return ids, int(merge)
 
 
-def _placeholder_masks(config: Any, input_ids: torch.Tensor, token_ids: dict[str, int]) -> dict[str, torch.Tensor]:
+def _placeholder_masks(
+    config: Any, input_ids: torch.Tensor, token_ids: dict[str, int]
+) -> dict[str, torch.Tensor]:
     """{grid key: [B, L] mask of that kind's placeholder tokens}: by id, or by the family's token types
     where one id serves several kinds."""
     try:

@@ -49,12 +49,26 @@ def test_the_resumed_step_starts_from_the_saved_one_and_merges_into_weights_that
     merged = {}
     for step in (1, 2):
         target = tmp_path / f"merged_{step}"
-        merger = [sys.executable, "scripts/model_merger.py", "--local_dir", str(save_dir / f"global_step_{step}" / "actor")]
-        subprocess.run([*merger, "--target_dir", str(target)], cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+        merger = [
+            sys.executable,
+            "scripts/model_merger.py",
+            "--local_dir",
+            str(save_dir / f"global_step_{step}" / "actor"),
+        ]
+        subprocess.run(
+            [*merger, "--target_dir", str(target)],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         merged[step] = AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).state_dict()
     base = AutoModelForImageTextToText.from_pretrained(tiny_glm4v_path, dtype=torch.float32).state_dict()
     assert merged[1].keys() == base.keys() == merged[2].keys()
-    for name in ("model.language_model.layers.0.mlp.gate_up_proj.weight", "model.visual.blocks.0.attn.qkv.weight"):
+    for name in (
+        "model.language_model.layers.0.mlp.gate_up_proj.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+    ):
         # each step moved the text layers and the vision tower
         assert not torch.equal(merged[1][name], base[name]), name
         assert not torch.equal(merged[2][name], merged[1][name]), name

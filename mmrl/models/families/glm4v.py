@@ -41,7 +41,12 @@ def _needs_patch(owner: nn.Module) -> bool:
     """True when ``owner.get_placeholder_mask`` counts a video's frame tokens as image slots (a probe
     on ``image, <|begin_of_video|>, image, <|end_of_video|>``)."""
     config = owner.config
-    ids = [config.image_token_id, config.video_start_token_id, config.image_token_id, config.video_end_token_id]
+    ids = [
+        config.image_token_id,
+        config.video_start_token_id,
+        config.image_token_id,
+        config.video_end_token_id,
+    ]
     input_ids = torch.tensor([ids])
     embeds = torch.zeros(1, 4, 1)
     image_mask, _ = owner.get_placeholder_mask(input_ids, embeds)

@@ -643,7 +643,12 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
         trainer_ids = prompts.batch["input_ids"][row][prompts.batch["attention_mask"][row].bool()]
         assert engine_ids == trainer_ids.tolist(), row
     image_and_video = ["images"] * 2 + ["videos"] * 2
-    media_keys = {"video": ["videos"], "audio": ["audios"], "qwen3_vl": image_and_video, "glm4v": image_and_video}[kind]
+    media_keys = {
+        "video": ["videos"],
+        "audio": ["audios"],
+        "qwen3_vl": image_and_video,
+        "glm4v": image_and_video,
+    }[kind]
     media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
     assert all(key in row for key, row in zip(media_keys, prompts.non_tensor_batch["multi_modal_data"]))
     vllm, hf = run["vllm"], run["hf"]
