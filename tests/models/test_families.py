@@ -222,6 +222,7 @@ def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(t
     from _batches import encode_prompt
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from mmrl.models.alignment import MediaAlignmentError, check_media_alignment
     from mmrl.models.families.glm4v import separate_image_and_video_slots, token_types_from_ids
 
     processor = AutoProcessor.from_pretrained(tiny_glm4v_path)
@@ -230,6 +231,13 @@ def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(t
     token_types = token_types_from_ids(model.config, encoded["input_ids"])
     assert torch.equal(token_types, encoded["mm_token_type_ids"])
     assert token_types.eq(1).sum() == 6 and token_types.eq(2).sum() == 8  # 2x3 image, 2 frames of 2x2
+    # the media check counts the frames' image-id tokens as video slots
+    grids = {key: encoded[key] for key in ("image_grid_thw", "video_grid_thw")}
+    check_media_alignment(model.config, encoded["input_ids"], [grids])
+    with pytest.raises(MediaAlignmentError, match="6 image placeholder tokens but features for 0"):
+        check_media_alignment(
+            model.config, encoded["input_ids"], [{"video_grid_thw": grids["video_grid_thw"]}]
+        )
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         model(**encoded)
     assert separate_image_and_video_slots(model)

@@ -39,41 +39,39 @@ def test_each_backend_trains_a_step_with_rollout_log_probs_equal_to_the_trainers
         assert row["actor/grad_norm"] > 0
 
 
+LR = 0.02  # small_run_overrides' worker.actor.optim.lr; one Adam update per step (one mini-batch)
+
+
 @pytest.mark.timeout(600)
 def test_the_resumed_step_starts_from_the_saved_one_and_merges_into_weights_that_load_back(
     glm4v_run, tiny_glm4v_path, tmp_path
 ):
     from transformers import AutoModelForImageTextToText
 
-    save_dir = glm4v_run["save_dir"]
-    merged = {}
-    for step in (1, 2):
-        target = tmp_path / f"merged_{step}"
-        merger = [
-            sys.executable,
-            "scripts/model_merger.py",
-            "--local_dir",
-            str(save_dir / f"global_step_{step}" / "actor"),
-        ]
-        subprocess.run(
-            [*merger, "--target_dir", str(target)],
-            cwd=REPO_ROOT,
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        merged[step] = AutoModelForImageTextToText.from_pretrained(target, dtype=torch.float32).state_dict()
+    merged_dir = tmp_path / "merged"
+    merger = [
+        sys.executable,
+        "scripts/model_merger.py",
+        "--local_dir",
+        str(glm4v_run["save_dir"] / "global_step_2" / "actor"),
+    ]
+    subprocess.run(
+        [*merger, "--target_dir", str(merged_dir)],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
     base = AutoModelForImageTextToText.from_pretrained(tiny_glm4v_path, dtype=torch.float32).state_dict()
-    assert merged[1].keys() == base.keys() == merged[2].keys()
+    assert merged.keys() == base.keys()
     for name in (
         "model.language_model.layers.0.mlp.gate_up_proj.weight",
+        "model.language_model.layers.1.self_attn.q_proj.bias",
         "model.visual.blocks.0.attn.qkv.weight",
+        "lm_head.weight",
     ):
-        # each step moved the text layers and the vision tower
-        assert not torch.equal(merged[1][name], base[name]), name
-        assert not torch.equal(merged[2][name], merged[1][name]), name
-        # step 2 trained on from step 1's weights (and Adam state): Adam moves an entry by about lr per
-        # update, so entries whose gradient kept its sign moved about twice as far from the base after
-        # step 2 as after step 1; resumed from the base, they would not be farther than one step's
-        one_step = (merged[1][name] - base[name]).abs().max()
-        assert (merged[2][name] - base[name]).abs().max() > 1.3 * one_step, name
+        # An Adam update moves an entry by at most about lr (0.0200 after step 1, measured), so a step 2
+        # that started from the base would leave every entry within ~lr of it; resumed from step 1's
+        # weights and Adam state, entries whose gradient kept its sign moved two updates (0.0400 seen)
+        assert (merged[name] - base[name]).abs().max() > 1.5 * LR, name
