@@ -12,7 +12,7 @@ import pytest
 import torch
 from _trainer_run import REPO_ROOT, run_main, small_run_overrides
 
-pytestmark = [pytest.mark.slow(seconds=150), pytest.mark.distributed, pytest.mark.shares("vllm")]
+pytestmark = [pytest.mark.slow(seconds=200), pytest.mark.distributed, pytest.mark.shares("vllm")]
 
 
 @pytest.fixture(scope="module")
