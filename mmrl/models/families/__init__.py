@@ -4,8 +4,9 @@ A :class:`ModelFamily` says how the trained model is loaded (its Auto class; Qwe
 thinker's sub-config), where its vision/audio towers are, which tokens only the processor may place
 (never sampled), how its position ids are computed (a plain function calling the model's own
 ``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
-outputs serve only the position ids, how its weights are named for vLLM, and where the routers of
-a mixture-of-experts model are.
+outputs serve only the position ids, how its weights are named for vLLM, where the routers of a
+mixture-of-experts model are, and, where one placeholder id serves several media kinds (GLM-4.1V),
+how its tokens' media kinds follow from the ids.
 
 Families are looked up by the config's ``model_type`` (:func:`family_for`, :func:`family_of`). Every
 module of this package defining ``FAMILY`` is registered on first lookup, so adding a family is one
