@@ -20,6 +20,8 @@ calls reload:
   with learned 2-D positions interpolated per image); ``AutoProcessor`` (``Glm4vProcessor``: a video
   is a run of frames, each ``<|begin_of_image|>`` + image tokens + ``<|end_of_image|>`` + its second).
   GLM's media tokens in the Qwen-style chat template the other kinds use (not GLM's ``<|user|>`` one).
+- ``qwen3_5``: ``Qwen3_5ForConditionalGeneration`` (Qwen3.5: a linear-attention layer, gated delta net,
+  then a full-attention layer; Qwen3-VL's vision tower without deepstack); Qwen3-VL's processor.
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -62,7 +64,7 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -117,6 +119,7 @@ NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen3_vl": _VL_TOKENS,
     "qwen3_vl_moe": _VL_TOKENS,
     "glm4v": _GLM4V_TOKENS,
+    "qwen3_5": _VL_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -480,6 +483,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
         return _qwen3_vl_config(size, vocab_size, ids, moe=kind == "qwen3_vl_moe")
     if kind == "glm4v":
         return _glm4v_config(size, vocab_size, ids)
+    if kind == "qwen3_5":
+        return _qwen3_5_config(size, vocab_size, ids)
     if kind == "qwen2_5_vl":
         tied = {"tie_word_embeddings": size.tie_word_embeddings}
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
@@ -639,6 +644,45 @@ def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreT
     )
 
 
+def _qwen3_5_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+    """A Qwen3.5 config: Qwen3-VL's (interleaved M-RoPE on a quarter of each head, as Qwen3.5's
+    ``partial_rotary_factor`` 0.25) with the first decoder layer a gated delta net (linear attention,
+    128-wide heads: vLLM's CPU kernel takes no other) and the last a gated full-attention layer, and a
+    vision tower without deepstack mergers."""
+    from transformers import Qwen3_5Config
+
+    qwen3_vl = _qwen3_vl_config(size, vocab_size, ids).to_dict()
+    pairs = size.head_dim // 8  # rotary pairs of a quarter of a head, in about equal thirds
+    spatial = pairs // 3
+    text_config = {
+        **_text_config(size, vocab_size, ids, mrope=False),
+        "head_dim": size.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [pairs - 2 * spatial, spatial, spatial],
+            "mrope_interleaved": True,
+        },
+        "layer_types": ["linear_attention"] * (size.num_layers - 1) + ["full_attention"],
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
+    vision_keys = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+                   "spatial_merge_size", "temporal_patch_size", "num_position_embeddings")  # fmt: skip
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config={key: qwen3_vl["vision_config"][key] for key in vision_keys},
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=True,
+    )
+
+
 def _glm4v_processor(tokenizer: PreTrainedTokenizerFast, pixels: tuple[int, int]) -> ProcessorMixin:
     """``Glm4vProcessor``: images and video frames resized into ``pixels`` in 28-pixel steps (14-pixel
     patches, 2x2 merge), CLIP's normalisation as GLM-4.1V's; frames sampled at 2 fps, two per temporal
@@ -669,6 +713,7 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
         "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
         "glm4v": "Glm4vForConditionalGeneration",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -689,7 +734,7 @@ def build_processor(
     """
     if kind == "qwen2":
         return None
-    if kind in ("qwen3_vl", "qwen3_vl_moe"):
+    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
         return _qwen3_vl_processor(tokenizer)
     if kind == "glm4v":
         return _glm4v_processor(tokenizer, pixels)
@@ -843,6 +888,7 @@ _FOLDER_NAMES = {
     "qwen3_vl": "qwen3-vl",
     "qwen3_vl_moe": "qwen3-vl-moe",
     "glm4v": "glm-4.1v",
+    "qwen3_5": "qwen3.5",
 }
 
 

@@ -31,16 +31,23 @@ SHIPPED = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
     "glm4v": "glm4v",
+    "qwen3_5": "qwen3_5",
 }
 
 
 @pytest.fixture(scope="module")
 def tiny_paths(
-    tiny_text_path, tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, tiny_glm4v_path
+    tiny_text_path,
+    tiny_vl_path,
+    tiny_omni_path,
+    tiny_qwen3_vl_path,
+    tiny_qwen3_vl_moe_path,
+    tiny_glm4v_path,
+    tiny_qwen3_5_path,
 ) -> dict[str, object]:
     return {"qwen2": tiny_text_path, "qwen2_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path,
             "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
-            "glm4v": tiny_glm4v_path}  # fmt: skip
+            "glm4v": tiny_glm4v_path, "qwen3_5": tiny_qwen3_5_path}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the registry
@@ -250,3 +257,35 @@ def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(t
     first_image = int(token_types[0].eq(1).nonzero()[0])
     assert torch.equal(both[:, :first_image], changed[:, :first_image])
     assert (both[:, first_image:] - changed[:, first_image:]).abs().max() > 1e-4
+
+
+def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_path):
+    """Without the family's fix, transformers' gated delta nets carry their state from one sequence of a
+    packed row into the next; with it, packed log-probs equal padded ones. Layouts the fix cannot follow
+    (shared prompts) are refused by name."""
+    from _batches import build_batch, policy_actor
+    from _models import training_model
+    from transformers import AutoProcessor
+
+    batch = build_batch(
+        AutoProcessor.from_pretrained(tiny_qwen3_5_path), ({}, {"image": (56, 56)}, {}), (4, 3, 5)
+    )
+    model = training_model(tiny_qwen3_5_path)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a random tiny model predicts nearly uniformly: spread it
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    mask = batch.batch["response_mask"].bool()
+    padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 3, 1.0)
+    packed, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="share_prompts=false"):
+        policy_actor(model, padding_free=True, share_prompts=True).compute_log_probs(batch, 3, 1.0)
+    fixed = [module for module in model.modules() if hasattr(module.forward, "mmrl_per_sequence")]
+    assert len(fixed) == 1  # the tiny model's one linear-attention layer
+    for module in fixed:
+        del module.forward  # the class's own forward again
+    leaked, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
+    first = mask[0]
+    torch.testing.assert_close(leaked[0, first], padded[0, first], atol=1e-5, rtol=0)  # nothing before it
+    assert (leaked - padded)[mask].abs().max() > 1e-2
