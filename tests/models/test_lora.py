@@ -133,3 +133,25 @@ def test_glm4v_adapter_reaches_its_layers_and_equals_its_merged_weights(tiny_glm
     assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
     base_log_probs, _ = policy_actor(training_model(tiny_glm4v_path)).compute_log_probs(batch, 2, TEMPERATURE)
     assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
+
+
+def test_qwen3_5_adapter_reaches_its_linear_attention_and_equals_its_merged_weights(tiny_qwen3_5_path):
+    """Qwen3.5's gated delta net projections take an adapter like the attention and MLP layers; the
+    adapted model computes what its merged weights do (packed rows, prompts not shared)."""
+    from transformers import AutoProcessor
+
+    batch = build_batch(AutoProcessor.from_pretrained(tiny_qwen3_5_path), ROWS, RESPONSE_LENGTHS, seed=3)
+    names = lora_target_names(training_model(tiny_qwen3_5_path), "all-linear", None)
+    for name in ("model.language_model.layers.0.linear_attn.in_proj_qkv", "model.language_model.layers.0.linear_attn.out_proj",
+                 "model.language_model.layers.1.self_attn.q_proj"):  # fmt: skip
+        assert name in names, name
+    model = lora_model(tiny_qwen3_5_path)
+    plain = training_model(tiny_qwen3_5_path)
+    load_into(plain, iter_full_state_dict(model))
+    mask = batch.batch["response_mask"].bool()
+    lora_log_probs, _ = policy_actor(model, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base = training_model(tiny_qwen3_5_path)
+    base_log_probs, _ = policy_actor(base, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
