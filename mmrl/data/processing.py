@@ -311,9 +311,12 @@ class MediaProcessor:
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = images
-            # already on the grid (media.smart_size): a range holding every image leaves them as they are
+            # already on the grid (media.smart_size): a range holding every image leaves them as they are;
+            # GLM-4.1V's resize counts an image as the 2 frames of its temporal patch, Qwen's as one
             pixels = [image.width * image.height for image in images]
-            kwargs["images_kwargs"] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
+            kwargs["images_kwargs"] = {
+                "size": {"shortest_edge": min(pixels), "longest_edge": 2 * max(pixels)}
+            }
         if videos:
             if self.config.use_audio_in_video and len({round(video.sampled_fps, 6) for video in videos}) > 1:
                 raise DataError(
@@ -367,7 +370,11 @@ class MediaProcessor:
         if images:
             rollout_media["images"] = images
         if videos:
-            rollout_media["videos"] = [(video.frames, video.metadata()) for video in videos]
+            # the frames are sampled already: vLLM's processors read that from the metadata (its GLM-4.1V
+            # processor requires the key, and samples again where it is missing)
+            rollout_media["videos"] = [
+                (video.frames, {**video.metadata(), "do_sample_frames": False}) for video in videos
+            ]
         if audio_inputs:
             rollout_media["audios"] = [
                 (waveform, self.feature_extractor.sampling_rate) for waveform in audio_inputs

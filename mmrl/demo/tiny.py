@@ -16,6 +16,12 @@ calls reload:
   ``AutoProcessor`` (``Qwen3VLProcessor``: 16-pixel patches, timestamps between video frames).
 - ``qwen3_vl_moe``: ``Qwen3VLMoeForConditionalGeneration``, Qwen3-VL with every decoder MLP a sparse
   block of ``MOE_EXPERTS`` experts (top-2, softmax router); the same processor.
+- ``glm4v``: ``Glm4vForConditionalGeneration`` (GLM-4.1V: 3-D RoPE on half of each head, a vision tower
+  with learned 2-D positions interpolated per image); ``AutoProcessor`` (``Glm4vProcessor``: a video
+  is a run of frames, each ``<|begin_of_image|>`` + image tokens + ``<|end_of_image|>`` + its second).
+  GLM's media tokens in the Qwen-style chat template the other kinds use (not GLM's ``<|user|>`` one).
+- ``qwen3_5``: ``Qwen3_5ForConditionalGeneration`` (Qwen3.5: a linear-attention layer, gated delta net,
+  then a full-attention layer; Qwen3-VL's vision tower without deepstack); Qwen3-VL's processor.
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -58,7 +64,7 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe")
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -97,12 +103,23 @@ _OMNI_TOKENS = {
     "image_token": "<|IMAGE|>",
     "video_token": "<|VIDEO|>",
 }
+# GLM-4.1V: a video's frames are image tokens between <|begin_of_video|> and <|end_of_video|>
+_GLM4V_TOKENS = {
+    "image_start_token": "<|begin_of_image|>",
+    "image_end_token": "<|end_of_image|>",
+    "video_start_token": "<|begin_of_video|>",
+    "video_end_token": "<|end_of_video|>",
+    "image_token": "<|image|>",
+    "video_token": "<|video|>",
+}
 NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen2_5_vl": _VL_TOKENS,
     "qwen2_5_omni": _OMNI_TOKENS,
     "qwen2": _VL_TOKENS,
     "qwen3_vl": _VL_TOKENS,
     "qwen3_vl_moe": _VL_TOKENS,
+    "glm4v": _GLM4V_TOKENS,
+    "qwen3_5": _VL_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -230,9 +247,11 @@ def chat_template(named_tokens: dict[str, str], system_prompt: str = DEFAULT_SYS
     system message, media content items rendered as their placeholder between begin/end tokens."""
     vision_bos = named_tokens.get("vision_bos_token", named_tokens.get("vision_start_token"))
     vision_eos = named_tokens.get("vision_eos_token", named_tokens.get("vision_end_token"))
-    media = {
-        "image": f"{vision_bos}{named_tokens['image_token']}{vision_eos}",
-        "video": f"{vision_bos}{named_tokens['video_token']}{vision_eos}",
+    media = {  # GLM-4.1V brackets images and videos with tokens of their own
+        kind: named_tokens.get(f"{kind}_start_token", vision_bos)
+        + named_tokens[f"{kind}_token"]
+        + named_tokens.get(f"{kind}_end_token", vision_eos)
+        for kind in ("image", "video")
     }
     if "audio_token" in named_tokens:
         audio_tokens = (
@@ -462,6 +481,10 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
         return Qwen2Config(**_text_config(size, vocab_size, ids, mrope=False), tie_word_embeddings=True)
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         return _qwen3_vl_config(size, vocab_size, ids, moe=kind == "qwen3_vl_moe")
+    if kind == "glm4v":
+        return _glm4v_config(size, vocab_size, ids)
+    if kind == "qwen3_5":
+        return _qwen3_5_config(size, vocab_size, ids)
     if kind == "qwen2_5_vl":
         tied = {"tie_word_embeddings": size.tie_word_embeddings}
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
@@ -574,6 +597,110 @@ def _qwen3_vl_processor(tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
     )
 
 
+def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+    """A GLM-4.1V config: GLM-4 text layers (q/k/v biases, fused gate-up MLP, norms after attention and
+    MLP) whose 3-D RoPE turns half of each head (GLM-4.1V-9B's ``partial_rotary_factor`` 0.5, its 8:12:12
+    split of the rotary pairs), untied like GLM-4.1V-9B; a vision tower of 14-pixel patches, 2x2 merged
+    by a strided convolution, with learned positions on an 8x8 grid (GLM-4.1V: 24x24)."""
+    from transformers import Glm4vConfig
+
+    pairs = size.head_dim // 4  # rotary pairs of half a head
+    temporal = pairs // 4
+    height = (pairs - temporal) // 2
+    text_config = {
+        **_text_config(size, vocab_size, ids, mrope=False),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [temporal, height, pairs - temporal - height],
+        },
+        "rms_norm_eps": 1e-5,
+        # transformers' GLM-4 attention always has q/k/v biases; vLLM (0.32) builds them only when the
+        # text config says so (its default: none), and would silently drop the trained biases
+        "attention_bias": True,
+    }
+    vision_config = {
+        "depth": size.vision_depth,
+        "hidden_size": size.vision_hidden_size,
+        "num_heads": size.vision_heads,
+        "intermediate_size": size.vision_intermediate_size,
+        "out_hidden_size": size.hidden_size,
+        "patch_size": 14,
+        "image_size": 112,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return Glm4vConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        image_start_token_id=ids["image_start_token"],
+        image_end_token_id=ids["image_end_token"],
+        video_start_token_id=ids["video_start_token"],
+        video_end_token_id=ids["video_end_token"],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_5_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+    """A Qwen3.5 config: Qwen3-VL's (interleaved M-RoPE on a quarter of each head, as Qwen3.5's
+    ``partial_rotary_factor`` 0.25) with the first decoder layer a gated delta net (linear attention,
+    128-wide heads: vLLM's CPU kernel takes no other) and the last a gated full-attention layer, and a
+    vision tower without deepstack mergers."""
+    from transformers import Qwen3_5Config
+
+    qwen3_vl = _qwen3_vl_config(size, vocab_size, ids).to_dict()
+    pairs = size.head_dim // 8  # rotary pairs of a quarter of a head, in about equal thirds
+    spatial = pairs // 3
+    text_config = {
+        **_text_config(size, vocab_size, ids, mrope=False),
+        "head_dim": size.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [pairs - 2 * spatial, spatial, spatial],
+            "mrope_interleaved": True,
+        },
+        "layer_types": ["linear_attention"] * (size.num_layers - 1) + ["full_attention"],
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
+    vision_keys = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+                   "spatial_merge_size", "temporal_patch_size", "num_position_embeddings")  # fmt: skip
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config={key: qwen3_vl["vision_config"][key] for key in vision_keys},
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=True,
+    )
+
+
+def _glm4v_processor(tokenizer: PreTrainedTokenizerFast, pixels: tuple[int, int]) -> ProcessorMixin:
+    """``Glm4vProcessor``: images and video frames resized into ``pixels`` in 28-pixel steps (14-pixel
+    patches, 2x2 merge), CLIP's normalisation as GLM-4.1V's; frames sampled at 2 fps, two per temporal
+    patch, each temporal patch after its second. GLM's image resize bounds the pixels of the 2 frames
+    an image's temporal patch repeats it to, so the image range is twice ``pixels``."""
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    size = {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
+    image_size = {"shortest_edge": 2 * pixels[0], "longest_edge": 2 * pixels[1]}
+    vision = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    return Glm4vProcessor(
+        image_processor=Glm4vImageProcessor(size=image_size, **vision),
+        video_processor=Glm4vVideoProcessor(size=size, max_image_size={"longest_edge": pixels[1]}, **vision),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
 def model_class(kind: str) -> type[PreTrainedModel]:
     """The transformers class that builds the saved model of ``kind``; for Omni that is the full model
     with the talker switched off, whose only submodule is the thinker."""
@@ -585,6 +712,8 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "qwen2": "Qwen2ForCausalLM",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
         "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+        "glm4v": "Glm4vForConditionalGeneration",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -605,8 +734,10 @@ def build_processor(
     """
     if kind == "qwen2":
         return None
-    if kind in ("qwen3_vl", "qwen3_vl_moe"):
+    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
         return _qwen3_vl_processor(tokenizer)
+    if kind == "glm4v":
+        return _glm4v_processor(tokenizer, pixels)
     from transformers import (
         Qwen2_5_VLProcessor,
         Qwen2_5OmniProcessor,
@@ -756,6 +887,8 @@ _FOLDER_NAMES = {
     "qwen2": "qwen2",
     "qwen3_vl": "qwen3-vl",
     "qwen3_vl_moe": "qwen3-vl-moe",
+    "glm4v": "glm-4.1v",
+    "qwen3_5": "qwen3.5",
 }
 
 

@@ -4,7 +4,8 @@ row against the features its processor outputs give them.
 A mismatch would otherwise surface deep in a worker as the model's "Image features and image tokens
 do not match"; here it stops with the sample, the turn (0: the prompt; a trajectory's observation
 turns by number) and both counts. Qwen-VL families: an image or video of grid ``(t, h, w)`` takes
-``t * h * w / merge_size**2`` placeholder tokens. Audio is not checked (Qwen2.5-Omni's count depends
+``t * h * w / merge_size**2`` placeholder tokens (GLM-4.1V: the same, its video frames' image tokens
+counted as video by the family's ``token_types_from_ids``). Audio is not checked (Qwen2.5-Omni's count depends
 on its feature extractor's lengths).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from mmrl.errors import UserInputError
+from mmrl.models.families import UnknownModelFamilyError, family_for
 
 # processor output of the grids -> (the config's placeholder token id attribute, what it is called)
 GRID_KEYS = {"image_grid_thw": ("image_token_id", "image"), "video_grid_thw": ("video_token_id", "video")}
@@ -59,6 +61,21 @@ def alignment_settings(config: Any) -> tuple[dict[str, int], int] | None:
     return ids, int(merge)
 
 
+def _placeholder_masks(
+    config: Any, input_ids: torch.Tensor, token_ids: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """{grid key: [B, L] mask of that kind's placeholder tokens}: by id, or by the family's token types
+    where one id serves several kinds."""
+    try:
+        types_from_ids = family_for(config).token_types_from_ids
+    except UnknownModelFamilyError:
+        types_from_ids = None
+    if types_from_ids is None:
+        return {key: input_ids == token for key, token in token_ids.items()}
+    token_types = types_from_ids(config, input_ids)
+    return {"image_grid_thw": token_types == 1, "video_grid_thw": token_types == 2}
+
+
 def check_media_alignment(
     config: Any,
     input_ids: torch.Tensor,
@@ -76,18 +93,19 @@ def check_media_alignment(
         return
     token_ids, merge = settings
     prompt_length = input_ids.shape[1] - (0 if response_turns is None else response_turns.shape[1])
+    masks = _placeholder_masks(config, input_ids, token_ids)
     # whole-row counts in one pass (one device sync per kind): all a batch without turns needs
-    row_counts = {key: (input_ids == token).sum(-1).tolist() for key, token in token_ids.items()}
+    row_counts = {key: mask.sum(-1).tolist() for key, mask in masks.items()}
     for row, row_media in enumerate(media):
         turns = _turns(row_media) if response_turns is not None else {0: [row_media or {}]}
         for turn, parts in turns.items():
-            region = None  # the whole row: its only media turn covers every placeholder
-            if len(turns) > 1:
-                in_turn = input_ids[row, prompt_length:][response_turns[row] == turn]
-                region = torch.cat([input_ids[row, :prompt_length], in_turn]) if turn == 0 else in_turn
-            for key, token in token_ids.items():
+            for key, mask in masks.items():
                 features, grids = _features(parts, key, merge)
-                placeholders = row_counts[key][row] if region is None else int((region == token).sum())
+                placeholders = row_counts[key][row]  # the whole row: its only media turn covers all
+                if len(turns) > 1:
+                    in_turn = mask[row, prompt_length:][response_turns[row] == turn]
+                    region = torch.cat([mask[row, :prompt_length], in_turn]) if turn == 0 else in_turn
+                    placeholders = int(region.sum())
                 if placeholders != features:
                     name = names[row] if names is not None else f"row {row}"
                     where = "the prompt" if turn == 0 else f"turn {turn}"

@@ -82,6 +82,7 @@ def test_video_item_for_qwen2_5_vl(tmp_path, vl, tiny_vl_path):
     ((frames, metadata),) = item["multi_modal_data"]["videos"]
     assert frames.shape == (4, 56, 56, 3) and metadata["frames_indices"] == [0, 2, 5, 7]
     assert metadata["fps"] == 2.0 and metadata["total_num_frames"] == 8
+    assert metadata["do_sample_frames"] is False  # sampled already: vLLM must not sample again
 
     # M-RoPE from the model's own get_rope_index: temporal ids step by seconds per patch (2) ×
     # tokens_per_second (2) = 4 between the two temporal patches; height/width ids span 2 merged rows

@@ -224,6 +224,8 @@ PARAMETER_RANGES = {
     ("qwen2_5_vl", "tiny"): (300_000, 800_000),
     ("qwen2_5_omni", "tiny"): (300_000, 800_000),
     ("qwen2", "tiny"): (100_000, 300_000),  # no vision tower
+    ("glm4v", "tiny"): (300_000, 800_000),
+    ("qwen3_5", "tiny"): (300_000, 800_000),
     ("qwen2_5_vl", "small"): (12_000_000, 18_000_000),
     ("qwen2_5_omni", "small"): (12_000_000, 18_000_000),
     ("qwen2", "small"): (5_000_000, 10_000_000),
@@ -258,7 +260,9 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
     assert head_dim >= 32
     if kind == "qwen2":
         return
-    assert 2 * sum(text_config.rope_parameters["mrope_section"]) == head_dim
+    # the rotary pairs of each head (GLM-4.1V turns half of it)
+    rotary_dim = head_dim * text_config.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert 2 * sum(text_config.rope_parameters["mrope_section"]) == rotary_dim
     assert config.vision_config.hidden_size // config.vision_config.num_heads >= 32
     assert config.vision_config.out_hidden_size == text_config.hidden_size
     if kind == "qwen2_5_omni":
@@ -271,6 +275,7 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
         "tiny_vl_path",
         "tiny_omni_path",
         "tiny_text_path",
+        "tiny_glm4v_path",
         # built in the pytest-xdist worker of the other tests of that costly model
         pytest.param("real_width_vl_path", marks=pytest.mark.shares("real_width")),
     ],

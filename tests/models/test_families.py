@@ -30,15 +30,24 @@ SHIPPED = {
     "qwen2_5_omni_thinker": "qwen2_5_omni",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "glm4v": "glm4v",
+    "qwen3_5": "qwen3_5",
 }
 
 
 @pytest.fixture(scope="module")
 def tiny_paths(
-    tiny_text_path, tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path
+    tiny_text_path,
+    tiny_vl_path,
+    tiny_omni_path,
+    tiny_qwen3_vl_path,
+    tiny_qwen3_vl_moe_path,
+    tiny_glm4v_path,
+    tiny_qwen3_5_path,
 ) -> dict[str, object]:
     return {"qwen2": tiny_text_path, "qwen2_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path,
-            "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path}  # fmt: skip
+            "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
+            "glm4v": tiny_glm4v_path, "qwen3_5": tiny_qwen3_5_path}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the registry
@@ -211,3 +220,72 @@ def test_prepare_applies_the_family_fix_to_a_model_built_elsewhere(tiny_vl_path)
     assert not hasattr(model.model.get_rope_index, "mmrl_resumes_after_vision_max")
     prepare_for_training(model, packing=False)
     assert model.model.get_rope_index.mmrl_resumes_after_vision_max
+
+
+def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(tiny_glm4v_path):
+    """GLM-4.1V's video frames are image-id tokens: the token types derived from the video tokens equal
+    the processor's, and a prompt with an image and a video runs only with the family's fix (transformers'
+    own mask gives the image features every image-id slot)."""
+    from _batches import encode_prompt
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmrl.models.alignment import MediaAlignmentError, check_media_alignment
+    from mmrl.models.families.glm4v import separate_image_and_video_slots, token_types_from_ids
+
+    processor = AutoProcessor.from_pretrained(tiny_glm4v_path)
+    encoded = encode_prompt(processor, 0, image=(84, 56), video_frames=4, video_fps=2.0)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_glm4v_path).eval()
+    token_types = token_types_from_ids(model.config, encoded["input_ids"])
+    assert torch.equal(token_types, encoded["mm_token_type_ids"])
+    assert token_types.eq(1).sum() == 6 and token_types.eq(2).sum() == 8  # 2x3 image, 2 frames of 2x2
+    # the media check counts the frames' image-id tokens as video slots
+    grids = {key: encoded[key] for key in ("image_grid_thw", "video_grid_thw")}
+    check_media_alignment(model.config, encoded["input_ids"], [grids])
+    with pytest.raises(MediaAlignmentError, match="6 image placeholder tokens but features for 0"):
+        check_media_alignment(
+            model.config, encoded["input_ids"], [{"video_grid_thw": grids["video_grid_thw"]}]
+        )
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        model(**encoded)
+    assert separate_image_and_video_slots(model)
+    assert not separate_image_and_video_slots(model)  # idempotent
+    with torch.no_grad():
+        both = model(**encoded).logits
+        # the image's features reach its own slots: another image changes the logits from there on
+        other = dict(encoded, pixel_values=encoded["pixel_values"].flip(0))
+        changed = model(**other).logits
+    first_image = int(token_types[0].eq(1).nonzero()[0])
+    assert torch.equal(both[:, :first_image], changed[:, :first_image])
+    assert (both[:, first_image:] - changed[:, first_image:]).abs().max() > 1e-4
+
+
+def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_path):
+    """Without the family's fix, transformers' gated delta nets carry their state from one sequence of a
+    packed row into the next; with it, packed log-probs equal padded ones. Layouts the fix cannot follow
+    (shared prompts) are refused by name."""
+    from _batches import build_batch, policy_actor
+    from _models import training_model
+    from transformers import AutoProcessor
+
+    batch = build_batch(
+        AutoProcessor.from_pretrained(tiny_qwen3_5_path), ({}, {"image": (56, 56)}, {}), (4, 3, 5)
+    )
+    model = training_model(tiny_qwen3_5_path)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a random tiny model predicts nearly uniformly: spread it
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    mask = batch.batch["response_mask"].bool()
+    padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 3, 1.0)
+    packed, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="share_prompts=false"):
+        policy_actor(model, padding_free=True, share_prompts=True).compute_log_probs(batch, 3, 1.0)
+    fixed = [module for module in model.modules() if hasattr(module.forward, "mmrl_per_sequence")]
+    assert len(fixed) == 1  # the tiny model's one linear-attention layer
+    for module in fixed:
+        del module.forward  # the class's own forward again
+    leaked, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
+    first = mask[0]
+    torch.testing.assert_close(leaked[0, first], padded[0, first], atol=1e-5, rtol=0)  # nothing before it
+    assert (leaked - padded)[mask].abs().max() > 1e-2

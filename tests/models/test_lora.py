@@ -110,3 +110,48 @@ def test_an_update_trains_the_adapter_alone(tiny_vl_path, batch):
             assert not torch.equal(param, before[name]), f"{name} did not train"  # vision tower's too
         else:
             assert torch.equal(param, before[name]), f"frozen {name} changed"
+
+
+def test_glm4v_adapter_reaches_its_layers_and_equals_its_merged_weights(tiny_glm4v_path):
+    """GLM-4.1V's linear layers (fused gate-up MLP, q/k/v with biases, the vision tower's qkv) take an
+    adapter; the adapted model computes what its merged weights do, on image and video rows."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_glm4v_path)
+    rows = ({"image": (56, 56)}, {}, {"video_frames": 4, "video_fps": 2.0}, {"image": (84, 56)})
+    batch = build_batch(processor, rows, RESPONSE_LENGTHS, seed=3)
+    names = lora_target_names(training_model(tiny_glm4v_path), "all-linear", None)
+    for name in ("model.language_model.layers.0.mlp.gate_up_proj", "model.language_model.layers.1.self_attn.k_proj",
+                 "model.visual.blocks.0.attn.qkv", "model.visual.merger.proj"):  # fmt: skip
+        assert name in names, name
+    model = lora_model(tiny_glm4v_path)
+    plain = training_model(tiny_glm4v_path)
+    load_into(plain, iter_full_state_dict(model))
+    mask = batch.batch["response_mask"].bool()
+    lora_log_probs, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base_log_probs, _ = policy_actor(training_model(tiny_glm4v_path)).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
+
+
+def test_qwen3_5_adapter_reaches_its_linear_attention_and_equals_its_merged_weights(tiny_qwen3_5_path):
+    """Qwen3.5's gated delta net projections take an adapter like the attention and MLP layers; the
+    adapted model computes what its merged weights do (packed rows, prompts not shared)."""
+    from transformers import AutoProcessor
+
+    batch = build_batch(AutoProcessor.from_pretrained(tiny_qwen3_5_path), ROWS, RESPONSE_LENGTHS, seed=3)
+    names = lora_target_names(training_model(tiny_qwen3_5_path), "all-linear", None)
+    for name in ("model.language_model.layers.0.linear_attn.in_proj_qkv", "model.language_model.layers.0.linear_attn.out_proj",
+                 "model.language_model.layers.1.self_attn.q_proj"):  # fmt: skip
+        assert name in names, name
+    model = lora_model(tiny_qwen3_5_path)
+    plain = training_model(tiny_qwen3_5_path)
+    load_into(plain, iter_full_state_dict(model))
+    mask = batch.batch["response_mask"].bool()
+    lora_log_probs, _ = policy_actor(model, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base = training_model(tiny_qwen3_5_path)
+    base_log_probs, _ = policy_actor(base, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters

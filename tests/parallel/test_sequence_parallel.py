@@ -503,3 +503,14 @@ def test_ring_ranks_agree_on_disk_hits_and_encode_together(tiny_vl_path, sp_batc
         assert first["patches"] > 0 and second["patches"] == first["patches"]
     assert len(list((tmp_path / "shared").glob("*.pt"))) == items
     assert not any((tmp_path / "empty").iterdir())  # rank 0 of the ring alone writes
+
+
+@pytest.mark.distributed
+def test_glm4v_policy_step_with_ulysses_equals_one_rank(tiny_glm4v_path):
+    """GLM-4.1V (video frames as image tokens, 3-D RoPE on half of each head): Ulysses 2 = one rank."""
+    batch = _sp_training_batch(tiny_glm4v_path, QWEN3_ROWS)
+    reference = run_on_ranks(_actor_job, 1, str(tiny_glm4v_path), batch, 1, 1, 0, timeout_s=180)[0]
+    runs = run_on_ranks(_actor_job, 2, str(tiny_glm4v_path), batch, 2, 1, timeout_s=180)
+    for run in runs:
+        _assert_same_step(run, reference)
+    _assert_tokens_split(runs, reference)

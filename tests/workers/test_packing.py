@@ -81,7 +81,14 @@ def qwen3_processor(tiny_qwen3_vl_path):
 
 
 @pytest.fixture(scope="module")
-def batches(vl_processor, omni_processor, qwen3_processor) -> dict[str, DataProto]:
+def glm4v_processor(tiny_glm4v_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_glm4v_path)
+
+
+@pytest.fixture(scope="module")
+def batches(vl_processor, omni_processor, qwen3_processor, glm4v_processor) -> dict[str, DataProto]:
     return {
         "image": build_batch(vl_processor, IMAGE_ROWS, (7, 2, 5), seed=0),
         "video": build_batch(vl_processor, VIDEO_ROWS, (3, 6), seed=10),
@@ -91,6 +98,10 @@ def batches(vl_processor, omni_processor, qwen3_processor) -> dict[str, DataProt
         "qwen3_video": build_batch(qwen3_processor, QWEN3_VIDEO_ROWS, (3, 6), seed=50),
         "qwen3_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=60),
         "qwen3_moe_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=70),
+        # GLM-4.1V: image rows and video rows (frames are image-id tokens) in one packed row
+        "glm4v_mixed": build_batch(glm4v_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=80),
+        # Qwen3.5 (the same tokenizer as Qwen3-VL): linear-attention layers, run per packed sequence
+        "qwen3_5_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=90),
     }
 
 
@@ -101,14 +112,24 @@ def mixed_training_batch(tiny_vl_path, batches) -> DataProto:
 
 @pytest.fixture(scope="module")
 def model_paths(
-    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path
+    tiny_vl_path,
+    tiny_omni_path,
+    tiny_qwen3_vl_path,
+    tiny_qwen3_vl_moe_path,
+    tiny_glm4v_path,
+    tiny_qwen3_5_path,
 ) -> dict[str, object]:
     """The tiny model of each batch kind's family."""
     return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path,
-            "qwen3_vl_moe": tiny_qwen3_vl_moe_path}  # fmt: skip
+            "qwen3_vl_moe": tiny_qwen3_vl_moe_path, "glm4v": tiny_glm4v_path,
+            "qwen3_5": tiny_qwen3_5_path}  # fmt: skip
 
 
 def _model_path(kind: str, model_paths):
+    if kind.startswith("qwen3_5_"):
+        return model_paths["qwen3_5"]
+    if kind.startswith("glm4v_"):
+        return model_paths["glm4v"]
     if kind.startswith("qwen3_moe_"):  # the Qwen3-VL batches on the MoE model (the same tokenizer)
         return model_paths["qwen3_vl_moe"]
     if kind.startswith("qwen3_"):
@@ -140,8 +161,9 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "kind",
-    ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed"],
-)
+    ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed",
+     "glm4v_mixed", "qwen3_5_mixed"],
+)  # fmt: skip
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]
     model = training_model(str(_model_path(kind, model_paths)))
@@ -159,7 +181,7 @@ def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths)
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.parameters()), tower_name
 
 
-@pytest.mark.parametrize("kind", ["mixed", "qwen3_mixed"])
+@pytest.mark.parametrize("kind", ["mixed", "qwen3_mixed", "glm4v_mixed", "qwen3_5_mixed"])
 def test_packed_values_equal_padded_and_boundaries_matter(kind, batches, model_paths):
     batch = batches[kind]
     mask = batch.batch["response_mask"].bool()

@@ -4,8 +4,9 @@ A :class:`ModelFamily` says how the trained model is loaded (its Auto class; Qwe
 thinker's sub-config), where its vision/audio towers are, which tokens only the processor may place
 (never sampled), how its position ids are computed (a plain function calling the model's own
 ``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
-outputs serve only the position ids, how its weights are named for vLLM, and where the routers of
-a mixture-of-experts model are.
+outputs serve only the position ids, how its weights are named for vLLM, where the routers of a
+mixture-of-experts model are, and, where one placeholder id serves several media kinds (GLM-4.1V),
+how its tokens' media kinds follow from the ids.
 
 Families are looked up by the config's ``model_type`` (:func:`family_for`, :func:`family_of`). Every
 module of this package defining ``FAMILY`` is registered on first lookup, so adding a family is one
@@ -59,6 +60,10 @@ class ModelFamily:
     # returning ``(logits [T, E], weights [T, k], experts [T, k])`` with ``top_k`` and ``num_experts``);
     # None: a dense model. Read by :mod:`mmrl.models.moe`.
     moe_router: str | None = None
+    # (config, input_ids [B, L]) -> ``mm_token_type_ids`` [B, L] (1 image, 2 video), for a family whose
+    # placeholder ids alone do not tell the media kinds apart (GLM-4.1V: a video's frames are image
+    # tokens); None: each kind has its own placeholder id. Read by :mod:`mmrl.models.alignment`.
+    token_types_from_ids: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def multimodal(self) -> bool:

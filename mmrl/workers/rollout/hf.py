@@ -96,6 +96,20 @@ def preallocated_cache(config: Any, capacity: int) -> DynamicCache:
     return cache
 
 
+def repeat_cache_rows(cache: DynamicCache, repeats: int) -> None:
+    """``cache.batch_repeat_interleave(repeats)``, also for linear-attention layers (Qwen3.5's gated
+    delta nets), whose transformers cache class (5.19) lacks it: their convolution windows and
+    recurrence states repeat row by row, as keys and values do."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_repeat_interleave"):
+            layer.batch_repeat_interleave(repeats)
+            continue
+        for states in (layer.conv_states, layer.recurrent_states):  # {state index: [B, ...] | None}
+            for index, state in states.items():
+                if state is not None:
+                    states[index] = state.repeat_interleave(repeats, dim=0)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """``logits`` [B, V] with every token outside the top-k (``top_k`` > 0) and outside the smallest set
     whose probability reaches ``top_p`` (< 1) set to -inf; the most likely token always stays."""
@@ -219,7 +233,7 @@ class HFRollout:
         ).logits[:, -1]
         axes = position_ids.shape[0] if position_ids.dim() == 3 else 1
         next_position = next_text_position(position_ids, attention_mask)  # [G]
-        cache.batch_repeat_interleave(n)
+        repeat_cache_rows(cache, n)
         return (
             logits.repeat_interleave(n, dim=0),
             cache,

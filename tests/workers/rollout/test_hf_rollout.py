@@ -182,19 +182,15 @@ def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("media", ["image", "video"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
-def test_rollout_log_probs_match_the_trainer_per_family(
-    family, media, tiny_vl_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, media_data_files
-):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5"])
+def test_rollout_log_probs_match_the_trainer_per_family(family, media, request, media_data_files):
     """Sampled-token log-probs of the transformers rollout equal the trainer's (packed) log-probs of the
     same tokens, for each vision family on images and on videos (Qwen3-VL: frame timestamps in the
-    prompt, deepstack features; its MoE: routed experts)."""
-    paths = {
-        "qwen2_5_vl": tiny_vl_path,
-        "qwen3_vl": tiny_qwen3_vl_path,
-        "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
-    }
-    path = paths[family]
+    prompt, deepstack features; its MoE: routed experts; GLM-4.1V: frames as image tokens inside video
+    tokens, each frame after its second; Qwen3.5: linear-attention state in the rollout's cache)."""
+    fixtures = {"qwen2_5_vl": "tiny_vl_path", "qwen3_vl": "tiny_qwen3_vl_path",
+                "qwen3_vl_moe": "tiny_qwen3_vl_moe_path", "glm4v": "tiny_glm4v_path", "qwen3_5": "tiny_qwen3_5_path"}  # fmt: skip
+    path = request.getfixturevalue(fixtures[family])
     tokenizer, processor = load_tokenizer_and_processor(str(path))
     pixels = DataConfig(
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
@@ -212,7 +208,10 @@ def test_rollout_log_probs_match_the_trainer_per_family(
     batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2))
     placeholders = batch.batch["mm_token_type_ids"][:, : prompts.batch["input_ids"].shape[1]]
     assert (placeholders == {"image": 1, "video": 2}[media]).sum(-1).min() > 0  # every prompt has its media
-    log_probs, _ = policy_actor(model, share_prompts=True).compute_log_probs(batch, 4, temperature=0.7)
+    share_prompts = family != "qwen3_5"  # Qwen3.5's linear attention cannot continue a shared prompt
+    log_probs, _ = policy_actor(model, share_prompts=share_prompts).compute_log_probs(
+        batch, 4, temperature=0.7
+    )
     mask = batch.batch["response_mask"].bool()
     assert mask.sum() > 12
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]

@@ -490,14 +490,15 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 
 
 @pytest.fixture(scope="module")
-def media_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path) -> dict[str, str]:
-    return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path)}
+def media_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_glm4v_path) -> dict[str, str]:
+    return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path),
+            "glm4v": str(tiny_glm4v_path)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, DataProto]:
     """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni, and
-    2 image + 2 video prompts for Qwen3-VL."""
+    2 image + 2 video prompts each for Qwen3-VL and GLM-4.1V."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
@@ -508,9 +509,10 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
     return {
         "video": _prompts(media_paths["video"], [video_file], 3, video_key="videos", **frame_range),
         "audio": _prompts(media_paths["audio"], [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
-        "qwen3_vl": _prompts(
-            media_paths["qwen3_vl"], [image_file, video_file], 2, video_key="videos", **frame_range
-        ),
+        **{
+            kind: _prompts(media_paths[kind], [image_file, video_file], 2, video_key="videos", **frame_range)
+            for kind in ("qwen3_vl", "glm4v")
+        },
     }
 
 
@@ -633,14 +635,20 @@ def test_log_probs_match_the_lora_trainer_after_updates_one_rank(one_rank):
 # ---------------------------------------------------------------- video and audio
 
 
-@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "glm4v"])
 def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     run, prompts = media_rank[kind], media_prompts[kind]
     # the engine's processor expanded every placeholder to the trainer's exact token ids
     for row, engine_ids in enumerate(run["engine_prompt_ids"]):
         trainer_ids = prompts.batch["input_ids"][row][prompts.batch["attention_mask"][row].bool()]
         assert engine_ids == trainer_ids.tolist(), row
-    media_keys = {"video": ["videos"], "audio": ["audios"], "qwen3_vl": ["images"] * 2 + ["videos"] * 2}[kind]
+    image_and_video = ["images"] * 2 + ["videos"] * 2
+    media_keys = {
+        "video": ["videos"],
+        "audio": ["audios"],
+        "qwen3_vl": image_and_video,
+        "glm4v": image_and_video,
+    }[kind]
     media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
     assert all(key in row for key, row in zip(media_keys, prompts.non_tensor_batch["multi_modal_data"]))
     vllm, hf = run["vllm"], run["hf"]
