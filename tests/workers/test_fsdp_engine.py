@@ -765,14 +765,16 @@ def tower_results(tiny_vl_path, vl_batch) -> list[dict]:
     )
 
 
-def test_tower_placeholder_runs_through_every_sharded_tower(tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+def test_tower_placeholder_runs_through_every_sharded_tower(
+    tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path, tiny_glm4v_path, tiny_qwen3_5_path
+):
     """The placeholder a rank without media feeds its tower: one merged token's patches through each
-    family's vision tower (Qwen3-VL with its deepstack features), every output finite, and its 0-times
-    sum's gradient zero on every tower parameter."""
+    family's vision tower (Qwen3-VL with its deepstack features, GLM-4.1V with its interpolated
+    positions), every output finite, and its 0-times sum's gradient zero on every tower parameter."""
     from mmrl.parallel.encoders import takes_grid
     from mmrl.workers.towers import output_tensors, placeholder_inputs
 
-    for path in (tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path):
+    for path in (tiny_vl_path, tiny_qwen3_vl_path, tiny_omni_path, tiny_glm4v_path, tiny_qwen3_5_path):
         towers = [tower for _, tower in tower_modules(load_model(str(path))) if takes_grid(tower)]
         assert len(towers) == 1, path
         (tower,) = towers
