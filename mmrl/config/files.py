@@ -1,5 +1,6 @@
 """The checks that read the disk: the data files, model folders, reward files, templates and checkpoint a
-run names exist (a model folder's config also gives its attention heads, which Ulysses must divide).
+run names exist (a model folder's config also gives its attention heads, which Ulysses must divide, and its
+family, which may rule out sequence parallelism and shared prompts).
 ``load_config(..., check_paths=False)`` leaves them out."""
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def check_files(cfg: PPOConfig) -> list[str]:
     _check_model_path(errors, "worker.actor.model.tokenizer_path", actor_model.tokenizer_path, False)
     if actor_folder is not None:
         _check_ulysses_heads(errors, cfg, "actor", actor_folder)
+        _check_sequence_state(errors, cfg, "actor", "worker.actor.model.model_path", actor_folder)
     if cfg.use_critic:
         critic_key = "worker.critic.model.model_path"
         critic_path = cfg.worker.critic.model.model_path
@@ -50,6 +52,8 @@ def check_files(cfg: PPOConfig) -> list[str]:
         )
         if critic_folder is not None:
             _check_ulysses_heads(errors, cfg, "critic", critic_folder)
+            folder_key = critic_key if critic_path else "worker.actor.model.model_path"
+            _check_sequence_state(errors, cfg, "critic", folder_key, critic_folder)
     reward = cfg.worker.reward.reward_function
     judge, reward_model = cfg.worker.reward.judge, cfg.worker.reward.reward_model
     code = cfg.worker.reward.code
@@ -136,4 +140,33 @@ def _check_ulysses_heads(errors: list[str], cfg: PPOConfig, role: str, folder: s
         f"({kv_heads} key/value heads) in {folder}: Ulysses gives each rank heads / ulysses_size of them. "
         f"Sizes that work: {', '.join(map(str, fitting))} (of those, {', '.join(map(str, usable))} also "
         f"divide the {world} processes); or split sequences with worker.{role}.ring_size instead"
+    )
+
+
+def _check_sequence_state(errors: list[str], cfg: PPOConfig, role: str, key: str, folder: str) -> None:
+    """A model whose decoder carries a state along each sequence (the family's ``sequence_state``, e.g.
+    Qwen3.5's linear attention) must run each packed sequence whole, from its first token: a sequence
+    split over sequence-parallel ranks, or responses packed after one shared copy of their prompt,
+    would need that state handed over, which mmrl does not do."""
+    from mmrl.models.loading import folder_family
+
+    role_cfg = getattr(cfg.worker, role)
+    shares = role_cfg.padding_free and role_cfg.share_prompts
+    splits = role_cfg.sequence_parallel_size > 1
+    if not (shares or splits):
+        return
+    family = folder_family(folder)
+    if family is None or family.sequence_state is None:
+        return
+    fixes = []
+    if shares:
+        fixes.append(f"worker.{role}.share_prompts=false (responses would continue a shared prompt's state)")
+    if splits:
+        fixes.append(
+            f"worker.{role}.ulysses_size=1 and worker.{role}.ring_size=1 (a sequence split over ranks "
+            "would need its state handed from rank to rank)"
+        )
+    errors.append(
+        f"{key}: '{folder}' is a {family.name} model, whose {family.sequence_state} carry a state along "
+        f"each sequence, so worker.{role} must run every sequence whole: set {'; and '.join(fixes)}"
     )

@@ -16,16 +16,18 @@ folder.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from mmrl.errors import UserInputError
-from mmrl.models.families import family_for, family_of
+from mmrl.models.families import ModelFamily, family_for, family_of
 
 ROLES = ("actor", "critic")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # `owner/name`, as on the Hugging Face hub
@@ -113,6 +115,18 @@ def check_model_folder(folder: str, key: str, trust_remote_code: bool = False) -
     except UnknownModelFamilyError as err:
         raise ModelPathError(f"{key}: '{folder}': {err}") from None
     return config
+
+
+def folder_family(folder: str) -> ModelFamily | None:
+    """The family of model ``folder`` by its ``config.json``'s ``model_type``, read as plain JSON (the
+    config checks run before anything imports transformers); None when the file is missing, unreadable
+    or of no known family (:func:`check_model_folder` says which, in the preflight)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as file:
+            model_type = json.load(file).get("model_type")
+        return family_for(SimpleNamespace(model_type=model_type))
+    except (OSError, ValueError, AttributeError):  # missing, bad JSON, no object, unknown family
+        return None
 
 
 def attention_heads(folder: str, trust_remote_code: bool = False) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """Every broken input ends the run with exit code 2 and one message that names the file, row or key and
 says what to do, without a traceback, before Ray starts (mmrl.trainer.main, mmrl.trainer.preflight).
 
-Each case builds one broken input from the tiny fixtures (the colour-shapes data, the tiny Qwen2.5-VL
-and Qwen2.5-Omni) over a run that is otherwise valid (``test_the_valid_run_passes_preflight``), calls
+Each case builds one broken input from the tiny fixtures (the colour-shapes data, the tiny Qwen2.5-VL,
+Qwen2.5-Omni and Qwen3.5) over a run that is otherwise valid (``test_the_valid_run_passes_preflight``), calls
 ``main`` in-process, and checks the exit code, the named thing, the hint and that Ray never started.
 A few cases run as a real ``python -m mmrl.trainer.main`` to show what reaches a terminal.
 """
@@ -336,6 +336,41 @@ def test_a_csv_train_file_passes_preflight(inputs):
         load_config(
             inputs.args(f"data.train_files={inputs.tmp / 'train.csv'}", f"data.media_dir={inputs.data}")
         )
+    )
+
+
+# Qwen3.5's linear attention carries a state along each sequence: a layout that cuts a sequence is refused
+# while the config loads, naming the keys (each case: extra overrides, the keys named)
+SEQUENCE_STATE_CASES = {
+    "shared prompts (the default)": ((), ("worker.actor.share_prompts=false",)),
+    "Ulysses": (
+        ("worker.actor.share_prompts=false", "worker.actor.ulysses_size=2"),
+        ("worker.actor.ulysses_size=1 and worker.actor.ring_size=1",),
+    ),
+    "the critic's ring and shared prompts": (
+        ("algorithm.adv_estimator=gae", "worker.actor.share_prompts=false", "worker.critic.ring_size=2",
+         "worker.critic.global_batch_size=4"),
+        ("worker.critic.share_prompts=false", "worker.critic.ulysses_size=1 and worker.critic.ring_size=1"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "fixes"), SEQUENCE_STATE_CASES.values(), ids=SEQUENCE_STATE_CASES)
+def test_qwen3_5_layouts_that_cut_a_sequence_exit_2_at_load(inputs, tiny_qwen3_5_path, capsys, extra, fixes):
+    argv = inputs.args(f"worker.actor.model.model_path={tiny_qwen3_5_path}", *extra)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("mmrl: invalid configuration") and err.count("mmrl: ") == 1, err
+    assert err.count("is a qwen3_5 model, whose linear-attention (gated delta net) layers carry a state") == 1
+    assert f"worker.actor.model.model_path: '{tiny_qwen3_5_path}'" in err, err
+    assert all(fix in err for fix in fixes), err
+    assert "Traceback" not in out + err
+    assert not (inputs.tmp / "run").exists()
+
+
+def test_qwen3_5_without_shared_prompts_loads(inputs, tiny_qwen3_5_path):
+    load_config(
+        inputs.args(f"worker.actor.model.model_path={tiny_qwen3_5_path}", "worker.actor.share_prompts=false")
     )
 
 

@@ -5,8 +5,9 @@ thinker's sub-config), where its vision/audio towers are, which tokens only the 
 (never sampled), how its position ids are computed (a plain function calling the model's own
 ``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
 outputs serve only the position ids, how its weights are named for vLLM, where the routers of a
-mixture-of-experts model are, and, where one placeholder id serves several media kinds (GLM-4.1V),
-how its tokens' media kinds follow from the ids.
+mixture-of-experts model are, where one placeholder id serves several media kinds (GLM-4.1V), how
+its tokens' media kinds follow from the ids, and whether its decoder carries a state along each
+sequence (Qwen3.5's linear attention), which rules out token layouts that cut a sequence.
 
 Families are looked up by the config's ``model_type`` (:func:`family_for`, :func:`family_of`). Every
 module of this package defining ``FAMILY`` is registered on first lookup, so adding a family is one
@@ -64,6 +65,10 @@ class ModelFamily:
     # placeholder ids alone do not tell the media kinds apart (GLM-4.1V: a video's frames are image
     # tokens); None: each kind has its own placeholder id. Read by :mod:`mmrl.models.alignment`.
     token_types_from_ids: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    # What in the decoder carries a state along each sequence (Qwen3.5: "linear-attention (gated delta
+    # net) layers"): the model must see each packed sequence whole, from its first token, so sequence
+    # parallelism and shared prompts are refused at config load (:mod:`mmrl.config.files`); None: none.
+    sequence_state: str | None = None
 
     @property
     def multimodal(self) -> bool:

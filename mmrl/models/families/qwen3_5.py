@@ -10,8 +10,9 @@ were off by up to 2.6 nats. :func:`linear_attention_per_sequence` runs those lay
 a packed row separately (exact; a Python loop over the row's sequences per layer).
 
 Not supported: sequence parallelism and shared-prompt packing (a sequence split over ranks, or
-responses continuing a shared prompt, would need the recurrence state handed over); the layer refuses
-them with a message.
+responses continuing a shared prompt, would need the recurrence state handed over). ``sequence_state``
+has the config check refuse them at load, naming the keys; the layer refuses them too, should a
+caller reach it another way.
 """
 
 from __future__ import annotations
@@ -64,4 +65,5 @@ FAMILY = ModelFamily(
     position_keys=("image_grid_thw", "video_grid_thw"),
     token_type_ids=True,
     fix_model=linear_attention_per_sequence,
+    sequence_state="linear-attention (gated delta net) layers",
 )
