@@ -616,8 +616,8 @@ def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreT
             "mrope_section": [temporal, height, pairs - temporal - height],
         },
         "rms_norm_eps": 1e-5,
-        # transformers' GLM-4 attention always has q/k/v biases; vLLM (0.32) builds them only when the
-        # text config says so (its default: none), and would silently drop the trained biases
+        # as the released GLM-4.1V configs say (transformers' GLM-4 attention has q/k/v biases whatever
+        # the config says; vLLM reads this key, which the glm4v family also sets for configs without it)
         "attention_bias": True,
     }
     vision_config = {

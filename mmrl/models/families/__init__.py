@@ -4,7 +4,8 @@ A :class:`ModelFamily` says how the trained model is loaded (its Auto class; Qwe
 thinker's sub-config), where its vision/audio towers are, which tokens only the processor may place
 (never sampled), how its position ids are computed (a plain function calling the model's own
 ``get_rope_index`` with the arguments that family takes) and the fix it needs, which processor
-outputs serve only the position ids, how its weights are named for vLLM, where the routers of a
+outputs serve only the position ids, how its weights are named for vLLM (and what vLLM must be told
+of its config to build the same layers), where the routers of a
 mixture-of-experts model are, where one placeholder id serves several media kinds (GLM-4.1V), how
 its tokens' media kinds follow from the ids, and whether its decoder carries a state along each
 sequence (Qwen3.5's linear attention), which rules out token layouts that cut a sequence.
@@ -61,6 +62,9 @@ class ModelFamily:
     # returning ``(logits [T, E], weights [T, k], experts [T, k])`` with ``top_k`` and ``num_experts``);
     # None: a dense model. Read by :mod:`mmrl.models.moe`.
     moe_router: str | None = None
+    # What vLLM must read in the folder's config to build the model transformers builds, set in place
+    # on the config vLLM parses (GLM-4.1V: q/k/v biases); read by :mod:`mmrl.workers.rollout.vllm_spmd`.
+    fix_vllm_config: Callable[[Any], None] | None = None
     # (config, input_ids [B, L]) -> ``mm_token_type_ids`` [B, L] (1 image, 2 video), for a family whose
     # placeholder ids alone do not tell the media kinds apart (GLM-4.1V: a video's frames are image
     # tokens); None: each kind has its own placeholder id. Read by :mod:`mmrl.models.alignment`.

@@ -8,7 +8,10 @@
   (:func:`token_types_from_ids`; the processor's ``mm_token_type_ids`` say the same).
 - M-RoPE ids from ``model.model.get_rope_index`` (taking ``mm_token_type_ids``): each frame is a block of
   one temporal patch, text after a block resumes at its largest id + 1, as in vLLM.
-- vLLM's weight names equal transformers' on-disk ones.
+- vLLM's weight names equal transformers' on-disk ones. transformers' GLM-4 attention always has q/k/v
+  biases; vLLM (0.32) builds them only when the text config says ``attention_bias`` (its default: none),
+  so :func:`vllm_builds_attention_biases` says it (the released configs do; one without the key would
+  otherwise lose its trained biases on vLLM without a word).
 
 The fix: transformers' ``get_placeholder_mask`` (5.19) marks every image-id token as a slot for the image
 features and for the video features alike, so a forward given both images and videos (one prompt with
@@ -83,6 +86,11 @@ def separate_image_and_video_slots(model: nn.Module) -> bool:
     return True
 
 
+def vllm_builds_attention_biases(config) -> None:
+    """Make vLLM build the q/k/v biases transformers always builds (see the module doc)."""
+    config.get_text_config().attention_bias = True
+
+
 def position_ids(model, input_ids, attention_mask, media, mm_token_type_ids=None):
     """M-RoPE ids [3, B, L] from the model's own ``get_rope_index``; token types derived from the video
     tokens when not given (the placeholder ids alone cannot tell a video's frames from an image)."""
@@ -108,5 +116,6 @@ FAMILY = ModelFamily(
     position_keys=("image_grid_thw", "video_grid_thw"),
     token_type_ids=True,
     fix_model=separate_image_and_video_slots,
+    fix_vllm_config=vllm_builds_attention_biases,
     token_types_from_ids=token_types_from_ids,
 )

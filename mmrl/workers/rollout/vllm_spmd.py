@@ -164,7 +164,9 @@ def _repack_cpu_lm_heads(model: torch.nn.Module) -> int:
 
 
 def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
-    """``hf_overrides`` for vLLM with the trainer's ``override_config`` rules (dicts recurse).
+    """``hf_overrides`` for vLLM: the family's ``fix_vllm_config`` (what vLLM must be told to build the
+    layers transformers builds), then ``overrides`` with the trainer's ``override_config`` rules (dicts
+    recurse).
 
     vLLM (0.32: ``HFConfigParser.parse``) first calls this on a bare ``PreTrainedConfig`` of model
     type ``dummy_<type>``, only to learn whether it changes the model type; that probe has none of
@@ -176,7 +178,11 @@ def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
 
     if type(config) is PretrainedConfig:
         return config
-    apply_config_overrides(config, overrides, where="override_config")
+    fix = family_for(config).fix_vllm_config
+    if fix is not None:
+        fix(config)
+    if overrides:
+        apply_config_overrides(config, overrides, where="override_config")
     return config
 
 
@@ -241,8 +247,8 @@ def engine_arguments(
         engine_args["limit_mm_per_prompt"] = {"image": config.limit_images}
     if config.reuse_encodings:
         engine_args["enable_mm_embeds"] = True  # prompts may carry the trainer's encodings (engine_prompts)
-    if override_config:
-        engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config)
+    # the family's config fixes, then the user's override_config (on the config vLLM parses)
+    engine_args["hf_overrides"] = functools.partial(_override_hf_config, overrides=override_config or {})
     return engine_args
 
 

@@ -25,6 +25,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -835,3 +836,27 @@ def test_override_config_reaches_vllm_and_lifts_its_context_limit(tiny_vl_path):
     assert parsed.max_model_len == 8000 and parsed.hf_text_config.max_position_embeddings == 8192
     with pytest.raises(KeyError, match="no attribute 'max_position_embeddingz'"):
         model_config({"max_position_embeddingz": 8192})
+
+
+def test_glm4v_config_without_attention_bias_still_gets_biases_on_vllm(tiny_glm4v_path, tmp_path):
+    """transformers' GLM-4.1V always has q/k/v biases; vLLM's GLM-4 layers build them only when the
+    text config says ``attention_bias`` (read there with a default of none). A folder whose config lacks
+    the key still gets them on vLLM (the family's ``fix_vllm_config``), the user's overrides applied too."""
+    import vllm
+    from transformers import AutoConfig
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    folder = tmp_path / "glm4v"
+    shutil.copytree(tiny_glm4v_path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    del config["text_config"]["attention_bias"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not hasattr(AutoConfig.from_pretrained(folder).text_config, "attention_bias")  # vLLM: no biases
+    args = engine_arguments(
+        str(folder), str(folder), RolloutConfig(name="vllm"), max_model_len=512, on_gpu=False,
+        override_config={"text_config": {"max_position_embeddings": 8192}},
+    )  # fmt: skip
+    parsed = vllm.EngineArgs(**args).create_model_config()  # the config vLLM builds the model from
+    assert parsed.hf_text_config.attention_bias is True
+    assert parsed.hf_text_config.max_position_embeddings == 8192
