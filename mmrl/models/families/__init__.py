@@ -48,7 +48,6 @@ class ModelFamily:
     placeholder_tokens: tuple[str, ...] = ()  # media tokens only the processor places: never sampled
     position_keys: tuple[str, ...] = ()  # processor outputs that ``position_ids`` reads
     position_only_keys: tuple[str, ...] = ()  # of those, the ones the model's forward must not get
-    token_type_ids: bool = False  # the processor returns ``mm_token_type_ids`` (0 text, 1 image, 2 video)
     trained_config: Callable[[Any], Any] | None = None  # folder config -> trained model's (Omni: thinker)
     # folder config -> the prefix under which vLLM reads the trained model's weights (None: no prefix)
     vllm_weight_prefix: Callable[[Any], str] | None = None

@@ -114,7 +114,6 @@ FAMILY = ModelFamily(
         "<|end_of_video|>",
     ),
     position_keys=("image_grid_thw", "video_grid_thw"),
-    token_type_ids=True,
     fix_model=separate_image_and_video_slots,
     fix_vllm_config=vllm_builds_attention_biases,
     token_types_from_ids=token_types_from_ids,

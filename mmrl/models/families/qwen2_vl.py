@@ -132,6 +132,5 @@ FAMILY = ModelFamily(
     placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     position_keys=("image_grid_thw", "video_grid_thw", "second_per_grid_ts"),
     position_only_keys=("second_per_grid_ts",),
-    token_type_ids=True,
     fix_model=resume_text_after_vision_max,
 )

@@ -63,7 +63,6 @@ FAMILY = ModelFamily(
     towers=("model.visual",),
     placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     position_keys=("image_grid_thw", "video_grid_thw"),
-    token_type_ids=True,
     fix_model=linear_attention_per_sequence,
     sequence_state="linear-attention (gated delta net) layers",
 )

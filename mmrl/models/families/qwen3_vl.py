@@ -45,6 +45,5 @@ FAMILY = ModelFamily(
     towers=("model.visual",),
     placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     position_keys=("image_grid_thw", "video_grid_thw"),
-    token_type_ids=True,
     shard_decoder_inputs=shard_deepstack_inputs,
 )
