@@ -73,6 +73,20 @@ class WeightPushGroup:
             yield name, buffer
 
 
+def push_from_rank(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], group: WeightPushGroup | None, manifest: Manifest
+) -> int:
+    """One training rank's part of a push: ``named_tensors`` is the rank's collective gather
+    (:func:`~mmrl.workers.weight_sync.iter_full_state_dict`), which every rank consumes in step; rank 0,
+    the one holding ``group``, broadcasts each tensor, the others send nothing. The bytes each receiver
+    got (0 on the ranks without the group)."""
+    if group is None:
+        for _ in named_tensors:
+            pass
+        return 0
+    return group.send(named_tensors, manifest)
+
+
 def manifest_bytes(manifest: Manifest) -> int:
     """Bytes of one push: every tensor of ``manifest`` once."""
     return sum(
