@@ -683,7 +683,8 @@ class HybridWorker:
         """Rank 0 opens the push group at ``host:port`` as its rank 0 (the rollout workers join it at
         once, :mod:`mmrl.workers.weight_push`); the other ranks only gather in :meth:`push_rollout_weights`."""
         if self.rank == 0:
-            self.weight_push = WeightPushGroup(host, port, 0, world_size, self.device)
+            timeout_s = self.config.worker.rollout.push_timeout_s
+            self.weight_push = WeightPushGroup(host, port, 0, world_size, self.device, timeout_s)
             self.push_manifest = self.weight_manifest()
 
     @measured("sync")

@@ -210,3 +210,69 @@ def test_two_training_ranks_push_the_full_model_through_rank_0(tiny_vl_path, pro
     after = receivers[None].generate(batch, greedy).batch
     assert torch.equal(after["responses"], expected["responses"])
     torch.testing.assert_close(after["rollout_log_probs"], expected["rollout_log_probs"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- a member that dies or hangs mid-push
+
+MEMBER = """
+import os, sys, time, torch
+from mmrl.workers.weight_push import WeightPushGroup
+
+port, rank, stop_after, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+print("imported", flush=True)
+group = WeightPushGroup("127.0.0.1", port, rank, 2, torch.device("cpu"), timeout_s=60)
+manifest = [(f"t{i}", (64, 1024), torch.float32) for i in range(8)]
+if rank == 0:  # sends stop_after tensors
+    group.send(((name, torch.ones(shape)) for name, shape, _ in manifest[:stop_after]), manifest[:stop_after])
+else:
+    for _ in zip(range(stop_after), group.receive(manifest)):
+        pass
+if mode == "exit":
+    os._exit(1)  # dies: the OS closes its sockets
+time.sleep(600)  # hung: alive, taking no part
+"""
+MANIFEST = [(f"t{i}", (64, 1024), torch.float32) for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("other_rank", "mode", "timeout_s", "expected"),
+    [
+        (1, "exit", 60, "tensor 4 of 8 (t3) failed after .* sending to the rollout workers 0 "),
+        (1, "hang", 3, r"tensor 4 of 8 \(t3\) failed after 3\.\d s sending to the rollout workers 0 "),
+        (0, "exit", 60, "tensor 4 of 8 (t3) failed after .* receiving from training rank 0"),
+    ],
+    ids=["rollout worker dies", "rollout worker hangs", "training rank 0 dies"],
+)
+def test_a_member_that_dies_or_hangs_fails_the_push_with_a_message_naming_it(
+    other_rank, mode, timeout_s, expected
+):
+    # the other member (a process of its own) takes part in 3 tensors, then exits (its sockets close: the
+    # push fails at once, not after the timeout) or stays alive taking no part (the push fails when
+    # worker.rollout.push_timeout_s runs out); the error names the tensor and whom it waited for
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import mmrl
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(mmrl.__file__).parents[1])}
+    command = [sys.executable, "-c", MEMBER, str(port), str(other_rank), "3", mode]
+    member = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert member.stdout.readline() == "imported\n"  # the group's set-up counts in its timeout too
+        group = WeightPushGroup("127.0.0.1", port, 1 - other_rank, 2, CPU, timeout_s=timeout_s)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=expected.replace("(t3)", r"\(t3\)")) as failure:
+            if other_rank == 1:
+                group.send(((name, torch.ones(shape)) for name, shape, _ in MANIFEST), MANIFEST)
+            else:
+                list(group.receive(MANIFEST))
+        elapsed = time.monotonic() - started
+    finally:
+        member.kill()
+        member.wait()
+    assert "worker.rollout.push_timeout_s=" in str(failure.value)
+    assert elapsed < (timeout_s + 10 if mode == "hang" else 10)
