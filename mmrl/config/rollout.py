@@ -91,6 +91,9 @@ class RolloutConfig:
     # weights pushed from the training ranks after every update over a collective group)
     placement: str = "colocated"
     num_workers: int = 1  # placement=separate: rollout worker processes (one GPU each on GPUs)
+    # placement=separate: seconds a weight push (and the push group's set-up) waits for a member that
+    # does not take part (hung) before failing; a member that dies fails the push at once
+    push_timeout_s: float = 600.0
 
     @property
     def separate(self) -> bool:
@@ -118,6 +121,8 @@ class RolloutConfig:
         """What rollout workers of their own (``placement=separate``) do not do yet."""
         if self.num_workers < 1:
             return [f"worker.rollout.num_workers={self.num_workers} must be >= 1"]
+        if self.push_timeout_s <= 0:
+            return [f"worker.rollout.push_timeout_s={self.push_timeout_s} must be > 0 (seconds)"]
         if not self.separate:
             return []
         refused = {

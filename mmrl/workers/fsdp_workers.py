@@ -83,7 +83,7 @@ from mmrl.workers.fsdp_engine import (
 from mmrl.workers.memory import PhasePeaks, measured
 from mmrl.workers.rollout import GenerationMode
 from mmrl.workers.rollout.engine import build_agent, build_rollout_engine, generate_with, sampling_params
-from mmrl.workers.weight_push import WeightPushGroup
+from mmrl.workers.weight_push import WeightPushGroup, push_from_rank
 from mmrl.workers.weight_sync import full_state_manifest, iter_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -683,7 +683,8 @@ class HybridWorker:
         """Rank 0 opens the push group at ``host:port`` as its rank 0 (the rollout workers join it at
         once, :mod:`mmrl.workers.weight_push`); the other ranks only gather in :meth:`push_rollout_weights`."""
         if self.rank == 0:
-            self.weight_push = WeightPushGroup(host, port, 0, world_size, self.device)
+            timeout_s = self.config.worker.rollout.push_timeout_s
+            self.weight_push = WeightPushGroup(host, port, 0, world_size, self.device, timeout_s)
             self.push_manifest = self.weight_manifest()
 
     @measured("sync")
@@ -696,11 +697,7 @@ class HybridWorker:
             tensors = iter_full_state_dict(
                 self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
             )
-            if self.weight_push is None:  # gather in step with rank 0, send nothing
-                for _ in tensors:
-                    pass
-                return 0
-            return self.weight_push.send(tensors, self.push_manifest)
+            return push_from_rank(tensors, self.weight_push, self.push_manifest)
 
     def _release_rollout(self) -> None:
         """A training phase begins: the rollout engine frees what it holds on the device (vLLM's sleep;

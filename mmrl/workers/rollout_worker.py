@@ -52,7 +52,8 @@ class RolloutWorker:
     def join_weight_push(self, host: str, port: int, world_size: int, manifest: Manifest) -> None:
         """Join the push group training rank 0 opens at ``host:port``; ``manifest``: what each push
         sends, in order."""
-        self.weight_push = WeightPushGroup(host, port, self.rank + 1, world_size, self.device)
+        timeout_s = self.config.worker.rollout.push_timeout_s
+        self.weight_push = WeightPushGroup(host, port, self.rank + 1, world_size, self.device, timeout_s)
         self.manifest = manifest
 
     @torch.no_grad()

@@ -339,6 +339,7 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "worker.rollout.placement='apart' is not one of colocated, separate",
         ),
         (["worker.rollout.num_workers=0"], "worker.rollout.num_workers=0 must be >= 1"),
+        (["worker.rollout.push_timeout_s=0"], "worker.rollout.push_timeout_s=0.0 must be > 0 (seconds)"),
         (
             ["worker.rollout.placement=separate", "worker.rollout.name=vllm"],
             "worker.rollout.placement=separate does not support worker.rollout.name=vllm yet",
