@@ -146,27 +146,19 @@ def _check_ulysses_heads(errors: list[str], cfg: PPOConfig, role: str, folder: s
 def _check_sequence_state(errors: list[str], cfg: PPOConfig, role: str, key: str, folder: str) -> None:
     """A model whose decoder carries a state along each sequence (the family's ``sequence_state``, e.g.
     Qwen3.5's linear attention) must run each packed sequence whole, from its first token: a sequence
-    split over sequence-parallel ranks, or responses packed after one shared copy of their prompt,
-    would need that state handed over, which mmrl does not do."""
+    split over sequence-parallel ranks would need that state handed from rank to rank, which mmrl does
+    not do. (Shared prompts, an optimisation, are simply not used for such a model:
+    :func:`mmrl.workers.forward.prompts_shared`.)"""
     from mmrl.models.loading import folder_family
 
-    role_cfg = getattr(cfg.worker, role)
-    shares = role_cfg.padding_free and role_cfg.share_prompts
-    splits = role_cfg.sequence_parallel_size > 1
-    if not (shares or splits):
+    if getattr(cfg.worker, role).sequence_parallel_size <= 1:
         return
     family = folder_family(folder)
     if family is None or family.sequence_state is None:
         return
-    fixes = []
-    if shares:
-        fixes.append(f"worker.{role}.share_prompts=false (responses would continue a shared prompt's state)")
-    if splits:
-        fixes.append(
-            f"worker.{role}.ulysses_size=1 and worker.{role}.ring_size=1 (a sequence split over ranks "
-            "would need its state handed from rank to rank)"
-        )
     errors.append(
         f"{key}: '{folder}' is a {family.name} model, whose {family.sequence_state} carry a state along "
-        f"each sequence, so worker.{role} must run every sequence whole: set {'; and '.join(fixes)}"
+        f"each sequence, so worker.{role} must run every sequence whole: set worker.{role}.ulysses_size=1 "
+        f"and worker.{role}.ring_size=1 (a sequence split over ranks would need its state handed from rank "
+        "to rank)"
     )

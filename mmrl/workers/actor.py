@@ -62,6 +62,7 @@ from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,
     micro_batch_token_outputs,
+    prompts_shared,
     role_micro_batches,
     train_role,
 )
@@ -142,6 +143,7 @@ class PolicyActor:
         objective = off_policy_objective(algorithm.off_policy)
         self.off_policy = objective.load() if objective is not None else None
         self.algorithm = algorithm
+        self.share_prompts = prompts_shared(module, config.share_prompts)
         if config.log_prob_chunk_tokens > 0 and token_scoring_head(module) is None:
             raise ValueError(
                 f"log_prob_chunk_tokens={config.log_prob_chunk_tokens} scores tokens in the model's head, "
@@ -195,7 +197,7 @@ class PolicyActor:
             micro_batch,
             self.config.padding_free,
             self.sequence_parallel,
-            self.config.share_prompts,
+            self.share_prompts,
             scoring,
         )
         if scoring is not None:  # [K, 4]: the head scored the tokens chunk by chunk

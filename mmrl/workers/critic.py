@@ -20,6 +20,7 @@ from mmrl.workers.forward import (
     check_sequence_parallel,
     forward_columns,
     micro_batch_token_outputs,
+    prompts_shared,
     role_micro_batches,
     train_role,
 )
@@ -48,6 +49,7 @@ class ValueCritic:
             raise ValueError(f"loss_avg_mode {config.loss_avg_mode!r} is not one of {LOSS_AGG_MODES}")
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, config.padding_free, dp_group)
         self.module = module
+        self.share_prompts = prompts_shared(module, config.share_prompts)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.device = torch.device(device)
@@ -61,7 +63,7 @@ class ValueCritic:
             micro_batch,
             self.config.padding_free,
             self.sequence_parallel,
-            self.config.share_prompts,
+            self.share_prompts,
         )
         return scatter_response_tokens(values[:, 0].float(), response_valid)
 

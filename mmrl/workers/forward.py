@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmrl.models.alignment import check_media_alignment
+from mmrl.models.families import UnknownModelFamilyError, family_of
 from mmrl.models.inputs import ResponseScoring, response_token_outputs, sequence_position_ids
 from mmrl.parallel.sequence import SequenceParallelGroups
 from mmrl.protocol import DataProto
@@ -186,3 +187,16 @@ def train_role(
     if role.lr_scheduler is not None:
         role.lr_scheduler.step()
     return metrics
+
+
+def prompts_shared(module: nn.Module, share_prompts: bool) -> bool:
+    """Whether a role's packed micro-batches share their prompts: ``share_prompts`` (the config's), unless
+    the model's decoder carries a state along each sequence (the family's ``sequence_state``: Qwen3.5's
+    linear attention), which must see every sequence whole; such a model packs each response after its
+    own prompt, as with ``share_prompts=false``."""
+    if not share_prompts:
+        return False
+    try:
+        return family_of(module).sequence_state is None
+    except UnknownModelFamilyError:  # a model mmrl has no spec of: nothing says it carries a state
+        return True

@@ -261,8 +261,8 @@ def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(t
 
 def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_path):
     """Without the family's fix, transformers' gated delta nets carry their state from one sequence of a
-    packed row into the next; with it, packed log-probs equal padded ones. Layouts the fix cannot follow
-    (shared prompts) are refused by name."""
+    packed row into the next; with it, packed log-probs equal padded ones, and shared prompts, which
+    the fix cannot follow, are not used: asked for, the actor packs each response after its own prompt."""
     from _batches import build_batch, policy_actor
     from _models import training_model
     from transformers import AutoProcessor
@@ -279,8 +279,8 @@ def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_p
     padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 3, 1.0)
     packed, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
-    with pytest.raises(NotImplementedError, match="share_prompts=false"):
-        policy_actor(model, padding_free=True, share_prompts=True).compute_log_probs(batch, 3, 1.0)
+    asked, _ = policy_actor(model, padding_free=True, share_prompts=True).compute_log_probs(batch, 3, 1.0)
+    torch.testing.assert_close(asked[mask], padded[mask], atol=1e-5, rtol=0)
     fixed = [module for module in model.modules() if hasattr(module.forward, "mmrl_per_sequence")]
     assert len(fixed) == 1  # the tiny model's one linear-attention layer
     for module in fixed:

@@ -339,24 +339,21 @@ def test_a_csv_train_file_passes_preflight(inputs):
     )
 
 
-# Qwen3.5's linear attention carries a state along each sequence: a layout that cuts a sequence is refused
-# while the config loads, naming the keys (each case: extra overrides, the keys named)
+# Qwen3.5's linear attention carries a state along each sequence: a layout that splits a sequence over
+# ranks is refused while the config loads, naming the keys (each case: extra overrides, the keys named)
 SEQUENCE_STATE_CASES = {
-    "shared prompts (the default)": ((), ("worker.actor.share_prompts=false",)),
-    "Ulysses": (
-        ("worker.actor.share_prompts=false", "worker.actor.ulysses_size=2"),
-        ("worker.actor.ulysses_size=1 and worker.actor.ring_size=1",),
-    ),
-    "the critic's ring and shared prompts": (
-        ("algorithm.adv_estimator=gae", "worker.actor.share_prompts=false", "worker.critic.ring_size=2",
-         "worker.critic.global_batch_size=4"),
-        ("worker.critic.share_prompts=false", "worker.critic.ulysses_size=1 and worker.critic.ring_size=1"),
+    "Ulysses": (("worker.actor.ulysses_size=2",), ("worker.actor.ulysses_size=1 and worker.actor.ring_size=1",)),
+    "the critic's ring": (
+        ("algorithm.adv_estimator=gae", "worker.critic.ring_size=2", "worker.critic.global_batch_size=4"),
+        ("worker.critic.ulysses_size=1 and worker.critic.ring_size=1",),
     ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(("extra", "fixes"), SEQUENCE_STATE_CASES.values(), ids=SEQUENCE_STATE_CASES)
-def test_qwen3_5_layouts_that_cut_a_sequence_exit_2_at_load(inputs, tiny_qwen3_5_path, capsys, extra, fixes):
+def test_qwen3_5_layouts_that_split_a_sequence_exit_2_at_load(
+    inputs, tiny_qwen3_5_path, capsys, extra, fixes
+):
     argv = inputs.args(f"worker.actor.model.model_path={tiny_qwen3_5_path}", *extra)
     assert main(argv) == 2
     out, err = capsys.readouterr()
@@ -368,10 +365,18 @@ def test_qwen3_5_layouts_that_cut_a_sequence_exit_2_at_load(inputs, tiny_qwen3_5
     assert not (inputs.tmp / "run").exists()
 
 
-def test_qwen3_5_without_shared_prompts_loads(inputs, tiny_qwen3_5_path):
-    load_config(
-        inputs.args(f"worker.actor.model.model_path={tiny_qwen3_5_path}", "worker.actor.share_prompts=false")
-    )
+def test_qwen3_5_with_the_default_shared_prompts_loads_and_packs_each_prompt_with_its_response(
+    inputs, tiny_qwen3_5_path, tiny_vl_path
+):
+    """Shared prompts are an optimisation: for a model that must see every sequence whole they are not
+    used (each response packed after its own prompt), where the Qwen2.5-VL keeps them."""
+    from mmrl.models.loading import load_model
+    from mmrl.workers.forward import prompts_shared
+
+    load_config(inputs.args(f"worker.actor.model.model_path={tiny_qwen3_5_path}"))  # share_prompts=true
+    assert not prompts_shared(load_model(str(tiny_qwen3_5_path)), True)
+    assert prompts_shared(load_model(str(tiny_vl_path)), True)
+    assert not prompts_shared(load_model(str(tiny_vl_path)), False)
 
 
 @pytest.mark.parametrize("clip", ["tone_8k.wav", "silence.wav"])

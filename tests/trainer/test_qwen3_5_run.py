@@ -21,7 +21,6 @@ def test_qwen3_5_trains_two_steps_with_parity_and_merges(tiny_qwen3_5_path, shap
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_qwen3_5_path, shapes_data_dir, save_dir) + [
         "worker.rollout.name=hf",
-        "worker.actor.share_prompts=false",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
         "trainer.save_freq=2",

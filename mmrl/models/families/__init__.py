@@ -70,7 +70,8 @@ class ModelFamily:
     token_types_from_ids: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     # What in the decoder carries a state along each sequence (Qwen3.5: "linear-attention (gated delta
     # net) layers"): the model must see each packed sequence whole, from its first token, so sequence
-    # parallelism and shared prompts are refused at config load (:mod:`mmrl.config.files`); None: none.
+    # parallelism is refused at config load (:mod:`mmrl.config.files`) and prompts are not shared
+    # (:func:`mmrl.workers.forward.prompts_shared`); None: none.
     sequence_state: str | None = None
 
     @property
