@@ -148,3 +148,18 @@ def run_killed(overrides: list[str], fault: str, log_path: Path, timeout_s: floa
     output = Path(log_path).read_text(errors="replace")
     assert returncode == -signal.SIGKILL, output[-4000:]
     return output
+
+
+def merged_and_base(actor_dir, target_dir, base_path) -> tuple[dict, dict]:
+    """``scripts/model_merger.py`` on a checkpoint's actor folder into ``target_dir`` (it must succeed);
+    the merged model's and the base model's (``base_path``) fp32 state dicts, as transformers loads them."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    merger = [sys.executable, "scripts/model_merger.py", "--local_dir", str(actor_dir)]
+    merger += ["--target_dir", str(target_dir)]
+    subprocess.run(merger, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    return tuple(
+        AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).state_dict()
+        for path in (target_dir, base_path)
+    )

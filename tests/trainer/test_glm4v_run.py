@@ -5,12 +5,8 @@ log-prob parity from its metrics, the resume, and the merge of its last checkpoi
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-import torch
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import merged_and_base, run_main, small_run_overrides
 
 pytestmark = [pytest.mark.slow(seconds=200), pytest.mark.distributed, pytest.mark.shares("vllm")]
 
@@ -46,24 +42,11 @@ LR = 0.02  # small_run_overrides' worker.actor.optim.lr; one Adam update per ste
 def test_the_resumed_step_starts_from_the_saved_one_and_merges_into_weights_that_load_back(
     glm4v_run, tiny_glm4v_path, tmp_path
 ):
-    from transformers import AutoModelForImageTextToText
 
     merged_dir = tmp_path / "merged"
-    merger = [
-        sys.executable,
-        "scripts/model_merger.py",
-        "--local_dir",
-        str(glm4v_run["save_dir"] / "global_step_2" / "actor"),
-    ]
-    subprocess.run(
-        [*merger, "--target_dir", str(merged_dir)],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
+    merged, base = merged_and_base(
+        glm4v_run["save_dir"] / "global_step_2" / "actor", merged_dir, tiny_glm4v_path
     )
-    merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
-    base = AutoModelForImageTextToText.from_pretrained(tiny_glm4v_path, dtype=torch.float32).state_dict()
     assert merged.keys() == base.keys()
     for name in (
         "model.language_model.layers.0.mlp.gate_up_proj.weight",

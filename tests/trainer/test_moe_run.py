@@ -6,12 +6,10 @@ Hugging Face folder that loads back."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import merged_and_base, run_main, small_run_overrides
 
 
 @pytest.mark.slow
@@ -20,7 +18,6 @@ from _trainer_run import REPO_ROOT, run_main, small_run_overrides
 def test_moe_run_trains_two_steps_with_router_loss_and_merges(
     tiny_qwen3_vl_moe_path, shapes_data_dir, tmp_path
 ):
-    from transformers import AutoModelForImageTextToText
 
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_qwen3_vl_moe_path, shapes_data_dir, save_dir) + [
@@ -42,23 +39,7 @@ def test_moe_run_trains_two_steps_with_router_loss_and_merges(
         assert row["actor/grad_norm"] > 0
 
     merged_dir = tmp_path / "merged"
-    merger = [
-        sys.executable,
-        "scripts/model_merger.py",
-        "--local_dir",
-        str(save_dir / "global_step_2" / "actor"),
-    ]
-    subprocess.run(
-        [*merger, "--target_dir", str(merged_dir)],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
-    base = AutoModelForImageTextToText.from_pretrained(
-        tiny_qwen3_vl_moe_path, dtype=torch.float32
-    ).state_dict()
+    merged, base = merged_and_base(save_dir / "global_step_2" / "actor", merged_dir, tiny_qwen3_vl_moe_path)
     assert merged.keys() == base.keys()
     for key in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):  # trained, whole
         name = f"model.language_model.layers.0.{key}"

@@ -4,19 +4,15 @@ Hugging Face folder that loads back with every tensor trained."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import merged_and_base, run_main, small_run_overrides
 
 
 @pytest.mark.slow(seconds=80)
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_qwen3_5_trains_two_steps_with_parity_and_merges(tiny_qwen3_5_path, shapes_data_dir, tmp_path):
-    from transformers import AutoModelForImageTextToText
 
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_qwen3_5_path, shapes_data_dir, save_dir) + [
@@ -32,21 +28,7 @@ def test_qwen3_5_trains_two_steps_with_parity_and_merges(tiny_qwen3_5_path, shap
         assert row["actor/grad_norm"] > 0
 
     merged_dir = tmp_path / "merged"
-    merger = [
-        sys.executable,
-        "scripts/model_merger.py",
-        "--local_dir",
-        str(save_dir / "global_step_2" / "actor"),
-    ]
-    subprocess.run(
-        [*merger, "--target_dir", str(merged_dir)],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    merged = AutoModelForImageTextToText.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
-    base = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5_path, dtype=torch.float32).state_dict()
+    merged, base = merged_and_base(save_dir / "global_step_2" / "actor", merged_dir, tiny_qwen3_5_path)
     assert merged.keys() == base.keys()
     for key in (
         "layers.0.linear_attn.in_proj_qkv.weight",
