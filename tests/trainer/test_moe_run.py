@@ -1,7 +1,8 @@
-"""A Qwen3-VL MoE run of the trainer: two FSDP2 workers (the expert tensors sharded with the rest of
-each decoder layer), the transformers rollout recording its routing and the actor replaying it, the
-routers' load-balancing loss in the update and the router metrics logged; the checkpoint merges into a
-Hugging Face folder that loads back."""
+"""A Qwen3-VL MoE run of the trainer in two invocations: step 1 on two FSDP2 workers (the expert tensors
+sharded with the rest of each decoder layer), the transformers rollout recording its routing and the
+actor replaying it, saved; step 2 resumed from that checkpoint on one worker with the vLLM rollout (the
+weights pushed into vLLM's fused-MoE layers). The routers' load-balancing loss is in both updates and the
+router metrics logged; the last checkpoint merges into a Hugging Face folder that loads back."""
 
 from __future__ import annotations
 
@@ -9,30 +10,37 @@ import math
 
 import pytest
 import torch
-from _trainer_run import merged_and_base, run_main, small_run_overrides
+from _trainer_run import merged_and_base, metrics_rows, run_main, small_run_overrides
+
+LR = 0.02  # small_run_overrides' worker.actor.optim.lr; one Adam update per step (one mini-batch)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(400)
-def test_moe_run_trains_two_steps_with_router_loss_and_merges(
+@pytest.mark.timeout(600)
+def test_moe_trains_a_step_on_each_backend_with_router_loss_resumes_and_merges(
     tiny_qwen3_vl_moe_path, shapes_data_dir, tmp_path
 ):
 
     save_dir = tmp_path / "run"
     overrides = small_run_overrides(tiny_qwen3_vl_moe_path, shapes_data_dir, save_dir) + [
-        "worker.rollout.name=hf",
         "worker.actor.moe.aux_loss_coef=0.01",
-        "worker.actor.moe.routing_replay=true",  # the rollout's experts cross to the actor and are replayed
         "worker.actor.share_prompts=false",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
+        "trainer.save_freq=1",
     ]
-    rows = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
-    assert len(rows) == 2
+    replayed = [  # the rollout's experts cross to the actor and are replayed
+        "worker.rollout.name=hf", "worker.actor.moe.routing_replay=true", "trainer.max_steps=1",
+    ]  # fmt: skip
+    run_main([*overrides, *replayed], save_dir)
+    # resumes from step 1 (find_last_checkpoint); vLLM records no experts, so the actor routes freely
+    on_vllm = ["worker.rollout.name=vllm", "trainer.n_gpus_per_node=1"]
+    run_main([*overrides, *on_vllm], save_dir)
+    rows = [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
+    assert [row["step"] for row in rows] == [1, 2]  # the resumed invocation trained step 2 only
     for row in rows:
-        assert row["rollout/log_prob_gap_max"] < 1e-4  # rollout and trainer score the same tokens alike
+        assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]  # both backends score as the trainer
         assert 1.0 <= row["actor/moe_aux_loss"] <= 2.0  # 1 balanced, E / k = 2 all on two experts
         assert 0.25 <= row["actor/moe_max_expert_share"] <= 0.5  # 1 / E to 1 / k
         assert 0 < row["actor/moe_router_entropy"] < math.log(4)
@@ -44,3 +52,5 @@ def test_moe_run_trains_two_steps_with_router_loss_and_merges(
     for key in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):  # trained, whole
         name = f"model.language_model.layers.0.{key}"
         assert merged[name].shape == base[name].shape and not torch.equal(merged[name], base[name]), name
+        # an Adam update moves an entry by at most about lr: step 2 started from step 1's weights
+        assert (merged[name] - base[name]).abs().max() > 1.5 * LR, name

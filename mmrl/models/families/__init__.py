@@ -64,6 +64,10 @@ class ModelFamily:
     # What vLLM must read in the folder's config to build the model transformers builds, set in place
     # on the config vLLM parses (GLM-4.1V: q/k/v biases); read by :mod:`mmrl.workers.rollout.vllm_spmd`.
     fix_vllm_config: Callable[[Any], None] | None = None
+    # (name, full tensor) under a Hugging Face weight name -> the tensor in the layout vLLM's loader reads
+    # under that name (Qwen3-VL MoE: fused experts transposed); None: as transformers holds it. Read by
+    # :mod:`mmrl.workers.rollout.vllm_spmd` for every weight push.
+    to_vllm_layout: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     # (config, input_ids [B, L]) -> ``mm_token_type_ids`` [B, L] (1 image, 2 video), for a family whose
     # placeholder ids alone do not tell the media kinds apart (GLM-4.1V: a video's frames are image
     # tokens); None: each kind has its own placeholder id. Read by :mod:`mmrl.models.alignment`.

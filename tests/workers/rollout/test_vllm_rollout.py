@@ -491,15 +491,17 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 
 
 @pytest.fixture(scope="module")
-def media_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_glm4v_path) -> dict[str, str]:
+def media_paths(
+    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, tiny_glm4v_path
+) -> dict[str, str]:
     return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path),
-            "glm4v": str(tiny_glm4v_path)}  # fmt: skip
+            "qwen3_vl_moe": str(tiny_qwen3_vl_moe_path), "glm4v": str(tiny_glm4v_path)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, DataProto]:
     """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni, and
-    2 image + 2 video prompts each for Qwen3-VL and GLM-4.1V."""
+    2 image + 2 video prompts each for Qwen3-VL, Qwen3-VL MoE and GLM-4.1V."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
@@ -508,6 +510,11 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
     frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
     video_file, image_file = str(video_dir / "train.jsonl"), str(shapes_data_dir / "train.jsonl")
     return {
+        # the MoE engine first: vLLM builds its process's parallel groups with the first engine, the
+        # expert-parallel one only for a MoE model
+        "qwen3_vl_moe": _prompts(
+            media_paths["qwen3_vl_moe"], [image_file, video_file], 2, video_key="videos", **frame_range
+        ),
         "video": _prompts(media_paths["video"], [video_file], 3, video_key="videos", **frame_range),
         "audio": _prompts(media_paths["audio"], [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
         **{
@@ -519,7 +526,7 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
 
 @pytest.fixture(scope="module")
 def media_rank(media_paths, media_prompts) -> dict:
-    return run_on_ranks(_media_job, 1, media_paths, media_prompts, timeout_s=450)[0]
+    return run_on_ranks(_media_job, 1, media_paths, media_prompts, timeout_s=600)[0]
 
 
 def _two_ranks(tiny_vl_path, vl_prompts, tp_size: int) -> list[dict]:
@@ -636,7 +643,7 @@ def test_log_probs_match_the_lora_trainer_after_updates_one_rank(one_rank):
 # ---------------------------------------------------------------- video and audio
 
 
-@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     run, prompts = media_rank[kind], media_prompts[kind]
     # the engine's processor expanded every placeholder to the trainer's exact token ids
@@ -648,6 +655,7 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
         "video": ["videos"],
         "audio": ["audios"],
         "qwen3_vl": image_and_video,
+        "qwen3_vl_moe": image_and_video,
         "glm4v": image_and_video,
     }[kind]
     media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
