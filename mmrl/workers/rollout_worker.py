@@ -8,21 +8,32 @@ group (:mod:`mmrl.workers.weight_push`; the driver calls :meth:`RolloutWorker.re
 the tokens it samples. Generation is the colocated one (:mod:`mmrl.workers.rollout.engine`): the same
 sampling seeds per step and rank (of the rollout workers), media attached here from the batch's
 compact refs, ``position_ids`` numbered with the engine's own copy of the architecture.
+
+Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
+and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a
+time, queueing each prompt's n responses as soon as they have all ended; the driver fetches them with
+:meth:`RolloutWorker.stream_take`. A weight push (or any other use of the engine: validation, greedy
+baselines) waits for the chunk in progress to end and holds the engine while it runs; the generations
+in flight then continue with the new weights (:class:`mmrl.workers.rollout.hf.PartialDecode`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from mmrl.config import PPOConfig
-from mmrl.data.processing import MediaCache, attach_media
+from mmrl.data.processing import MediaCache, attach_media, without_model_media
 from mmrl.dispatch import rows_per_rank
 from mmrl.models.loading import resolve_model_path
 from mmrl.protocol import DataProto
 from mmrl.versions import check_versions, packages_of_run
+from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_workers import build_media_processor, processes_on_node, setup_distributed
 from mmrl.workers.rollout import GenerationMode
 from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, sampling_params
@@ -48,6 +59,28 @@ class RolloutWorker:
         self.version = 0  # policy version (actor updates) of the weights the engine holds
         self.weight_push: WeightPushGroup | None = None
         self.manifest: Manifest = []
+        # streaming: the generations submitted (oldest first), the groups finished and not yet fetched,
+        # how many callers wait for the engine, whether a chunk is being decoded, the thread's failure
+        self.changed = threading.Condition()
+        self.streams: list = []
+        self.outbox: list[DataProto] = []
+        self.waiting_callers, self.decoding = 0, False
+        self.stream_error: BaseException | None = None
+        self.stream_thread: threading.Thread | None = None
+        self.stopping = False
+
+    @contextmanager
+    def _engine(self) -> Iterator[None]:
+        """Hold the engine (no streamed chunk runs meanwhile): after the chunk in progress ends."""
+        with self.changed:
+            self.waiting_callers += 1
+            self.changed.wait_for(lambda: not self.decoding)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.waiting_callers -= 1
+                self.changed.notify_all()
 
     def join_weight_push(self, host: str, port: int, world_size: int, manifest: Manifest) -> None:
         """Join the push group training rank 0 opens at ``host:port``; ``manifest``: what each push
@@ -64,8 +97,11 @@ class RolloutWorker:
             raise RuntimeError(
                 "receive_weights before join_weight_push: the driver connects the push group first"
             )
-        self.engine.update_weights(self.weight_push.receive(self.manifest))
-        self.version = version
+        with self._engine():
+            self.engine.update_weights(self.weight_push.receive(self.manifest))
+            self.version = version
+            for stream in self.streams:  # partial rollouts: the rest of each is the new weights'
+                stream.reload(version)
 
     @rows_per_rank
     def generate(
@@ -76,12 +112,69 @@ class RolloutWorker:
         started = time.time()
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
-        version = self.version if self.config.trainer.records_policy_versions else None
-        output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
+        with self._engine():
+            version = self.version if self.config.trainer.records_policy_versions else None
+            output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
         output.meta_info["metrics"] = {GENERATION_STARTED: started, GENERATION_FINISHED: time.time()}
         return output
 
+    def stream_submit(self, prompts: DataProto, submission: int) -> None:
+        """Start generating ``prompts`` (training sampling; the seed of the driver's ``submission``-th
+        submission) in the streaming thread, after the generations submitted before."""
+        prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
+        sampling = sampling_params(self.config, GenerationMode.TRAIN, submission, self.rank, self.world_size)
+        with self.changed:
+            self.streams.append(self.engine.stream(prompts, sampling, self.version))
+            self.changed.notify_all()
+        if self.stream_thread is None:
+            self.stream_thread = threading.Thread(target=self._stream_loop, name="stream", daemon=True)
+            self.stream_thread.start()
+
+    def stream_take(self, timeout_s: float) -> DataProto | None:
+        """The groups finished since the last call (rows of a prompt together, ``position_ids`` and each
+        token's ``policy_version`` included), waiting up to ``timeout_s`` for one; None when none."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.outbox or self.stream_error is not None, timeout=timeout_s)
+            if self.stream_error is not None:
+                raise RuntimeError("the streaming generation failed") from self.stream_error
+            parts, self.outbox = self.outbox, []
+        if not parts:
+            return None
+        return without_model_media(add_position_ids(self.engine.model, DataProto.concat(parts)))
+
+    def _stream_loop(self) -> None:
+        """Decode the oldest submitted generation a chunk at a time, unless a caller waits for the engine."""
+        chunk = self.config.worker.rollout.stream_chunk_tokens
+        try:
+            while True:
+                with self.changed:
+                    self.changed.wait_for(
+                        lambda: self.stopping or (self.streams and not self.waiting_callers)
+                    )
+                    if self.stopping:
+                        return
+                    stream, self.decoding = self.streams[0], True
+                finished = None
+                try:
+                    stream.advance(chunk)
+                    finished = stream.take_finished()
+                finally:
+                    with self.changed:
+                        self.decoding = False
+                        if stream.done:
+                            self.streams.remove(stream)
+                        if finished is not None:
+                            self.outbox.append(finished)
+                        self.changed.notify_all()
+        except BaseException as error:  # the driver learns it at its next stream_take
+            with self.changed:
+                self.stream_error = error
+                self.changed.notify_all()
+
     def shutdown(self) -> None:
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
         if dist.is_initialized():
