@@ -104,6 +104,11 @@ def summarize(records: list[dict], warmup: int, responses_per_step: int) -> dict
         "push_s": sync_s,
         "push_bytes": median([r.get("transfer/weight_push_bytes", 0.0) for r in steps]),
         "overlap_s": median([r.get("timing_s/gen_overlap", 0.0) for r in steps]),
+        # versions behind per token, responses sampled by several versions, groups dropped as too old
+        "staleness_mean": median([r.get("rollout/staleness_mean", 0.0) for r in steps]),
+        "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps),
+        "partial_frac": median([r.get("rollout/partial_response_frac", 0.0) for r in steps]),
+        "dropped_groups": sum(r.get("rollout/stream_dropped_groups", 0.0) for r in steps),
     }
 
 
@@ -153,12 +158,27 @@ def print_tables(results: dict, predictions: list[dict]) -> None:
         "push MiB",
     ]
     print(markdown_table([*headers, "other load (cores)"], rows))
+    stale = [
+        [
+            mode,
+            f"{r['staleness_mean']:.2f}",
+            f"{r['staleness_max']:.0f}",
+            f"{r['partial_frac']:.0%}",
+            f"{r['dropped_groups']:.0f}",
+        ]
+        for mode, r in results.items()
+        if "staleness_mean" in r
+    ]
+    headers = ["mode", "staleness mean", "staleness max", "partial responses", "dropped groups"]
+    print(markdown_table(headers, stale))
     headers = [
         "8 GPUs, rollout/training",
         "sync colocated s/step",
         "one_step_off s/step",
         "predicted speed-up",
     ]
+    if not predictions:
+        return
     cells = [
         [p["split"], f"{p['colocated_s']:.3f}", f"{p['one_step_off_s']:.3f}", f"{p['speedup']:.2f}x"]
         for p in predictions

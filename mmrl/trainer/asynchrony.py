@@ -136,9 +136,9 @@ def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]
 class StreamSchedule:
     """The driver's book of a stream (``trainer.async_mode=stream``), in prompt groups.
 
-    - Admission: at most ``(max_staleness + 1) * groups_per_step`` groups are outstanding (submitted,
-      and neither trained nor dropped); the driver submits whole prompt batches while :meth:`room`
-      allows one, so generation runs at most about ``max_staleness`` steps ahead.
+    - Admission: ``(max_staleness + 1) * groups_per_step`` groups may be outstanding (submitted, and
+      neither trained nor dropped); the driver submits whole prompt batches while :meth:`room` is
+      positive (so by less than a batch more), and generation runs about ``max_staleness`` steps ahead.
     - :meth:`take` at policy version ``current`` (the updates so far: what the step updates): first the
       finished groups whose oldest token is more than ``max_staleness`` versions behind are dropped
       (returned, for their prompts to be generated again, and counted), then, when ``groups_per_step``

@@ -120,9 +120,11 @@ class StreamedRollouts:
                 self._submit(DataProto.concat([self.prompts[group.uid] for group in stale]))
             if taken is not None:
                 break
-            wanted = min(self.schedule.room(), steps_left * self.groups_per_step - self.schedule.outstanding)
-            while wanted >= self.groups_per_step:
-                wanted -= self._submit_next(batches, loader_position)
+            # whole loader batches while groups are missing (a resumed run's batches may be short)
+            while (
+                min(self.schedule.room(), steps_left * self.groups_per_step - self.schedule.outstanding) > 0
+            ):
+                self._submit_next(batches, loader_position)
             arrived = self.workers.stream_take(self.WAIT_S)
             if arrived is not None:
                 self.schedule.arrive(arrived)
@@ -138,15 +140,14 @@ class StreamedRollouts:
 
     def _submit_next(
         self, batches: Iterator[DataProto], loader_position: Callable[[], dict[str, int]]
-    ) -> int:
-        """The loader's next batch into the stream, less the rows trained before a resume; its size."""
+    ) -> None:
+        """The loader's next batch into the stream, less the rows trained before a resume."""
         prompts = next(batches)
         position = loader_position()  # the batch just drawn is batch_index - 1 of its epoch
         epoch, index = position["epoch"], position["batch_index"] - 1
         rows = [row for row in range(len(prompts)) if self.schedule.keep((epoch, index, row))]
         if rows:
             self._submit(prompts[rows], [(epoch, index, row) for row in rows])
-        return len(rows)
 
     def _submit(self, prompts: DataProto, origins: list[tuple[int, int, int]] | None = None) -> None:
         if origins is not None:  # new prompts: media shared once, rows kept until they train

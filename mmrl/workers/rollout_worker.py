@@ -11,18 +11,15 @@ compact refs, ``position_ids`` numbered with the engine's own copy of the archit
 
 Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
 and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a
-time, queueing each prompt's n responses as soon as they have all ended; the driver fetches them with
-:meth:`RolloutWorker.stream_take`. A weight push (or any other use of the engine: validation, greedy
-baselines) waits for the chunk in progress to end and holds the engine while it runs; the generations
-in flight then continue with the new weights (:class:`mmrl.workers.rollout.hf.PartialDecode`).
+time (:class:`mmrl.workers.rollout.streaming.StreamingEngine`); the driver fetches each prompt's n
+responses once they have all ended (:meth:`RolloutWorker.stream_take`). A weight push (or validation,
+greedy baselines) waits for the chunk in progress to end and holds the engine while it runs; the
+generations in flight then continue with the new weights.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -37,6 +34,7 @@ from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_workers import build_media_processor, processes_on_node, setup_distributed
 from mmrl.workers.rollout import GenerationMode
 from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, sampling_params
+from mmrl.workers.rollout.streaming import StreamingEngine
 from mmrl.workers.weight_push import Manifest, WeightPushGroup
 
 # meta_info["metrics"] keys of a generation's wall-clock window (time.time()), read by the driver
@@ -59,28 +57,9 @@ class RolloutWorker:
         self.version = 0  # policy version (actor updates) of the weights the engine holds
         self.weight_push: WeightPushGroup | None = None
         self.manifest: Manifest = []
-        # streaming: the generations submitted (oldest first), the groups finished and not yet fetched,
-        # how many callers wait for the engine, whether a chunk is being decoded, the thread's failure
-        self.changed = threading.Condition()
-        self.streams: list = []
-        self.outbox: list[DataProto] = []
-        self.waiting_callers, self.decoding = 0, False
-        self.stream_error: BaseException | None = None
-        self.stream_thread: threading.Thread | None = None
-        self.stopping = False
-
-    @contextmanager
-    def _engine(self) -> Iterator[None]:
-        """Hold the engine (no streamed chunk runs meanwhile): after the chunk in progress ends."""
-        with self.changed:
-            self.waiting_callers += 1
-            self.changed.wait_for(lambda: not self.decoding)
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.waiting_callers -= 1
-                self.changed.notify_all()
+        # trainer.async_mode=stream: generations decoded by a thread, a chunk at a time (worker.rollout.
+        # stream_chunk_tokens); everything else that uses the engine holds it between two chunks
+        self.streaming = StreamingEngine(self.engine, config.worker.rollout.stream_chunk_tokens)
 
     def join_weight_push(self, host: str, port: int, world_size: int, manifest: Manifest) -> None:
         """Join the push group training rank 0 opens at ``host:port``; ``manifest``: what each push
@@ -97,11 +76,10 @@ class RolloutWorker:
             raise RuntimeError(
                 "receive_weights before join_weight_push: the driver connects the push group first"
             )
-        with self._engine():
+        with self.streaming.hold():
             self.engine.update_weights(self.weight_push.receive(self.manifest))
             self.version = version
-            for stream in self.streams:  # partial rollouts: the rest of each is the new weights'
-                stream.reload(version)
+            self.streaming.reload(version)  # partial rollouts: the rest of each is the new weights'
 
     @rows_per_rank
     def generate(
@@ -112,7 +90,7 @@ class RolloutWorker:
         started = time.time()
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
-        with self._engine():
+        with self.streaming.hold():
             version = self.version if self.config.trainer.records_policy_versions else None
             output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
         output.meta_info["metrics"] = {GENERATION_STARTED: started, GENERATION_FINISHED: time.time()}
@@ -123,58 +101,18 @@ class RolloutWorker:
         submission) in the streaming thread, after the generations submitted before."""
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         sampling = sampling_params(self.config, GenerationMode.TRAIN, submission, self.rank, self.world_size)
-        with self.changed:
-            self.streams.append(self.engine.stream(prompts, sampling, self.version))
-            self.changed.notify_all()
-        if self.stream_thread is None:
-            self.stream_thread = threading.Thread(target=self._stream_loop, name="stream", daemon=True)
-            self.stream_thread.start()
+        self.streaming.submit(prompts, sampling, self.version)
 
     def stream_take(self, timeout_s: float) -> DataProto | None:
         """The groups finished since the last call (rows of a prompt together, ``position_ids`` and each
         token's ``policy_version`` included), waiting up to ``timeout_s`` for one; None when none."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.outbox or self.stream_error is not None, timeout=timeout_s)
-            if self.stream_error is not None:
-                raise RuntimeError("the streaming generation failed") from self.stream_error
-            parts, self.outbox = self.outbox, []
+        parts = self.streaming.take(timeout_s)
         if not parts:
             return None
         return without_model_media(add_position_ids(self.engine.model, DataProto.concat(parts)))
 
-    def _stream_loop(self) -> None:
-        """Decode the oldest submitted generation a chunk at a time, unless a caller waits for the engine."""
-        chunk = self.config.worker.rollout.stream_chunk_tokens
-        try:
-            while True:
-                with self.changed:
-                    self.changed.wait_for(
-                        lambda: self.stopping or (self.streams and not self.waiting_callers)
-                    )
-                    if self.stopping:
-                        return
-                    stream, self.decoding = self.streams[0], True
-                finished = None
-                try:
-                    stream.advance(chunk)
-                    finished = stream.take_finished()
-                finally:
-                    with self.changed:
-                        self.decoding = False
-                        if stream.done:
-                            self.streams.remove(stream)
-                        if finished is not None:
-                            self.outbox.append(finished)
-                        self.changed.notify_all()
-        except BaseException as error:  # the driver learns it at its next stream_take
-            with self.changed:
-                self.stream_error = error
-                self.changed.notify_all()
-
     def shutdown(self) -> None:
-        with self.changed:
-            self.stopping = True
-            self.changed.notify_all()
+        self.streaming.stop()
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
         if dist.is_initialized():

@@ -1,8 +1,11 @@
 """Partial rollouts of the transformers engine (``trainer.async_mode=stream``): a generation decoded a
 chunk of tokens at a time, new weights arriving between chunks; every token records the policy version
-that sampled it (mmrl/workers/rollout/hf.py: PartialDecode, StreamedGeneration)."""
+that sampled it (mmrl/workers/rollout/hf.py: PartialDecode, StreamedGeneration; the thread that decodes
+them on a rollout worker: mmrl/workers/rollout/streaming.py)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from mmrl.models.loading import load_model
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams
 from mmrl.workers.rollout.hf import HFRollout, PartialDecode
+from mmrl.workers.rollout.streaming import StreamingEngine
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +78,11 @@ def full_forward_sampler(
 
 
 def test_a_push_between_chunks_continues_with_the_new_weights_token_for_token(tiny_vl_path, parts):
-    # 3 tokens by the old weights, the push, 5 by the new: the first 3 are what the old weights sample,
+    # 3 tokens by the old weights, the push, 3 by the new: the first 3 are what the old weights sample,
     # the rest what the new weights sample after that prefix, with the same random stream (the engine
     # re-encodes the prompt and prefix with the new weights); each token carries its weights' version
     tokenizer, prompts, updated = parts
-    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
     rollout = rollout_of(tiny_vl_path, tokenizer)
     old_model, new_model = load_model(str(tiny_vl_path)), load_model(str(tiny_vl_path))
     new_model.load_state_dict(updated)
@@ -87,11 +91,11 @@ def test_a_push_between_chunks_continues_with_the_new_weights_token_for_token(ti
     rollout.update_weights(updated.items())
     decode.reload(5)
     decode.advance(100)
-    assert decode.done and decode.responses().shape == (6, 8)
+    assert decode.done and decode.responses().shape == (6, 6)
     expected, expected_log_probs = full_forward_sampler(rollout, [old_model, new_model], 3, prompts, sampling)
     assert torch.equal(decode.responses(), expected)
     torch.testing.assert_close(decode.log_probs(), expected_log_probs, atol=2e-5, rtol=1e-5)
-    assert decode.versions().tolist() == [[4, 4, 4, 5, 5, 5, 5, 5]] * 6
+    assert decode.versions().tolist() == [[4, 4, 4, 5, 5, 5]] * 6
     # the push mattered: the old weights alone sample other tokens after the prefix
     unchanged, _ = full_forward_sampler(rollout, [old_model, old_model], 3, prompts, sampling)
     assert torch.equal(unchanged[:, :3], expected[:, :3]) and not torch.equal(
@@ -143,3 +147,39 @@ def test_prompts_are_handed_out_when_their_n_responses_have_ended(tiny_vl_path, 
     assert second.batch["policy_version"].tolist() == [[1, 1, 1, 1]] * 2  # prefilled by version 1
     stream.advance(4)
     assert stream.take_finished() is not None and stream.done
+
+
+def test_a_push_holding_the_streaming_thread_lands_between_chunks(tiny_vl_path, parts):
+    # the rollout worker's thread decodes 2 tokens per chunk; the test holds the engine as a push does
+    # (between two chunks), loads new weights and reloads: each row's first k tokens are version 0 and
+    # the rest version 1, k being the tokens sampled when the hold began, and the tokens are exactly
+    # those of a deterministic partial decode pushed after k tokens
+    tokenizer, prompts, updated = parts
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=9, ignore_eos=True)
+    rollout = rollout_of(tiny_vl_path, tokenizer)
+    streaming = StreamingEngine(rollout, chunk_tokens=2)
+    streaming.submit(prompts, sampling, version=0)
+    sampled = 0
+    while sampled == 0:
+        time.sleep(0.005)
+        with streaming.hold():
+            current = streaming.streams[0].current if streaming.streams else None
+            sampled = len(current.tokens) if current is not None else 0
+            if sampled:
+                rollout.update_weights(updated.items())
+                streaming.reload(1)
+    assert 0 < sampled < 16 and sampled % 2 == 0
+    groups = []
+    while len(groups) < 1:
+        groups += streaming.take(timeout_s=60)
+    streaming.stop()
+    (batch,) = groups  # one micro-batch: the 3 prompts end together
+    assert batch.batch["policy_version"].tolist() == [[0] * sampled + [1] * (16 - sampled)] * 6
+    reference = rollout_of(tiny_vl_path, tokenizer)
+    decode = PartialDecode(reference, prompts, sampling, reference._generator(sampling), version=0)
+    decode.advance(sampled)
+    reference.update_weights(updated.items())
+    decode.reload(1)
+    decode.advance(16)
+    assert torch.equal(batch.batch["responses"], decode.responses())
+    assert torch.equal(batch.batch["rollout_log_probs"], decode.log_probs())
