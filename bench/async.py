@@ -107,7 +107,8 @@ def summarize(records: list[dict], warmup: int, responses_per_step: int) -> dict
         # versions behind per token, responses sampled by several versions, groups dropped as too old
         "staleness_mean": median([r.get("rollout/staleness_mean", 0.0) for r in steps]),
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps),
-        "partial_frac": median([r.get("rollout/partial_response_frac", 0.0) for r in steps]),
+        # a mean: a push reaches the few batches in flight, which train at different steps
+        "partial_frac": statistics.mean(r.get("rollout/partial_response_frac", 0.0) for r in steps),
         "dropped_groups": sum(r.get("rollout/stream_dropped_groups", 0.0) for r in steps),
     }
 

@@ -42,8 +42,8 @@ def test_cost_model_by_hand():
 
 
 def test_a_streamed_runs_summary_by_hand():
-    # streaming: the rollout worker's idle share is not known to the driver (n/a); staleness and partial
-    # responses are medians over the measured steps, dropped groups their sum
+    # streaming: the rollout worker's idle share is not known to the driver (n/a); staleness is a median
+    # over the measured steps, partial responses a mean, dropped groups a sum
     rows = [
         {"step": 1, "timing_s/step": 9.0, "timing_s/gen": 4.0},  # the warm-up step, left out
         {"step": 2, "timing_s/step": 2.0, "timing_s/gen": 0.5, "rollout/stream_outstanding_groups": 4,
