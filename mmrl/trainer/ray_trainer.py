@@ -490,8 +490,11 @@ class RayPPOTrainer:
     def _streamed_batch(self, prompts: Iterator[DataProto]) -> Rollout:
         """The step's groups from the stream (``trainer.async_mode=stream``), scored in the background
         from now on."""
+        # the horizon is the whole schedule's: prompts in flight at a stage's end are generated again by
+        # the next stage, from the checkpoint's record of them
+        last_step = self.total_steps if self.stage is None else self.stage.schedule_steps
         batch, metrics = self.stream.take(
-            prompts, self.train_loader.state_dict, self.policy_version, self.total_steps - self.global_step
+            prompts, self.train_loader.state_dict, self.policy_version, last_step - self.global_step
         )
         conform_to_columns(batch, "generate")
         pending = self.rewards.launch(batch)

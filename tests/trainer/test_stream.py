@@ -1,7 +1,8 @@
 """Streaming (``trainer.async_mode=stream``) on the trainer: one training rank, one rollout worker of
-its own generating all the time in chunks of one token, so that weight pushes land in generations in
-flight; each step trains groups at most ``trainer.max_staleness`` updates old, and a checkpoint records
-where the prompts not yet trained start (mmrl/trainer/asynchrony.py, StreamSchedule;
+its own generating all the time in chunks of one token, so that weight pushes may land in generations
+in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
+(2 steps, then 1) in one command: the second resumes from the first's checkpoint, written with a
+prompt batch in flight, and generates it again (mmrl/trainer/asynchrony.py, StreamSchedule;
 mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts themselves, token
 for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
 
@@ -18,7 +19,7 @@ GROUPS = 4  # data.rollout_batch_size: prompts (groups of 4 responses) a step
 
 @pytest.fixture(scope="module")
 def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
-    """The 3-step streamed run: its training lines by step, and ``save_dir``."""
+    """The streamed run (stages of 2 and 1 steps): its training lines by step, and ``save_dir``."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
         key for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) if "val_files" not in key
@@ -27,8 +28,8 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.async_mode=stream",
         "trainer.max_staleness=1",
         "algorithm.off_policy=decoupled",
-        f"trainer.max_steps={STEPS}",
-        "trainer.save_freq=2",
+        "trainer.max_steps=null",
+        "trainer.stages=[{name: first, steps: 2}, {name: second, steps: 1}]",
         "trainer.val_before_train=false",
         "worker.rollout.name=hf",
         "worker.rollout.placement=separate",
@@ -54,17 +55,20 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         # never more than (max_staleness + 1) steps' groups submitted and not trained
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
         assert row["transfer/weight_push_bytes"] > 0
+    assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, in flight at the save
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_a_checkpoint_resumes_where_the_prompts_not_trained_start(streamed):
-    # after 2 steps 8 prompts trained: every row of the loader batches before the saved position (4
-    # each), plus the rows after it listed as trained, none listed twice
-    state = json.loads((streamed["save_dir"] / "global_step_2" / "trainer_state.json").read_text())
-    loader, trained = state["loader"], state["stream"]["trained"]
-    assert loader["epoch"] == 0 and all(row[0] == 0 and row[1] >= loader["batch_index"] for row in trained)
-    assert len({tuple(row) for row in trained}) == len(trained)
-    assert loader["batch_index"] * GROUPS + len(trained) == 2 * GROUPS
-    assert state["stream"]["submissions"] >= 2
+def test_the_prompts_in_flight_at_a_checkpoint_are_generated_again_after_the_resume(streamed):
+    # stage 1's last step (2) had submitted loader batch 2 (4 prompts) ahead, not trained: its
+    # checkpoint resumes the loader there, nothing after it trained. Stage 2 (new workers, the saved
+    # weights, version 2) generates that batch again and trains it at step 3: fresh (staleness 0), and
+    # its own checkpoint has the loader after batch 2 with nothing pending: no prompt lost or trained twice
+    first = json.loads((streamed["save_dir"] / "global_step_2" / "trainer_state.json").read_text())
+    assert first["stream"]["submissions"] == 3
+    assert first["loader"] == {"epoch": 0, "batch_index": 2} and first["stream"]["trained"] == []
+    assert streamed[3]["rollout/staleness_max"] == 0
+    second = json.loads((streamed["save_dir"] / "global_step_3" / "trainer_state.json").read_text())
+    assert second["loader"] == {"epoch": 0, "batch_index": 3} and second["stream"]["trained"] == []
