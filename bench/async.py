@@ -12,7 +12,10 @@ training process):
 - ``separate sync``: the engine in a rollout worker of its own (``worker.rollout.placement=separate``),
   one core each (``trainer.cpus_per_worker=1``): each step waits for its own generation;
 - ``one_step_off separate``: the same, with ``trainer.async_mode=one_step_off`` (decoupled PPO): the
-  generation of step k+1 runs while step k trains.
+  generation of step k+1 runs while step k trains;
+- ``stream separate, staleness 1`` and ``4``: ``trainer.async_mode=stream`` with that
+  ``trainer.max_staleness``: the rollout worker generates all the time; its idle share is not
+  measured (the driver sees only how long it waited for groups: the trainer's idle share).
 
 Per run, medians over the steps after ``--warmup``: seconds per step, samples (responses) per second,
 the idle share of the training process (the step's seconds it waits for a generation: ``timing_s/gen``
@@ -56,6 +59,16 @@ MODES = {
         "trainer.async_mode=one_step_off",
         "algorithm.off_policy=decoupled",
     ],
+    **{
+        f"stream separate, staleness {staleness}": [
+            "worker.rollout.placement=separate",
+            "trainer.cpus_per_worker=1",
+            "trainer.async_mode=stream",
+            f"trainer.max_staleness={staleness}",
+            "algorithm.off_policy=decoupled",
+        ]
+        for staleness in (1, 4)
+    },
 }
 SPLITS = ((4, 4), (6, 2))  # (rollout GPUs, training GPUs) of 8
 
@@ -80,7 +93,10 @@ def summarize(records: list[dict], warmup: int, responses_per_step: int) -> dict
         "s_per_step": step_s,
         "samples_per_s": responses_per_step / step_s,
         "trainer_idle": waited / step_s,
-        "rollout_idle": max(0.0, 1 - generating / step_s),
+        # streaming: the rollout worker generates between steps too, which no driver metric shows
+        "rollout_idle": None
+        if "rollout/stream_outstanding_groups" in steps[0]
+        else max(0.0, 1 - generating / step_s),
         "gen_s": gen_s,
         "rest_s": median(
             [r["timing_s/step"] - r["timing_s/gen"] - r.get("timing_s/sync", 0.0) for r in steps]
@@ -88,6 +104,12 @@ def summarize(records: list[dict], warmup: int, responses_per_step: int) -> dict
         "push_s": sync_s,
         "push_bytes": median([r.get("transfer/weight_push_bytes", 0.0) for r in steps]),
         "overlap_s": median([r.get("timing_s/gen_overlap", 0.0) for r in steps]),
+        # versions behind per token, responses sampled by several versions, groups dropped as too old
+        "staleness_mean": median([r.get("rollout/staleness_mean", 0.0) for r in steps]),
+        "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps),
+        # a mean: a push reaches the few batches in flight, which train at different steps
+        "partial_frac": statistics.mean(r.get("rollout/partial_response_frac", 0.0) for r in steps),
+        "dropped_groups": sum(r.get("rollout/stream_dropped_groups", 0.0) for r in steps),
     }
 
 
@@ -118,7 +140,7 @@ def print_tables(results: dict, predictions: list[dict]) -> None:
             f"{r['s_per_step']:.2f}",
             f"{r['samples_per_s']:.1f}",
             f"{r['trainer_idle']:.0%}",
-            f"{r['rollout_idle']:.0%}",
+            "n/a" if r["rollout_idle"] is None else f"{r['rollout_idle']:.0%}",
             f"{r['overlap_s']:.2f}",
             f"{r['push_s']:.3f}",
             f"{r['push_bytes'] / 2**20:.1f}",
@@ -137,12 +159,27 @@ def print_tables(results: dict, predictions: list[dict]) -> None:
         "push MiB",
     ]
     print(markdown_table([*headers, "other load (cores)"], rows))
+    stale = [
+        [
+            mode,
+            f"{r['staleness_mean']:.2f}",
+            f"{r['staleness_max']:.0f}",
+            f"{r['partial_frac']:.0%}",
+            f"{r['dropped_groups']:.0f}",
+        ]
+        for mode, r in results.items()
+        if "staleness_mean" in r
+    ]
+    headers = ["mode", "staleness mean", "staleness max", "partial responses", "dropped groups"]
+    print(markdown_table(headers, stale))
     headers = [
         "8 GPUs, rollout/training",
         "sync colocated s/step",
         "one_step_off s/step",
         "predicted speed-up",
     ]
+    if not predictions:
+        return
     cells = [
         [p["split"], f"{p['colocated_s']:.3f}", f"{p['one_step_off_s']:.3f}", f"{p['speedup']:.2f}x"]
         for p in predictions
@@ -151,6 +188,8 @@ def print_tables(results: dict, predictions: list[dict]) -> None:
 
 
 def predict(results: dict) -> list[dict]:
+    if "separate sync" not in results or "sync colocated, 1 thread" not in results:
+        return []  # --modes left out the runs the model reads
     return cost_model(results["separate sync"], results["sync colocated, 1 thread"]["push_s"])
 
 
@@ -162,6 +201,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--response_length", type=int, default=24)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--modes", nargs="*", default=list(MODES), help="the rows to run (default: all)")
     parser.add_argument(
         "--report", action="store_true", help="print the tables of the last run's results file"
     )
@@ -184,7 +224,7 @@ def main() -> None:
         seed=args.seed,
     )
     results = {}
-    for mode, extra in MODES.items():
+    for mode, extra in ((mode, MODES[mode]) for mode in args.modes):
         run_dir = RESULTS / "runs" / "async" / mode.replace(" ", "_").replace(",", "")
         run_dir.mkdir(parents=True, exist_ok=True)
         command, log_file = mmrl_command(job, "hf", run_dir)

@@ -133,7 +133,8 @@ _SPECS = (
            "MoE with worker.actor.moe.routing_replay: each token's experts per layer as the transformers "
            "rollout routed it, -1 where it was not fed (padding, the last response token)"),
     Column("policy_version", "generate", ("metrics",), _LONG, "[B, R]",
-           "the policy version (actor updates so far) whose weights sampled each response token; only "
+           "the policy version (actor updates so far) whose weights sampled each response token (with "
+           "trainer.async_mode=stream the tokens of one response may differ: partial rollouts); only "
            "when trainer.async_mode is not sync (trainer.records_policy_versions)"),
     Column("position_ids", "generate", ("log_probs", "update"), _LONG, "[B, 3, L] or [B, L]",
            "M-RoPE (or 1-D) ids numbered once per distinct prompt"),

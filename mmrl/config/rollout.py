@@ -94,6 +94,10 @@ class RolloutConfig:
     # placement=separate: seconds a weight push (and the push group's set-up) waits for a member that
     # does not take part (hung) before failing; a member that dies fails the push at once
     push_timeout_s: float = 600.0
+    # trainer.async_mode=stream: tokens a rollout worker samples per row between two chances for a weight
+    # push to land (the generation in flight then continues with the new weights); smaller = fresher
+    # tokens, more interruptions
+    stream_chunk_tokens: int = 8
 
     @property
     def separate(self) -> bool:
@@ -123,6 +127,8 @@ class RolloutConfig:
             return [f"worker.rollout.num_workers={self.num_workers} must be >= 1"]
         if self.push_timeout_s <= 0:
             return [f"worker.rollout.push_timeout_s={self.push_timeout_s} must be > 0 (seconds)"]
+        if self.stream_chunk_tokens < 1:
+            return [f"worker.rollout.stream_chunk_tokens={self.stream_chunk_tokens} must be >= 1 (tokens)"]
         if not self.separate:
             return []
         refused = {

@@ -142,7 +142,7 @@ class PPOConfig:
         """Every rule of the run, one message per problem (empty when valid); ``check_paths=False`` leaves
         out the checks that files and model folders exist."""
         errors = self.data.check() + self.trainer.check() + self.worker.check(self, check_paths)
-        errors += self.algorithm.check(self)
+        errors += self.algorithm.check(self) + self.trainer.check_stream(self)
         _check_choices(errors, self)
         return errors + (check_files(self) if check_paths else [])
 
@@ -193,7 +193,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (RewardModelConfig, "device"): ("auto", "cuda", "cpu"),
     (TrainerConfig, "logger"): LOGGERS,  # a list: each entry one of these
     (TrainerConfig, "device"): ("auto", "cuda", "cpu"),
-    (TrainerConfig, "async_mode"): ("sync", "one_step_off"),
+    (TrainerConfig, "async_mode"): ("sync", "one_step_off", "stream"),
 }
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmrl.config.schema import PPOConfig
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,13 @@ class TrainerConfig:
     stages: list[StageConfig] = field(default_factory=list)
     # when a step's responses are generated (docs/async.md): sync (at the step's start, by the weights it
     # trains) | one_step_off (during the step before, by the weights before its update: every sample is
-    # one update old, except after a checkpoint, where nothing is generated ahead)
+    # one update old, except after a checkpoint, where nothing is generated ahead) | stream (rollout
+    # workers of their own generate continuously, prompt group by group; a weight push lands between
+    # chunks of tokens, the generations in flight continue with the new weights)
     async_mode: str = "sync"
+    # async_mode=stream: a step trains only groups whose oldest token is at most this many updates
+    # behind the weights it updates; older finished groups are dropped and their prompts generated again
+    max_staleness: int = 1
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
@@ -76,6 +85,10 @@ class TrainerConfig:
         only when samples may be older than the weights they train (a synchronous batch is version
         for version the policy it trains, and stays byte for byte what it was)."""
         return self.async_mode != "sync"
+
+    @property
+    def streams(self) -> bool:
+        return self.async_mode == "stream"
 
     @property
     def checkpoint_dir(self) -> str:
@@ -98,8 +111,39 @@ class TrainerConfig:
                 "no batch in flight), and trainer.save_freq=1 saves after every step: the run would be "
                 "synchronous. Set trainer.save_freq >= 2 (or -1: only at the end), or trainer.async_mode=sync"
             )
+        if self.max_staleness < 1:
+            errors.append(
+                f"trainer.max_staleness={self.max_staleness} must be >= 1 (updates a streamed group may lag "
+                "the weights it trains; 1 = at most one update old)"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             errors.append(
                 f"trainer.cpus_per_worker={self.cpus_per_worker} must be > 0 (CPUs per training process), or null"
             )
         return errors
+
+    def check_stream(self, config: PPOConfig) -> list[str]:
+        """What ``async_mode=stream`` needs of the rest of the run (docs/async.md)."""
+        if self.async_mode != "stream":
+            return []
+        rollout = config.worker.rollout
+        needs = {
+            "worker.rollout.placement=separate (the engines must generate while the trainer trains)": (
+                not rollout.separate
+            ),
+            "worker.rollout.name=hf (the transformers engine decodes in chunks between pushes)": (
+                rollout.name != "hf"
+            ),
+            "algorithm.online_filtering=false (dynamic sampling's rounds are not streamed yet)": (
+                config.algorithm.online_filtering
+            ),
+            "worker.rollout.multi_turn.enable=false (trajectories are not streamed yet)": rollout.multi_turn.enable,
+            "worker.actor.moe.routing_replay=false (a re-encoded prefix's routing is not recorded)": (
+                config.worker.actor.moe.routing_replay
+            ),
+        }
+        return [
+            f"trainer.async_mode=stream needs {what}: set it, or use trainer.async_mode=one_step_off or sync"
+            for what, missing in needs.items()
+            if missing
+        ]

@@ -15,6 +15,10 @@ the last step) generates nothing ahead, so the next step, in this run or a resum
 own batch with the saved weights. A resumed run therefore repeats the uninterrupted one exactly: no
 sample is trained twice or lost (docs/async.md).
 
+``stream`` (:class:`StreamSchedule`): rollout workers of their own generate all the time, prompt group
+by group, and a weight push lands between two chunks of tokens, so a response may hold tokens of
+several versions; a step takes the groups at most ``trainer.max_staleness`` updates old.
+
 Each token records the policy version that sampled it (``policy_version``, stamped by the rollout from
 the actor's update count when its weights were pushed); :func:`staleness_metrics` reports how many
 updates behind the trained tokens were.
@@ -22,14 +26,14 @@ updates behind the trained tokens were.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from mmrl.protocol import DataProto
 
-ASYNC_MODES = ("sync", "one_step_off")
+ASYNC_MODES = ("sync", "one_step_off", "stream")
 
 
 @dataclass
@@ -97,3 +101,116 @@ def staleness_metrics(versions: torch.Tensor, response_mask: torch.Tensor, curre
     if behind.numel() == 0:
         return {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
     return {"rollout/staleness_mean": float(behind.mean()), "rollout/staleness_max": float(behind.max())}
+
+
+@dataclass
+class StreamedGroup:
+    """A prompt's n responses as they came from the stream: ``version``, the policy version of its
+    oldest token (its age is counted from it), ``arrival``, its place in the order groups arrived."""
+
+    uid: str
+    rows: DataProto
+    version: int
+    arrival: int
+
+
+def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]:
+    """``batch``'s groups (rows of one ``uid``, consecutive as the rollout returns them), each with the
+    oldest policy version among its model tokens."""
+    uids = batch.non_tensor_batch["uid"]
+    versions = batch.batch["policy_version"].masked_fill(~batch.batch["response_mask"].bool(), 2**62)
+    groups, start = [], 0
+    for end in range(1, len(uids) + 1):
+        if end == len(uids) or uids[end] != uids[start]:
+            oldest = int(versions[start:end].min())
+            if oldest == 2**62:  # no model token at all: the version its first token would carry
+                oldest = int(batch.batch["policy_version"][start:end].min())
+            groups.append(
+                StreamedGroup(str(uids[start]), batch[start:end], oldest, first_arrival + len(groups))
+            )
+            start = end
+    return groups
+
+
+@dataclass
+class StreamSchedule:
+    """The driver's book of a stream (``trainer.async_mode=stream``), in prompt groups.
+
+    - Admission: ``(max_staleness + 1) * groups_per_step`` groups may be outstanding (submitted, and
+      neither trained nor dropped); the driver submits whole prompt batches while :meth:`room` is
+      positive (so by less than a batch more), and generation runs about ``max_staleness`` steps ahead.
+    - :meth:`take` at policy version ``current`` (the updates so far: what the step updates): first the
+      finished groups whose oldest token is more than ``max_staleness`` versions behind are dropped
+      (returned, for their prompts to be generated again, and counted), then, when ``groups_per_step``
+      finished groups remain, the step takes that many, oldest version first, in arrival order among
+      equals (the closest to being dropped go first).
+    - Checkpoints: every submitted prompt keeps its origin (epoch, batch of the loader, row);
+      :meth:`state_dict` gives the loader position of the oldest prompt not yet trained and the rows
+      trained from there on, so that a resumed run draws the prompts in flight at the save again and
+      skips the ones already trained (none twice, none lost).
+    """
+
+    groups_per_step: int
+    max_staleness: int
+    finished: list[StreamedGroup] = field(default_factory=list)
+    outstanding: int = 0
+    arrivals: int = 0
+    dropped: int = 0  # groups dropped for staleness since the last take_dropped_count
+    origin: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # uid -> (epoch, batch, row)
+    trained_origins: set[tuple[int, int, int]] = field(default_factory=set)
+    skipped: set[tuple[int, int, int]] = field(default_factory=set)  # trained before the resume
+
+    def room(self) -> int:
+        """Groups that may still be submitted now."""
+        return (self.max_staleness + 1) * self.groups_per_step - self.outstanding
+
+    def submitted(self, uids: Sequence[str], origins: Sequence[tuple[int, int, int]] | None = None) -> None:
+        """``uids`` sent to the rollout workers (from the loader rows ``origins``; None: resubmitted)."""
+        self.outstanding += len(uids)
+        for uid, origin in zip(uids, origins or ()):
+            self.origin[uid] = origin
+
+    def arrive(self, batch: DataProto) -> None:
+        """Finished groups from the rollout workers."""
+        groups = streamed_groups(batch, self.arrivals)
+        self.arrivals += len(groups)
+        self.finished += groups
+
+    def take(self, current: int) -> tuple[list[StreamedGroup] | None, list[StreamedGroup]]:
+        """(the step's groups, or None while too few are fresh; the groups dropped as too old)."""
+        stale = [group for group in self.finished if current - group.version > self.max_staleness]
+        self.finished = [group for group in self.finished if current - group.version <= self.max_staleness]
+        self.outstanding -= len(stale)
+        self.dropped += len(stale)
+        if len(self.finished) < self.groups_per_step:
+            return None, stale
+        ordered = sorted(self.finished, key=lambda group: (group.version, group.arrival))
+        taken = ordered[: self.groups_per_step]
+        chosen = {id(group) for group in taken}
+        self.finished = [group for group in self.finished if id(group) not in chosen]
+        self.outstanding -= len(taken)
+        for group in taken:
+            if group.uid in self.origin:
+                self.trained_origins.add(self.origin.pop(group.uid))
+        return taken, stale
+
+    def keep(self, row: tuple[int, int, int]) -> bool:
+        """Whether a loader row is to be generated: not one trained before the run resumed."""
+        return row not in self.skipped
+
+    def state_dict(self, loader_position: dict[str, int]) -> dict:
+        """What a checkpoint holds: ``loader``, where the resumed loader starts (the batch of the oldest
+        prompt not trained; ``loader_position``, the loader's own, when none is pending), and ``trained``,
+        the rows trained from that batch on (also those trained before an earlier resume)."""
+        pending = sorted(origin[:2] for origin in self.origin.values())
+        if not pending:
+            return {"loader": dict(loader_position), "trained": []}
+        start = pending[0]
+        trained = sorted(row for row in self.trained_origins | self.skipped if row[:2] >= start)
+        return {
+            "loader": {"epoch": start[0], "batch_index": start[1]},
+            "trained": [list(row) for row in trained],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = {tuple(row) for row in state["trained"]}

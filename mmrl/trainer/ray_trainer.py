@@ -62,7 +62,14 @@ from mmrl.trainer.metrics import (
     timer,
 )
 from mmrl.trainer.placement import Placement, plan_placement
-from mmrl.trainer.separate_rollout import RolloutWorkers, generation_window, overlap_s
+from mmrl.trainer.separate_rollout import (
+    RolloutWorkers,
+    StreamedRollouts,
+    check_stream_versions,
+    generation_window,
+    overlap_s,
+    partial_response_fraction,
+)
 from mmrl.trainer.stages import Stage, first_stage_to_run, plan_stages
 from mmrl.trainer.step_plan import StepPlan
 from mmrl.workers.fsdp_workers import HybridWorker
@@ -320,6 +327,12 @@ class RayPPOTrainer:
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
+        # trainer.async_mode=stream: the rollout workers generate all the time; None otherwise
+        self.stream = (
+            StreamedRollouts(config, self.separate, self._share_media)
+            if config.trainer.streams and self.separate is not None
+            else None
+        )
         self.tracker = None
 
     def _build_model_workers(self, placement: Placement) -> None:
@@ -388,9 +401,14 @@ class RayPPOTrainer:
         transferred = self.transfers.snapshot()
         with timer("step", timings):
             with timer("gen", timings):
-                rollout = self.rollouts.take(
-                    self.global_step, lambda step: self.start_batch(prompts, step), self._next_step_trains()
-                )
+                if self.stream is not None:
+                    rollout = self._streamed_batch(prompts)
+                else:
+                    rollout = self.rollouts.take(
+                        self.global_step,
+                        lambda step: self.start_batch(prompts, step),
+                        self._next_step_trains(),
+                    )
                 batch, collect_scores = rollout.batch, rollout.collect_scores
                 rollout_metrics = {**rollout.metrics, **self._staleness(rollout)}
                 # ReMax: the greedy responses too, before a training phase puts the engine to sleep
@@ -468,6 +486,19 @@ class RayPPOTrainer:
             return finish
         done = finish()  # colocated: generated already; its rewards start now
         return lambda: done
+
+    def _streamed_batch(self, prompts: Iterator[DataProto]) -> Rollout:
+        """The step's groups from the stream (``trainer.async_mode=stream``), scored in the background
+        from now on."""
+        # the horizon is the whole schedule's: prompts in flight at a stage's end are generated again by
+        # the next stage, from the checkpoint's record of them
+        last_step = self.total_steps if self.stage is None else self.stage.schedule_steps
+        batch, metrics = self.stream.take(
+            prompts, self.train_loader.state_dict, self.policy_version, last_step - self.global_step
+        )
+        conform_to_columns(batch, "generate")
+        pending = self.rewards.launch(batch)
+        return Rollout(batch, lambda: self.rewards.collect(pending), metrics, self.policy_version)
 
     def _filtered_rollout(
         self, prompts: Iterator[DataProto], options: FilterOptions, step: int
@@ -766,6 +797,9 @@ class RayPPOTrainer:
             "collapse": self.collapse.state_dict(),
             "policy_version": self.policy_version,
         }
+        if self.stream is not None:  # the loader resumes at the oldest prompt not trained (docs/async.md)
+            stream = self.stream.state_dict(self.train_loader.state_dict())
+            state["loader"], state["stream"] = stream.pop("loader"), stream
         save_trainer_state(tmp_dir, state)
         self.checkpoints.commit(
             self.global_step, parts, metric=val_metric, metric_name=VAL_METRIC, reports=reports
@@ -794,6 +828,8 @@ class RayPPOTrainer:
         )
         self._push_weights()
         self.train_loader.load_state_dict(state["loader"])
+        if self.stream is not None and "stream" in state:
+            self.stream.load_state_dict(state["stream"])
         self.kl_ctrl.value = state["kl_coef"]
         if "entropy_ctrl" in state:  # checkpoints written before the controller existed have none
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
@@ -844,11 +880,20 @@ class RayPPOTrainer:
     def _staleness(self, rollout: Rollout) -> dict[str, float]:
         """Versions behind of the step's tokens when they train (``trainer.records_policy_versions``),
         after checking that the engines sampled with the version the driver had pushed."""
-        if not self.config.trainer.records_policy_versions:
+        trainer = self.config.trainer
+        if not trainer.records_policy_versions:
             return {}
-        check_versions(rollout)
+        if self.stream is None:
+            check_versions(rollout)
+            partial = {}
+        else:  # a response may hold tokens of several versions (partial rollouts)
+            check_stream_versions(rollout.batch, self.policy_version, trainer.max_staleness)
+            partial = {"rollout/partial_response_frac": partial_response_fraction(rollout.batch)}
         batch = rollout.batch.batch
-        return staleness_metrics(batch["policy_version"], batch["response_mask"], self.policy_version)
+        return {
+            **staleness_metrics(batch["policy_version"], batch["response_mask"], self.policy_version),
+            **partial,
+        }
 
     @staticmethod
     def _worker_metrics(output: DataProto) -> dict[str, float]:

@@ -7,15 +7,21 @@ pushes the weights (:meth:`RolloutWorkers.push`): the training ranks gather them
 them over the push group (:mod:`mmrl.workers.weight_push`) that :meth:`RolloutWorkers.connect` built
 once. A push waits for the generation running on the rollout workers (a Ray actor runs one call at a
 time), so the weights never change under a batch being generated.
+
+Streaming (``trainer.async_mode=stream``, :class:`StreamedRollouts`): the rollout workers generate all
+the time in a thread of their own; the driver submits whole prompt batches while the
+:class:`~mmrl.trainer.asynchrony.StreamSchedule` has room, fetches finished groups, and a push lands
+between two chunks of tokens of the generations in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mmrl.config import PPOConfig
 from mmrl.protocol import DataProto
+from mmrl.trainer.asynchrony import StreamSchedule
 from mmrl.trainer.placement import Placement
 from mmrl.workers.fsdp_workers import HybridWorker
 from mmrl.workers.rollout_worker import GENERATION_FINISHED, GENERATION_STARTED, RolloutWorker
@@ -65,8 +71,119 @@ class RolloutWorkers:
         function waits for the responses."""
         return self.group.dispatch_async(RolloutWorker.generate, prompts, **kwargs)
 
+    def stream_submit(self, prompts: DataProto, submission: int) -> None:
+        """``prompts`` into the stream of one rollout worker (in turn: submission modulo the workers)."""
+        self.group.call_rank(
+            submission % self.group.world_size, RolloutWorker.stream_submit, prompts, submission
+        )
+
+    def stream_take(self, timeout_s: float) -> DataProto | None:
+        """The groups every rollout worker finished since the last call, waiting up to ``timeout_s``."""
+        parts = [part for part in self.group.call(RolloutWorker.stream_take, timeout_s) if part is not None]
+        return DataProto.concat(parts) if parts else None
+
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class StreamedRollouts:
+    """The driver's side of ``trainer.async_mode=stream``: prompts submitted as the schedule allows,
+    finished groups gathered until a step's worth of fresh ones is there, stale ones' prompts sent again.
+
+    ``share_media`` puts a prompt batch's media in Ray's object store (the trainer's)."""
+
+    WAIT_S = 0.5  # how long one fetch waits for a finished group
+
+    def __init__(
+        self, config: PPOConfig, workers: RolloutWorkers, share_media: Callable[[DataProto], DataProto]
+    ):
+        self.groups_per_step = config.data.rollout_batch_size
+        self.schedule = StreamSchedule(self.groups_per_step, config.trainer.max_staleness)
+        self.workers, self.share_media = workers, share_media
+        self.prompts: dict[str, DataProto] = {}  # uid -> its prompt row, until its group trains
+        self.submissions = 0
+
+    def take(
+        self,
+        batches: Iterator[DataProto],
+        loader_position: Callable[[], dict[str, int]],
+        current: int,
+        steps_left: int,
+    ) -> tuple[DataProto, dict[str, float]]:
+        """The next step's groups (policy version ``current``: the updates so far), with the stream's
+        metrics; submits new prompts while fewer than ``steps_left`` steps' groups are outstanding."""
+        dropped = 0
+        while True:
+            taken, stale = self.schedule.take(current)
+            if stale:
+                dropped += len(stale)
+                self._submit(DataProto.concat([self.prompts[group.uid] for group in stale]))
+            if taken is not None:
+                break
+            # whole loader batches while groups are missing (a resumed run's batches may be short)
+            while (
+                min(self.schedule.room(), steps_left * self.groups_per_step - self.schedule.outstanding) > 0
+            ):
+                self._submit_next(batches, loader_position)
+            arrived = self.workers.stream_take(self.WAIT_S)
+            if arrived is not None:
+                self.schedule.arrive(arrived)
+        for group in taken:
+            del self.prompts[group.uid]
+        batch = DataProto.concat([group.rows for group in taken])
+        return batch, {
+            "rollout/stream_dropped_groups": dropped,  # finished too old, their prompts generated again
+            "rollout/stream_outstanding_groups": self.schedule.outstanding,
+            "rollout/generated_responses": len(batch),
+            "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
+        }
+
+    def _submit_next(
+        self, batches: Iterator[DataProto], loader_position: Callable[[], dict[str, int]]
+    ) -> None:
+        """The loader's next batch into the stream, less the rows trained before a resume."""
+        prompts = next(batches)
+        position = loader_position()  # the batch just drawn is batch_index - 1 of its epoch
+        epoch, index = position["epoch"], position["batch_index"] - 1
+        rows = [row for row in range(len(prompts)) if self.schedule.keep((epoch, index, row))]
+        if rows:
+            self._submit(prompts[rows], [(epoch, index, row) for row in rows])
+
+    def _submit(self, prompts: DataProto, origins: list[tuple[int, int, int]] | None = None) -> None:
+        if origins is not None:  # new prompts: media shared once, rows kept until they train
+            prompts = self.share_media(prompts)
+            for row in range(len(prompts)):
+                self.prompts[str(prompts.non_tensor_batch["uid"][row])] = prompts[row : row + 1]
+        self.schedule.submitted([str(uid) for uid in prompts.non_tensor_batch["uid"]], origins)
+        self.workers.stream_submit(prompts, self.submissions)
+        self.submissions += 1
+
+    def state_dict(self, loader_position: dict[str, int]) -> dict:
+        return {**self.schedule.state_dict(loader_position), "submissions": self.submissions}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule.load_state_dict(state)
+        self.submissions = int(state["submissions"])
+
+
+def check_stream_versions(batch: DataProto, current: int, max_staleness: int) -> None:
+    """Stop when a streamed token claims a version the driver has not pushed yet, or one older than
+    the schedule admits: the engines hold other weights than the driver believes."""
+    versions = batch.batch["policy_version"][batch.batch["response_mask"].bool()]
+    if versions.numel() and (int(versions.max()) > current or int(versions.min()) < current - max_staleness):
+        raise RuntimeError(
+            f"streamed tokens carry policy versions {int(versions.min())}..{int(versions.max())}, but the "
+            f"driver is at version {current} with trainer.max_staleness={max_staleness}"
+        )
+
+
+def partial_response_fraction(batch: DataProto) -> float:
+    """Share of the responses whose tokens were sampled by more than one policy version."""
+    mask = batch.batch["response_mask"].bool()
+    versions = batch.batch["policy_version"]
+    newest = versions.masked_fill(~mask, -1).amax(dim=-1)
+    oldest = versions.masked_fill(~mask, 2**62).amin(dim=-1)
+    return float(((newest > oldest) & mask.any(dim=-1)).float().mean()) if len(versions) else 0.0
 
 
 def generation_window(batch: DataProto) -> tuple[float, float] | None:

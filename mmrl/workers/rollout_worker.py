@@ -8,6 +8,13 @@ group (:mod:`mmrl.workers.weight_push`; the driver calls :meth:`RolloutWorker.re
 the tokens it samples. Generation is the colocated one (:mod:`mmrl.workers.rollout.engine`): the same
 sampling seeds per step and rank (of the rollout workers), media attached here from the batch's
 compact refs, ``position_ids`` numbered with the engine's own copy of the architecture.
+
+Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
+and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a
+time (:class:`mmrl.workers.rollout.streaming.StreamingEngine`); the driver fetches each prompt's n
+responses once they have all ended (:meth:`RolloutWorker.stream_take`). A weight push (or validation,
+greedy baselines) waits for the chunk in progress to end and holds the engine while it runs; the
+generations in flight then continue with the new weights.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import PPOConfig
-from mmrl.data.processing import MediaCache, attach_media
+from mmrl.data.processing import MediaCache, attach_media, without_model_media
 from mmrl.dispatch import rows_per_rank
 from mmrl.models.loading import resolve_model_path
 from mmrl.protocol import DataProto
 from mmrl.versions import check_versions, packages_of_run
+from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_workers import build_media_processor, processes_on_node, setup_distributed
 from mmrl.workers.rollout import GenerationMode
 from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, sampling_params
+from mmrl.workers.rollout.streaming import StreamingEngine
 from mmrl.workers.weight_push import Manifest, WeightPushGroup
 
 # meta_info["metrics"] keys of a generation's wall-clock window (time.time()), read by the driver
@@ -48,6 +57,9 @@ class RolloutWorker:
         self.version = 0  # policy version (actor updates) of the weights the engine holds
         self.weight_push: WeightPushGroup | None = None
         self.manifest: Manifest = []
+        # trainer.async_mode=stream: generations decoded by a thread, a chunk at a time (worker.rollout.
+        # stream_chunk_tokens); everything else that uses the engine holds it between two chunks
+        self.streaming = StreamingEngine(self.engine, config.worker.rollout.stream_chunk_tokens)
 
     def join_weight_push(self, host: str, port: int, world_size: int, manifest: Manifest) -> None:
         """Join the push group training rank 0 opens at ``host:port``; ``manifest``: what each push
@@ -64,8 +76,10 @@ class RolloutWorker:
             raise RuntimeError(
                 "receive_weights before join_weight_push: the driver connects the push group first"
             )
-        self.engine.update_weights(self.weight_push.receive(self.manifest))
-        self.version = version
+        with self.streaming.hold():
+            self.engine.update_weights(self.weight_push.receive(self.manifest))
+            self.version = version
+            self.streaming.reload(version)  # partial rollouts: the rest of each is the new weights'
 
     @rows_per_rank
     def generate(
@@ -76,12 +90,29 @@ class RolloutWorker:
         started = time.time()
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
-        version = self.version if self.config.trainer.records_policy_versions else None
-        output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
+        with self.streaming.hold():
+            version = self.version if self.config.trainer.records_policy_versions else None
+            output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
         output.meta_info["metrics"] = {GENERATION_STARTED: started, GENERATION_FINISHED: time.time()}
         return output
 
+    def stream_submit(self, prompts: DataProto, submission: int) -> None:
+        """Start generating ``prompts`` (training sampling; the seed of the driver's ``submission``-th
+        submission) in the streaming thread, after the generations submitted before."""
+        prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
+        sampling = sampling_params(self.config, GenerationMode.TRAIN, submission, self.rank, self.world_size)
+        self.streaming.submit(prompts, sampling, self.version)
+
+    def stream_take(self, timeout_s: float) -> DataProto | None:
+        """The groups finished since the last call (rows of a prompt together, ``position_ids`` and each
+        token's ``policy_version`` included), waiting up to ``timeout_s`` for one; None when none."""
+        parts = self.streaming.take(timeout_s)
+        if not parts:
+            return None
+        return without_model_media(add_position_ids(self.engine.model, DataProto.concat(parts)))
+
     def shutdown(self) -> None:
+        self.streaming.stop()
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
         if dist.is_initialized():

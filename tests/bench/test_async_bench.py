@@ -39,3 +39,21 @@ def test_cost_model_by_hand():
         ("6/2", 2.0, 2.5),
     ]
     assert predictions[0]["speedup"] == pytest.approx(0.8)
+
+
+def test_a_streamed_runs_summary_by_hand():
+    # streaming: the rollout worker's idle share is not known to the driver (n/a); staleness is a median
+    # over the measured steps, partial responses a mean, dropped groups a sum
+    rows = [
+        {"step": 1, "timing_s/step": 9.0, "timing_s/gen": 4.0},  # the warm-up step, left out
+        {"step": 2, "timing_s/step": 2.0, "timing_s/gen": 0.5, "rollout/stream_outstanding_groups": 4,
+         "rollout/staleness_mean": 0.5, "rollout/staleness_max": 1.0, "rollout/partial_response_frac": 0.25,
+         "rollout/stream_dropped_groups": 1.0},
+        {"step": 3, "timing_s/step": 2.0, "timing_s/gen": 0.5, "rollout/stream_outstanding_groups": 4,
+         "rollout/staleness_mean": 1.5, "rollout/staleness_max": 3.0, "rollout/partial_response_frac": 0.75,
+         "rollout/stream_dropped_groups": 2.0},
+    ]  # fmt: skip
+    summary = async_bench.summarize(rows, warmup=1, responses_per_step=16)
+    assert summary["rollout_idle"] is None and summary["trainer_idle"] == pytest.approx(0.25)
+    assert (summary["staleness_mean"], summary["staleness_max"]) == (1.0, 3.0)
+    assert summary["partial_frac"] == 0.5 and summary["dropped_groups"] == 3.0

@@ -3,11 +3,19 @@ version) and the staleness of the trained tokens, on plain batches (mmrl/trainer
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from mmrl.protocol import DataProto
-from mmrl.trainer.asynchrony import Rollout, RolloutSchedule, check_versions, staleness_metrics
+from mmrl.trainer.asynchrony import (
+    Rollout,
+    RolloutSchedule,
+    StreamSchedule,
+    check_versions,
+    staleness_metrics,
+    streamed_groups,
+)
 
 
 def _rollout(version: int, stamped: int | None = None) -> Rollout:
@@ -88,3 +96,89 @@ def test_a_rollout_started_ahead_runs_until_settled_and_is_waited_for_once():
     assert events == ["start 0", "wait 0", "start 1", "update 0", "wait 1", "push 1"]
     assert (first.policy_version, ahead, second.policy_version) == (0, second, 1)
     assert schedule.settle() is None and schedule.pending is None
+
+
+# ---- streaming (trainer.async_mode=stream): StreamSchedule ----------------------------------------
+
+
+def _groups(spec: list[tuple[str, list[int]]]) -> DataProto:
+    """Finished groups of 2 responses: (uid, the policy versions of the model tokens of each row, the
+    oldest on the first row); 3 positions, the last one padding (version 99, masked out)."""
+    uids, versions, masks = [], [], []
+    for uid, (oldest, newest) in spec:
+        for first in (oldest, newest):
+            uids.append(uid)
+            versions.append([first, newest, 99])
+            masks.append([1, 1, 0])
+    return DataProto.from_dict(
+        tensors={"policy_version": torch.tensor(versions), "response_mask": torch.tensor(masks)},
+        non_tensors={"uid": np.array(uids, dtype=object)},
+    )
+
+
+def test_stream_takes_the_oldest_fresh_groups_and_drops_the_too_old():
+    # 2 groups a step, max_staleness 1. At version 3: "a" (oldest token 1) is 2 behind: dropped; the
+    # fresh ones are b (2), c (3), d (2): the step takes the two oldest, b then d (arrival breaks ties
+    # between equal versions: b arrived first); c stays for the next step
+    schedule = StreamSchedule(groups_per_step=2, max_staleness=1)
+    schedule.submitted(["a", "b", "c", "d"], [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)])
+    assert schedule.room() == 0  # (1 + 1) * 2 outstanding
+    schedule.arrive(_groups([("a", [1, 3]), ("b", [2, 3]), ("c", [3, 3])]))
+    schedule.arrive(_groups([("d", [2, 2])]))
+    taken, stale = schedule.take(current=3)
+    assert [group.uid for group in stale] == ["a"] and schedule.dropped == 1
+    assert [group.uid for group in taken] == ["b", "d"]
+    assert [len(group.rows) for group in taken] == [2, 2]
+    assert [group.uid for group in schedule.finished] == ["c"]
+    assert schedule.outstanding == 1 and schedule.room() == 3
+    # too few fresh groups: nothing is taken, c waits; at version 5 it is 2 behind and goes too
+    assert schedule.take(current=4) == (None, [])
+    taken, stale = schedule.take(current=5)
+    assert taken is None and [group.uid for group in stale] == ["c"] and schedule.outstanding == 0
+
+
+def test_a_groups_version_is_its_oldest_model_token():
+    # padding (masked) carries 99 and does not count; the second row's tokens are all newer
+    (group,) = streamed_groups(_groups([("g", [4, 6])]), first_arrival=7)
+    assert (group.uid, group.version, group.arrival) == ("g", 4, 7)
+
+
+def test_max_staleness_bounds_what_a_step_takes():
+    # the same finished groups at version 6 with max_staleness 4: oldest tokens 2..5 are all at most
+    # 4 behind, the two oldest go; with max_staleness 1 only the version-5 group would be fresh
+    spec = [("p", [2, 6]), ("q", [5, 6]), ("r", [3, 4])]
+    wide = StreamSchedule(groups_per_step=2, max_staleness=4)
+    wide.submitted(["p", "q", "r"])
+    wide.arrive(_groups(spec))
+    taken, stale = wide.take(current=6)
+    assert [group.uid for group in taken] == ["p", "r"] and stale == []
+    narrow = StreamSchedule(groups_per_step=2, max_staleness=1)
+    narrow.submitted(["p", "q", "r"])
+    narrow.arrive(_groups(spec))
+    taken, stale = narrow.take(current=6)
+    assert taken is None and [group.uid for group in stale] == ["p", "r"]
+
+
+def test_a_checkpoint_resumes_at_the_oldest_prompt_not_trained_and_skips_the_trained():
+    # loader batches of 2 prompts: batch (0, 0) rows 0 and 1, batch (0, 1) rows 0 and 1, all submitted;
+    # trained so far: (0, 0, 1) and (0, 1, 0). Pending: (0, 0, 0) and (0, 1, 1). The loader resumes at
+    # batch (0, 0) and the trained rows are skipped there: each prompt trains exactly once
+    schedule = StreamSchedule(groups_per_step=2, max_staleness=1)
+    origins = {"a": (0, 0, 0), "b": (0, 0, 1), "c": (0, 1, 0), "d": (0, 1, 1)}
+    schedule.submitted(list(origins), list(origins.values()))
+    schedule.arrive(_groups([("b", [0, 0]), ("c", [0, 0])]))
+    taken, _ = schedule.take(current=0)
+    assert [group.uid for group in taken] == ["b", "c"]
+    state = schedule.state_dict({"epoch": 0, "batch_index": 2})
+    assert state == {"loader": {"epoch": 0, "batch_index": 0}, "trained": [[0, 0, 1], [0, 1, 0]]}
+    resumed = StreamSchedule(groups_per_step=2, max_staleness=1)
+    resumed.load_state_dict(state)
+    kept = [row for row in [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)] if resumed.keep(row)]
+    assert kept == [(0, 0, 0), (0, 1, 1)]
+    # nothing pending: the loader's own position, nothing to skip
+    schedule.arrive(_groups([("a", [0, 0]), ("d", [0, 0])]))
+    schedule.take(current=1)
+    assert schedule.state_dict({"epoch": 0, "batch_index": 2}) == {
+        "loader": {"epoch": 0, "batch_index": 2},
+        "trained": [],
+    }

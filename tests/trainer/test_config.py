@@ -333,7 +333,35 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             ["trainer.async_mode=one_step_off", "trainer.save_freq=1"],
             "trainer.save_freq=1 saves after every step: the run would be synchronous",
         ),
-        (["trainer.async_mode=stream"], "trainer.async_mode='stream' is not one of sync, one_step_off"),
+        (
+            ["trainer.async_mode=streem"],
+            "trainer.async_mode='streem' is not one of sync, one_step_off, stream",
+        ),
+        (
+            ["trainer.async_mode=stream", "worker.rollout.name=hf"],
+            "trainer.async_mode=stream needs worker.rollout.placement=separate",
+        ),
+        (
+            ["trainer.async_mode=stream", "worker.rollout.placement=separate"],
+            "trainer.async_mode=stream needs worker.rollout.name=hf",
+        ),
+        (
+            [
+                "trainer.async_mode=stream",
+                "worker.rollout.placement=separate",
+                "worker.rollout.name=hf",
+                "algorithm.online_filtering=true",
+            ],
+            "trainer.async_mode=stream needs algorithm.online_filtering=false",
+        ),
+        (
+            ["trainer.async_mode=stream", "trainer.max_staleness=0"],
+            "trainer.max_staleness=0 must be >= 1",
+        ),
+        (
+            ["worker.rollout.stream_chunk_tokens=0"],
+            "worker.rollout.stream_chunk_tokens=0 must be >= 1 (tokens)",
+        ),
         (
             ["worker.rollout.placement=apart"],
             "worker.rollout.placement='apart' is not one of colocated, separate",

@@ -283,40 +283,9 @@ class HFRollout:
     def _decode(
         self, prompts: DataProto, sampling: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        logits, cache, attention_mask, next_position = self._prefill(prompts, sampling.n, sampling.max_tokens)
-        routed = None
-        if self.routing is not None:  # the prompts' routing, copied to their n rows
-            routed = [self._routed(prompts.batch["attention_mask"]).repeat_interleave(sampling.n, dim=0)]
-        padded = not bool(attention_mask.all())  # without padding, decoding needs no mask at all
-        eos = torch.tensor(self.eos_token_ids, device=logits.device)
-        finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        tokens, log_probs = [], []
-        for step in range(sampling.max_tokens):
-            token, token_log_prob = self._sample(logits, sampling, generator)
-            token = token.masked_fill(finished, self.pad_token_id)
-            fed = ~finished  # [B]: a real token (not padding after EOS) if it is fed back
-            tokens.append(token)
-            if token_log_prob is not None:
-                log_probs.append(token_log_prob.masked_fill(finished, 0.0))
-            if not sampling.ignore_eos:
-                finished |= torch.isin(token, eos)
-            if step == sampling.max_tokens - 1 or bool(finished.all()):
-                break
-            if padded:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=-1)
-            position = (next_position + step).unsqueeze(-1)  # [A, B, 1]
-            logits = self.model(
-                input_ids=token.unsqueeze(-1),
-                attention_mask=attention_mask if padded else None,
-                position_ids=position if len(position) == 3 else position[0],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            if routed is not None:
-                routed.append(self._routed(fed.unsqueeze(-1)))
-        responses = torch.stack(tokens, dim=1)
-        routing = torch.cat(routed, dim=1) if routed is not None else None
-        return responses, torch.stack(log_probs, dim=1) if log_probs else None, routing
+        decode = PartialDecode(self, prompts, sampling, generator)
+        decode.advance(sampling.max_tokens)
+        return decode.responses(), decode.log_probs(), decode.routing()
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         if self.weights_discarded:
@@ -377,3 +346,202 @@ class HFRollout:
             return turns
 
         return generate_turns
+
+    def stream(self, prompts: DataProto, sampling: SamplingParams, version: int) -> StreamedGeneration:
+        """A training generation of ``prompts`` handed out group by group as the prompts finish, its
+        tokens stamped with the policy version that sampled them (:class:`StreamedGeneration`)."""
+        return StreamedGeneration(self, prompts, sampling, version)
+
+
+class PartialDecode:
+    """One micro-batch of whole prompts (their n rows each) decoded a chunk of tokens at a time, so that
+    new weights may arrive between chunks (``trainer.async_mode=stream``, partial rollouts).
+
+    :meth:`advance` samples up to k more tokens per row; :meth:`reload` says the engine now holds
+    other weights (policy ``version``): before the next token the prompts and the tokens sampled so far
+    are encoded again by them (a new KV cache, AReaL's choice), so every later token is exactly what the
+    new weights sample after that prefix. ``versions()`` gives each sampled token the version of the
+    weights whose logits it was drawn from. Decoding it in one :meth:`advance` of ``max_tokens`` is
+    :meth:`HFRollout.generate`'s own loop."""
+
+    def __init__(
+        self,
+        rollout: HFRollout,
+        prompts: DataProto,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        version: int = 0,
+    ):
+        self.rollout, self.prompts, self.sampling, self.generator = rollout, prompts, sampling, generator
+        self.version = version
+        with torch.inference_mode():
+            self.logits, self.cache, self.attention_mask, self.next_position = rollout._prefill(
+                prompts, sampling.n, sampling.max_tokens
+            )
+        self.routed = None
+        if rollout.routing is not None:  # the prompts' routing, copied to their n rows
+            self.routed = [
+                rollout._routed(prompts.batch["attention_mask"]).repeat_interleave(sampling.n, dim=0)
+            ]
+        self.padded = not bool(self.attention_mask.all())  # without padding, decoding needs no mask at all
+        self.eos = torch.tensor(rollout.eos_token_ids, device=self.logits.device)
+        self.finished = torch.zeros(self.logits.shape[0], dtype=torch.bool, device=self.logits.device)
+        self.tokens: list[torch.Tensor] = []
+        self.token_log_probs: list[torch.Tensor] = []
+        self.token_versions: list[int] = []
+        self.done = False
+        self.stale = False  # reload() was called: the cache and logits are the old weights'
+
+    def reload(self, version: int) -> None:
+        """The engine holds the weights of policy ``version`` now: re-encode before the next token."""
+        if version != self.version:
+            self.version, self.stale = version, True
+
+    def _reencode(self) -> None:
+        """The KV cache and next-token logits of the prompts and the tokens sampled so far, by the
+        engine's current weights: the prompts' prefill, then every sampled token fed in one forward at
+        the positions the decode gave them."""
+        rollout, count = self.rollout, len(self.tokens)
+        self.logits, self.cache, prompt_mask, self.next_position = rollout._prefill(
+            self.prompts, self.sampling.n, self.sampling.max_tokens
+        )
+        if count == 0:
+            self.stale = False
+            return
+        sampled = torch.stack(self.tokens, dim=1)  # [B, count], every one already fed before the reload
+        self.attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(sampled.shape)], dim=-1)
+        offsets = torch.arange(count, device=sampled.device)
+        position = self.next_position.unsqueeze(-1) + offsets  # [A, B, count]
+        self.logits = rollout.model(
+            input_ids=sampled,
+            attention_mask=self.attention_mask,
+            position_ids=position if len(position) == 3 else position[0],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self.stale = False
+
+    @torch.inference_mode()
+    def advance(self, max_new_tokens: int) -> None:
+        """Sample up to ``max_new_tokens`` more tokens per row (fewer when every row ends first)."""
+        if self.stale and not self.done:
+            self._reencode()
+        rollout, sampling = self.rollout, self.sampling
+        for _ in range(max_new_tokens):
+            if self.done:
+                return
+            step = len(self.tokens)
+            token, token_log_prob = rollout._sample(self.logits, sampling, self.generator)
+            token = token.masked_fill(self.finished, rollout.pad_token_id)
+            fed = ~self.finished  # [B]: a real token (not padding after EOS) if it is fed back
+            self.tokens.append(token)
+            self.token_versions.append(self.version)
+            if token_log_prob is not None:
+                self.token_log_probs.append(token_log_prob.masked_fill(self.finished, 0.0))
+            if not sampling.ignore_eos:
+                self.finished |= torch.isin(token, self.eos)
+            if step == sampling.max_tokens - 1 or bool(self.finished.all()):
+                self.done = True
+                return
+            if self.padded:
+                self.attention_mask = torch.cat(
+                    [self.attention_mask, self.attention_mask.new_ones(len(token), 1)], dim=-1
+                )
+            position = (self.next_position + step).unsqueeze(-1)  # [A, B, 1]
+            self.logits = rollout.model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=self.attention_mask if self.padded else None,
+                position_ids=position if len(position) == 3 else position[0],
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[:, -1]
+            if self.routed is not None:
+                self.routed.append(rollout._routed(fed.unsqueeze(-1)))
+
+    def finished_prompts(self) -> list[int]:
+        """The prompts (indices into ``prompts``) all of whose n responses have ended (all, once done)."""
+        if self.done:
+            return list(range(len(self.prompts)))
+        ended = self.finished.view(len(self.prompts), self.sampling.n).all(dim=-1)
+        return ended.nonzero().flatten().tolist()
+
+    def responses(self) -> torch.Tensor:
+        return torch.stack(self.tokens, dim=1)  # [B, r]
+
+    def log_probs(self) -> torch.Tensor | None:
+        return torch.stack(self.token_log_probs, dim=1) if self.token_log_probs else None
+
+    def versions(self) -> torch.Tensor:
+        """[B, r]: the policy version each sampled token was drawn by."""
+        versions = torch.tensor(self.token_versions, dtype=torch.long)
+        return versions.expand(len(self.finished), -1).clone()
+
+    def routing(self) -> torch.Tensor | None:
+        return torch.cat(self.routed, dim=1) if self.routed is not None else None
+
+
+class StreamedGeneration:
+    """A training generation handed out group by group (``trainer.async_mode=stream``): the prompts'
+    micro-batches (``micro_batch_size`` responses, whole prompts) decoded one after the other, in the
+    order and with the random stream :meth:`HFRollout.generate` uses, ``advance(k)`` tokens at a time;
+    :meth:`take_finished` returns the prompts whose n responses have all ended since the last call, as
+    rollout rows with each token's ``policy_version``. A micro-batch is prefilled when its turn comes,
+    by the weights the engine then holds."""
+
+    def __init__(self, rollout: HFRollout, prompts: DataProto, sampling: SamplingParams, version: int):
+        self.rollout, self.sampling, self.version = rollout, sampling, version
+        self.generator = rollout._generator(sampling)
+        self.waiting = list(prompts.split(max(1, rollout.micro_batch_size // sampling.n)))
+        self.current: PartialDecode | None = None
+        self.handed_out: set[int] = set()  # prompts of the current micro-batch already returned
+
+    @property
+    def done(self) -> bool:
+        return self.current is None and not self.waiting
+
+    def reload(self, version: int) -> None:
+        """New weights (policy ``version``) in the engine: the micro-batch in progress re-encodes."""
+        self.version = version
+        if self.current is not None:
+            self.current.reload(version)
+
+    def advance(self, max_new_tokens: int) -> None:
+        if self.current is None and self.waiting:
+            self.current = PartialDecode(
+                self.rollout, self.waiting.pop(0), self.sampling, self.generator, self.version
+            )
+            self.handed_out = set()
+        if self.current is not None:
+            self.current.advance(max_new_tokens)
+
+    def take_finished(self) -> DataProto | None:
+        """The rows (n per prompt, the prompt's columns repeated) of the prompts finished since the
+        last call, padded to ``max_tokens``; None when there are none."""
+        decode = self.current
+        if decode is None:
+            return None
+        prompts = [index for index in decode.finished_prompts() if index not in self.handed_out]
+        self.handed_out.update(prompts)
+        if decode.done:
+            self.current = None
+        if not prompts:
+            return None
+        n, width, rollout = self.sampling.n, self.sampling.max_tokens, self.rollout
+        rows = [prompt * n + k for prompt in prompts for k in range(n)]
+        responses = rollout._pad_width(decode.responses()[rows].cpu(), width, rollout.pad_token_id)
+        versions = decode.versions()[rows]
+        versions = torch.nn.functional.pad(versions, (0, width - versions.shape[-1]), value=decode.version)
+        log_probs = decode.log_probs()
+        batch = assemble_rollout_batch(
+            decode.prompts[prompts].repeat(n, interleave=True),
+            responses,
+            rollout.eos_token_ids,
+            rollout.pad_token_id,
+            ignore_eos=self.sampling.ignore_eos,
+            rollout_log_probs=None
+            if log_probs is None
+            else rollout._pad_width(log_probs[rows].cpu(), width, 0.0),
+        )
+        batch.batch["policy_version"] = versions
+        return batch

@@ -1,0 +1,101 @@
+"""An engine that generates all the time (``trainer.async_mode=stream``): submitted training generations
+are decoded by a thread of their own, ``chunk_tokens`` tokens per row at a time, the oldest first; each
+prompt's n responses are queued as soon as they have all ended. Anything else that needs the engine
+(a weight push, validation, greedy baselines) :meth:`StreamingEngine.hold`\\ s it: it waits for the chunk
+in progress to end, and no chunk starts while it holds it. After new weights, :meth:`reload` lets the
+generations in flight continue with them (partial rollouts:
+:class:`mmrl.workers.rollout.hf.PartialDecode`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from mmrl.protocol import DataProto
+from mmrl.workers.rollout import SamplingParams
+
+
+class StreamingEngine:
+    """``engine`` (the transformers rollout: its ``stream`` method) driven by a thread of this process."""
+
+    def __init__(self, engine: Any, chunk_tokens: int):
+        self.engine, self.chunk_tokens = engine, chunk_tokens
+        self.changed = threading.Condition()
+        self.streams: list[Any] = []  # submitted generations, oldest first
+        self.outbox: list[DataProto] = []  # finished groups not yet taken
+        self.holders = 0  # callers waiting for, or holding, the engine
+        self.decoding = False  # a chunk is being decoded
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The engine to the caller, once the chunk in progress has ended."""
+        with self.changed:
+            self.holders += 1
+            self.changed.wait_for(lambda: not self.decoding)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.holders -= 1
+                self.changed.notify_all()
+
+    def reload(self, version: int) -> None:
+        """The engine holds the weights of policy ``version`` now (call it while holding the engine):
+        the generations in flight continue with them."""
+        for stream in self.streams:
+            stream.reload(version)
+
+    def submit(self, prompts: DataProto, sampling: SamplingParams, version: int) -> None:
+        """A training generation of ``prompts`` (media attached), after those submitted before."""
+        with self.changed:
+            self.streams.append(self.engine.stream(prompts, sampling, version))
+            self.changed.notify_all()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="stream", daemon=True)
+            self.thread.start()
+
+    def take(self, timeout_s: float) -> list[DataProto]:
+        """The groups finished since the last call, waiting up to ``timeout_s`` for one; the thread's
+        failure is raised here."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.outbox or self.error is not None, timeout=timeout_s)
+            if self.error is not None:
+                raise RuntimeError("the streaming generation failed") from self.error
+            parts, self.outbox = self.outbox, []
+        return parts
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
+
+    def _loop(self) -> None:
+        """Decode the oldest generation a chunk at a time while nobody holds the engine."""
+        try:
+            while True:
+                with self.changed:
+                    self.changed.wait_for(lambda: self.stopping or (self.streams and not self.holders))
+                    if self.stopping:
+                        return
+                    stream, self.decoding = self.streams[0], True
+                finished = None
+                try:
+                    stream.advance(self.chunk_tokens)
+                    finished = stream.take_finished()
+                finally:
+                    with self.changed:
+                        self.decoding = False
+                        if stream.done:
+                            self.streams.remove(stream)
+                        if finished is not None:
+                            self.outbox.append(finished)
+                        self.changed.notify_all()
+        except BaseException as error:  # the caller learns it at its next take
+            with self.changed:
+                self.error = error
+                self.changed.notify_all()
