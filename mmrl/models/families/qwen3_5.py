@@ -25,7 +25,7 @@ from torch import nn
 from mmrl.models.attention import PackedSequences
 from mmrl.models.families import ModelFamily, token_type_position_ids
 
-LINEAR_ATTENTION = "Qwen3_5GatedDeltaNet"
+LINEAR_ATTENTION = "Qwen3_5GatedDeltaNet"  # the layer class (Qwen3.5 MoE: its own copy of it)
 
 
 def _per_sequence(original, hidden_states, *args, packed_sequences=None, **kwargs):
@@ -42,12 +42,12 @@ def _per_sequence(original, hidden_states, *args, packed_sequences=None, **kwarg
     return torch.cat([original(piece, **kwargs) for piece in pieces], dim=1)
 
 
-def linear_attention_per_sequence(model: nn.Module) -> bool:
-    """Make every gated delta net of ``model`` run each sequence of a packed row on its own (see the
-    module doc); returns whether any layer changed. Idempotent."""
+def linear_attention_per_sequence(model: nn.Module, layer_class: str = LINEAR_ATTENTION) -> bool:
+    """Make every gated delta net (a ``layer_class`` module) of ``model`` run each sequence of a packed
+    row on its own (see the module doc); returns whether any layer changed. Idempotent."""
     changed = False
     for module in model.modules():
-        if type(module).__name__ == LINEAR_ATTENTION and not hasattr(module.forward, "mmrl_per_sequence"):
+        if type(module).__name__ == layer_class and not hasattr(module.forward, "mmrl_per_sequence"):
             forward = functools.partial(_per_sequence, module.forward)
             forward.mmrl_per_sequence = True
             module.forward = forward
