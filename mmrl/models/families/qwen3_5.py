@@ -9,6 +9,13 @@ state its predecessor left: on the tiny model, log-probs of the 2nd to 4th seque
 were off by up to 2.6 nats. :func:`linear_attention_per_sequence` runs those layers on each sequence of
 a packed row separately (exact; a Python loop over the row's sequences per layer).
 
+vLLM (0.32) builds Qwen3.5's language model from the text config alone and ties its output head to
+the embedding only when the *text* config says ``tie_word_embeddings``; transformers ties by the
+top-level config's. A tied checkpoint whose text config does not say so (the tiny model's: transformers
+writes the text config's default, false) stores no ``lm_head.weight``, and vLLM's head stayed unloaded
+(NaN logits, measured):
+:func:`vllm_ties_as_transformers` hands vLLM the top-level setting.
+
 Not supported: sequence parallelism and shared-prompt packing (a sequence split over ranks, or
 responses continuing a shared prompt, would need the recurrence state handed over). ``sequence_state``
 has the config check refuse them at load, naming the keys; the layer refuses them too, should a
@@ -55,6 +62,11 @@ def linear_attention_per_sequence(model: nn.Module, layer_class: str = LINEAR_AT
     return changed
 
 
+def vllm_ties_as_transformers(config) -> None:
+    """Make vLLM tie the output head as transformers does (see the module doc)."""
+    config.get_text_config().tie_word_embeddings = config.tie_word_embeddings
+
+
 FAMILY = ModelFamily(
     name="qwen3_5",
     model_types=("qwen3_5",),
@@ -64,5 +76,6 @@ FAMILY = ModelFamily(
     placeholder_tokens=("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     position_keys=("image_grid_thw", "video_grid_thw"),
     fix_model=linear_attention_per_sequence,
+    fix_vllm_config=vllm_ties_as_transformers,
     sequence_state="linear-attention (gated delta net) layers",
 )
