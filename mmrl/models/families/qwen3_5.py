@@ -13,8 +13,7 @@ vLLM (0.32) builds Qwen3.5's language model from the text config alone and ties 
 the embedding only when the *text* config says ``tie_word_embeddings``; transformers ties by the
 top-level config's. A tied checkpoint whose text config does not say so (the tiny model's: transformers
 writes the text config's default, false) stores no ``lm_head.weight``, and vLLM's head stayed unloaded
-(NaN logits, measured):
-:func:`vllm_ties_as_transformers` hands vLLM the top-level setting.
+(NaN logits, measured): :func:`vllm_ties_as_transformers` hands vLLM the top-level setting.
 
 Not supported: sequence parallelism and shared-prompt packing (a sequence split over ranks, or
 responses continuing a shared prompt, would need the recurrence state handed over). ``sequence_state``
