@@ -120,6 +120,16 @@ def tiny_qwen3_5_path(tiny_models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen3.5 MoE (Qwen3.5's two layers, each MLP 4 routed experts, top-2, and a shared
+    expert; seed 0)."""
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen3_5_moe"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def real_width_vl_path(tiny_models_dir) -> Path:
     """A Qwen2.5-VL with the 3B model's widths and real vocabulary (151,936, tied), 2 decoder layers and
     2 vision blocks, random weights (seed 0; 0.54B parameters, 2.2 GB of fp32 safetensors)."""

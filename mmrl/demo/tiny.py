@@ -22,6 +22,8 @@ calls reload:
   GLM's media tokens in the Qwen-style chat template the other kinds use (not GLM's ``<|user|>`` one).
 - ``qwen3_5``: ``Qwen3_5ForConditionalGeneration`` (Qwen3.5: a linear-attention layer, gated delta net,
   then a full-attention layer; Qwen3-VL's vision tower without deepstack); Qwen3-VL's processor.
+- ``qwen3_5_moe``: ``Qwen3_5MoeForConditionalGeneration``, Qwen3.5 with every decoder MLP a sparse block
+  of ``MOE_EXPERTS`` routed experts (top-2, softmax router) beside a sigmoid-gated shared expert.
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -64,7 +66,7 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5")
+KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe")
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -120,6 +122,7 @@ NAMED_TOKENS: dict[str, dict[str, str]] = {
     "qwen3_vl_moe": _VL_TOKENS,
     "glm4v": _GLM4V_TOKENS,
     "qwen3_5": _VL_TOKENS,
+    "qwen3_5_moe": _VL_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -483,8 +486,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
         return _qwen3_vl_config(size, vocab_size, ids, moe=kind == "qwen3_vl_moe")
     if kind == "glm4v":
         return _glm4v_config(size, vocab_size, ids)
-    if kind == "qwen3_5":
-        return _qwen3_5_config(size, vocab_size, ids)
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_5_config(size, vocab_size, ids, moe=kind == "qwen3_5_moe")
     if kind == "qwen2_5_vl":
         tied = {"tie_word_embeddings": size.tie_word_embeddings}
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
@@ -644,12 +647,16 @@ def _glm4v_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreT
     )
 
 
-def _qwen3_5_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> PreTrainedConfig:
+def _qwen3_5_config(
+    size: ModelSize, vocab_size: int, ids: dict[str, int], moe: bool = False
+) -> PreTrainedConfig:
     """A Qwen3.5 config: Qwen3-VL's (interleaved M-RoPE on a quarter of each head, as Qwen3.5's
     ``partial_rotary_factor`` 0.25) with the first decoder layer a gated delta net (linear attention,
     128-wide heads: vLLM's CPU kernel takes no other) and the last a gated full-attention layer, and a
-    vision tower without deepstack mergers."""
-    from transformers import Qwen3_5Config
+    vision tower without deepstack mergers. ``moe``: the Qwen3.5 MoE config, every decoder MLP
+    ``MOE_EXPERTS`` routed experts (top-2) and a shared expert, each a quarter of the dense MLP wide
+    (Qwen3.5-35B-A3B: 256 routed and one shared expert of 512)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     qwen3_vl = _qwen3_vl_config(size, vocab_size, ids).to_dict()
     pairs = size.head_dim // 8  # rotary pairs of a quarter of a head, in about equal thirds
@@ -670,9 +677,13 @@ def _qwen3_5_config(size: ModelSize, vocab_size: int, ids: dict[str, int]) -> Pr
         "linear_key_head_dim": 128,
         "linear_value_head_dim": 128,
     }
+    if moe:
+        expert_width = text_config.pop("intermediate_size") // 4
+        text_config |= {"num_experts": MOE_EXPERTS, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": expert_width, "shared_expert_intermediate_size": expert_width}  # fmt: skip
     vision_keys = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
                    "spatial_merge_size", "temporal_patch_size", "num_position_embeddings")  # fmt: skip
-    return Qwen3_5Config(
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=text_config,
         vision_config={key: qwen3_vl["vision_config"][key] for key in vision_keys},
         image_token_id=ids["image_token"],
@@ -714,6 +725,7 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
         "glm4v": "Glm4vForConditionalGeneration",
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -734,7 +746,7 @@ def build_processor(
     """
     if kind == "qwen2":
         return None
-    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
+    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         return _qwen3_vl_processor(tokenizer)
     if kind == "glm4v":
         return _glm4v_processor(tokenizer, pixels)
@@ -889,6 +901,7 @@ _FOLDER_NAMES = {
     "qwen3_vl_moe": "qwen3-vl-moe",
     "glm4v": "glm-4.1v",
     "qwen3_5": "qwen3.5",
+    "qwen3_5_moe": "qwen3.5-moe",
 }
 
 

@@ -3,7 +3,8 @@
 The distributed test trains the tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks, saves, and checks:
 the same 2 ranks resume to the same RNG draws and the same next step, and a single process without
 ``torch.distributed`` loads the 2-rank checkpoint (resharding) to the same full weights, optimizer
-state and next optimizer step.
+state and next optimizer step. The Qwen3.5 MoE (fused 3-D experts, linear attention) resumes on one
+rank alike.
 """
 
 from __future__ import annotations
@@ -418,6 +419,30 @@ def test_fsdp2_two_rank_checkpoint_loads_in_one_process(fsdp_run, tiny_vl_path, 
     _train_step(model, optimizer, scheduler, _text_batch().flip(0))
     # FSDP averages identical per-rank gradients; the step matches up to thread-count rounding.
     _assert_weights_equal(model.state_dict(), results["after_next_step"], atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_fsdp2_resume_of_a_qwen3_5_moe_restores_its_fused_experts_and_linear_attention(
+    tiny_qwen3_5_moe_path, tmp_path
+):
+    """The Qwen3.5 MoE under FSDP2 (one rank; its trainer run does not resume): the fused 3-D experts,
+    the routers and the gated delta nets come back with their Adam state, and the resumed model takes
+    the uninterrupted one's next step."""
+    from mmrl.demo.ranks import run_on_ranks
+
+    checkpoint_dir, out_dir = tmp_path / "global_step_1.tmp" / "actor", tmp_path / "out"
+    out_dir.mkdir()
+    run_on_ranks(_fsdp_rank, 1, str(tiny_qwen3_5_moe_path), str(checkpoint_dir), str(out_dir), timeout_s=300)
+    results = torch.load(out_dir / "results.pt", weights_only=False)
+    saved = results["saved_state"]
+    layer = "model.language_model.layers.0"
+    assert saved["model"][f"{layer}.mlp.experts.gate_up_proj"].dim() == 3
+    for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight", "linear_attn.A_log",
+                 "linear_attn.conv1d.weight"):  # fmt: skip
+        assert f"{layer}.{name}" in saved["optimizer"]["state"], name  # trained by the saved step
+    _assert_weights_equal(results["resumed_state"]["model"], saved["model"])
+    _assert_optimizer_states_equal(results["resumed_state"]["optimizer"], saved["optimizer"])
+    _assert_weights_equal(results["resumed_after_next_step"], results["after_next_step"])
 
 
 def test_single_process_save_and_load_without_process_group(tmp_path):

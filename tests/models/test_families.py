@@ -32,6 +32,7 @@ SHIPPED = {
     "qwen3_vl_moe": "qwen3_vl_moe",
     "glm4v": "glm4v",
     "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
 }
 
 
@@ -44,10 +45,12 @@ def tiny_paths(
     tiny_qwen3_vl_moe_path,
     tiny_glm4v_path,
     tiny_qwen3_5_path,
+    tiny_qwen3_5_moe_path,
 ) -> dict[str, object]:
     return {"qwen2": tiny_text_path, "qwen2_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path,
             "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
-            "glm4v": tiny_glm4v_path, "qwen3_5": tiny_qwen3_5_path}  # fmt: skip
+            "glm4v": tiny_glm4v_path, "qwen3_5": tiny_qwen3_5_path,
+            "qwen3_5_moe": tiny_qwen3_5_moe_path}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the registry
@@ -259,18 +262,19 @@ def test_glm4v_tells_video_frames_from_images_and_fills_each_with_its_features(t
     assert (both[:, first_image:] - changed[:, first_image:]).abs().max() > 1e-4
 
 
-def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_path):
-    """Without the family's fix, transformers' gated delta nets carry their state from one sequence of a
-    packed row into the next; with it, packed log-probs equal padded ones, and shared prompts, which
-    the fix cannot follow, are not used: asked for, the actor packs each response after its own prompt."""
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_path", "tiny_qwen3_5_moe_path"])
+def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(request, fixture):
+    """Without the family's fix, transformers' gated delta nets (the dense and the MoE model's own
+    classes) carry their state from one sequence of a packed row into the next; with it, packed
+    log-probs equal padded ones, and shared prompts, which the fix cannot follow, are not used: asked
+    for, the actor packs each response after its own prompt."""
     from _batches import build_batch, policy_actor
     from _models import training_model
     from transformers import AutoProcessor
 
-    batch = build_batch(
-        AutoProcessor.from_pretrained(tiny_qwen3_5_path), ({}, {"image": (56, 56)}, {}), (4, 3, 5)
-    )
-    model = training_model(tiny_qwen3_5_path)
+    path = request.getfixturevalue(fixture)
+    batch = build_batch(AutoProcessor.from_pretrained(path), ({}, {"image": (56, 56)}, {}), (4, 3, 5))
+    model = training_model(path)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a random tiny model predicts nearly uniformly: spread it
         for parameter in model.parameters():
@@ -278,14 +282,15 @@ def test_qwen3_5_linear_attention_runs_each_packed_sequence_alone(tiny_qwen3_5_p
     mask = batch.batch["response_mask"].bool()
     padded, _ = policy_actor(model, padding_free=False).compute_log_probs(batch, 3, 1.0)
     packed, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
-    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    # fp32 rounding: the experts' matmuls run over other token counts packed (1.05e-5 of -8.6 seen)
+    torch.testing.assert_close(packed[mask], padded[mask], atol=2e-5, rtol=0)
     asked, _ = policy_actor(model, padding_free=True, share_prompts=True).compute_log_probs(batch, 3, 1.0)
-    torch.testing.assert_close(asked[mask], padded[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(asked[mask], padded[mask], atol=2e-5, rtol=0)
     fixed = [module for module in model.modules() if hasattr(module.forward, "mmrl_per_sequence")]
     assert len(fixed) == 1  # the tiny model's one linear-attention layer
     for module in fixed:
         del module.forward  # the class's own forward again
     leaked, _ = policy_actor(model, padding_free=True, share_prompts=False).compute_log_probs(batch, 3, 1.0)
     first = mask[0]
-    torch.testing.assert_close(leaked[0, first], padded[0, first], atol=1e-5, rtol=0)  # nothing before it
+    torch.testing.assert_close(leaked[0, first], padded[0, first], atol=2e-5, rtol=0)  # nothing before it
     assert (leaked - padded)[mask].abs().max() > 1e-2

@@ -135,16 +135,34 @@ def test_glm4v_adapter_reaches_its_layers_and_equals_its_merged_weights(tiny_glm
     assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
 
 
-def test_qwen3_5_adapter_reaches_its_linear_attention_and_equals_its_merged_weights(tiny_qwen3_5_path):
-    """Qwen3.5's gated delta net projections take an adapter like the attention and MLP layers; the
-    adapted model computes what its merged weights do (packed rows, prompts not shared)."""
+QWEN3_5_ADAPTED = (
+    "layers.0.linear_attn.in_proj_qkv",
+    "layers.0.linear_attn.out_proj",
+    "layers.1.self_attn.q_proj",
+)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "adapted", "not_adapted"),
+    [("tiny_qwen3_5_path", (*QWEN3_5_ADAPTED, "layers.0.mlp.gate_proj"), ()),
+     # the MoE's shared expert is a dense MLP; its router and 3-D routed experts are no linear layers
+     ("tiny_qwen3_5_moe_path", (*QWEN3_5_ADAPTED, "layers.0.mlp.shared_expert.gate_proj"),
+      ("layers.0.mlp.gate", "layers.0.mlp.experts"))],
+)  # fmt: skip
+def test_qwen3_5_adapter_reaches_its_linear_attention_and_equals_its_merged_weights(
+    request, fixture, adapted, not_adapted
+):
+    """Qwen3.5's gated delta net projections (dense and MoE) take an adapter like the attention and MLP
+    layers; the adapted model computes what its merged weights do (packed rows, prompts not shared)."""
     from transformers import AutoProcessor
 
+    tiny_qwen3_5_path = request.getfixturevalue(fixture)
     batch = build_batch(AutoProcessor.from_pretrained(tiny_qwen3_5_path), ROWS, RESPONSE_LENGTHS, seed=3)
     names = lora_target_names(training_model(tiny_qwen3_5_path), "all-linear", None)
-    for name in ("model.language_model.layers.0.linear_attn.in_proj_qkv", "model.language_model.layers.0.linear_attn.out_proj",
-                 "model.language_model.layers.1.self_attn.q_proj"):  # fmt: skip
-        assert name in names, name
+    for name in adapted:
+        assert f"model.language_model.{name}" in names, name
+    for name in not_adapted:
+        assert f"model.language_model.{name}" not in names, name
     model = lora_model(tiny_qwen3_5_path)
     plain = training_model(tiny_qwen3_5_path)
     load_into(plain, iter_full_state_dict(model))

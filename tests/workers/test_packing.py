@@ -102,6 +102,8 @@ def batches(vl_processor, omni_processor, qwen3_processor, glm4v_processor) -> d
         "glm4v_mixed": build_batch(glm4v_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=80),
         # Qwen3.5 (the same tokenizer as Qwen3-VL): linear-attention layers, run per packed sequence
         "qwen3_5_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=90),
+        # Qwen3.5 MoE: the same, with routed and shared experts
+        "qwen3_5_moe_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=100),
     }
 
 
@@ -118,14 +120,17 @@ def model_paths(
     tiny_qwen3_vl_moe_path,
     tiny_glm4v_path,
     tiny_qwen3_5_path,
+    tiny_qwen3_5_moe_path,
 ) -> dict[str, object]:
     """The tiny model of each batch kind's family."""
     return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path,
             "qwen3_vl_moe": tiny_qwen3_vl_moe_path, "glm4v": tiny_glm4v_path,
-            "qwen3_5": tiny_qwen3_5_path}  # fmt: skip
+            "qwen3_5": tiny_qwen3_5_path, "qwen3_5_moe": tiny_qwen3_5_moe_path}  # fmt: skip
 
 
 def _model_path(kind: str, model_paths):
+    if kind.startswith("qwen3_5_moe_"):
+        return model_paths["qwen3_5_moe"]
     if kind.startswith("qwen3_5_"):
         return model_paths["qwen3_5"]
     if kind.startswith("glm4v_"):
@@ -162,7 +167,7 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "kind",
     ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed",
-     "glm4v_mixed", "qwen3_5_mixed"],
+     "glm4v_mixed", "qwen3_5_mixed", "qwen3_5_moe_mixed"],
 )  # fmt: skip
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]

@@ -1,5 +1,5 @@
-"""Rollout routing replay on the tiny Qwen3-VL MoE: the transformers rollout records each fed token's
-experts per layer, and the actor's passes route by them (mmrl.models.moe)."""
+"""Rollout routing replay on the tiny Qwen3-VL MoE and Qwen3.5 MoE: the transformers rollout records
+each fed token's experts per layer, and the actor's passes route by them (mmrl.models.moe)."""
 
 from __future__ import annotations
 
@@ -31,20 +31,35 @@ def _spread(model, seed: int, scale: float = 0.2):
     return model
 
 
-@pytest.fixture(scope="module")
-def rollout_batch(tiny_qwen3_vl_moe_path, shapes_data_dir) -> DataProto:
-    tokenizer, processor = load_tokenizer_and_processor(str(tiny_qwen3_vl_moe_path))
+def _rollout(model_path, shapes_data_dir) -> DataProto:
+    tokenizer, processor = load_tokenizer_and_processor(str(model_path))
     pixels = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, pixels)
     prompts = attach_media(
         collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id), dataset.media
     )
-    model = _spread(training_model(tiny_qwen3_vl_moe_path), seed=0)
+    model = _spread(training_model(model_path), seed=0)
     rollout = HFRollout(model, tokenizer, return_log_probs=True, record_routing=True)
     return rollout.generate(prompts, SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=6, seed=2))
 
 
-def test_the_rollout_records_every_fed_token_and_frees_the_rest(rollout_batch):
+@pytest.fixture(scope="module")
+def rollout_batch(tiny_qwen3_vl_moe_path, shapes_data_dir) -> DataProto:
+    return _rollout(tiny_qwen3_vl_moe_path, shapes_data_dir)
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl_moe", "qwen3_5_moe"])
+def family_rollout(request, shapes_data_dir) -> tuple[object, DataProto]:
+    """(model path, rollout batch) of each MoE family; Qwen3.5 MoE: linear-attention layers beside the
+    routed experts, and a shared expert no router chooses."""
+    if request.param == "qwen3_vl_moe":
+        return request.getfixturevalue("tiny_qwen3_vl_moe_path"), request.getfixturevalue("rollout_batch")
+    path = request.getfixturevalue("tiny_qwen3_5_moe_path")
+    return path, _rollout(path, shapes_data_dir)
+
+
+def test_the_rollout_records_every_fed_token_and_frees_the_rest(family_rollout):
+    _, rollout_batch = family_rollout
     batch = rollout_batch.batch
     routed, valid = batch[ROUTED_EXPERTS], batch["attention_mask"].bool()  # [B, L, layers, k], [B, L]
     assert routed.shape == (*valid.shape, 2, 2) and check_batch(rollout_batch) == []
@@ -61,13 +76,12 @@ def test_the_rollout_records_every_fed_token_and_frees_the_rest(rollout_batch):
 
 
 @pytest.mark.parametrize("padding_free", [True, False])
-def test_replayed_routing_gives_exactly_the_recorded_experts(
-    tiny_qwen3_vl_moe_path, rollout_batch, padding_free
-):
+def test_replayed_routing_gives_exactly_the_recorded_experts(family_rollout, padding_free):
     """A different policy (perturbed weights, routers included) replaying the rollout's routing: each
     router of the old-log-prob pass took exactly the recorded experts, where left alone it would have
     chosen others for some tokens."""
-    model = _spread(_spread(training_model(tiny_qwen3_vl_moe_path), seed=0), seed=5, scale=0.5)
+    model_path, rollout_batch = family_rollout
+    model = _spread(_spread(training_model(model_path), seed=0), seed=5, scale=0.5)
     batch = rollout_batch.batch
     expected = forward_routing(batch[ROUTED_EXPERTS], batch["attention_mask"], padding_free)  # [T, layers, k]
     recorded = (expected != FREE).all(-1).all(-1)
@@ -84,7 +98,7 @@ def test_replayed_routing_gives_exactly_the_recorded_experts(
 def test_replaying_the_rollouts_own_routing_keeps_the_log_probs(tiny_qwen3_vl_moe_path, rollout_batch):
     """On CPU fp32 the trainer routes every fed token as the rollout did, so replay changes nothing and
     both match the rollout's log-probs; replay also serves the update (packed, gradients through the
-    replayed weights and the router's logits)."""
+    replayed weights and the router's logits). (Qwen3.5 MoE: its trainer run, tests/trainer.)"""
     model = _spread(training_model(tiny_qwen3_vl_moe_path), seed=0)
     mask = rollout_batch.batch["response_mask"].bool()
     log_probs = {}

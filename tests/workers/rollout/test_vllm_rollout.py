@@ -868,3 +868,23 @@ def test_glm4v_config_without_attention_bias_still_gets_biases_on_vllm(tiny_glm4
     parsed = vllm.EngineArgs(**args).create_model_config()  # the config vLLM builds the model from
     assert parsed.hf_text_config.attention_bias is True
     assert parsed.hf_text_config.max_position_embeddings == 8192
+
+
+def test_qwen3_5_moe_tied_head_is_tied_on_vllm_too(tiny_qwen3_5_moe_path):
+    """transformers ties Qwen3.5's (and its MoE's) output head by the top-level config; vLLM builds the
+    language model from the text config, whose ``tie_word_embeddings`` the tiny folder leaves false: its
+    head would stay unloaded (NaN logits). The family's ``fix_vllm_config`` hands vLLM the top-level
+    setting (for both Qwen3.5 families: the MoE's spec is the dense one's)."""
+    import vllm
+    from transformers import AutoConfig
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    folder_config = AutoConfig.from_pretrained(tiny_qwen3_5_moe_path)
+    assert folder_config.tie_word_embeddings and not folder_config.text_config.tie_word_embeddings
+    args = engine_arguments(
+        str(tiny_qwen3_5_moe_path), str(tiny_qwen3_5_moe_path), RolloutConfig(name="vllm"),
+        max_model_len=512, on_gpu=False,
+    )  # fmt: skip
+    parsed = vllm.EngineArgs(**args).create_model_config()  # the config vLLM builds the model from
+    assert parsed.hf_text_config.tie_word_embeddings is True
