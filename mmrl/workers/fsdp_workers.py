@@ -652,17 +652,27 @@ class HybridWorker:
     @measured("sync")
     def sync_rollout_weights(self) -> None:
         """Push the actor's weights into the rollout engine, one full tensor at a time, under the names
-        of the model's files (what vLLM's loader reads; HFRollout takes either spelling), each shard cast
-        to the engine's dtype before it is gathered. The engine then holds the actor's policy version
-        (``rollout_version``), which it stamps on the tokens it samples."""
+        it reads (:attr:`_engine_reads_file_names`), each shard cast to the engine's dtype before it is
+        gathered. The engine then holds the actor's policy version (``rollout_version``), which it
+        stamps on the tokens it samples."""
         rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
         with self.actor_offload.loaded():
             self.rollout.update_weights(
                 iter_full_state_dict(
-                    self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
+                    self.actor.module,
+                    device=self.device,
+                    dtype=rollout_dtype,
+                    checkpoint_format=self._engine_reads_file_names,
                 )
             )
         self.rollout_version = self.actor.version
+
+    @property
+    def _engine_reads_file_names(self) -> bool:
+        """Whether pushed weights go under the names of the model's files (vLLM's loaders read those)
+        rather than the in-memory ones the transformers rollout holds: the only names it can take for a
+        family whose files split a tensor (Qwen3.5 MoE: one file tensor per expert, fused in memory)."""
+        return self.config.worker.rollout.name == "vllm"
 
     def weight_push_address(self) -> tuple[str, int]:
         """Where the push group meets (``worker.rollout.placement=separate``): this rank's node address
@@ -677,7 +687,9 @@ class HybridWorker:
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """``(name, shape, dtype)`` of every tensor a push sends, in order (what receivers allocate)."""
         rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
-        return full_state_manifest(self.actor.module, dtype=rollout_dtype, checkpoint_format=True)
+        return full_state_manifest(
+            self.actor.module, dtype=rollout_dtype, checkpoint_format=self._engine_reads_file_names
+        )
 
     def join_weight_push(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 opens the push group at ``host:port`` as its rank 0 (the rollout workers join it at
@@ -695,7 +707,10 @@ class HybridWorker:
         rollout_dtype = resolve_dtype(self.config.worker.rollout.dtype, self.device)
         with self.actor_offload.loaded():
             tensors = iter_full_state_dict(
-                self.actor.module, device=self.device, dtype=rollout_dtype, checkpoint_format=True
+                self.actor.module,
+                device=self.device,
+                dtype=rollout_dtype,
+                checkpoint_format=self._engine_reads_file_names,
             )
             return push_from_rank(tensors, self.weight_push, self.push_manifest)
 

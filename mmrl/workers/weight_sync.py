@@ -46,8 +46,9 @@ def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
     """``state_dict`` key → the key ``save_pretrained`` writes for it (identity where nothing is renamed).
 
     Uses transformers' own reverse conversion (``revert_weight_conversion``) on placeholder tensors.
-    Families whose conversion merges or splits tensors (fused MoE experts) are refused, since their
-    on-disk tensors are not the in-memory ones.
+    Families whose conversion merges or splits tensors (Qwen3.5 MoE's fused experts, one tensor per
+    expert in its files) are refused, since their on-disk tensors are not the in-memory ones (the
+    transformers rollout is pushed the in-memory names).
     """
     from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
@@ -146,9 +147,11 @@ def load_into(
     persistent buffer (tied aliases count once) must be written, or a KeyError lists the missing ones.
     """
     targets = model.state_dict(keep_vars=True)
-    saved_to_own = {saved: own for own, saved in checkpoint_key_mapping(model).items()}
+    saved_to_own: dict[str, str] | None = None  # built at the first on-disk name (in-memory ones need none)
     written: set[int] = set()
     for name, tensor in named_tensors:
+        if name not in targets and saved_to_own is None:
+            saved_to_own = {saved: own for own, saved in checkpoint_key_mapping(model).items()}
         own_name = name if name in targets else saved_to_own.get(name)
         if own_name is None:
             raise KeyError(
