@@ -186,6 +186,25 @@ def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
     return config
 
 
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack the mixture-of-experts weights into the CPU kernel's layout again after a weight reload;
+    returns how many expert layers were packed.
+
+    vLLM's CPU experts multiply by a packed copy of ``w13_weight`` / ``w2_weight`` made when the layer
+    is first processed; a reload (0.32: ``UnquantizedFusedMoEMethod._setup_kernel`` on a weight
+    update) copies the new weights in unpacked and skips that packing, so the kernel reads them in the
+    wrong layout (Qwen3-Omni's tiny model: other greedy tokens, log-prob gaps of several nats).
+    """
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and getattr(experts, "isa", None) is not None and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
+
+
 def _device_memory_used_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -344,6 +363,7 @@ class VLLMRollout:
         )
         if not torch.cuda.is_available():
             self.llm.apply_model(_repack_cpu_lm_heads)
+            self.llm.apply_model(_repack_cpu_experts)
         self.weights_discarded = False
         # cached prompt KV and image embeddings were computed with the old weights
         self.llm.reset_prefix_cache()
