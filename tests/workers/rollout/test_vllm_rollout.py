@@ -491,15 +491,18 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 
 
 @pytest.fixture(scope="module")
-def media_paths(tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_glm4v_path) -> dict[str, str]:
+def media_paths(
+    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_glm4v_path, tiny_qwen3_omni_path
+) -> dict[str, str]:
     return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path),
-            "glm4v": str(tiny_glm4v_path)}  # fmt: skip
+            "glm4v": str(tiny_glm4v_path), "qwen3_omni": str(tiny_qwen3_omni_path)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, DataProto]:
-    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni, and
-    2 image + 2 video prompts each for Qwen3-VL and GLM-4.1V."""
+    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni,
+    2 image + 2 video prompts each for Qwen3-VL and GLM-4.1V, and 2 image + 2 audio prompts for
+    Qwen3-Omni (its MoE experts pushed and packed again for vLLM's CPU kernel)."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
@@ -507,7 +510,10 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
     audio_dir = generate_shapes_dataset("audio_beeps", root / "audio", n_train=3, n_val=1, seed=0)
     frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
     video_file, image_file = str(video_dir / "train.jsonl"), str(shapes_data_dir / "train.jsonl")
-    return {
+    return {  # the MoE engine first: vLLM sets up its expert-parallel group with a process's first engine
+        "qwen3_omni": _prompts(
+            media_paths["qwen3_omni"], [image_file, str(audio_dir / "train.jsonl")], 2, audio_key="audios"
+        ),
         "video": _prompts(media_paths["video"], [video_file], 3, video_key="videos", **frame_range),
         "audio": _prompts(media_paths["audio"], [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
         **{
@@ -519,7 +525,7 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
 
 @pytest.fixture(scope="module")
 def media_rank(media_paths, media_prompts) -> dict:
-    return run_on_ranks(_media_job, 1, media_paths, media_prompts, timeout_s=450)[0]
+    return run_on_ranks(_media_job, 1, media_paths, media_prompts, timeout_s=600)[0]
 
 
 def _two_ranks(tiny_vl_path, vl_prompts, tp_size: int) -> list[dict]:
@@ -636,7 +642,7 @@ def test_log_probs_match_the_lora_trainer_after_updates_one_rank(one_rank):
 # ---------------------------------------------------------------- video and audio
 
 
-@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "glm4v", "qwen3_omni"])
 def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     run, prompts = media_rank[kind], media_prompts[kind]
     # the engine's processor expanded every placeholder to the trainer's exact token ids
@@ -649,6 +655,7 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
         "audio": ["audios"],
         "qwen3_vl": image_and_video,
         "glm4v": image_and_video,
+        "qwen3_omni": ["images"] * 2 + ["audios"] * 2,
     }[kind]
     media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
     assert all(key in row for key, row in zip(media_keys, prompts.non_tensor_batch["multi_modal_data"]))
@@ -860,3 +867,23 @@ def test_glm4v_config_without_attention_bias_still_gets_biases_on_vllm(tiny_glm4
     parsed = vllm.EngineArgs(**args).create_model_config()  # the config vLLM builds the model from
     assert parsed.hf_text_config.attention_bias is True
     assert parsed.hf_text_config.max_position_embeddings == 8192
+
+
+def test_qwen3_omni_config_gets_the_keys_vllm_reads(tiny_qwen3_omni_path):
+    """vLLM 0.32's Qwen3-Omni reads the vision tower's ``image_size`` and ``apply_vit_abs_pos_embed`` and
+    the text config's ``tie_word_embeddings``, which transformers 5.19's config classes lack (building
+    the engine failed on each); the family sets them on the config vLLM parses: a 16 x 16 grid of
+    16-pixel patches is a 256-pixel image, and the thinker is untied."""
+    import vllm
+    from transformers import AutoConfig
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    folder_config = AutoConfig.from_pretrained(tiny_qwen3_omni_path).thinker_config
+    assert not hasattr(folder_config.vision_config, "image_size")
+    assert not hasattr(folder_config.text_config, "tie_word_embeddings")
+    path = str(tiny_qwen3_omni_path)
+    args = engine_arguments(path, path, RolloutConfig(name="vllm"), max_model_len=512, on_gpu=False)
+    thinker = vllm.EngineArgs(**args).create_model_config().hf_config.thinker_config
+    assert (thinker.vision_config.image_size, thinker.vision_config.apply_vit_abs_pos_embed) == (256, True)
+    assert thinker.text_config.tie_word_embeddings is False
