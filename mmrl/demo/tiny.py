@@ -22,6 +22,10 @@ calls reload:
   GLM's media tokens in the Qwen-style chat template the other kinds use (not GLM's ``<|user|>`` one).
 - ``qwen3_5``: ``Qwen3_5ForConditionalGeneration`` (Qwen3.5: a linear-attention layer, gated delta net,
   then a full-attention layer; Qwen3-VL's vision tower without deepstack); Qwen3-VL's processor.
+- ``qwen3_omni_moe``: the Qwen3-Omni thinker (Qwen3-VL MoE's decoder and vision tower, an audio tower of
+  three stride-2 convolutions), saved as the full ``Qwen3OmniMoeForConditionalGeneration`` without
+  talker (``thinker.*`` weights, one tensor per expert as the released checkpoints); ``AutoProcessor``
+  (``Qwen3OmniMoeProcessor``: Qwen3-VL's image processor, Whisper features padded to the longest clip).
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
