@@ -68,7 +68,16 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_omni_moe")
+KINDS = (
+    "qwen2_5_vl",
+    "qwen2_5_omni",
+    "qwen2",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "qwen3_5",
+    "qwen3_omni_moe",
+)
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -595,7 +604,9 @@ def _qwen3_vl_config(
     )
 
 
-def _qwen3_omni_config(size: ModelSize, vocab_size: int, ids: dict[str, int], user_id: int) -> PreTrainedConfig:
+def _qwen3_omni_config(
+    size: ModelSize, vocab_size: int, ids: dict[str, int], user_id: int
+) -> PreTrainedConfig:
     """A Qwen3-Omni config (``enable_audio_output=False``: the thinker only, as mmrl trains it): Qwen3-VL
     MoE's text and vision configs (every decoder MLP ``MOE_EXPERTS`` experts, top-2; deepstack) and a
     Qwen3-Omni audio tower (three stride-2 convolutions: 13 tokens per 100 mel frames), untied like
@@ -668,7 +679,10 @@ def _qwen3_vl_processor(tokenizer: PreTrainedTokenizerFast, audio: Any = None) -
         )
     video_processor = Qwen3VLVideoProcessor(size=size, **vision, **normalise, **frames)
     return Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor, chat_template=template
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=template,
     )
 
 

@@ -199,7 +199,11 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and getattr(experts, "isa", None) is not None and hasattr(module, "w13_weight"):
+        if (
+            experts is not None
+            and getattr(experts, "isa", None) is not None
+            and hasattr(module, "w13_weight")
+        ):
             experts.process_weights_after_loading(module)
             packed += 1
     return packed

@@ -178,7 +178,9 @@ def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
 
     files = {"image": str(shapes_data_dir / "train.jsonl")}
     for media, task in (("video", "video_direction"), ("audio", "audio_beeps")):
-        folder = generate_shapes_dataset(task, tmp_path_factory.mktemp(f"hf-{media}"), n_train=3, n_val=1, seed=0)
+        folder = generate_shapes_dataset(
+            task, tmp_path_factory.mktemp(f"hf-{media}"), n_train=3, n_val=1, seed=0
+        )
         files[media] = str(folder / "train.jsonl")
     return files
 
@@ -218,7 +220,9 @@ def test_rollout_log_probs_match_the_trainer_per_family(family, media, request, 
     batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2))
     prompt_ids = prompts.batch["input_ids"]
     if "mm_token_type_ids" in batch.batch.keys():
-        placeholders = batch.batch["mm_token_type_ids"][:, : prompt_ids.shape[1]] == {"image": 1, "video": 2}[media]
+        placeholders = (
+            batch.batch["mm_token_type_ids"][:, : prompt_ids.shape[1]] == {"image": 1, "video": 2}[media]
+        )
     else:  # Omni: each medium has its own placeholder id
         placeholders = prompt_ids == getattr(model.config, f"{media}_token_id")
     assert placeholders.sum(-1).min() > 0  # every prompt has its media
