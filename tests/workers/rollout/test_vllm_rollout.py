@@ -307,10 +307,20 @@ def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> 
 def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[str, DataProto]) -> dict:
     results = {}
     for kind, kind_prompts in prompts.items():
+        if kind == "qwen3_omni_video":  # sent to the qwen3_omni engine below
+            continue
         results[kind] = _media_checks(paths[kind], kind_prompts, embeds=kind == "video")
         rollout = results[kind].pop("rollout")
         if kind == "audio":  # the Omni engine: sounds (and images) as observations
             results["observations"] = _observation_checks(rollout, paths[kind], kind_prompts, AUDIO_KINDS)
+        if kind == "qwen3_omni":  # videos, which its processor expands otherwise on vLLM: refused
+            try:
+                rollout.generate(
+                    prompts["qwen3_omni_video"], SamplingParams(n=1, temperature=0.0, max_tokens=2)
+                )
+                results["omni_video_error"] = None
+            except RuntimeError as err:
+                results["omni_video_error"] = str(err)
     return results
 
 
@@ -514,6 +524,10 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
         "qwen3_omni": _prompts(
             media_paths["qwen3_omni"], [image_file, str(audio_dir / "train.jsonl")], 2, audio_key="audios"
         ),
+        # one temporal patch (2 frames): vLLM's upscaled frames still fit max_model_len
+        "qwen3_omni_video": _prompts(
+            media_paths["qwen3_omni"], [video_file], 1, video_key="videos", num_video_frames=2, **frame_range
+        ),
         "video": _prompts(media_paths["video"], [video_file], 3, video_key="videos", **frame_range),
         "audio": _prompts(media_paths["audio"], [str(audio_dir / "train.jsonl")], 3, audio_key="audios"),
         **{
@@ -667,6 +681,16 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     # transformers 5.19 alone does after a video gave gaps of 5 nats (the qwen2_vl family fix)
     assert run["sampled_tokens"] > 20
     assert run["sampled_gap"] < 1e-4, run["sampled_gap"]
+
+
+def test_qwen3_omni_videos_on_vllm_are_refused_naming_the_prompt(media_rank, media_prompts):
+    """Qwen3-Omni's processor resizes video frames to its own defaults and times them at 1 fps unless a
+    call says otherwise; vLLM's calls do not, so its prompt holds other token counts than the trainer's:
+    the rollout refuses it with the counts rather than letting the trainer score other tokens."""
+    trainer_length = int(media_prompts["qwen3_omni_video"].batch["attention_mask"][0].sum())
+    error = media_rank["omni_video_error"]
+    assert error is not None and "prompt 0 (media: ['videos'])" in error, error
+    assert f"the trainer's processor to {trainer_length}:" in error and "worker.rollout.name=hf" in error
 
 
 def _assert_encodings_taken(run: dict, modality: str, rows: int, tolerance: float) -> None:
