@@ -130,6 +130,16 @@ def tiny_qwen3_5_moe_path(tiny_models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_omni_path(tiny_models_dir) -> Path:
+    """A tiny random Qwen3-Omni thinker (MoE decoder, vision and audio towers; seed 0), saved as the full
+    ``Qwen3OmniMoeForConditionalGeneration`` without talker; ``AutoProcessor`` (Qwen3OmniMoeProcessor)."""
+    from mmrl.demo.tiny import build_tiny_model, tiny_model_path
+
+    kind = "qwen3_omni_moe"
+    return build_tiny_model(kind, tiny_model_path(kind, "tiny", tiny_models_dir), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def real_width_vl_path(tiny_models_dir) -> Path:
     """A Qwen2.5-VL with the 3B model's widths and real vocabulary (151,936, tied), 2 decoder layers and
     2 vision blocks, random weights (seed 0; 0.54B parameters, 2.2 GB of fp32 safetensors)."""

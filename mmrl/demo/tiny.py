@@ -24,6 +24,10 @@ calls reload:
   then a full-attention layer; Qwen3-VL's vision tower without deepstack); Qwen3-VL's processor.
 - ``qwen3_5_moe``: ``Qwen3_5MoeForConditionalGeneration``, Qwen3.5 with every decoder MLP a sparse block
   of ``MOE_EXPERTS`` routed experts (top-2, softmax router) beside a sigmoid-gated shared expert.
+- ``qwen3_omni_moe``: the Qwen3-Omni thinker (Qwen3-VL MoE's decoder and vision tower, an audio tower of
+  three stride-2 convolutions), saved as the full ``Qwen3OmniMoeForConditionalGeneration`` without
+  talker (``thinker.*`` weights, one tensor per expert as the released checkpoints); ``AutoProcessor``
+  (``Qwen3OmniMoeProcessor``: Qwen3-VL's image processor, Whisper features padded to the longest clip).
 
 Sizes (parameters for VL / Omni thinker / text): ``tiny``, text hidden 64 with 2 layers (0.39M / 0.48M /
 0.15M), and ``small``, hidden 256 with 4 layers (13.0M / 15.0M / 7.2M). Every attention head is 32
@@ -66,7 +70,17 @@ from mmrl.demo.synthetic import COLORS, SHAPES, TASKS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
-KINDS = ("qwen2_5_vl", "qwen2_5_omni", "qwen2", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe")
+KINDS = (
+    "qwen2_5_vl",
+    "qwen2_5_omni",
+    "qwen2",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_omni_moe",
+)
 BUILD_MARKER = "mmrl_tiny.json"
 # Bumped whenever the architecture, tokenizer or processor settings change, so stale folders rebuild.
 BUILD_VERSION = 2  # 2: the corpus holds the video and audio tasks' questions and answers
@@ -105,6 +119,16 @@ _OMNI_TOKENS = {
     "image_token": "<|IMAGE|>",
     "video_token": "<|VIDEO|>",
 }
+# Qwen3-Omni: Qwen3-VL's vision names, the audio ones after them; the processor reads the Omni attributes
+_OMNI3_TOKENS = {
+    "audio_token": "<|audio_pad|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+}
 # GLM-4.1V: a video's frames are image tokens between <|begin_of_video|> and <|end_of_video|>
 _GLM4V_TOKENS = {
     "image_start_token": "<|begin_of_image|>",
@@ -123,6 +147,7 @@ NAMED_TOKENS: dict[str, dict[str, str]] = {
     "glm4v": _GLM4V_TOKENS,
     "qwen3_5": _VL_TOKENS,
     "qwen3_5_moe": _VL_TOKENS,
+    "qwen3_omni_moe": _OMNI3_TOKENS,
 }
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -488,6 +513,8 @@ def build_config(kind: str, size: ModelSize, tokenizer: PreTrainedTokenizerFast)
         return _glm4v_config(size, vocab_size, ids)
     if kind in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_5_config(size, vocab_size, ids, moe=kind == "qwen3_5_moe")
+    if kind == "qwen3_omni_moe":
+        return _qwen3_omni_config(size, vocab_size, ids, tokenizer.convert_tokens_to_ids("user"))
     if kind == "qwen2_5_vl":
         tied = {"tie_word_embeddings": size.tie_word_embeddings}
         text_config = {**_text_config(size, vocab_size, ids, mrope=True), **tied}
@@ -581,22 +608,98 @@ def _qwen3_vl_config(
     )
 
 
-def _qwen3_vl_processor(tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
+def _qwen3_omni_config(
+    size: ModelSize, vocab_size: int, ids: dict[str, int], user_id: int
+) -> PreTrainedConfig:
+    """A Qwen3-Omni config (``enable_audio_output=False``: the thinker only, as mmrl trains it): Qwen3-VL
+    MoE's text and vision configs (every decoder MLP ``MOE_EXPERTS`` experts, top-2; deepstack) and a
+    Qwen3-Omni audio tower (three stride-2 convolutions: 13 tokens per 100 mel frames), untied like
+    Qwen3-Omni-30B-A3B; 13 position ids per second of video, as its processor counts."""
+    from transformers import Qwen3OmniMoeConfig
+
+    vision_ids = {"vision_start_token": ids["vision_bos_token"], "vision_end_token": ids["vision_eos_token"]}
+    qwen3_vl = _qwen3_vl_config(size, vocab_size, ids | vision_ids, moe=True)
+    text_keys = (*_text_config(size, vocab_size, ids, mrope=False), "head_dim", "rope_parameters",
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")  # fmt: skip
+    text_config = {key: getattr(qwen3_vl.text_config, key) for key in text_keys} | {"norm_topk_prob": True}
+    vision_keys = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+                   "spatial_merge_size", "temporal_patch_size", "num_position_embeddings",
+                   "deepstack_visual_indexes")  # fmt: skip
+    audio_config = {
+        "num_mel_bins": size.num_mel_bins,
+        "encoder_layers": size.audio_layers,
+        "encoder_attention_heads": size.audio_heads,
+        "encoder_ffn_dim": size.audio_ffn_size,
+        "d_model": size.audio_hidden_size,
+        "downsample_hidden_size": size.audio_hidden_size // 2,
+        "output_dim": size.hidden_size,
+    }
+    thinker_config = {
+        "text_config": text_config,
+        "vision_config": {key: getattr(qwen3_vl.vision_config, key) for key in vision_keys},
+        "audio_config": audio_config,
+        "audio_token_id": ids["audio_token"],
+        "image_token_id": ids["image_token"],
+        "video_token_id": ids["video_token"],
+        "audio_start_token_id": ids["audio_bos_token"],
+        "audio_end_token_id": ids["audio_eos_token"],
+        "vision_start_token_id": ids["vision_bos_token"],
+        "vision_end_token_id": ids["vision_eos_token"],
+        "user_token_id": user_id,
+        "position_id_per_seconds": 13,
+        "tie_word_embeddings": False,
+    }
+    return Qwen3OmniMoeConfig(thinker_config=thinker_config, enable_audio_output=False)
+
+
+def _qwen3_vl_processor(tokenizer: PreTrainedTokenizerFast, audio: Any = None) -> ProcessorMixin:
     """``Qwen3VLProcessor``: images and video frames resized into ``[MIN_PIXELS, MAX_PIXELS]`` in
     32-pixel steps (16-pixel patches, 2x2 merge), normalised with mean = std = 0.5 as Qwen3-VL's; each
-    video becomes frames of 2 temporal patches, each after its ``<t seconds>`` timestamp."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    video becomes frames of 2 temporal patches, each after its ``<t seconds>`` timestamp. With an
+    ``audio`` feature extractor: ``Qwen3OmniMoeProcessor`` with the same image processor, Qwen2-VL's
+    video processor (Qwen3-Omni numbers frames by position ids, not timestamps) and that extractor."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3OmniMoeProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
 
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     vision = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
     normalise = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    frames = {"min_frames": 2, "max_frames": 32, "fps": 2.0, "cap_pixels_per_frame": True}
+    image_processor = Qwen2VLImageProcessor(size=size, **vision, **normalise)
+    template = tokenizer.chat_template
+    if audio is not None:
+        video_processor = Qwen2VLVideoProcessor(size=size, **vision, **normalise, **frames)
+        return Qwen3OmniMoeProcessor(
+            image_processor=image_processor,
+            video_processor=video_processor,
+            feature_extractor=audio,
+            tokenizer=tokenizer,
+            chat_template=template,
+        )
+    video_processor = Qwen3VLVideoProcessor(size=size, **vision, **normalise, **frames)
     return Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=size, **vision, **normalise),
-        video_processor=Qwen3VLVideoProcessor(
-            size=size, **vision, **normalise, min_frames=2, max_frames=32, fps=2.0, cap_pixels_per_frame=True
-        ),
+        image_processor=image_processor,
         tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
+        video_processor=video_processor,
+        chat_template=template,
+    )
+
+
+def _whisper_features(num_mel_bins: int) -> Any:
+    """Whisper's 16 kHz log-mel features with ``num_mel_bins`` bins over ``AUDIO_CHUNK_LENGTH_S``
+    windows (Qwen2.5-Omni's processor pads every clip to it; Qwen3-Omni's pads to the longest clip)."""
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(
+        feature_size=num_mel_bins,
+        sampling_rate=AUDIO_SAMPLING_RATE,
+        chunk_length=AUDIO_CHUNK_LENGTH_S,
+        return_attention_mask=True,
     )
 
 
@@ -726,6 +829,7 @@ def model_class(kind: str) -> type[PreTrainedModel]:
         "glm4v": "Glm4vForConditionalGeneration",
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration",
     }
     if kind not in names:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
@@ -750,12 +854,13 @@ def build_processor(
         return _qwen3_vl_processor(tokenizer)
     if kind == "glm4v":
         return _glm4v_processor(tokenizer, pixels)
+    if kind == "qwen3_omni_moe":
+        return _qwen3_vl_processor(tokenizer, _whisper_features(num_mel_bins))
     from transformers import (
         Qwen2_5_VLProcessor,
         Qwen2_5OmniProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLVideoProcessor,
-        WhisperFeatureExtractor,
     )
 
     size = {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
@@ -772,16 +877,10 @@ def build_processor(
             video_processor=video_processor,
             chat_template=template,
         )
-    feature_extractor = WhisperFeatureExtractor(
-        feature_size=num_mel_bins,
-        sampling_rate=AUDIO_SAMPLING_RATE,
-        chunk_length=AUDIO_CHUNK_LENGTH_S,
-        return_attention_mask=True,
-    )
     return Qwen2_5OmniProcessor(
         image_processor=image_processor,
         video_processor=video_processor,
-        feature_extractor=feature_extractor,
+        feature_extractor=_whisper_features(num_mel_bins),
         tokenizer=tokenizer,
         chat_template=template,
     )
@@ -902,6 +1001,7 @@ _FOLDER_NAMES = {
     "glm4v": "glm-4.1v",
     "qwen3_5": "qwen3.5",
     "qwen3_5_moe": "qwen3.5-moe",
+    "qwen3_omni_moe": "qwen3-omni-moe",
 }
 
 

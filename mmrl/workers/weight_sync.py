@@ -42,13 +42,14 @@ def _unique_state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return entries
 
 
-def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
+def checkpoint_key_mapping(model: nn.Module, splits: bool = False) -> dict[str, str | None]:
     """``state_dict`` key → the key ``save_pretrained`` writes for it (identity where nothing is renamed).
 
     Uses transformers' own reverse conversion (``revert_weight_conversion``) on placeholder tensors.
     Families whose conversion merges or splits tensors (Qwen3.5 MoE's fused experts, one tensor per
     expert in its files) are refused, since their on-disk tensors are not the in-memory ones (the
     transformers rollout is pushed the in-memory names).
+    With ``splits`` such a key maps to None instead (:func:`saved_pieces` names its saved tensors).
     """
     from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
@@ -61,15 +62,26 @@ def checkpoint_key_mapping(model: nn.Module) -> dict[str, str]:
     # transformers 5.19) leaves a tensor of the model's own shape as it is, so its name maps 1:1
     placeholders = {key: torch.empty(tuple(tensor.shape), device="meta") for key, tensor in state.items()}
     key_of_placeholder = {id(tensor): key for key, tensor in placeholders.items()}
-    mapping = {}
+    mapping: dict[str, str | None] = {}
     for saved_key, tensor in revert_weight_conversion(model, dict(placeholders)).items():
         if id(tensor) not in key_of_placeholder:
+            if splits:  # a piece of a split tensor: its source is the key no saved tensor is
+                continue
             raise NotImplementedError(
                 f"{type(model).__name__}: saving converts {saved_key!r} from several tensors; mmrl's weight "
                 "sync only handles renamed weights. Use checkpoint_format=False (in-memory names)."
             )
         mapping[key_of_placeholder[id(tensor)]] = saved_key
-    return {key: mapping.get(key, key) for key in keys}
+    return {key: mapping.get(key, None if splits else key) for key in keys}
+
+
+def saved_pieces(model: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{saved name: tensor}`` that ``save_pretrained`` writes for the in-memory entry ``name`` whose
+    saving splits it (Qwen3-Omni's fused experts [E, 2I, D] -> ``experts.{e}.gate_proj.weight`` and
+    ``up_proj.weight`` [I, D] each), by transformers' own reverse conversion of that one entry."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {name: tensor})
 
 
 def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -85,16 +97,18 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def _entries(
     model: nn.Module, checkpoint_format: bool
-) -> Iterator[tuple[str, torch.Tensor, nn.Module | None]]:
-    """``(yielded name, stored tensor, its LoRA layer or None)`` of every entry the model is pushed as."""
-    key_mapping = checkpoint_key_mapping(model) if checkpoint_format else {}
+) -> Iterator[tuple[str, torch.Tensor, nn.Module | None, bool]]:
+    """``(yielded name, stored tensor, its LoRA layer or None, split)`` of every entry the model is pushed
+    as; ``split``: saved as several tensors (:func:`saved_pieces` of the in-memory name it comes with)."""
+    key_mapping = checkpoint_key_mapping(model, splits=True) if checkpoint_format else {}
     adapters = dict(adapter_layers(model))
     for name, tensor in _unique_state_tensors(model):
         if is_adapter_tensor(name):  # folded into their layer's weight
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         layer = adapters.get(owner) if leaf == "weight" else None
-        yield base_name(key_mapping.get(name, name)), tensor, layer
+        saved = key_mapping.get(name, name)
+        yield (name, tensor, layer, True) if saved is None else (base_name(saved), tensor, layer, False)
 
 
 @torch.no_grad()
@@ -113,12 +127,16 @@ def iter_full_state_dict(
     buffers keep their dtype. LoRA layers are yielded merged, under the plain model's names (module
     docstring). Collective: every rank of the mesh must consume the iterator in step.
     """
-    for name, tensor, layer in _entries(model, checkpoint_format):
+    for name, tensor, layer, split in _entries(model, checkpoint_format):
         if layer is not None:
             lora_a, lora_b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
             full = _full(merged_weight(_full(tensor), lora_a, lora_b, lora_scale(layer)), dtype)
         else:
             full = _full(tensor, dtype)
+        if split:  # saved in pieces (fused experts): the pieces, under their saved names
+            for piece_name, piece in saved_pieces(model, name, full.detach()).items():
+                yield piece_name, piece.to(device=device)
+            continue
         yield name, full.detach().to(device=device)
 
 
@@ -128,14 +146,14 @@ def full_state_manifest(
     """``(name, shape, dtype)`` of what :func:`iter_full_state_dict` yields with the same arguments, in
     its order, read from the (sharded) model's metadata: nothing is gathered. A receiver of pushed
     weights allocates its buffers from it (:mod:`mmrl.workers.weight_push`)."""
-    return [
-        (
-            name,
-            tuple(tensor.shape),
-            dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
-        )
-        for name, tensor, _ in _entries(model, checkpoint_format)
-    ]
+    manifest = []
+    for name, tensor, _, split in _entries(model, checkpoint_format):
+        entry_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        pieces = {name: tensor}
+        if split:
+            pieces = saved_pieces(model, name, torch.empty(tuple(tensor.shape), device="meta"))
+        manifest += [(piece_name, tuple(piece.shape), entry_dtype) for piece_name, piece in pieces.items()]
+    return manifest
 
 
 @torch.no_grad()

@@ -227,6 +227,7 @@ PARAMETER_RANGES = {
     ("glm4v", "tiny"): (300_000, 800_000),
     ("qwen3_5", "tiny"): (300_000, 800_000),
     ("qwen3_5_moe", "tiny"): (300_000, 800_000),
+    ("qwen3_omni_moe", "tiny"): (300_000, 800_000),
     ("qwen2_5_vl", "small"): (12_000_000, 18_000_000),
     ("qwen2_5_omni", "small"): (12_000_000, 18_000_000),
     ("qwen2", "small"): (5_000_000, 10_000_000),
@@ -254,7 +255,8 @@ def test_built_folder_records_its_parameter_count(tiny_vl_path):
 def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
     spec = tiny.SIZES[size]
     config = tiny.build_config(kind, spec, tiny.train_tokenizer(tiny.TINY_CORPUS, spec.vocab_size, kind))
-    if kind == "qwen2_5_omni":
+    omni = kind in ("qwen2_5_omni", "qwen3_omni_moe")
+    if omni:
         config = config.thinker_config
     text_config = config.get_text_config()
     head_dim = text_config.hidden_size // text_config.num_attention_heads
@@ -266,7 +268,7 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
     assert 2 * sum(text_config.rope_parameters["mrope_section"]) == rotary_dim
     assert config.vision_config.hidden_size // config.vision_config.num_heads >= 32
     assert config.vision_config.out_hidden_size == text_config.hidden_size
-    if kind == "qwen2_5_omni":
+    if omni:
         assert config.audio_config.d_model // config.audio_config.encoder_attention_heads >= 32
 
 
@@ -438,3 +440,31 @@ def test_real_width_processor_expands_a_448_image_into_256_placeholders(real_wid
     assert inputs["pixel_values"].shape == (1024, 3 * 2 * 14 * 14)
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert int((inputs["input_ids"] == image_token).sum()) == 256
+
+
+def test_qwen3_omni_reloads_and_expands_audio_and_images_by_hand(tiny_qwen3_omni_path):
+    """The tiny Qwen3-Omni folder is the full model without talker; its thinker loads from the thinker
+    config, and its processor expands a 64x64 image to (64/16)^2 / 4 = 4 tokens and one second of
+    audio (100 mel frames, one 100-frame chunk through three stride-2 convolutions) to 13 tokens."""
+    from transformers import AutoConfig, AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(tiny_qwen3_omni_path)
+    assert config.model_type == "qwen3_omni_moe" and not config.enable_audio_output
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_omni_path)
+    assert type(processor).__name__ == "Qwen3OmniMoeProcessor"
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": QUESTION}],
+        }
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image = draw_color_image("red", np.random.default_rng(0)).resize((64, 64))
+    inputs = processor(text=[text], images=[image], audio=[ONE_SECOND_AUDIO], return_tensors="pt")
+    thinker = config.thinker_config
+    ids = inputs["input_ids"][0]
+    assert (ids == thinker.image_token_id).sum() == 4 and (ids == thinker.audio_token_id).sum() == 13
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(tiny_qwen3_omni_path, config=thinker)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (1, len(ids), thinker.text_config.vocab_size) and torch.isfinite(logits).all()

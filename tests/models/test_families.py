@@ -33,6 +33,8 @@ SHIPPED = {
     "glm4v": "glm4v",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_omni_moe": "qwen3_omni_moe",
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
 }
 
 
@@ -46,11 +48,12 @@ def tiny_paths(
     tiny_glm4v_path,
     tiny_qwen3_5_path,
     tiny_qwen3_5_moe_path,
+    tiny_qwen3_omni_path,
 ) -> dict[str, object]:
     return {"qwen2": tiny_text_path, "qwen2_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path,
             "qwen3_vl": tiny_qwen3_vl_path, "qwen3_vl_moe": tiny_qwen3_vl_moe_path,
             "glm4v": tiny_glm4v_path, "qwen3_5": tiny_qwen3_5_path,
-            "qwen3_5_moe": tiny_qwen3_5_moe_path}  # fmt: skip
+            "qwen3_5_moe": tiny_qwen3_5_moe_path, "qwen3_omni_moe": tiny_qwen3_omni_path}  # fmt: skip
 
 
 # ---------------------------------------------------------------- the registry

@@ -173,3 +173,36 @@ def test_qwen3_5_adapter_reaches_its_linear_attention_and_equals_its_merged_weig
     base = training_model(tiny_qwen3_5_path)
     base_log_probs, _ = policy_actor(base, share_prompts=False).compute_log_probs(batch, 2, TEMPERATURE)
     assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
+
+
+def test_qwen3_omni_adapter_reaches_its_towers_and_equals_its_merged_weights(tiny_qwen3_omni_path):
+    """Qwen3-Omni's linear layers (attention, the audio tower's, the vision tower's qkv) take an adapter,
+    its fused experts (3-D parameters) and routers none; the adapted model computes what its merged
+    weights do, on audio, image + audio and video-with-its-sound rows."""
+    from transformers import AutoProcessor
+
+    rows = (
+        {"audio_s": 1.0},
+        {},
+        {"image": (64, 64), "audio_s": 0.5},
+        {"video_frames": 4, "audio_s": 2.0, "audio_in_video": True},
+    )
+    batch = build_batch(AutoProcessor.from_pretrained(tiny_qwen3_omni_path), rows, RESPONSE_LENGTHS, seed=3)
+    names = lora_target_names(training_model(tiny_qwen3_omni_path), "all-linear", None)
+    for name in ("model.layers.0.self_attn.q_proj", "audio_tower.layers.0.self_attn.k_proj", "audio_tower.proj2",
+                 "visual.blocks.0.attn.qkv"):  # fmt: skip
+        assert name in names, name
+    assert not any(
+        ".mlp." in name and "visual" not in name for name in names
+    )  # experts, routers: not nn.Linear
+    model = lora_model(tiny_qwen3_omni_path)
+    plain = training_model(tiny_qwen3_omni_path)
+    load_into(plain, iter_full_state_dict(model))
+    mask = batch.batch["response_mask"].bool()
+    lora_log_probs, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base_log_probs, _ = policy_actor(training_model(tiny_qwen3_omni_path)).compute_log_probs(
+        batch, 2, TEMPERATURE
+    )
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters

@@ -189,7 +189,7 @@ def _actor_job(
     from _models import training_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mmrl.models.loading import decoder_layers
+    from mmrl.models.loading import decoder_layers, tower_modules
     from mmrl.workers.fsdp_engine import apply_fsdp2
 
     groups = init_sequence_parallel(ulysses_size, ring_size)
@@ -205,9 +205,8 @@ def _actor_job(
         lambda m, args, out: layer_tokens.append(args[0].shape[1])
     )
     vision_patches = []  # patches each vision block call encoded: this rank's share of the frames
-    module.model.visual.blocks[0].register_forward_hook(
-        lambda m, args, out: vision_patches.append(args[0].shape[0])
-    )
+    vision = next(tower for name, tower in tower_modules(module) if name.endswith("visual"))
+    vision.blocks[0].register_forward_hook(lambda m, args, out: vision_patches.append(args[0].shape[0]))
     actor = policy_actor(
         module,
         recorder,
@@ -514,3 +513,26 @@ def test_glm4v_policy_step_with_ulysses_equals_one_rank(tiny_glm4v_path):
     for run in runs:
         _assert_same_step(run, reference)
     _assert_tokens_split(runs, reference)
+
+
+OMNI3_ROWS = (
+    {"audio_s": 1.0},
+    {"image": (64, 64), "audio_s": 0.5},
+    {"video_frames": 4, "audio_s": 2.0, "audio_in_video": True},
+    {},
+    {"image": (96, 64)},
+    {"audio_s": 1.5},
+)
+
+
+@pytest.mark.distributed
+def test_qwen3_omni_policy_step_with_ulysses_equals_one_rank(tiny_qwen3_omni_path):
+    """Qwen3-Omni (MoE decoder, deepstack features, audio tower; audio, image + audio, video with its
+    sound track and text rows): Ulysses 2 = one rank, log-probs, metrics and every gradient."""
+    batch = _sp_training_batch(tiny_qwen3_omni_path, OMNI3_ROWS)
+    reference = run_on_ranks(_actor_job, 1, str(tiny_qwen3_omni_path), batch, 1, 1, 0, timeout_s=180)[0]
+    runs = run_on_ranks(_actor_job, 2, str(tiny_qwen3_omni_path), batch, 2, 1, timeout_s=180)
+    for run in runs:
+        _assert_same_step(run, reference)
+    _assert_tokens_split(runs, reference)
+    assert any("audio_tower" in name and grad.abs().sum() > 0 for name, grad in runs[0]["grads"].items())

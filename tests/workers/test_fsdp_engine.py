@@ -884,6 +884,32 @@ def test_full_state_dict_of_sharded_model_loads_into_a_fresh_model(
         load_into(fresh, list(two_rank_results[1]["state_dict"].items())[:-1])
 
 
+def test_fused_experts_are_pushed_as_the_tensors_their_files_hold(tiny_qwen3_omni_path):
+    """Qwen3-Omni keeps each layer's experts fused in memory ([E, 2I, D] gate and up, [E, D, I] down) and
+    saves one tensor per expert and projection: a push under on-disk names sends exactly the saved
+    names and values (what vLLM's loader reads), and the manifest announces them in order."""
+    from safetensors.torch import load_file
+
+    from mmrl.workers.weight_sync import full_state_manifest
+
+    model = load_model(str(tiny_qwen3_omni_path))
+    pushed = dict(iter_full_state_dict(model, checkpoint_format=True))
+    stored = {
+        name.removeprefix("thinker."): tensor
+        for name, tensor in load_file(tiny_qwen3_omni_path / "model.safetensors").items()
+    }
+    assert pushed.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(pushed[name], tensor), name
+    fused = model.model.layers[0].mlp.experts.gate_up_proj  # [E, 2I, D]: gate rows, then up rows
+    width = fused.shape[1] // 2
+    assert torch.equal(pushed["model.layers.0.mlp.experts.1.up_proj.weight"], fused[1, width:])
+    manifest = full_state_manifest(model, checkpoint_format=True)
+    assert [(name, shape) for name, shape, _ in manifest] == [
+        (name, tuple(t.shape)) for name, t in pushed.items()
+    ]
+
+
 @pytest.mark.distributed
 def test_two_rank_no_grad_pass_leaves_no_unit_gathered(two_rank_results):
     # the root unit (tied embedding/head, vision tower, final norm) has no backward to reshard it after a

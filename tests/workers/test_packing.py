@@ -88,7 +88,16 @@ def glm4v_processor(tiny_glm4v_path):
 
 
 @pytest.fixture(scope="module")
-def batches(vl_processor, omni_processor, qwen3_processor, glm4v_processor) -> dict[str, DataProto]:
+def omni3_processor(tiny_qwen3_omni_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_qwen3_omni_path)
+
+
+@pytest.fixture(scope="module")
+def batches(
+    vl_processor, omni_processor, qwen3_processor, glm4v_processor, omni3_processor
+) -> dict[str, DataProto]:
     return {
         "image": build_batch(vl_processor, IMAGE_ROWS, (7, 2, 5), seed=0),
         "video": build_batch(vl_processor, VIDEO_ROWS, (3, 6), seed=10),
@@ -104,6 +113,8 @@ def batches(vl_processor, omni_processor, qwen3_processor, glm4v_processor) -> d
         "qwen3_5_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=90),
         # Qwen3.5 MoE: the same, with routed and shared experts
         "qwen3_5_moe_mixed": build_batch(qwen3_processor, QWEN3_MIXED_ROWS, (6, 1, 4, 3, 7), seed=100),
+        # Qwen3-Omni: audio, image + audio, video with its sound track, text; MoE routers, deepstack
+        "omni3_audio": build_batch(omni3_processor, (*AUDIO_ROWS, {}), (4, 7, 2, 5), seed=100),
     }
 
 
@@ -121,16 +132,20 @@ def model_paths(
     tiny_glm4v_path,
     tiny_qwen3_5_path,
     tiny_qwen3_5_moe_path,
+    tiny_qwen3_omni_path,
 ) -> dict[str, object]:
     """The tiny model of each batch kind's family."""
     return {"qwen2_5_vl": tiny_vl_path, "qwen2_5_omni": tiny_omni_path, "qwen3_vl": tiny_qwen3_vl_path,
             "qwen3_vl_moe": tiny_qwen3_vl_moe_path, "glm4v": tiny_glm4v_path,
-            "qwen3_5": tiny_qwen3_5_path, "qwen3_5_moe": tiny_qwen3_5_moe_path}  # fmt: skip
+            "qwen3_5": tiny_qwen3_5_path, "qwen3_5_moe": tiny_qwen3_5_moe_path,
+            "qwen3_omni_moe": tiny_qwen3_omni_path}  # fmt: skip
 
 
 def _model_path(kind: str, model_paths):
     if kind.startswith("qwen3_5_moe_"):
         return model_paths["qwen3_5_moe"]
+    if kind.startswith("omni3_"):
+        return model_paths["qwen3_omni_moe"]
     if kind.startswith("qwen3_5_"):
         return model_paths["qwen3_5"]
     if kind.startswith("glm4v_"):
@@ -167,7 +182,7 @@ def _unique_state(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "kind",
     ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "qwen3_moe_mixed",
-     "glm4v_mixed", "qwen3_5_mixed", "qwen3_5_moe_mixed"],
+     "glm4v_mixed", "qwen3_5_mixed", "qwen3_5_moe_mixed", "omni3_audio"],
 )  # fmt: skip
 def test_packed_log_probs_and_gradients_equal_padded(kind, batches, model_paths):
     batch = batches[kind]
@@ -264,7 +279,7 @@ def test_packed_mrope_positions_are_the_models_own(kind, batches, model_paths):
 # ---------------------------------------------------------------- training steps
 
 
-@pytest.mark.parametrize("kind", ["mixed", "audio", "qwen3_mixed", "qwen3_moe_mixed"])
+@pytest.mark.parametrize("kind", ["mixed", "audio", "qwen3_mixed", "qwen3_moe_mixed", "omni3_audio"])
 def test_packed_step_changes_every_trainable_tensor_towers_included(kind, batches, model_paths):
     """One packed update on text + image + video rows (Qwen2.5-VL) and on audio + image + video-with-audio
     rows (Omni thinker) moves every tensor, the vision and audio towers included."""
@@ -280,7 +295,7 @@ def test_packed_step_changes_every_trainable_tensor_towers_included(kind, batche
     # Qwen2.5-Omni's audio tower defines this embedding but its forward never reads it (transformers 5.19).
     assert unchanged == (["audio_tower.audio_bos_eos_token.weight"] if kind == "audio" else [])
     prefixes = [name + "." for name, _ in tower_modules(model)]
-    assert len(prefixes) == (2 if kind == "audio" else 1)
+    assert len(prefixes) == (2 if "audio" in kind else 1)
     assert all(any(name.startswith(prefix) for name in before) for prefix in prefixes)
     assert metrics["padding_ratio"] == 0.0 and metrics["skipped_steps"] == 0
 
@@ -482,7 +497,9 @@ def _with_repeated_prompts(batch: DataProto) -> DataProto:
     return both.reorder(torch.arange(2 * len(batch)).view(2, -1).t().flatten())  # [a, a', b, b', ...]
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "mixed", "audio", "qwen3_video", "qwen3_mixed"])
+@pytest.mark.parametrize(
+    "kind", ["image", "video", "mixed", "audio", "qwen3_video", "qwen3_mixed", "omni3_audio"]
+)
 def test_position_ids_once_per_prompt_equal_the_models_numbering_of_each_row(kind, batches, model_paths):
     """The ``position_ids`` column (get_rope_index once per distinct prompt, responses numbered on from
     the prompt's largest id) equals the model's own numbering of every whole row, and a forward pass
@@ -591,7 +608,7 @@ def _shared_outputs(model, batch: DataProto, share_prompts: bool):
 
 
 @pytest.mark.parametrize(
-    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed"]
+    "kind", ["image", "video", "mixed", "audio", "qwen3_image", "qwen3_video", "qwen3_mixed", "omni3_audio"]
 )
 def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, model_paths):
     """Rows repeating a prompt (two responses each) packed with the prompt once: the same log-probs and

@@ -102,6 +102,22 @@ def engine_prompts(prompts: DataProto) -> list[dict[str, Any]]:
     return inputs
 
 
+def check_prompt_expansion(prompts: DataProto, outputs: Sequence[Any]) -> None:
+    """Raise unless vLLM expanded each prompt's media placeholders to as many tokens as the trainer's
+    processor did (``attention_mask`` of the prompt columns): otherwise the trainer would score other
+    tokens than the engine sampled after. Seen with Qwen3-Omni's videos: its processor's defaults
+    resize frames and time them at 1 fps unless a call says otherwise, and vLLM's calls do not."""
+    lengths = prompts.batch["attention_mask"].sum(-1).tolist()
+    for row, (output, length) in enumerate(zip(outputs, lengths)):
+        if len(output.prompt_token_ids) != length:
+            media = sorted(prompts.non_tensor_batch.get("multi_modal_data", [None] * len(prompts))[row] or {})
+            raise RuntimeError(
+                f"vLLM expanded prompt {row} (media: {media or 'none'}) to {len(output.prompt_token_ids)} "
+                f"tokens, the trainer's processor to {length}: the two processors disagree on this model's "
+                "media (Qwen3-Omni: videos are not supported on vLLM; use worker.rollout.name=hf)"
+            )
+
+
 def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     """One seed per prompt; vLLM gives the n samples of prompt i the seeds ``seeds[i] + 0 .. n - 1``."""
     return [(seed * SEED_STRIDE + index * n) % MAX_SEED for index in range(num_prompts)]
@@ -470,6 +486,7 @@ class VLLMRollout:
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
         with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
             outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
+        check_prompt_expansion(prompts, outputs[start : start + len(prompts) * copies : copies])
         responses, log_probs = completion_tensors(
             outputs[start : start + len(prompts) * copies],
             sampling.n // copies,

@@ -172,24 +172,36 @@ def test_rollout_log_probs_match_the_lora_trainer_after_updates(vl_parts, prompt
 
 @pytest.fixture(scope="module")
 def media_data_files(shapes_data_dir, tmp_path_factory) -> dict[str, str]:
-    """Image prompts (the colour task) and video prompts (the dot task, 8 frames)."""
+    """Image prompts (the colour task), video prompts (the dot task, 8 frames) and audio prompts (the
+    beeps task, 1.5 s)."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
-    video_dir = generate_shapes_dataset(
-        "video_direction", tmp_path_factory.mktemp("hf-video"), n_train=3, n_val=1, seed=0
-    )
-    return {"image": str(shapes_data_dir / "train.jsonl"), "video": str(video_dir / "train.jsonl")}
+    files = {"image": str(shapes_data_dir / "train.jsonl")}
+    for media, task in (("video", "video_direction"), ("audio", "audio_beeps")):
+        folder = generate_shapes_dataset(
+            task, tmp_path_factory.mktemp(f"hf-{media}"), n_train=3, n_val=1, seed=0
+        )
+        files[media] = str(folder / "train.jsonl")
+    return files
 
 
-@pytest.mark.parametrize("media", ["image", "video"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5"])
+FAMILY_MEDIA = [
+    (family, media)
+    for family in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5")
+    for media in ("image", "video")
+] + [("qwen3_omni_moe", media) for media in ("image", "video", "audio")]
+
+
+@pytest.mark.parametrize(("family", "media"), FAMILY_MEDIA)
 def test_rollout_log_probs_match_the_trainer_per_family(family, media, request, media_data_files):
     """Sampled-token log-probs of the transformers rollout equal the trainer's (packed) log-probs of the
     same tokens, for each vision family on images and on videos (Qwen3-VL: frame timestamps in the
     prompt, deepstack features; its MoE: routed experts; GLM-4.1V: frames as image tokens inside video
-    tokens, each frame after its second; Qwen3.5: linear-attention state in the rollout's cache)."""
+    tokens, each frame after its second; Qwen3.5: linear-attention state in the rollout's cache;
+    Qwen3-Omni: the audio tower too, and temporal ids counted in seconds)."""
     fixtures = {"qwen2_5_vl": "tiny_vl_path", "qwen3_vl": "tiny_qwen3_vl_path",
-                "qwen3_vl_moe": "tiny_qwen3_vl_moe_path", "glm4v": "tiny_glm4v_path", "qwen3_5": "tiny_qwen3_5_path"}  # fmt: skip
+                "qwen3_vl_moe": "tiny_qwen3_vl_moe_path", "glm4v": "tiny_glm4v_path", "qwen3_5": "tiny_qwen3_5_path",
+                "qwen3_omni_moe": "tiny_qwen3_omni_path"}  # fmt: skip
     path = request.getfixturevalue(fixtures[family])
     tokenizer, processor = load_tokenizer_and_processor(str(path))
     pixels = DataConfig(
@@ -206,8 +218,14 @@ def test_rollout_log_probs_match_the_trainer_per_family(family, media, request, 
             parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
     rollout = HFRollout(model, tokenizer, return_log_probs=True)
     batch = rollout.generate(prompts, SamplingParams(n=2, temperature=0.7, max_tokens=6, seed=2))
-    placeholders = batch.batch["mm_token_type_ids"][:, : prompts.batch["input_ids"].shape[1]]
-    assert (placeholders == {"image": 1, "video": 2}[media]).sum(-1).min() > 0  # every prompt has its media
+    prompt_ids = prompts.batch["input_ids"]
+    if "mm_token_type_ids" in batch.batch.keys():
+        placeholders = (
+            batch.batch["mm_token_type_ids"][:, : prompt_ids.shape[1]] == {"image": 1, "video": 2}[media]
+        )
+    else:  # Omni: each medium has its own placeholder id
+        placeholders = prompt_ids == getattr(model.config, f"{media}_token_id")
+    assert placeholders.sum(-1).min() > 0  # every prompt has its media
     share_prompts = family != "qwen3_5"  # Qwen3.5's linear attention cannot continue a shared prompt
     log_probs, _ = policy_actor(model, share_prompts=share_prompts).compute_log_probs(
         batch, 4, temperature=0.7

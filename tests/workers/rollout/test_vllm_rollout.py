@@ -307,10 +307,20 @@ def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> 
 def _media_job(rank: int, world_size: int, paths: dict[str, str], prompts: dict[str, DataProto]) -> dict:
     results = {}
     for kind, kind_prompts in prompts.items():
+        if kind == "qwen3_omni_video":  # sent to the qwen3_omni engine below
+            continue
         results[kind] = _media_checks(paths[kind], kind_prompts, embeds=kind == "video")
         rollout = results[kind].pop("rollout")
         if kind == "audio":  # the Omni engine: sounds (and images) as observations
             results["observations"] = _observation_checks(rollout, paths[kind], kind_prompts, AUDIO_KINDS)
+        if kind == "qwen3_omni":  # videos, which its processor expands otherwise on vLLM: refused
+            try:
+                rollout.generate(
+                    prompts["qwen3_omni_video"], SamplingParams(n=1, temperature=0.0, max_tokens=2)
+                )
+                results["omni_video_error"] = None
+            except RuntimeError as err:
+                results["omni_video_error"] = str(err)
     return results
 
 
@@ -492,16 +502,23 @@ def one_rank(tiny_text_path, tiny_vl_path, vl_prompts, tmp_path_factory) -> dict
 
 @pytest.fixture(scope="module")
 def media_paths(
-    tiny_vl_path, tiny_omni_path, tiny_qwen3_vl_path, tiny_qwen3_vl_moe_path, tiny_glm4v_path
+    tiny_vl_path,
+    tiny_omni_path,
+    tiny_qwen3_vl_path,
+    tiny_qwen3_vl_moe_path,
+    tiny_glm4v_path,
+    tiny_qwen3_omni_path,
 ) -> dict[str, str]:
     return {"video": str(tiny_vl_path), "audio": str(tiny_omni_path), "qwen3_vl": str(tiny_qwen3_vl_path),
-            "qwen3_vl_moe": str(tiny_qwen3_vl_moe_path), "glm4v": str(tiny_glm4v_path)}  # fmt: skip
+            "qwen3_vl_moe": str(tiny_qwen3_vl_moe_path), "glm4v": str(tiny_glm4v_path),
+            "qwen3_omni": str(tiny_qwen3_omni_path)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, DataProto]:
-    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni, and
-    2 image + 2 video prompts each for Qwen3-VL, Qwen3-VL MoE and GLM-4.1V."""
+    """3 video prompts (the dot task, 8 frames) for the VL model, 3 audio prompts (beeps) for Omni,
+    2 image + 2 video prompts each for Qwen3-VL, Qwen3-VL MoE and GLM-4.1V, and 2 image + 2 audio prompts
+    for Qwen3-Omni (the MoE models' experts pushed and packed again for vLLM's CPU kernel)."""
     from mmrl.demo.synthetic import generate_shapes_dataset
 
     root = tmp_path_factory.mktemp("vllm-media")
@@ -509,9 +526,14 @@ def media_prompts(media_paths, shapes_data_dir, tmp_path_factory) -> dict[str, D
     audio_dir = generate_shapes_dataset("audio_beeps", root / "audio", n_train=3, n_val=1, seed=0)
     frame_range = {"video_min_pixels": MIN_PIXELS, "video_max_pixels": MAX_PIXELS}
     video_file, image_file = str(video_dir / "train.jsonl"), str(shapes_data_dir / "train.jsonl")
-    return {
-        # the MoE engine first: vLLM builds its process's parallel groups with the first engine, the
-        # expert-parallel one only for a MoE model
+    return {  # a MoE engine first: vLLM sets up its expert-parallel group with a process's first engine
+        "qwen3_omni": _prompts(
+            media_paths["qwen3_omni"], [image_file, str(audio_dir / "train.jsonl")], 2, audio_key="audios"
+        ),
+        # one temporal patch (2 frames): vLLM's upscaled frames still fit max_model_len
+        "qwen3_omni_video": _prompts(
+            media_paths["qwen3_omni"], [video_file], 1, video_key="videos", num_video_frames=2, **frame_range
+        ),
         "qwen3_vl_moe": _prompts(
             media_paths["qwen3_vl_moe"], [image_file, video_file], 2, video_key="videos", **frame_range
         ),
@@ -643,7 +665,7 @@ def test_log_probs_match_the_lora_trainer_after_updates_one_rank(one_rank):
 # ---------------------------------------------------------------- video and audio
 
 
-@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
+@pytest.mark.parametrize("kind", ["video", "audio", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_omni"])
 def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     run, prompts = media_rank[kind], media_prompts[kind]
     # the engine's processor expanded every placeholder to the trainer's exact token ids
@@ -657,6 +679,7 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
         "qwen3_vl": image_and_video,
         "qwen3_vl_moe": image_and_video,
         "glm4v": image_and_video,
+        "qwen3_omni": ["images"] * 2 + ["audios"] * 2,
     }[kind]
     media_keys += media_keys[-1:] * (len(prompts) - len(media_keys))
     assert all(key in row for key, row in zip(media_keys, prompts.non_tensor_batch["multi_modal_data"]))
@@ -668,6 +691,16 @@ def test_both_backends_see_the_same_media(media_rank, media_prompts, kind):
     # transformers 5.19 alone does after a video gave gaps of 5 nats (the qwen2_vl family fix)
     assert run["sampled_tokens"] > 20
     assert run["sampled_gap"] < 1e-4, run["sampled_gap"]
+
+
+def test_qwen3_omni_videos_on_vllm_are_refused_naming_the_prompt(media_rank, media_prompts):
+    """Qwen3-Omni's processor resizes video frames to its own defaults and times them at 1 fps unless a
+    call says otherwise; vLLM's calls do not, so its prompt holds other token counts than the trainer's:
+    the rollout refuses it with the counts rather than letting the trainer score other tokens."""
+    trainer_length = int(media_prompts["qwen3_omni_video"].batch["attention_mask"][0].sum())
+    error = media_rank["omni_video_error"]
+    assert error is not None and "prompt 0 (media: ['videos'])" in error, error
+    assert f"the trainer's processor to {trainer_length}:" in error and "worker.rollout.name=hf" in error
 
 
 def _assert_encodings_taken(run: dict, modality: str, rows: int, tolerance: float) -> None:
@@ -888,3 +921,23 @@ def test_qwen3_5_moe_tied_head_is_tied_on_vllm_too(tiny_qwen3_5_moe_path):
     )  # fmt: skip
     parsed = vllm.EngineArgs(**args).create_model_config()  # the config vLLM builds the model from
     assert parsed.hf_text_config.tie_word_embeddings is True
+
+
+def test_qwen3_omni_config_gets_the_keys_vllm_reads(tiny_qwen3_omni_path):
+    """vLLM 0.32's Qwen3-Omni reads the vision tower's ``image_size`` and ``apply_vit_abs_pos_embed`` and
+    the text config's ``tie_word_embeddings``, which transformers 5.19's config classes lack (building
+    the engine failed on each); the family sets them on the config vLLM parses: a 16 x 16 grid of
+    16-pixel patches is a 256-pixel image, and the thinker is untied."""
+    import vllm
+    from transformers import AutoConfig
+
+    from mmrl.workers.rollout.vllm_spmd import engine_arguments
+
+    folder_config = AutoConfig.from_pretrained(tiny_qwen3_omni_path).thinker_config
+    assert not hasattr(folder_config.vision_config, "image_size")
+    assert not hasattr(folder_config.text_config, "tie_word_embeddings")
+    path = str(tiny_qwen3_omni_path)
+    args = engine_arguments(path, path, RolloutConfig(name="vllm"), max_model_len=512, on_gpu=False)
+    thinker = vllm.EngineArgs(**args).create_model_config().hf_config.thinker_config
+    assert (thinker.vision_config.image_size, thinker.vision_config.apply_vit_abs_pos_embed) == (256, True)
+    assert thinker.text_config.tie_word_embeddings is False
