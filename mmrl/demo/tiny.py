@@ -181,10 +181,16 @@ class ModelSize:
     min_pixels: int = MIN_PIXELS  # the processor's image / video frame resize bounds
     max_pixels: int = MAX_PIXELS
     tie_word_embeddings: bool = True  # Qwen2.5-VL / Qwen2 / Qwen3-VL (Omni is always untied)
+    # Qwen3-VL MoE's sparse blocks at this size: experts, experts per token, each expert's MLP width
+    # (None: a quarter of intermediate_size)
+    num_experts: int = MOE_EXPERTS
+    experts_per_token: int = 2
+    moe_intermediate_size: int | None = None
+    explicit_head_dim: int | None = None  # Qwen3's text layers may be wider than hidden_size / num_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
 
     @property
     def mrope_section(self) -> list[int]:
@@ -222,6 +228,17 @@ SIZES: dict[str, ModelSize] = {
         audio_hidden_size=64, audio_layers=1, audio_heads=2, audio_ffn_size=128, num_mel_bins=128,
         vocab_size=151_936, tokenizer_size=151_665, max_position_embeddings=128_000,
         kinds=("qwen2_5_vl",), min_pixels=56 * 56, max_pixels=28 * 28 * 16384,  # the 3B processor's
+    ),
+    # Qwen3-VL-30B-A3B-Instruct's config.json widths (128 experts of 768, top-8; 32 heads of 128 over a
+    # 2,048-wide stream); depth cut to 1 decoder layer and 1 vision block; the head tied to the embedding
+    # (the released model's is a matrix of its own: 311M parameters more)
+    "30b-a3b-width": ModelSize(
+        hidden_size=2048, num_layers=1, num_heads=32, num_kv_heads=4, intermediate_size=6144,
+        vision_hidden_size=1152, vision_depth=1, vision_heads=16, vision_intermediate_size=4304,
+        audio_hidden_size=64, audio_layers=1, audio_heads=2, audio_ffn_size=128, num_mel_bins=128,
+        vocab_size=151_936, tokenizer_size=151_665, max_position_embeddings=262_144,
+        kinds=("qwen3_vl_moe",), num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+        explicit_head_dim=128,
     ),
 }  # fmt: skip
 
@@ -565,7 +582,8 @@ def _qwen3_vl_config(
     """A Qwen3-VL config: Qwen3 text layers (explicit ``head_dim``, q/k norms) with interleaved M-RoPE
     (Qwen3-VL's 24:20:20 split of the rotary pairs), and a vision tower of 16-pixel patches whose first
     blocks feed deepstack mergers (block i's features are added in decoder layer i). ``moe``: the
-    Qwen3-VL MoE config, every decoder MLP a sparse block of ``MOE_EXPERTS`` experts, top-2 routed."""
+    Qwen3-VL MoE config, every decoder MLP a sparse block of the size's experts (``MOE_EXPERTS``, top-2, at
+    the small sizes)."""
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     pairs = size.head_dim // 2
@@ -582,8 +600,9 @@ def _qwen3_vl_config(
         "tie_word_embeddings": True,
     }
     if moe:  # experts a quarter of the dense MLP wide, as Qwen3-VL-30B-A3B's (768 vs 6144 per expert)
-        text_config |= {"num_experts": MOE_EXPERTS, "num_experts_per_tok": 2,
-                        "moe_intermediate_size": size.intermediate_size // 4, "decoder_sparse_step": 1}  # fmt: skip
+        expert_width = size.moe_intermediate_size or size.intermediate_size // 4
+        text_config |= {"num_experts": size.num_experts, "num_experts_per_tok": size.experts_per_token,
+                        "moe_intermediate_size": expert_width, "decoder_sparse_step": 1}  # fmt: skip
     vision_config = {
         "depth": size.vision_depth,
         "hidden_size": size.vision_hidden_size,
