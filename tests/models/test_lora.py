@@ -206,3 +206,26 @@ def test_qwen3_omni_adapter_reaches_its_towers_and_equals_its_merged_weights(tin
         batch, 2, TEMPERATURE
     )
     assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters
+
+
+def test_qwen3_vl_moe_adapter_reaches_its_attention_and_equals_its_merged_weights(tiny_qwen3_vl_moe_path):
+    """Qwen3-VL MoE's attention and vision tower take an adapter; its routers and fused experts (3-D
+    parameters) none, and stay trainable in full; the adapted model computes what its merged weights do
+    on image and text rows."""
+    from transformers import AutoProcessor
+
+    path = tiny_qwen3_vl_moe_path
+    batch = build_batch(AutoProcessor.from_pretrained(path), ROWS, RESPONSE_LENGTHS, seed=3)
+    names = lora_target_names(training_model(path), "all-linear", None)
+    for name in ("model.language_model.layers.0.self_attn.q_proj", "model.visual.blocks.0.attn.qkv"):
+        assert name in names, name
+    assert not any(".mlp.gate" in name or ".mlp.experts" in name for name in names)
+    model = lora_model(path)
+    plain = training_model(path)
+    load_into(plain, iter_full_state_dict(model))
+    mask = batch.batch["response_mask"].bool()
+    lora_log_probs, _ = policy_actor(model).compute_log_probs(batch, 2, TEMPERATURE)
+    merged_log_probs, _ = policy_actor(plain).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - merged_log_probs).abs()[mask].max() < 1e-5
+    base_log_probs, _ = policy_actor(training_model(path)).compute_log_probs(batch, 2, TEMPERATURE)
+    assert (lora_log_probs - base_log_probs).abs()[mask].max() > 1e-2  # the adapter matters

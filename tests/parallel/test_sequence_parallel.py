@@ -505,14 +505,19 @@ def test_ring_ranks_agree_on_disk_hits_and_encode_together(tiny_vl_path, sp_batc
 
 
 @pytest.mark.distributed
-def test_glm4v_policy_step_with_ulysses_equals_one_rank(tiny_glm4v_path):
-    """GLM-4.1V (video frames as image tokens, 3-D RoPE on half of each head): Ulysses 2 = one rank."""
-    batch = _sp_training_batch(tiny_glm4v_path, QWEN3_ROWS)
-    reference = run_on_ranks(_actor_job, 1, str(tiny_glm4v_path), batch, 1, 1, 0, timeout_s=180)[0]
-    runs = run_on_ranks(_actor_job, 2, str(tiny_glm4v_path), batch, 2, 1, timeout_s=180)
+@pytest.mark.parametrize("fixture", ["tiny_glm4v_path", "tiny_qwen3_vl_moe_path"])
+def test_policy_step_with_ulysses_equals_one_rank_per_family(request, fixture):
+    """GLM-4.1V (video frames as image tokens, 3-D RoPE on half of each head) and Qwen3-VL MoE (each
+    rank routes the tokens it holds; deepstack features): Ulysses 2 = one rank."""
+    path = request.getfixturevalue(fixture)
+    batch = _sp_training_batch(path, QWEN3_ROWS)
+    reference = run_on_ranks(_actor_job, 1, str(path), batch, 1, 1, 0, timeout_s=180)[0]
+    runs = run_on_ranks(_actor_job, 2, str(path), batch, 2, 1, timeout_s=180)
     for run in runs:
         _assert_same_step(run, reference)
     _assert_tokens_split(runs, reference)
+    if "moe" in fixture:  # the experts and routers trained on both ranks' tokens
+        assert any("mlp.experts" in name and grad.abs().sum() > 0 for name, grad in runs[0]["grads"].items())
 
 
 OMNI3_ROWS = (
