@@ -259,7 +259,10 @@ def test_heads_are_at_least_32_wide_and_mrope_covers_them(kind, size):
     if omni:
         config = config.thinker_config
     text_config = config.get_text_config()
-    head_dim = text_config.hidden_size // text_config.num_attention_heads
+    # Qwen3's heads may be wider than hidden_size / heads (Qwen3-VL-30B-A3B: 32 heads of 128 over 2,048)
+    head_dim = (
+        getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    )
     assert head_dim >= 32
     if kind == "qwen2":
         return

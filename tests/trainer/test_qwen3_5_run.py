@@ -1,8 +1,8 @@
-"""The Qwen3.5 run of the trainer, on the Qwen3.5 MoE tiny model (it holds everything the dense Qwen3.5
-has — gated-delta-net linear attention run per packed sequence, prompts not shared — plus routed experts;
-the dense model's pieces are tested in-process: packing, rollout parity, LoRA). One 2-step run, one
+"""The Qwen3.5 runs of the trainer: the dense model's (last test), and the Qwen3.5 MoE tiny model's (it
+holds everything the dense Qwen3.5 has — gated-delta-net linear attention run per packed sequence,
+prompts not shared — plus routed experts). The MoE's: one 2-step run, one
 training rank, the transformers rollout recording its routing and the actor replaying it, the routers'
-load-balancing loss in the update, the last step saved. Every test here reads that run. (Resuming this
+load-balancing loss in the update, the last step saved, read by the first two tests. (Resuming this
 family's experts and linear attention: tests/checkpoint/test_checkpoint.py, in-process.)"""
 
 from __future__ import annotations
@@ -70,3 +70,34 @@ def test_both_steps_reach_the_merged_weights_that_load_back(qwen3_5_moe_run, tin
         # An Adam update moves an entry by at most about lr: entries whose gradient kept its sign moved
         # two updates (0.040 seen for each tensor here, the fused experts whole after the merge)
         assert (merged[name] - base[name]).abs().max() > 1.5 * LR, name
+
+
+@pytest.mark.timeout(400)
+def test_dense_qwen3_5_trains_two_steps_with_parity_and_merges(tiny_qwen3_5_path, shapes_data_dir, tmp_path):
+    """The dense family's own run: 2 steps on one training rank, the transformers rollout, the default
+    shared prompts turned off for it (its linear attention sees each sequence whole); merged, every
+    kind of layer trained."""
+    save_dir = tmp_path / "run"
+    overrides = small_run_overrides(tiny_qwen3_5_path, shapes_data_dir, save_dir) + [
+        "trainer.n_gpus_per_node=1",
+        "worker.rollout.name=hf",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_freq=2",
+    ]
+    steps = [row for row in run_main(overrides, save_dir) if "actor/grad_norm" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]  # cached recurrence vs chunked
+        assert row["actor/grad_norm"] > 0
+    merged, base = merged_and_base(
+        save_dir / "global_step_2" / "actor", tmp_path / "merged", tiny_qwen3_5_path
+    )
+    assert merged.keys() == base.keys()
+    for key in (
+        "layers.0.linear_attn.in_proj_qkv.weight",
+        "layers.0.linear_attn.A_log",
+        "layers.1.self_attn.q_proj.weight",
+    ):
+        name = f"model.language_model.{key}"
+        assert not torch.equal(merged[name], base[name]), name
