@@ -422,23 +422,25 @@ def test_fsdp2_two_rank_checkpoint_loads_in_one_process(fsdp_run, tiny_vl_path, 
 
 
 @pytest.mark.distributed
-def test_fsdp2_resume_of_a_qwen3_5_moe_restores_its_fused_experts_and_linear_attention(
-    tiny_qwen3_5_moe_path, tmp_path
-):
-    """The Qwen3.5 MoE under FSDP2 (one rank; its trainer run does not resume): the fused 3-D experts,
-    the routers and the gated delta nets come back with their Adam state, and the resumed model takes
-    the uninterrupted one's next step."""
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_path", "tiny_qwen3_5_moe_path"])
+def test_fsdp2_resume_of_a_qwen3_5_restores_its_linear_attention_and_experts(request, fixture, tmp_path):
+    """Qwen3.5, dense and MoE, under FSDP2 (one rank; their trainer runs do not resume): the gated delta
+    nets (and the MoE's fused 3-D experts and routers) come back with their Adam state, and the resumed
+    model takes the uninterrupted one's next step."""
     from mmrl.demo.ranks import run_on_ranks
 
+    path = request.getfixturevalue(fixture)
     checkpoint_dir, out_dir = tmp_path / "global_step_1.tmp" / "actor", tmp_path / "out"
     out_dir.mkdir()
-    run_on_ranks(_fsdp_rank, 1, str(tiny_qwen3_5_moe_path), str(checkpoint_dir), str(out_dir), timeout_s=300)
+    run_on_ranks(_fsdp_rank, 1, str(path), str(checkpoint_dir), str(out_dir), timeout_s=300)
     results = torch.load(out_dir / "results.pt", weights_only=False)
     saved = results["saved_state"]
     layer = "model.language_model.layers.0"
-    assert saved["model"][f"{layer}.mlp.experts.gate_up_proj"].dim() == 3
-    for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight", "linear_attn.A_log",
-                 "linear_attn.conv1d.weight"):  # fmt: skip
+    trained = ["linear_attn.A_log", "linear_attn.conv1d.weight"]
+    if "moe" in fixture:
+        assert saved["model"][f"{layer}.mlp.experts.gate_up_proj"].dim() == 3
+        trained += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    for name in trained:
         assert f"{layer}.{name}" in saved["optimizer"]["state"], name  # trained by the saved step
     _assert_weights_equal(results["resumed_state"]["model"], saved["model"])
     _assert_optimizer_states_equal(results["resumed_state"]["optimizer"], saved["optimizer"])
