@@ -327,11 +327,7 @@ def shared_prefix_attention(
     output = None if len(buckets) == 1 else query.new_empty(tokens, heads, head_dim)
     for query_positions, key_positions, mask, span in buckets:  # [m, q], [m, k], [q, k] or None
         if span is not None:  # back-to-back segments: [m, H, q, D] views of the row
-            count = query_positions.shape[0]
-            q, k, v = (
-                x[0, :, span[0] : span[1]].unflatten(1, (count, -1)).transpose(0, 1)
-                for x in (query, key, value)
-            )
+            q, k, v = (_segments_view(x, span, query_positions.shape[0]) for x in (query, key, value))
         else:
             q = query[0][:, query_positions].transpose(0, 1)  # [m, H, q, D]
             k = key[0][:, key_positions].transpose(0, 1)  # [m, H_kv, k, D]
@@ -346,18 +342,27 @@ def shared_prefix_attention(
             scaling=scaling,
             is_causal=mask is None,  # q = k: the segment's own keys, causal (top-left = bottom-right)
         )  # [m, q, H, D]
-        bucket_output = bucket_output.reshape(-1, heads, head_dim)
         if output is None:  # one bucket: every token of the row, in row order
             return (
-                bucket_output.unsqueeze(0)
+                bucket_output.view(1, tokens, heads, head_dim)
                 if span is not None
-                else _in_row_order(bucket_output, query_positions)
+                else _in_row_order(bucket_output.reshape(-1, heads, head_dim), query_positions)
             )
+        bucket_output = bucket_output.reshape(-1, heads, head_dim)
         if span is not None:
             output[span[0] : span[1]] = bucket_output
         else:
             output[query_positions.flatten()] = bucket_output
     return output.unsqueeze(0)
+
+
+def _segments_view(x: torch.Tensor, span: tuple[int, int], count: int) -> torch.Tensor:
+    """The tokens ``span`` of ``x`` [1, H, T, D], ``count`` back-to-back segments of equal length, as
+    [count, H, q, D]: views, two ops in all where the span is the whole row (no select or slice, whose
+    backward would allocate a zero row and copy into it)."""
+    if span != (0, x.shape[2]):
+        x = x.narrow(2, span[0], span[1] - span[0])
+    return x.view(x.shape[1], count, -1, x.shape[3]).transpose(0, 1)
 
 
 def _in_row_order(outputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

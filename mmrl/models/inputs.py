@@ -510,6 +510,18 @@ def response_head_outputs(
     inputs = build_forward_inputs(
         model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
     )
+    return _last_positions_outputs(model, inputs, input_ids, response_length, scoring)
+
+
+def _last_positions_outputs(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    input_ids: torch.Tensor,
+    response_length: int,
+    scoring: ResponseScoring | None,
+) -> torch.Tensor:
+    """The head's outputs of ``model(**inputs)`` (a padded batch, ``input_ids`` [B, P + R]) at the
+    positions predicting the R response tokens: ``[B, R, D]``."""
     # Only the last R + 1 positions reach lm_head: a [B, P + R, vocab] tensor is the largest of the pass.
     keep = {"logits_to_keep": response_length + 1} if _accepts_logits_to_keep(model) else {}
     # position t predicts token t + 1; the last position predicts nothing (target 0, never read)
@@ -539,7 +551,9 @@ def response_token_outputs(
     then K-sized, never ``[B, R, vocab]``; :func:`scatter_response_tokens` lays results out as [B, R].
 
     ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
-    positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
+    positions reach the head; a micro-batch without padding (and, with ``share_prompts``, no prompt
+    shared by two rows) runs as the dense batch it is, which computes the same. Otherwise the padded
+    forward of :func:`response_head_outputs`.
     ``position_ids``: the rows' batch-first ids when known (the batch column), else computed here.
     ``share_prompts`` (packed, without sequence parallelism): rows with the same prompt share one copy
     of it (:func:`build_shared_prefix_inputs`).
@@ -563,6 +577,21 @@ def response_token_outputs(
         )
         return outputs[response_valid], response_valid
     sharded = sequence_parallel is not None and sequence_parallel.size > 1
+    if not sharded and bool(attention_mask.all()):
+        # no padding: unless rows share a prompt, the packed row would be the rows end to end, and the
+        # dense batch [B, L] computes the same without a decoder layer reshaping a packed row into
+        # sequences for attention (host work per layer, counted by bench/gpu_mfu.py)
+        valid = attention_mask.bool()
+        prompt_length = input_ids.shape[1] - response_length
+        if not share_prompts or _distinct_prompts(
+            input_ids[:, :prompt_length], valid[:, :prompt_length], multi_modal_inputs
+        ):
+            inputs = build_forward_inputs(
+                model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+            )
+            inputs["attention_mask"] = None  # every token is valid: causal attention, no mask to build
+            outputs = _last_positions_outputs(model, inputs, input_ids, response_length, scoring)
+            return outputs.flatten(0, 1), valid[:, prompt_length:]  # [B * R = K, D]
     if share_prompts and not sharded:
         inputs, indices, response_valid = build_shared_prefix_inputs(
             model,
@@ -583,6 +612,14 @@ def response_token_outputs(
         outputs = _sequence_parallel_outputs(model, inputs, indices, tokens, sequence_parallel, scoring)
         return outputs, response_valid
     return _head_rows(model, inputs, indices, tokens, scoring), response_valid  # [K, D]
+
+
+def _distinct_prompts(
+    prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
+) -> bool:
+    """Whether no two rows have the same prompt (:func:`prompt_groups`)."""
+    first_of = prompt_groups(prompt_ids, prompt_valid, multi_modal_inputs)
+    return first_of == list(range(len(first_of)))
 
 
 def _sequence_parallel_outputs(
