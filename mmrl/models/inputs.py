@@ -261,6 +261,7 @@ def build_packed_forward_inputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None,
     mm_token_type_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs)`` on the rows of a padded micro-batch packed into one.
 
@@ -269,7 +270,8 @@ def build_packed_forward_inputs(
     :func:`sequence_position_ids`) or else :func:`packed_position_ids`, ``packed_sequences`` the
     boundaries for attention, the media tensors joined in row order, and no ``attention_mask``.
     ``model`` must be prepared for packing (:func:`mmrl.models.prepare.prepare_for_training`), or
-    ``packed_sequences`` would be ignored: raises otherwise.
+    ``packed_sequences`` would be ignored: raises otherwise. ``lengths``: the rows' valid token
+    counts when already read to the host (else read here).
     """
     check_prepared(model, sequence_parallel=False, where="build_packed_forward_inputs")
     valid = attention_mask.bool()  # [B, L]
@@ -283,7 +285,9 @@ def build_packed_forward_inputs(
     return {
         "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
         "position_ids": packed_positions,
-        "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
+        "packed_sequences": PackedSequences.from_lengths(
+            valid.sum(-1).tolist() if lengths is None else lengths, input_ids.device
+        ),
         **family_of(model).forward_media(media),
     }
 
@@ -296,6 +300,7 @@ def build_shared_prefix_inputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """Keyword arguments for ``model(**inputs)`` on the rows packed with each distinct prompt once:
     ``[prompt, its rows' responses, next prompt, ...]``, and where the outputs predicting the response
@@ -326,8 +331,12 @@ def build_shared_prefix_inputs(
 
     token_pieces, position_pieces, segments = [], [], []
     predicting: dict[int, list[int]] = {}  # row -> packed positions predicting its response tokens
-    response_counts = response_valid.sum(-1).tolist()  # one host sync, not one per row
-    prompt_columns = _prompt_columns(prompt_valid)
+    prompt_columns, prompt_counts = _prompt_columns(prompt_valid)
+    response_counts = (  # one host sync, not one per row, or none with the rows' ``lengths`` known
+        response_valid.sum(-1).tolist()
+        if lengths is None
+        else [length - count for length, count in zip(lengths, prompt_counts)]
+    )
     cursor = 0
     for first, rows in members.items():
         columns = prompt_columns[first]
@@ -376,17 +385,20 @@ def build_shared_prefix_inputs(
     return inputs, indices, response_valid
 
 
-def _prompt_columns(prompt_valid: torch.Tensor) -> list[slice | torch.Tensor]:
+def _prompt_columns(prompt_valid: torch.Tensor) -> tuple[list[slice | torch.Tensor], list[int]]:
     """Each row's valid prompt columns: a slice (a view, no device sync) when they are the last ones
-    (left padding, as the rollout hands rows over), else the row's mask. One copy to the host in all."""
+    (left padding, as the rollout hands rows over), else the row's mask; and each row's count of them.
+    One copy to the host in all."""
     valid = prompt_valid.cpu().numpy()
     width = valid.shape[1]
     columns: list[slice | torch.Tensor] = []
+    counts = []
     for row, row_valid in enumerate(valid):
         count = int(row_valid.sum())
         left_padded = bool(row_valid[width - count :].all())
         columns.append(slice(width - count, width) if left_padded else prompt_valid[row])
-    return columns
+        counts.append(count)
+    return columns, counts
 
 
 def check_rollout_layout(valid: torch.Tensor, prompt_length: int) -> None:
@@ -577,7 +589,8 @@ def response_token_outputs(
         )
         return outputs[response_valid], response_valid
     sharded = sequence_parallel is not None and sequence_parallel.size > 1
-    if not sharded and bool(attention_mask.all()):
+    lengths = attention_mask.sum(-1).tolist()  # one host sync: the boundaries of the packed row
+    if not sharded and min(lengths) == attention_mask.shape[1]:
         # no padding: unless rows share a prompt, the packed row would be the rows end to end, and the
         # dense batch [B, L] computes the same without a decoder layer reshaping a packed row into
         # sequences for attention (host work per layer, counted by bench/gpu_mfu.py)
@@ -601,10 +614,11 @@ def response_token_outputs(
             multi_modal_inputs,
             mm_token_type_ids,
             position_ids,
+            lengths,
         )
     else:
         inputs = build_packed_forward_inputs(
-            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids, lengths
         )
         indices, response_valid = packed_response_indices(attention_mask, response_length)
     tokens = input_ids[:, -response_length:][response_valid]  # [K]: the token each index predicts

@@ -22,6 +22,7 @@ from _batches import (
     value_critic,
 )
 from _models import training_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.core_algos import log_probs_from_logits
 from mmrl.demo.ranks import run_on_ranks
@@ -670,19 +671,44 @@ def test_an_unpadded_micro_batch_runs_dense_and_equals_its_packed_row(
         assert isinstance(seen[2], SharedPrefixSequences)
 
 
+class _AttentionCalls(TorchDispatchMode):
+    """Counts the sdpa kernels dispatched in the block."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "scaled_dot_product" in func.overloadpacket.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def _self_attending(*lengths: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    return [(start, length, [(start, length)]) for start, length in zip(starts, lengths)]
+
+
 @pytest.mark.parametrize(
-    "segments",
+    ("packed", "segments", "sdpa_calls"),
     [
-        [(0, 5, [(0, 5)]), (5, 5, [(5, 5)]), (10, 5, [(10, 5)])],  # one bucket, the whole row
-        [(0, 4, [(0, 4)]), (4, 3, [(4, 3)]), (7, 3, [(7, 3)]), (10, 2, [(0, 4), (10, 2)])],  # inside it
+        (False, _self_attending(5, 5, 5), 1),  # one run, the whole row
+        (False, _self_attending(3, 3, 2, 4, 4, 4), 3),  # runs of 2, 1 and 3 equal lengths
+        (True, _self_attending(3, 3, 2, 4, 4, 4), 3),  # the same as a PackedSequences row
+        (True, _self_attending(4, 6, 5), 3),  # ragged: one sdpa call per sequence
+        (False, [*_self_attending(4, 3, 3), (10, 2, [(0, 4), (10, 2)])], 3),  # a shared prompt: buckets
     ],
-    ids=["whole row", "part of the row"],
+    ids=["one run", "runs", "packed runs", "packed ragged", "shared prompt"],
 )
-def test_shared_prefix_attention_on_back_to_back_segments_equals_each_segment_alone(segments):
-    """Back-to-back self-attending segments of equal length are attended as views of the row (no
-    gather): outputs and gradients equal causal attention over each segment's keys alone, with the
-    value laid out as a decoder's projection leaves it (heads transposed, not contiguous)."""
-    from mmrl.models.attention import SharedPrefixSequences, bottom_right_causal_mask, shared_prefix_attention
+def test_packed_attention_on_back_to_back_segments_equals_each_segment_alone(packed, segments, sdpa_calls):
+    """Segments attending to themselves run one sdpa call per run of equal lengths on views of the row
+    (split once); with a shared prompt, back-to-back self-attending segments are views too, one call per
+    bucket of equally shaped segments: outputs and gradients equal causal attention over each segment's keys alone, with the value laid out as a
+    decoder's projection leaves it (heads transposed, not contiguous)."""
+    from mmrl.models.attention import (
+        PackedSequences,
+        SharedPrefixSequences,
+        bottom_right_causal_mask,
+        shared_prefix_attention,
+        varlen_attention,
+    )
 
     heads, kv_heads, head_dim = 4, 2, 8
     tokens = sum(length for _, length, _ in segments)
@@ -691,11 +717,17 @@ def test_shared_prefix_attention_on_back_to_back_segments_equals_each_segment_al
     key = torch.randn(1, kv_heads, tokens, head_dim, generator=generator, requires_grad=True)
     value_rows = torch.randn(1, tokens, kv_heads * head_dim, generator=generator, requires_grad=True)
     value = value_rows.view(1, tokens, kv_heads, head_dim).transpose(1, 2)  # [1, H_kv, T, D], strided
-    sequences = SharedPrefixSequences.from_segments(segments, "cpu")
-    assert any(span is not None for *_, span in sequences.buckets)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, heads // kv_heads
-    output = shared_prefix_attention(module, query, key, value, sequences, head_dim**-0.5)  # [1, T, H, D]
+    with _AttentionCalls() as calls:
+        if packed:
+            lengths = [length for _, length, _ in segments]
+            sequences = PackedSequences.from_lengths(lengths, "cpu")
+            output = varlen_attention(module, query, key, value, sequences, head_dim**-0.5)  # [1, T, H, D]
+        else:
+            sequences = SharedPrefixSequences.from_segments(segments, "cpu")
+            output = shared_prefix_attention(module, query, key, value, sequences, head_dim**-0.5)
+    assert calls.count == sdpa_calls
     upstream = torch.randn(output.shape, generator=generator)
     grads = torch.autograd.grad((output * upstream).sum(), (query, key, value_rows))
 
