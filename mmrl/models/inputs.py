@@ -599,6 +599,8 @@ def response_token_outputs(
         if not share_prompts or _distinct_prompts(
             input_ids[:, :prompt_length], valid[:, :prompt_length], multi_modal_inputs
         ):
+            # the same contract as a packed pass: a model not prepared for packing fails here too
+            check_prepared(model, sequence_parallel=False, where="response_token_outputs")
             inputs = build_forward_inputs(
                 model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
             )
