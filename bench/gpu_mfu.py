@@ -46,8 +46,10 @@ rows, half the rows in 2 micro-batches, 1 layer and 2 micro-batches. Printed per
 extra row in a micro-batch, per parameter tensor in the optimizer step, and for the no-grad log-prob
 pass per micro-batch; columns: all ops, ``copy_``, ``_to_copy`` (dtype/device casts), host syncs
 (``_local_scalar_dense``: ``.item()``, ``float()``, ``.tolist()``) and ops on DTensors; then the
-counted update's loss and gradient norm on both sides (equal up to bf16 rounding). Tables and
-before/after figures: docs/throughput.md.
+counted update's loss and gradient norm on both sides (equal up to bf16 rounding). The rows have no
+padding, so mmrl runs each micro-batch as the dense batch it is; ``--ragged`` pads them unevenly
+(left-padded prompts, right-padded responses, as a rollout hands rows over): mmrl then packs them,
+and the plain loop passes the attention mask. Tables and before/after figures: docs/throughput.md.
 
 Runs on the torch it finds: one without ``FSDPModule.set_reduce_scatter_unused_params`` (< 2.13) gets
 a no-op in its place (said in the output). Writes ``bench/results/gpu_mfu.json`` (``gpu_mfu_ops.json``
@@ -190,10 +192,18 @@ SPECIAL_TOKENS = 8  # the top of the vocabulary: media tokens (build_config)
 
 
 def random_batch(
-    rows: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0, images: bool = False
+    rows: int,
+    prompt_length: int,
+    response_length: int,
+    vocab: int,
+    seed: int = 0,
+    images: bool = False,
+    ragged: bool = False,
 ):
     """Random rows, every token valid; advantages random, old log-probs filled in later. ``images``:
-    each prompt begins with an image (random pixels, :data:`IMAGE_GRID`) in its placeholder tokens."""
+    each prompt begins with an image (random pixels, :data:`IMAGE_GRID`) in its placeholder tokens.
+    ``ragged``: row r's prompt left-padded by 2r and its response right-padded by 3r tokens (modulo
+    half their lengths), as a rollout hands rows over."""
     import torch
 
     from mmrl.protocol import DataProto
@@ -204,6 +214,11 @@ def random_batch(
     prompts = torch.randint(low, high, (rows, prompt_length), generator=generator)
     responses = torch.randint(low, high, (rows, response_length), generator=generator)
     response_mask = torch.ones(rows, response_length, dtype=torch.long)
+    prompt_mask = torch.ones(rows, prompt_length, dtype=torch.long)
+    if ragged:
+        for row in range(rows):
+            prompt_mask[row, : 2 * row % (prompt_length // 2)] = 0
+            response_mask[row, response_length - 3 * row % (response_length // 2) :] = 0
     token_types = torch.zeros(rows, prompt_length + response_length, dtype=torch.long)
     non_tensors = {}
     if images:
@@ -221,7 +236,7 @@ def random_batch(
             "prompts": prompts,
             "responses": responses,
             "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": torch.ones(rows, prompt_length + response_length, dtype=torch.long),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
             "response_mask": response_mask,
             "advantages": torch.randn(rows, 1, generator=generator)
             .expand(rows, response_length)
@@ -352,7 +367,14 @@ class PlainSide:
     CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.3, 3.0  # mmrl's PPO defaults (ActorConfig().clip_range)
 
     def __init__(
-        self, config, device, compute_dtype, gradient_checkpointing: bool, response_length: int, **_
+        self,
+        config,
+        device,
+        compute_dtype,
+        gradient_checkpointing: bool,
+        response_length: int,
+        ragged: bool = False,
+        **_,
     ):
         import torch
         import torch.distributed as dist
@@ -373,6 +395,7 @@ class PlainSide:
             model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, fused=True
         )
         self.device, self.response_length = device, response_length
+        self.ragged = ragged  # padded rows: the model gets their attention mask
         self.step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def prepare(self, batch):
@@ -392,12 +415,13 @@ class PlainSide:
             "mm_token_type_ids": batch.batch["mm_token_type_ids"][rows].to(self.device),
         }
 
-    def _log_probs(self, input_ids, responses, media=None):
+    def _log_probs(self, input_ids, responses, media=None, attention_mask=None):
         """log p(response token) [b, R] in float32: the last R + 1 positions' logits, one gather."""
         import torch
 
+        mask = {"attention_mask": attention_mask} if self.ragged else {}
         logits = self.model(
-            input_ids=input_ids, logits_to_keep=self.response_length + 1, **(media or {})
+            input_ids=input_ids, logits_to_keep=self.response_length + 1, **mask, **(media or {})
         ).logits[:, :-1]
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
@@ -412,7 +436,8 @@ class PlainSide:
                 rows = slice(start, start + micro_batch)
                 ids = tensors["input_ids"][rows].to(self.device)
                 responses = tensors["responses"][rows].to(self.device)
-                outputs.append(self._log_probs(ids, responses, self._media(batch, rows)).cpu())
+                mask = tensors["attention_mask"][rows].to(self.device) if self.ragged else None
+                outputs.append(self._log_probs(ids, responses, self._media(batch, rows), mask).cpu())
         for module in self.model.modules():  # no backward follows to free the root's gathered weights
             if hasattr(module, "reshard"):
                 module.reshard()
@@ -430,7 +455,12 @@ class PlainSide:
         for start in range(0, len(batch), micro_batch):
             rows = slice(start, start + micro_batch)
             media = self._media(batch, rows)
-            log_probs = self._log_probs(tensors["input_ids"][rows], tensors["responses"][rows], media)
+            log_probs = self._log_probs(
+                tensors["input_ids"][rows],
+                tensors["responses"][rows],
+                media,
+                tensors["attention_mask"][rows] if self.ragged else None,
+            )
             ratio = torch.exp(log_probs - tensors["old_log_probs"][rows])
             advantages = tensors["advantages"][rows]
             clipped = ratio.clamp(1 - self.CLIP_LOW, 1 + self.CLIP_HIGH)
@@ -760,7 +790,8 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
         config = build_config(
             args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab, images=args.images
         )
-        side = SIDES[name](config, device, torch.bfloat16, True, args.response_length)
+        ragged = {"ragged": args.ragged} if name == "plain" else {}
+        side = SIDES[name](config, device, torch.bfloat16, True, args.response_length, **ragged)
         batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
         key = "full" if layers == args.layers else "one_layer"
@@ -823,7 +854,14 @@ def op_counts(args: argparse.Namespace) -> dict:
     if not dist.is_initialized():
         _init_one_rank_group("gloo")
     notes = torch_shims()
-    batch = random_batch(args.rows, args.prompt_length, args.response_length, args.vocab, images=args.images)
+    batch = random_batch(
+        args.rows,
+        args.prompt_length,
+        args.response_length,
+        args.vocab,
+        images=args.images,
+        ragged=args.ragged,
+    )
     # old log-probs: those of near-uniform logits (random weights), so that the ratio is near 1 and no
     # token is clipped (a clipped token's gradient is zero); the same for both sides
     old = torch.full((args.rows, args.response_length), -math.log(args.vocab))
@@ -845,7 +883,8 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
     print(
         f"\naten ops dispatched, Qwen2.5-VL-3B layout at {args.widths} widths, {args.layers} decoder layers, {args.vision_depth} "
         f"vision blocks, vocabulary {args.vocab:,}; {args.rows} rows x ({args.prompt_length} prompt + "
-        f"{args.response_length} response) tokens{', an image of 4 x 4 patches each' if args.images else ''}; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
+        f"{args.response_length} response) tokens{', an image of 4 x 4 patches each' if args.images else ''}"
+        f"{', padded (--ragged)' if args.ragged else ''}; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
         f"(gloo), gradient checkpointing on; torch {result['torch']}\n"
     )
     mmrl, plain = result["sides"]["mmrl"]["table"], result["sides"]["plain"]["table"]
@@ -910,6 +949,11 @@ def main() -> None:
     parser.add_argument(
         "--images", action="store_true", help="CPU mode: each prompt begins with an image of 4 x 4 patches"
     )
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="CPU mode, text rows: left-padded prompts and right-padded responses of uneven lengths",
+    )
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny config on the CPU: checks the timed code path only"
@@ -923,6 +967,8 @@ def main() -> None:
         args.model, args.rows, args.prompt_length, args.response_length, args.repeats = "smoke", 4, 16, 16, 1
         args.micro_batch = min(args.micro_batch, 2)
     elif device == "cpu":
+        if args.ragged and args.images:
+            parser.error("--ragged pads text rows only; leave out --images")
         args.layers = args.layers or 2
         args.rows, args.prompt_length, args.response_length = (
             args.rows or 4,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -272,17 +273,43 @@ def varlen_attention(
         return _flash_varlen(
             kernel, query[0], key[0], value[0], (cu, cu), (longest, longest), scaling, dropout
         )
+    return _causal_runs(module, query, key, value, packed.lengths, scaling, dropout)
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_length_runs(lengths: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``lengths`` as runs of equal consecutive lengths: ``((count, length), ...)`` in row order (the
+    same for every layer of a forward: computed once)."""
+    return tuple((len(list(group)), length) for length, group in itertools.groupby(lengths))
+
+
+def _causal_runs(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: tuple[int, ...],
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Causal torch sdpa within each of the back-to-back sequences of ``lengths``, one call per run of
+    equal lengths (a run of m sequences of q tokens is a [m, H, q, D] batch of views): ``query``
+    ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``; returns ``[1, T, H, D]``. The row is
+    split once per tensor (views; its backward is one concatenation, not a zero-filled row per piece)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    outputs = [
-        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0]
-        for q, k, v in zip(
-            query.split(packed.lengths, dim=2),
-            key.split(packed.lengths, dim=2),
-            value.split(packed.lengths, dim=2),
-        )
-    ]
-    return torch.cat(outputs, dim=1)  # [1, T, H, D]
+    runs = _equal_length_runs(lengths)
+    sizes = [count * length for count, length in runs]
+    pieces = zip(*(x.split(sizes, dim=2) if len(runs) > 1 else (x,) for x in (query, key, value)))
+    outputs = []
+    for (count, _), (q, k, v) in zip(runs, pieces):
+        if count > 1:  # [1, H, m * q, D] -> [m, H, q, D]
+            q, k, v = (x.view(x.shape[1], count, -1, x.shape[3]).transpose(0, 1) for x in (q, k, v))
+        output, _ = sdpa_attention_forward(
+            module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True
+        )  # [m, q, H, D]
+        outputs.append(output.view(1, -1, *output.shape[2:]) if count > 1 else output)
+    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # [1, T, H, D]
 
 
 def bottom_right_causal_mask(q_length: int, kv_length: int, device: torch.device) -> torch.Tensor:
@@ -320,6 +347,8 @@ def shared_prefix_attention(
             scaling,
             dropout,
         )
+    if sequences.q_lengths == sequences.kv_lengths:  # no prompt shared: every segment attends to itself
+        return _causal_runs(module, query, key, value, sequences.q_lengths, scaling, dropout)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
@@ -327,11 +356,7 @@ def shared_prefix_attention(
     output = None if len(buckets) == 1 else query.new_empty(tokens, heads, head_dim)
     for query_positions, key_positions, mask, span in buckets:  # [m, q], [m, k], [q, k] or None
         if span is not None:  # back-to-back segments: [m, H, q, D] views of the row
-            count = query_positions.shape[0]
-            q, k, v = (
-                x[0, :, span[0] : span[1]].unflatten(1, (count, -1)).transpose(0, 1)
-                for x in (query, key, value)
-            )
+            q, k, v = (_segments_view(x, span, query_positions.shape[0]) for x in (query, key, value))
         else:
             q = query[0][:, query_positions].transpose(0, 1)  # [m, H, q, D]
             k = key[0][:, key_positions].transpose(0, 1)  # [m, H_kv, k, D]
@@ -346,18 +371,27 @@ def shared_prefix_attention(
             scaling=scaling,
             is_causal=mask is None,  # q = k: the segment's own keys, causal (top-left = bottom-right)
         )  # [m, q, H, D]
-        bucket_output = bucket_output.reshape(-1, heads, head_dim)
         if output is None:  # one bucket: every token of the row, in row order
             return (
-                bucket_output.unsqueeze(0)
+                bucket_output.view(1, tokens, heads, head_dim)
                 if span is not None
-                else _in_row_order(bucket_output, query_positions)
+                else _in_row_order(bucket_output.reshape(-1, heads, head_dim), query_positions)
             )
+        bucket_output = bucket_output.reshape(-1, heads, head_dim)
         if span is not None:
             output[span[0] : span[1]] = bucket_output
         else:
             output[query_positions.flatten()] = bucket_output
     return output.unsqueeze(0)
+
+
+def _segments_view(x: torch.Tensor, span: tuple[int, int], count: int) -> torch.Tensor:
+    """The tokens ``span`` of ``x`` [1, H, T, D], ``count`` back-to-back segments of equal length, as
+    [count, H, q, D]: views, two ops in all where the span is the whole row (no select or slice, whose
+    backward would allocate a zero row and copy into it)."""
+    if span != (0, x.shape[2]):
+        x = x.narrow(2, span[0], span[1] - span[0])
+    return x.view(x.shape[1], count, -1, x.shape[3]).transpose(0, 1)
 
 
 def _in_row_order(outputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

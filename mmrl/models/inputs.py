@@ -261,6 +261,7 @@ def build_packed_forward_inputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None,
     mm_token_type_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model(**inputs)`` on the rows of a padded micro-batch packed into one.
 
@@ -269,7 +270,8 @@ def build_packed_forward_inputs(
     :func:`sequence_position_ids`) or else :func:`packed_position_ids`, ``packed_sequences`` the
     boundaries for attention, the media tensors joined in row order, and no ``attention_mask``.
     ``model`` must be prepared for packing (:func:`mmrl.models.prepare.prepare_for_training`), or
-    ``packed_sequences`` would be ignored: raises otherwise.
+    ``packed_sequences`` would be ignored: raises otherwise. ``lengths``: the rows' valid token
+    counts when already read to the host (else read here).
     """
     check_prepared(model, sequence_parallel=False, where="build_packed_forward_inputs")
     valid = attention_mask.bool()  # [B, L]
@@ -283,7 +285,9 @@ def build_packed_forward_inputs(
     return {
         "input_ids": input_ids[valid].unsqueeze(0),  # [1, T]
         "position_ids": packed_positions,
-        "packed_sequences": PackedSequences.from_lengths(valid.sum(-1).tolist(), input_ids.device),
+        "packed_sequences": PackedSequences.from_lengths(
+            valid.sum(-1).tolist() if lengths is None else lengths, input_ids.device
+        ),
         **family_of(model).forward_media(media),
     }
 
@@ -296,6 +300,7 @@ def build_shared_prefix_inputs(
     multi_modal_inputs: Sequence[dict[str, Any]] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """Keyword arguments for ``model(**inputs)`` on the rows packed with each distinct prompt once:
     ``[prompt, its rows' responses, next prompt, ...]``, and where the outputs predicting the response
@@ -326,8 +331,12 @@ def build_shared_prefix_inputs(
 
     token_pieces, position_pieces, segments = [], [], []
     predicting: dict[int, list[int]] = {}  # row -> packed positions predicting its response tokens
-    response_counts = response_valid.sum(-1).tolist()  # one host sync, not one per row
-    prompt_columns = _prompt_columns(prompt_valid)
+    prompt_columns, prompt_counts = _prompt_columns(prompt_valid)
+    response_counts = (  # one host sync, not one per row, or none with the rows' ``lengths`` known
+        response_valid.sum(-1).tolist()
+        if lengths is None
+        else [length - count for length, count in zip(lengths, prompt_counts)]
+    )
     cursor = 0
     for first, rows in members.items():
         columns = prompt_columns[first]
@@ -376,17 +385,20 @@ def build_shared_prefix_inputs(
     return inputs, indices, response_valid
 
 
-def _prompt_columns(prompt_valid: torch.Tensor) -> list[slice | torch.Tensor]:
+def _prompt_columns(prompt_valid: torch.Tensor) -> tuple[list[slice | torch.Tensor], list[int]]:
     """Each row's valid prompt columns: a slice (a view, no device sync) when they are the last ones
-    (left padding, as the rollout hands rows over), else the row's mask. One copy to the host in all."""
+    (left padding, as the rollout hands rows over), else the row's mask; and each row's count of them.
+    One copy to the host in all."""
     valid = prompt_valid.cpu().numpy()
     width = valid.shape[1]
     columns: list[slice | torch.Tensor] = []
+    counts = []
     for row, row_valid in enumerate(valid):
         count = int(row_valid.sum())
         left_padded = bool(row_valid[width - count :].all())
         columns.append(slice(width - count, width) if left_padded else prompt_valid[row])
-    return columns
+        counts.append(count)
+    return columns, counts
 
 
 def check_rollout_layout(valid: torch.Tensor, prompt_length: int) -> None:
@@ -510,6 +522,18 @@ def response_head_outputs(
     inputs = build_forward_inputs(
         model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
     )
+    return _last_positions_outputs(model, inputs, input_ids, response_length, scoring)
+
+
+def _last_positions_outputs(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    input_ids: torch.Tensor,
+    response_length: int,
+    scoring: ResponseScoring | None,
+) -> torch.Tensor:
+    """The head's outputs of ``model(**inputs)`` (a padded batch, ``input_ids`` [B, P + R]) at the
+    positions predicting the R response tokens: ``[B, R, D]``."""
     # Only the last R + 1 positions reach lm_head: a [B, P + R, vocab] tensor is the largest of the pass.
     keep = {"logits_to_keep": response_length + 1} if _accepts_logits_to_keep(model) else {}
     # position t predicts token t + 1; the last position predicts nothing (target 0, never read)
@@ -539,7 +563,9 @@ def response_token_outputs(
     then K-sized, never ``[B, R, vocab]``; :func:`scatter_response_tokens` lays results out as [B, R].
 
     ``padding_free``: one forward over the rows packed into one sequence, and only the K predicting
-    positions reach the head. Otherwise the padded forward of :func:`response_head_outputs`.
+    positions reach the head; a micro-batch without padding (and, with ``share_prompts``, no prompt
+    shared by two rows) runs as the dense batch it is, which computes the same. Otherwise the padded
+    forward of :func:`response_head_outputs`.
     ``position_ids``: the rows' batch-first ids when known (the batch column), else computed here.
     ``share_prompts`` (packed, without sequence parallelism): rows with the same prompt share one copy
     of it (:func:`build_shared_prefix_inputs`).
@@ -563,6 +589,24 @@ def response_token_outputs(
         )
         return outputs[response_valid], response_valid
     sharded = sequence_parallel is not None and sequence_parallel.size > 1
+    lengths = attention_mask.sum(-1).tolist()  # one host sync: the boundaries of the packed row
+    if not sharded and min(lengths) == attention_mask.shape[1]:
+        # no padding: unless rows share a prompt, the packed row would be the rows end to end, and the
+        # dense batch [B, L] computes the same without a decoder layer reshaping a packed row into
+        # sequences for attention (host work per layer, counted by bench/gpu_mfu.py)
+        valid = attention_mask.bool()
+        prompt_length = input_ids.shape[1] - response_length
+        if not share_prompts or _distinct_prompts(
+            input_ids[:, :prompt_length], valid[:, :prompt_length], multi_modal_inputs
+        ):
+            # the same contract as a packed pass: a model not prepared for packing fails here too
+            check_prepared(model, sequence_parallel=False, where="response_token_outputs")
+            inputs = build_forward_inputs(
+                model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+            )
+            inputs["attention_mask"] = None  # every token is valid: causal attention, no mask to build
+            outputs = _last_positions_outputs(model, inputs, input_ids, response_length, scoring)
+            return outputs.flatten(0, 1), valid[:, prompt_length:]  # [B * R = K, D]
     if share_prompts and not sharded:
         inputs, indices, response_valid = build_shared_prefix_inputs(
             model,
@@ -572,10 +616,11 @@ def response_token_outputs(
             multi_modal_inputs,
             mm_token_type_ids,
             position_ids,
+            lengths,
         )
     else:
         inputs = build_packed_forward_inputs(
-            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids
+            model, input_ids, attention_mask, multi_modal_inputs, mm_token_type_ids, position_ids, lengths
         )
         indices, response_valid = packed_response_indices(attention_mask, response_length)
     tokens = input_ids[:, -response_length:][response_valid]  # [K]: the token each index predicts
@@ -583,6 +628,14 @@ def response_token_outputs(
         outputs = _sequence_parallel_outputs(model, inputs, indices, tokens, sequence_parallel, scoring)
         return outputs, response_valid
     return _head_rows(model, inputs, indices, tokens, scoring), response_valid  # [K, D]
+
+
+def _distinct_prompts(
+    prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, multi_modal_inputs: Sequence[dict[str, Any]] | None
+) -> bool:
+    """Whether no two rows have the same prompt (:func:`prompt_groups`)."""
+    first_of = prompt_groups(prompt_ids, prompt_valid, multi_modal_inputs)
+    return first_of == list(range(len(first_of)))
 
 
 def _sequence_parallel_outputs(

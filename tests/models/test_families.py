@@ -184,6 +184,10 @@ def test_an_unprepared_model_fails_packed_passes_with_the_fix(tiny_qwen3_vl_path
         build_shared_prefix_inputs(model, input_ids, attention_mask, response_length)
     with pytest.raises(RuntimeError, match="prepare_for_training"):
         response_token_outputs(model, input_ids, attention_mask, response_length, padding_free=True)
+    with pytest.raises(RuntimeError, match="prepare_for_training"):  # unpadded rows run dense, checked alike
+        response_token_outputs(
+            model, input_ids, torch.ones_like(attention_mask), response_length, padding_free=True
+        )
     # the padded pass needs nothing
     outputs, _ = response_token_outputs(model, input_ids, attention_mask, response_length, padding_free=False)
     assert torch.isfinite(outputs).all()

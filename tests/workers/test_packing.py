@@ -22,6 +22,7 @@ from _batches import (
     value_critic,
 )
 from _models import training_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.core_algos import log_probs_from_logits
 from mmrl.demo.ranks import run_on_ranks
@@ -640,6 +641,130 @@ def test_shared_prompts_equal_one_packed_sequence_per_row(kind, batches, model_p
     for key in ("pixel_values", "pixel_values_videos", "input_features"):  # each medium once
         if key in original:
             assert torch.equal(inputs[key], original[key]), key
+
+
+def _with_padding_column(batch: DataProto) -> DataProto:
+    """``batch`` with one more response column, padding in every row: the same valid tokens."""
+    tensors = dict(batch.batch.items())
+    rows = len(batch)
+    pad = torch.zeros(rows, 1, dtype=torch.long)
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in tensors:
+            tensors[key] = torch.cat([tensors[key], pad], dim=1)
+    return DataProto.from_dict(tensors=tensors, non_tensors=dict(batch.non_tensor_batch))
+
+
+def _attention_rows(model) -> list:
+    """What the first decoder layer's attention gets as ``packed_sequences``, one entry per call."""
+    seen = []
+    model.get_decoder().layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("packed_sequences")), with_kwargs=True
+    )
+    return seen
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_an_unpadded_micro_batch_runs_dense_and_equals_its_packed_row(
+    vl_processor, tiny_vl_path, share_prompts
+):
+    """A micro-batch without a padding token (and no prompt shared by two rows) runs as the dense
+    batch it is, no packed row reaching attention, and its log-probs and gradients equal those of the
+    same rows packed (one padding column added, so that they are packed); rows sharing a prompt
+    still share it."""
+    from mmrl.models.attention import PackedSequences, SharedPrefixSequences
+
+    # equal prompt text, equal image size, other pixels: no padding anywhere, three distinct prompts
+    batch = build_batch(vl_processor, ({"image": (56, 56)},) * 3, (3, 3, 3), seed=0)
+    assert bool(batch.batch["attention_mask"].all())
+    model = training_model(str(tiny_vl_path))
+    seen = _attention_rows(model)
+    dense, dense_grads = _shared_outputs(model, batch, share_prompts)
+    assert seen == [None]  # the dense batch: transformers' causal sdpa, no packed row
+    packed, packed_grads = _shared_outputs(model, _with_padding_column(batch), share_prompts)
+    assert isinstance(seen[1], SharedPrefixSequences if share_prompts else PackedSequences)
+    torch.testing.assert_close(dense, packed, atol=1e-5, rtol=0)
+    assert dense_grads.keys() == packed_grads.keys()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(dense_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    if share_prompts:  # two rows with one prompt (an equal copy of the image): packed, the prompt once
+        media = list(batch.non_tensor_batch["multi_modal_inputs"])
+        batch.non_tensor_batch["multi_modal_inputs"] = np.array([media[0], dict(media[0]), media[2]])
+        _shared_outputs(model, batch, share_prompts)
+        assert isinstance(seen[2], SharedPrefixSequences)
+
+
+class _AttentionCalls(TorchDispatchMode):
+    """Counts the sdpa kernels dispatched in the block."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "scaled_dot_product" in func.overloadpacket.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def _self_attending(*lengths: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    return [(start, length, [(start, length)]) for start, length in zip(starts, lengths)]
+
+
+@pytest.mark.parametrize(
+    ("packed", "segments", "sdpa_calls"),
+    [
+        (False, _self_attending(5, 5, 5), 1),  # one run, the whole row
+        (False, _self_attending(3, 3, 2, 4, 4, 4), 3),  # runs of 2, 1 and 3 equal lengths
+        (True, _self_attending(3, 3, 2, 4, 4, 4), 3),  # the same as a PackedSequences row
+        (True, _self_attending(4, 6, 5), 3),  # ragged: one sdpa call per sequence
+        (False, [*_self_attending(4, 3, 3), (10, 2, [(0, 4), (10, 2)])], 3),  # a shared prompt: buckets
+    ],
+    ids=["one run", "runs", "packed runs", "packed ragged", "shared prompt"],
+)
+def test_packed_attention_on_back_to_back_segments_equals_each_segment_alone(packed, segments, sdpa_calls):
+    """Segments attending to themselves run one sdpa call per run of equal lengths on views of the row
+    (split once); with a shared prompt, back-to-back self-attending segments are views too, one call per
+    bucket of equally shaped segments: outputs and gradients equal causal attention over each segment's keys alone, with the value laid out as a
+    decoder's projection leaves it (heads transposed, not contiguous)."""
+    from mmrl.models.attention import (
+        PackedSequences,
+        SharedPrefixSequences,
+        bottom_right_causal_mask,
+        shared_prefix_attention,
+        varlen_attention,
+    )
+
+    heads, kv_heads, head_dim = 4, 2, 8
+    tokens = sum(length for _, length, _ in segments)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, heads, tokens, head_dim, generator=generator, requires_grad=True)
+    key = torch.randn(1, kv_heads, tokens, head_dim, generator=generator, requires_grad=True)
+    value_rows = torch.randn(1, tokens, kv_heads * head_dim, generator=generator, requires_grad=True)
+    value = value_rows.view(1, tokens, kv_heads, head_dim).transpose(1, 2)  # [1, H_kv, T, D], strided
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, heads // kv_heads
+    with _AttentionCalls() as calls:
+        if packed:
+            lengths = [length for _, length, _ in segments]
+            sequences = PackedSequences.from_lengths(lengths, "cpu")
+            output = varlen_attention(module, query, key, value, sequences, head_dim**-0.5)  # [1, T, H, D]
+        else:
+            sequences = SharedPrefixSequences.from_segments(segments, "cpu")
+            output = shared_prefix_attention(module, query, key, value, sequences, head_dim**-0.5)
+    assert calls.count == sdpa_calls
+    upstream = torch.randn(output.shape, generator=generator)
+    grads = torch.autograd.grad((output * upstream).sum(), (query, key, value_rows))
+
+    expected = torch.empty(tokens, heads, head_dim)
+    for start, length, ranges in segments:
+        keys = torch.cat([torch.arange(first, first + count) for first, count in ranges])
+        k, v = (x[0][:, keys].repeat_interleave(heads // kv_heads, 0) for x in (key, value))
+        scores = query[0, :, start : start + length] @ k.transpose(-1, -2) * head_dim**-0.5
+        mask = bottom_right_causal_mask(length, len(keys), "cpu")
+        weights = scores.masked_fill(~mask, -torch.inf).softmax(-1)
+        expected[start : start + length] = (weights @ v).transpose(0, 1)
+    expected_grads = torch.autograd.grad((expected.unsqueeze(0) * upstream).sum(), (query, key, value_rows))
+    torch.testing.assert_close(output, expected.unsqueeze(0), atol=1e-5, rtol=1e-5)
+    for grad, reference in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_prompts_with_equal_tokens_but_other_images_are_not_shared(vl_processor):
