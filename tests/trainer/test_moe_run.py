@@ -1,8 +1,8 @@
-"""A Qwen3-VL MoE run of the trainer in two invocations: step 1 on two FSDP2 workers (the expert tensors
-sharded with the rest of each decoder layer), the transformers rollout recording its routing and the
-actor replaying it, saved; step 2 resumed from that checkpoint on one worker with the vLLM rollout (the
-weights pushed into vLLM's fused-MoE layers). The routers' load-balancing loss is in both updates and the
-router metrics logged; the last checkpoint merges into a Hugging Face folder that loads back."""
+"""A Qwen3-VL MoE run of the trainer in two invocations: steps 1-2 on two FSDP2 workers (the expert
+tensors sharded with the rest of each decoder layer), the transformers rollout recording its routing and
+the actor replaying it, saved; steps 3-4 resumed from that checkpoint on one worker with the vLLM rollout
+(the weights pushed into vLLM's fused-MoE layers). The routers' load-balancing loss is in every update and
+the router metrics logged; the last checkpoint merges into a Hugging Face folder that loads back."""
 
 from __future__ import annotations
 
@@ -28,17 +28,15 @@ def test_moe_trains_a_step_on_each_backend_with_router_loss_resumes_and_merges(
         "worker.actor.share_prompts=false",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=1",
+        "trainer.save_freq=2",
     ]
-    replayed = [  # the rollout's experts cross to the actor and are replayed
-        "worker.rollout.name=hf", "worker.actor.moe.routing_replay=true", "trainer.max_steps=1",
-    ]  # fmt: skip
-    run_main([*overrides, *replayed], save_dir)
-    # resumes from step 1 (find_last_checkpoint); vLLM records no experts, so the actor routes freely
-    on_vllm = ["worker.rollout.name=vllm", "trainer.n_gpus_per_node=1"]
+    # steps 1-2: the rollout's experts cross to the actor and are replayed; saved
+    run_main([*overrides, "worker.rollout.name=hf", "worker.actor.moe.routing_replay=true"], save_dir)
+    # steps 3-4 resumed from step 2 (find_last_checkpoint); vLLM records no experts: the actor routes freely
+    on_vllm = ["worker.rollout.name=vllm", "trainer.n_gpus_per_node=1", "trainer.max_steps=4"]
     run_main([*overrides, *on_vllm], save_dir)
     rows = [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
-    assert [row["step"] for row in rows] == [1, 2]  # the resumed invocation trained step 2 only
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the resumed invocation trained steps 3-4 only
     for row in rows:
         assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]  # both backends score as the trainer
         assert 1.0 <= row["actor/moe_aux_loss"] <= 2.0  # 1 balanced, E / k = 2 all on two experts
@@ -47,10 +45,10 @@ def test_moe_trains_a_step_on_each_backend_with_router_loss_resumes_and_merges(
         assert row["actor/grad_norm"] > 0
 
     merged_dir = tmp_path / "merged"
-    merged, base = merged_and_base(save_dir / "global_step_2" / "actor", merged_dir, tiny_qwen3_vl_moe_path)
+    merged, base = merged_and_base(save_dir / "global_step_4" / "actor", merged_dir, tiny_qwen3_vl_moe_path)
     assert merged.keys() == base.keys()
     for key in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):  # trained, whole
         name = f"model.language_model.layers.0.{key}"
         assert merged[name].shape == base[name].shape and not torch.equal(merged[name], base[name]), name
-        # an Adam update moves an entry by at most about lr: step 2 started from step 1's weights
-        assert (merged[name] - base[name]).abs().max() > 1.5 * LR, name
+        # an Adam update moves an entry by at most about lr: steps 3-4 started from step 2's weights
+        assert (merged[name] - base[name]).abs().max() > 2.5 * LR, name
