@@ -72,6 +72,18 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
     return metrics_rows(save_dir)
 
 
+def train_on_both_backends(
+    overrides: list[str], save_dir, transformers: tuple = (), vllm: tuple = (), timeout_s: float = 600
+) -> list[dict]:
+    """A 4-step run in two invocations sharing ``save_dir``: steps 1-2 on the transformers rollout
+    (``transformers``: more overrides for them), saved; steps 3-4 resumed from that checkpoint
+    (find_last_checkpoint) on vLLM (``vllm``: more overrides). The metrics rows of the 4 updates."""
+    common = [*overrides, "trainer.save_freq=2"]
+    run_main([*common, "worker.rollout.name=hf", "trainer.max_steps=2", *transformers], save_dir, timeout_s)
+    run_main([*common, "worker.rollout.name=vllm", "trainer.max_steps=4", *vllm], save_dir, timeout_s)
+    return [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
+
+
 def metrics_rows(save_dir) -> list[dict]:
     """The rows of a run's metrics.jsonl (none when it wrote none)."""
     path = Path(save_dir) / "logs" / "metrics.jsonl"

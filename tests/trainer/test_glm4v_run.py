@@ -6,7 +6,7 @@ log-prob parity from its metrics, the resume, and the merge of its last checkpoi
 from __future__ import annotations
 
 import pytest
-from _trainer_run import merged_and_base, run_main, small_run_overrides
+from _trainer_run import merged_and_base, small_run_overrides, train_on_both_backends
 
 pytestmark = [pytest.mark.slow(seconds=200), pytest.mark.distributed, pytest.mark.shares("vllm")]
 
@@ -17,13 +17,9 @@ def glm4v_run(tiny_glm4v_path, shapes_data_dir, tmp_path_factory) -> dict:
     overrides = small_run_overrides(tiny_glm4v_path, shapes_data_dir, save_dir) + [
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
     ]
     # steps 1-2 on the transformers rollout, saved; steps 3-4 resumed on vLLM (find_last_checkpoint)
-    first = run_main([*overrides, "worker.rollout.name=hf"], save_dir)
-    both = run_main([*overrides, "worker.rollout.name=vllm", "trainer.max_steps=4"], save_dir)
-    steps = [row for row in both if "actor/grad_norm" in row]
-    return {"save_dir": save_dir, "first": first, "steps": steps}
+    return {"save_dir": save_dir, "steps": train_on_both_backends(overrides, save_dir)}
 
 
 @pytest.mark.timeout(600)

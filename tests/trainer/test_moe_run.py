@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from _trainer_run import merged_and_base, metrics_rows, run_main, small_run_overrides
+from _trainer_run import merged_and_base, small_run_overrides, train_on_both_backends
 
 LR = 0.02  # small_run_overrides' worker.actor.optim.lr; one Adam update per step (one mini-batch)
 
@@ -28,14 +28,13 @@ def test_moe_trains_a_step_on_each_backend_with_router_loss_resumes_and_merges(
         "worker.actor.share_prompts=false",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
     ]
-    # steps 1-2: the rollout's experts cross to the actor and are replayed; saved
-    run_main([*overrides, "worker.rollout.name=hf", "worker.actor.moe.routing_replay=true"], save_dir)
-    # steps 3-4 resumed from step 2 (find_last_checkpoint); vLLM records no experts: the actor routes freely
-    on_vllm = ["worker.rollout.name=vllm", "trainer.n_gpus_per_node=1", "trainer.max_steps=4"]
-    run_main([*overrides, *on_vllm], save_dir)
-    rows = [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
+    # steps 1-2: the rollout's experts cross to the actor and are replayed; steps 3-4 on vLLM, which
+    # records no experts: the actor routes freely
+    replayed = ("worker.actor.moe.routing_replay=true",)
+    rows = train_on_both_backends(
+        overrides, save_dir, transformers=replayed, vllm=("trainer.n_gpus_per_node=1",)
+    )
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the resumed invocation trained steps 3-4 only
     for row in rows:
         assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]  # both backends score as the trainer

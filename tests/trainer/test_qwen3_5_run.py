@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _trainer_run import merged_and_base, metrics_rows, run_main, small_run_overrides
+from _trainer_run import merged_and_base, small_run_overrides, train_on_both_backends
 
 pytestmark = [pytest.mark.slow(seconds=120), pytest.mark.distributed]
 
@@ -20,11 +20,7 @@ LR = 0.02  # small_run_overrides' worker.actor.optim.lr; one Adam update per ste
 
 # vLLM's CPU kernel for the linear attention takes bf16 only: the engine in bf16 (with chunked prefill for
 # its hybrid cache) against the fp32 trainer
-ON_VLLM = [
-    "worker.rollout.name=vllm",
-    "worker.rollout.dtype=bf16",
-    "worker.rollout.enable_chunked_prefill=true",
-]
+ON_VLLM = ("worker.rollout.dtype=bf16", "worker.rollout.enable_chunked_prefill=true")
 
 
 def assert_bf16_engine_parity(row: dict) -> None:
@@ -45,15 +41,9 @@ def qwen3_5_moe_run(tiny_qwen3_5_moe_path, shapes_data_dir, tmp_path_factory) ->
         "worker.actor.share_prompts=false",  # routing replay's config check asks for it
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
     ]
-    run_main([*overrides, "worker.rollout.name=hf", "worker.actor.moe.routing_replay=true"], save_dir)
-    # steps 3-4, resumed from step 2 (find_last_checkpoint)
-    run_main([*overrides, *ON_VLLM, "trainer.max_steps=4"], save_dir, timeout_s=600)
-    return {
-        "save_dir": save_dir,
-        "steps": [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row],
-    }
+    replayed = ("worker.actor.moe.routing_replay=true",)
+    return {"save_dir": save_dir, "steps": train_on_both_backends(overrides, save_dir, replayed, ON_VLLM)}
 
 
 @pytest.mark.timeout(700)
@@ -110,11 +100,8 @@ def test_dense_qwen3_5_trains_two_steps_on_each_backend_resumes_and_merges(
         "trainer.n_gpus_per_node=1",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
     ]
-    run_main([*overrides, "worker.rollout.name=hf"], save_dir)
-    run_main([*overrides, *ON_VLLM, "trainer.max_steps=4"], save_dir, timeout_s=600)  # resumes from step 2
-    steps = [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
+    steps = train_on_both_backends(overrides, save_dir, vllm=ON_VLLM)
     assert [row["step"] for row in steps] == [1, 2, 3, 4]
     assert all(row["rollout/log_prob_gap_max"] < 1e-4 for row in steps[:2])  # cached recurrence vs chunked
     for row in steps[2:]:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import REPO_ROOT, small_run_overrides, train_on_both_backends
 
 pytestmark = [pytest.mark.slow(seconds=150), pytest.mark.distributed, pytest.mark.shares("vllm")]
 
@@ -54,15 +54,11 @@ def omni_run(tiny_qwen3_omni_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.n_gpus_per_node=1",
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
-        "trainer.save_freq=2",
     ]
     # steps 1-2: the rollout's experts cross to the actor and are replayed (the transformers rollout
     # records them), saved; steps 3-4 resumed on vLLM (find_last_checkpoint)
-    replayed = ["worker.rollout.name=hf", "worker.actor.moe.routing_replay=true"]
-    first = run_main([*overrides, *replayed], save_dir)
-    both = run_main([*overrides, "worker.rollout.name=vllm", "trainer.max_steps=4"], save_dir)
-    steps = [row for row in both if "actor/grad_norm" in row]
-    return {"save_dir": save_dir, "first": first, "steps": steps}
+    replayed = ("worker.actor.moe.routing_replay=true",)
+    return {"save_dir": save_dir, "steps": train_on_both_backends(overrides, save_dir, transformers=replayed)}
 
 
 @pytest.mark.timeout(600)
