@@ -17,7 +17,8 @@ sample is trained twice or lost (docs/async.md).
 
 ``stream`` (:class:`StreamSchedule`): rollout workers of their own generate all the time, prompt group
 by group, and a weight push lands between two chunks of tokens, so a response may hold tokens of
-several versions; a step takes the groups at most ``trainer.max_staleness`` updates old.
+several versions; a step takes the groups at most ``trainer.max_staleness`` updates old. With online
+filtering the groups are scored as they arrive and the ones the filter drops make room for new prompts.
 
 Each token records the policy version that sampled it (``policy_version``, stamped by the rollout from
 the actor's update count when its weights were pushed); :func:`staleness_metrics` reports how many
@@ -26,12 +27,17 @@ updates behind the trained tokens were.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from mmrl import core_algos
 from mmrl.protocol import DataProto
+from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions, filter_scores, group_verdicts
+
+logger = logging.getLogger(__name__)
 
 ASYNC_MODES = ("sync", "one_step_off", "stream")
 
@@ -106,12 +112,21 @@ def staleness_metrics(versions: torch.Tensor, response_mask: torch.Tensor, curre
 @dataclass
 class StreamedGroup:
     """A prompt's n responses as they came from the stream: ``version``, the policy version of its
-    oldest token (its age is counted from it), ``arrival``, its place in the order groups arrived."""
+    oldest token (its age is counted from it), ``arrival``, its place in the order groups arrived.
+
+    With online filtering a group is scored as it arrives: ``scores`` (its rows of the reward's
+    output), ``verdict`` (the filter's: kept | failed | other, ``dynamic_sampling.group_verdicts``),
+    ``all_equal`` (its rewards all equal: what the collapse gate counts); ``judged`` once a step's
+    filter has counted it."""
 
     uid: str
     rows: DataProto
     version: int
     arrival: int
+    scores: DataProto | None = None
+    verdict: str = "kept"
+    all_equal: bool = False
+    judged: bool = False
 
 
 def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]:
@@ -132,6 +147,35 @@ def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]
     return groups
 
 
+def judge_groups(groups: list[StreamedGroup], scores: DataProto, options: FilterOptions) -> None:
+    """Give each of ``groups`` (consecutive rows of ``scores``, in order) its scores, the filter's verdict
+    on ``options.key`` and whether its rewards (``token_level_scores``) were all equal."""
+    uids = [group.uid for group in groups for _ in range(len(group.rows))]
+    values = filter_scores(scores.non_tensor_batch["reward_scores"], options.key)
+    verdicts = group_verdicts(uids, values, options.low, options.high)
+    rewards = scores.batch["token_level_scores"].sum(-1).float().numpy()
+    start = 0
+    for group in groups:
+        end = start + len(group.rows)
+        group.scores, group.verdict = scores[start:end], verdicts[group.uid]
+        group.all_equal = core_algos.all_equal_groups([group.uid] * (end - start), rewards[start:end])[0] == 1
+        start = end
+
+
+@dataclass
+class StreamTake:
+    """What one :meth:`StreamSchedule.take` decided: ``groups``, the step's (None while too few are
+    there), ``stale``, the groups dropped as too old (their prompts to be generated again),
+    ``filtered``, those the filter dropped in this call (consumed: never generated again); once the
+    step is taken, ``step_filtered``, every group its filter dropped, and ``metrics``, the filter's."""
+
+    groups: list[StreamedGroup] | None
+    stale: list[StreamedGroup]
+    filtered: list[StreamedGroup] = field(default_factory=list)
+    step_filtered: list[StreamedGroup] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class StreamSchedule:
     """The driver's book of a stream (``trainer.async_mode=stream``), in prompt groups.
@@ -144,21 +188,31 @@ class StreamSchedule:
       (returned, for their prompts to be generated again, and counted), then, when ``groups_per_step``
       finished groups remain, the step takes that many, oldest version first, in arrival order among
       equals (the closest to being dropped go first).
+    - Online filtering (``filter``, groups scored as they arrive): before that, the fresh groups not yet
+      judged are judged in the same order, at most ``filter.max_groups`` per step (the groups
+      ``trainer.max_try_make_batch`` rounds generate); those the filter drops are consumed as in
+      synchronous dynamic sampling (not generated again) and their room goes to new prompts, and only
+      the kept ones are taken. Kept groups beyond the step wait for the next one (nothing is trimmed).
+      When the step's budget is spent with fewer kept, it stops (:class:`DynamicSamplingError`) or, with
+      ``filter.train_unfilled``, tops the step up with the groups it dropped, failed ones first.
     - Checkpoints: every submitted prompt keeps its origin (epoch, batch of the loader, row);
-      :meth:`state_dict` gives the loader position of the oldest prompt not yet trained and the rows
-      trained from there on, so that a resumed run draws the prompts in flight at the save again and
-      skips the ones already trained (none twice, none lost).
+      :meth:`state_dict` gives the loader position of the oldest prompt not yet consumed (trained or
+      filtered out) and the rows consumed from there on, so that a resumed run draws the prompts in
+      flight at the save again and skips the consumed ones (none twice, none lost).
     """
 
     groups_per_step: int
     max_staleness: int
+    filter: FilterOptions | None = None
     finished: list[StreamedGroup] = field(default_factory=list)
     outstanding: int = 0
     arrivals: int = 0
     dropped: int = 0  # groups dropped for staleness since the last take_dropped_count
     origin: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # uid -> (epoch, batch, row)
-    trained_origins: set[tuple[int, int, int]] = field(default_factory=set)
-    skipped: set[tuple[int, int, int]] = field(default_factory=set)  # trained before the resume
+    consumed: set[tuple[int, int, int]] = field(default_factory=set)  # origins trained or filtered out
+    skipped: set[tuple[int, int, int]] = field(default_factory=set)  # consumed before the resume
+    step_judged: int = 0  # groups the filter judged since the last step took its own
+    step_filtered: list[StreamedGroup] = field(default_factory=list)  # of them, those it dropped
 
     def room(self) -> int:
         """Groups that may still be submitted now."""
@@ -170,43 +224,106 @@ class StreamSchedule:
         for uid, origin in zip(uids, origins or ()):
             self.origin[uid] = origin
 
-    def arrive(self, batch: DataProto) -> None:
-        """Finished groups from the rollout workers."""
+    def arrive(self, batch: DataProto, scores: DataProto | None = None) -> None:
+        """Finished groups from the rollout workers, with their ``scores`` (the reward's output, row for
+        row) when filtering."""
         groups = streamed_groups(batch, self.arrivals)
+        if self.filter is not None:
+            if scores is None:
+                raise ValueError("online filtering judges groups by their scores: arrive(batch, scores)")
+            judge_groups(groups, scores, self.filter)
         self.arrivals += len(groups)
         self.finished += groups
 
-    def take(self, current: int) -> tuple[list[StreamedGroup] | None, list[StreamedGroup]]:
-        """(the step's groups, or None while too few are fresh; the groups dropped as too old)."""
+    def take(self, current: int) -> StreamTake:
+        """The step's groups at policy version ``current`` (or None while too few), what was dropped."""
         stale = [group for group in self.finished if current - group.version > self.max_staleness]
         self.finished = [group for group in self.finished if current - group.version <= self.max_staleness]
         self.outstanding -= len(stale)
         self.dropped += len(stale)
-        if len(self.finished) < self.groups_per_step:
-            return None, stale
-        ordered = sorted(self.finished, key=lambda group: (group.version, group.arrival))
-        taken = ordered[: self.groups_per_step]
+        filtered = self._judge(sorted((g for g in self.finished if not g.judged), key=_age_order))
+        kept = sorted((group for group in self.finished if group.judged), key=_age_order)
+        if len(kept) >= self.groups_per_step:
+            taken = kept[: self.groups_per_step]
+        elif self._budget_spent():
+            taken = kept + self._top_up(len(kept))
+        else:
+            return StreamTake(None, stale, filtered)
         chosen = {id(group) for group in taken}
+        self.outstanding -= sum(id(group) in chosen for group in self.finished)
         self.finished = [group for group in self.finished if id(group) not in chosen]
-        self.outstanding -= len(taken)
-        for group in taken:
+        self._consume(taken)
+        step = StreamTake(taken, stale, filtered, self.step_filtered, self._filter_metrics(taken))
+        self.step_judged, self.step_filtered = 0, []
+        return step
+
+    def _judge(self, fresh: list[StreamedGroup]) -> list[StreamedGroup]:
+        """Count ``fresh`` groups (oldest first) in the step's filter until its budget is spent; the ones
+        it drops leave the stream, consumed."""
+        filtered = []
+        for group in fresh:
+            if self._budget_spent():
+                break
+            group.judged = True
+            self.step_judged += 1
+            if group.verdict != "kept":
+                filtered.append(group)
+        dropped = {id(group) for group in filtered}
+        self.finished = [group for group in self.finished if id(group) not in dropped]
+        self.outstanding -= len(filtered)
+        self._consume(filtered)
+        self.step_filtered += filtered
+        return filtered
+
+    def _budget_spent(self) -> bool:
+        return self.filter is not None and 0 <= self.filter.max_groups <= self.step_judged
+
+    def _top_up(self, kept: int) -> list[StreamedGroup]:
+        """An unfilled step (the filter's budget spent with ``kept`` groups kept): stop, or, with
+        ``train_unfilled``, the dropped groups that fill it (failed ones first, as synchronously)."""
+        options = self.filter
+        assert options is not None  # a budget is only spent with a filter
+        if not options.train_unfilled:
+            raise DynamicSamplingError(options.give_up_message(options.max_rounds, kept, self.step_judged))
+        logger.warning(options.top_up_message(options.max_rounds, kept))
+        ordered = [g for g in self.step_filtered if g.verdict == "failed"]
+        ordered += [g for g in self.step_filtered if g.verdict != "failed"]
+        return ordered[: self.groups_per_step - kept]
+
+    def _consume(self, groups: list[StreamedGroup]) -> None:
+        for group in groups:
             if group.uid in self.origin:
-                self.trained_origins.add(self.origin.pop(group.uid))
-        return taken, stale
+                self.consumed.add(self.origin.pop(group.uid))
+
+    def _filter_metrics(self, taken: list[StreamedGroup]) -> dict[str, float]:
+        """Synchronous dynamic sampling's metrics for the step (none without a filter); ``rollout/rounds``
+        counts the groups judged in rounds' worth (``data.mini_rollout_batch_size``)."""
+        options = self.filter
+        if options is None:
+            return {}
+        kept = sum(group.verdict == "kept" for group in taken)
+        return {
+            "rollout/kept_groups": kept,
+            "rollout/dropped_groups": len(self.step_filtered),
+            "rollout/unfilled_groups": self.groups_per_step - kept,
+            "rollout/left_out_groups": sum(group.verdict == "other" for group in taken),
+            "rollout/rounds": self.step_judged / (options.groups_per_round or options.groups_per_step),
+        }
 
     def keep(self, row: tuple[int, int, int]) -> bool:
-        """Whether a loader row is to be generated: not one trained before the run resumed."""
+        """Whether a loader row is to be generated: not one consumed before the run resumed."""
         return row not in self.skipped
 
     def state_dict(self, loader_position: dict[str, int]) -> dict:
         """What a checkpoint holds: ``loader``, where the resumed loader starts (the batch of the oldest
-        prompt not trained; ``loader_position``, the loader's own, when none is pending), and ``trained``,
-        the rows trained from that batch on (also those trained before an earlier resume)."""
+        prompt not consumed; ``loader_position``, the loader's own, when none is pending), and
+        ``trained``, the rows consumed (trained or filtered out) from that batch on (also those consumed
+        before an earlier resume)."""
         pending = sorted(origin[:2] for origin in self.origin.values())
         if not pending:
             return {"loader": dict(loader_position), "trained": []}
         start = pending[0]
-        trained = sorted(row for row in self.trained_origins | self.skipped if row[:2] >= start)
+        trained = sorted(row for row in self.consumed | self.skipped if row[:2] >= start)
         return {
             "loader": {"epoch": start[0], "batch_index": start[1]},
             "trained": [list(row) for row in trained],
@@ -214,3 +331,8 @@ class StreamSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = {tuple(row) for row in state["trained"]}
+
+
+def _age_order(group: StreamedGroup) -> tuple[int, int]:
+    """Oldest version first, then arrival: the groups closest to going stale first."""
+    return group.version, group.arrival

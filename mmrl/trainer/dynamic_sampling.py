@@ -6,7 +6,8 @@ settles on one answer before it uses the image, nearly every group is such a gro
 stops. With ``algorithm.online_filtering`` the trainer generates ``data.mini_rollout_batch_size``
 prompts a round, drops those groups, and goes on until ``data.rollout_batch_size`` groups are kept
 (DAPO, Yu et al. 2025, section 3.2). The decisions are pure functions here; the loop that generates
-is ``RayPPOTrainer.make_batch``.
+is ``RayPPOTrainer._filtered_rollout``, and in stream mode (``trainer.async_mode=stream``) the
+stream's book, ``mmrl.trainer.asynchrony.StreamSchedule``, which judges groups as they arrive.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ class FilterOptions:
     groups_per_step: int  # data.rollout_batch_size
     max_rounds: int  # generation rounds a step may take; -1 = no limit
     train_unfilled: bool = False  # past max_rounds: top the step up with dropped groups instead of stopping
+    groups_per_round: int = 0  # prompts a round draws (data.mini_rollout_batch_size); 0 = groups_per_step
 
     def may_start(self, round_index: int) -> bool:
         return self.max_rounds == -1 or round_index < self.max_rounds
+
+    @property
+    def max_groups(self) -> int:
+        """Groups a step may judge (stream mode): as many as ``max_rounds`` rounds generate; -1 = no limit."""
+        per_round = self.groups_per_round or self.groups_per_step
+        return -1 if self.max_rounds == -1 else self.max_rounds * per_round
 
     def top_up_message(self, rounds: int, kept: int) -> str:
         return (
@@ -109,6 +117,18 @@ def loss_rows(batch: DataProto) -> DataProto:
     left_out = batch.batch["left_out"].bool().unsqueeze(-1)  # [B, 1]
     actor_batch.batch["response_mask"] = batch.batch["response_mask"].masked_fill(left_out, 0)
     return actor_batch
+
+
+def group_verdicts(uids: Sequence[Any], scores: np.ndarray, low: float, high: float) -> dict[Any, str]:
+    """Each prompt group's fate under the filter: ``kept`` (:func:`kept_groups`), ``failed`` (dropped, mean
+    below ``low``: first to top an unfilled step up) or ``other`` (dropped: all alike, or mean above
+    ``high``; an unfilled step's top-up leaves it out of the loss)."""
+    keep = kept_groups(uids, scores, low, high)
+    failed = failed_groups(uids, scores, low)
+    verdicts: dict[Any, str] = {}
+    for row, uid in enumerate(uids):
+        verdicts.setdefault(uid, "kept" if keep[row] else "failed" if failed[row] else "other")
+    return verdicts
 
 
 def first_groups(uids: Sequence[Any], count: int) -> np.ndarray:

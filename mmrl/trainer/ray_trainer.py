@@ -133,6 +133,7 @@ def build_filter(config: PPOConfig) -> FilterOptions | None:
         groups_per_step=config.data.rollout_batch_size,
         max_rounds=config.trainer.max_try_make_batch,
         train_unfilled=algo.unfilled_step == "train",
+        groups_per_round=prompts_per_round(config),
     )
 
 
@@ -329,7 +330,7 @@ class RayPPOTrainer:
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
         # trainer.async_mode=stream: the rollout workers generate all the time; None otherwise
         self.stream = (
-            StreamedRollouts(config, self.separate, self._share_media)
+            StreamedRollouts(config, self.separate, self._share_media, self.rewards, self.filter)
             if config.trainer.streams and self.separate is not None
             else None
         )
@@ -489,14 +490,18 @@ class RayPPOTrainer:
 
     def _streamed_batch(self, prompts: Iterator[DataProto]) -> Rollout:
         """The step's groups from the stream (``trainer.async_mode=stream``), scored in the background
-        from now on."""
+        from now on; with online filtering, scored already (as they arrived), and the groups the step's
+        filter saw counted for the collapse gate (as the rounds of a synchronous step are)."""
         # the horizon is the whole schedule's: prompts in flight at a stage's end are generated again by
         # the next stage, from the checkpoint's record of them
         last_step = self.total_steps if self.stage is None else self.stage.schedule_steps
-        batch, metrics = self.stream.take(
+        batch, scores, metrics, group_counts = self.stream.take(
             prompts, self.train_loader.state_dict, self.policy_version, last_step - self.global_step
         )
         conform_to_columns(batch, "generate")
+        if scores is not None:
+            self.group_counts = list(group_counts)
+            return Rollout(batch, lambda: scores, metrics, self.policy_version)
         pending = self.rewards.launch(batch)
         return Rollout(batch, lambda: self.rewards.collect(pending), metrics, self.policy_version)
 

@@ -19,15 +19,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mmrl.config import PPOConfig
 from mmrl.protocol import DataProto
-from mmrl.trainer.asynchrony import StreamSchedule
+from mmrl.trainer.asynchrony import StreamSchedule, StreamTake
+from mmrl.trainer.dynamic_sampling import FilterOptions
 from mmrl.trainer.placement import Placement
 from mmrl.workers.fsdp_workers import HybridWorker
 from mmrl.workers.rollout_worker import GENERATION_FINISHED, GENERATION_STARTED, RolloutWorker
 
 if TYPE_CHECKING:
     from mmrl.single_controller import RayWorkerGroup, TransferCounter
+    from mmrl.workers.reward_worker import PendingRewards, RewardWorkers
 
 
 class RolloutWorkers:
@@ -90,17 +94,25 @@ class StreamedRollouts:
     """The driver's side of ``trainer.async_mode=stream``: prompts submitted as the schedule allows,
     finished groups gathered until a step's worth of fresh ones is there, stale ones' prompts sent again.
 
-    ``share_media`` puts a prompt batch's media in Ray's object store (the trainer's)."""
+    ``share_media`` puts a prompt batch's media in Ray's object store (the trainer's). With online
+    filtering (``options``) every batch of finished groups is scored by ``rewards`` as it arrives, so the
+    schedule can judge it."""
 
     WAIT_S = 0.5  # how long one fetch waits for a finished group
 
     def __init__(
-        self, config: PPOConfig, workers: RolloutWorkers, share_media: Callable[[DataProto], DataProto]
+        self,
+        config: PPOConfig,
+        workers: RolloutWorkers,
+        share_media: Callable[[DataProto], DataProto],
+        rewards: RewardWorkers | None = None,
+        options: FilterOptions | None = None,
     ):
         self.groups_per_step = config.data.rollout_batch_size
-        self.schedule = StreamSchedule(self.groups_per_step, config.trainer.max_staleness)
-        self.workers, self.share_media = workers, share_media
-        self.prompts: dict[str, DataProto] = {}  # uid -> its prompt row, until its group trains
+        self.schedule = StreamSchedule(self.groups_per_step, config.trainer.max_staleness, options)
+        self.workers, self.share_media, self.rewards = workers, share_media, rewards
+        self.prompts: dict[str, DataProto] = {}  # uid -> its prompt row, until its group is consumed
+        self.scoring: list[tuple[DataProto, PendingRewards]] = []  # arrived, being scored (filtering)
         self.submissions = 0
 
     def take(
@@ -109,16 +121,21 @@ class StreamedRollouts:
         loader_position: Callable[[], dict[str, int]],
         current: int,
         steps_left: int,
-    ) -> tuple[DataProto, dict[str, float]]:
-        """The next step's groups (policy version ``current``: the updates so far), with the stream's
-        metrics; submits new prompts while fewer than ``steps_left`` steps' groups are outstanding."""
+    ) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
+        """The next step's groups (policy version ``current``: the updates so far), their scores (online
+        filtering; None: not scored yet), the stream's metrics, and the (all-equal, all) groups the step's
+        filter saw (the collapse gate's input); submits new prompts while fewer than ``steps_left`` steps'
+        groups are outstanding."""
         dropped = 0
         while True:
-            taken, stale = self.schedule.take(current)
-            if stale:
-                dropped += len(stale)
-                self._submit(DataProto.concat([self.prompts[group.uid] for group in stale]))
-            if taken is not None:
+            self._score_arrivals()
+            step = self.schedule.take(current)
+            for group in step.filtered:  # consumed: its prompt is not generated again
+                del self.prompts[group.uid]
+            if step.stale:
+                dropped += len(step.stale)
+                self._submit(DataProto.concat([self.prompts[group.uid] for group in step.stale]))
+            if step.groups is not None:
                 break
             # whole loader batches while groups are missing (a resumed run's batches may be short)
             while (
@@ -126,17 +143,44 @@ class StreamedRollouts:
             ):
                 self._submit_next(batches, loader_position)
             arrived = self.workers.stream_take(self.WAIT_S)
-            if arrived is not None:
+            if arrived is not None and self.schedule.filter is not None:
+                self.scoring.append((arrived, self.rewards.launch(arrived)))  # judged on the next pass
+            elif arrived is not None:
                 self.schedule.arrive(arrived)
+        return self._step_batch(step, dropped)
+
+    def _score_arrivals(self) -> None:
+        """The groups being scored, with their scores, into the schedule."""
+        for arrived, pending in self.scoring:
+            self.schedule.arrive(arrived, self.rewards.collect(pending))
+        self.scoring = []
+
+    def _step_batch(
+        self, step: StreamTake, dropped: int
+    ) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
+        taken = step.groups
         for group in taken:
-            del self.prompts[group.uid]
+            self.prompts.pop(group.uid, None)  # a top-up group's went when the filter dropped it
         batch = DataProto.concat([group.rows for group in taken])
-        return batch, {
+        # everything generated for the step: its groups and those its filter dropped (once each)
+        spent = list({id(group): group for group in taken + step.step_filtered}.values())
+        metrics = {
             "rollout/stream_dropped_groups": dropped,  # finished too old, their prompts generated again
             "rollout/stream_outstanding_groups": self.schedule.outstanding,
-            "rollout/generated_responses": len(batch),
-            "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
+            "rollout/generated_responses": sum(len(group.rows) for group in spent),
+            "rollout/generated_response_tokens": sum(
+                int(group.rows.batch["response_mask"].sum()) for group in spent
+            ),
+            **step.metrics,
         }
+        if self.schedule.filter is None:
+            return batch, None, metrics, (0, 0)
+        # an unfilled step's top-up groups that did not fail stay out of the loss (dynamic_sampling.loss_rows)
+        batch.batch["left_out"] = torch.cat(
+            [torch.full((len(group.rows),), int(group.verdict == "other")) for group in taken]
+        )
+        scores = DataProto.concat([group.scores for group in taken])
+        return batch, scores, metrics, (sum(group.all_equal for group in spent), len(spent))
 
     def _submit_next(
         self, batches: Iterator[DataProto], loader_position: Callable[[], dict[str, int]]

@@ -116,6 +116,12 @@ def _groups(spec: list[tuple[str, list[int]]]) -> DataProto:
     )
 
 
+def _take(schedule: StreamSchedule, current: int) -> tuple[list | None, list]:
+    """(the step's groups or None, the groups dropped as too old)."""
+    step = schedule.take(current)
+    return step.groups, step.stale
+
+
 def test_stream_takes_the_oldest_fresh_groups_and_drops_the_too_old():
     # 2 groups a step, max_staleness 1. At version 3: "a" (oldest token 1) is 2 behind: dropped; the
     # fresh ones are b (2), c (3), d (2): the step takes the two oldest, b then d (arrival breaks ties
@@ -125,15 +131,15 @@ def test_stream_takes_the_oldest_fresh_groups_and_drops_the_too_old():
     assert schedule.room() == 0  # (1 + 1) * 2 outstanding
     schedule.arrive(_groups([("a", [1, 3]), ("b", [2, 3]), ("c", [3, 3])]))
     schedule.arrive(_groups([("d", [2, 2])]))
-    taken, stale = schedule.take(current=3)
+    taken, stale = _take(schedule, 3)
     assert [group.uid for group in stale] == ["a"] and schedule.dropped == 1
     assert [group.uid for group in taken] == ["b", "d"]
     assert [len(group.rows) for group in taken] == [2, 2]
     assert [group.uid for group in schedule.finished] == ["c"]
     assert schedule.outstanding == 1 and schedule.room() == 3
     # too few fresh groups: nothing is taken, c waits; at version 5 it is 2 behind and goes too
-    assert schedule.take(current=4) == (None, [])
-    taken, stale = schedule.take(current=5)
+    assert _take(schedule, 4) == (None, [])
+    taken, stale = _take(schedule, 5)
     assert taken is None and [group.uid for group in stale] == ["c"] and schedule.outstanding == 0
 
 
@@ -150,12 +156,12 @@ def test_max_staleness_bounds_what_a_step_takes():
     wide = StreamSchedule(groups_per_step=2, max_staleness=4)
     wide.submitted(["p", "q", "r"])
     wide.arrive(_groups(spec))
-    taken, stale = wide.take(current=6)
+    taken, stale = _take(wide, 6)
     assert [group.uid for group in taken] == ["p", "r"] and stale == []
     narrow = StreamSchedule(groups_per_step=2, max_staleness=1)
     narrow.submitted(["p", "q", "r"])
     narrow.arrive(_groups(spec))
-    taken, stale = narrow.take(current=6)
+    taken, stale = _take(narrow, 6)
     assert taken is None and [group.uid for group in stale] == ["p", "r"]
 
 
@@ -167,7 +173,7 @@ def test_a_checkpoint_resumes_at_the_oldest_prompt_not_trained_and_skips_the_tra
     origins = {"a": (0, 0, 0), "b": (0, 0, 1), "c": (0, 1, 0), "d": (0, 1, 1)}
     schedule.submitted(list(origins), list(origins.values()))
     schedule.arrive(_groups([("b", [0, 0]), ("c", [0, 0])]))
-    taken, _ = schedule.take(current=0)
+    taken, _ = _take(schedule, 0)
     assert [group.uid for group in taken] == ["b", "c"]
     state = schedule.state_dict({"epoch": 0, "batch_index": 2})
     assert state == {"loader": {"epoch": 0, "batch_index": 0}, "trained": [[0, 0, 1], [0, 1, 0]]}
@@ -177,8 +183,129 @@ def test_a_checkpoint_resumes_at_the_oldest_prompt_not_trained_and_skips_the_tra
     assert kept == [(0, 0, 0), (0, 1, 1)]
     # nothing pending: the loader's own position, nothing to skip
     schedule.arrive(_groups([("a", [0, 0]), ("d", [0, 0])]))
-    schedule.take(current=1)
+    _take(schedule, 1)
     assert schedule.state_dict({"epoch": 0, "batch_index": 2}) == {
         "loader": {"epoch": 0, "batch_index": 2},
         "trained": [],
     }
+
+
+# ---- online filtering in the stream: groups judged as they arrive ---------------------------------
+
+
+def _scored(spec: list[tuple[str, int, list[float]]]) -> tuple[DataProto, DataProto]:
+    """Finished groups of 2 responses and their scores: (uid, the policy version of its tokens, the two
+    responses' rewards, ``overall``)."""
+    groups = _groups([(uid, [version, version]) for uid, version, _ in spec])
+    rewards = [reward for _, _, pair in spec for reward in pair]
+    scores = DataProto.from_dict(
+        tensors={"token_level_scores": torch.tensor([[reward, 0.0, 0.0] for reward in rewards])},
+        non_tensors={"reward_scores": np.array([{"overall": reward} for reward in rewards], dtype=object)},
+    )
+    return groups, scores
+
+
+def _filter(max_rounds: int, per_round: int, groups_per_step: int, train_unfilled: bool = False):
+    from mmrl.trainer.dynamic_sampling import FilterOptions
+
+    return FilterOptions(
+        key="overall",
+        low=0.01,
+        high=0.99,
+        groups_per_step=groups_per_step,
+        max_rounds=max_rounds,
+        train_unfilled=train_unfilled,
+        groups_per_round=per_round,
+    )
+
+
+def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_budget():
+    # 2 groups a step, max_staleness 1, at most 2 rounds of 2 prompts judged a step (4 groups), at
+    # version 2. s (version 0) is too old: dropped as stale, to be generated again, never judged. The
+    # others are judged oldest version first, arrival among equals: a (v1, rewards 0 0: all alike, mean
+    # below filter_low: failed), c (v1, 1 1: all alike), b (v2, 1 0: kept), d (v2, 0 1: kept); the budget
+    # is spent, so e (v2) waits unjudged. a and c leave the stream consumed; the step takes b, d
+    schedule = StreamSchedule(groups_per_step=2, max_staleness=1, filter=_filter(2, 2, 2))
+    origins = {uid: (0, index // 2, index % 2) for index, uid in enumerate("sabcde")}
+    schedule.submitted(list(origins), list(origins.values()))
+    schedule.arrive(
+        *_scored([("s", 0, [0.0, 0.0]), ("a", 1, [0.0, 0.0]), ("b", 2, [1.0, 0.0]), ("c", 1, [1.0, 1.0])])
+    )
+    schedule.arrive(*_scored([("d", 2, [0.0, 1.0]), ("e", 2, [1.0, 0.0])]))
+    step = schedule.take(current=2)
+    assert [group.uid for group in step.stale] == ["s"]
+    assert [group.uid for group in step.filtered] == ["a", "c"]
+    assert [(group.uid, group.verdict) for group in step.step_filtered] == [("a", "failed"), ("c", "other")]
+    assert [group.uid for group in step.groups] == ["b", "d"]
+    assert [group.scores.non_tensor_batch["reward_scores"][0]["overall"] for group in step.groups] == [
+        1.0,
+        0.0,
+    ]
+    assert step.metrics == {
+        "rollout/kept_groups": 2,
+        "rollout/dropped_groups": 2,
+        "rollout/unfilled_groups": 0,
+        "rollout/left_out_groups": 0,
+        "rollout/rounds": 2.0,  # 4 groups judged, rounds of 2
+    }
+    assert [(group.uid, group.judged) for group in schedule.finished] == [("e", False)]
+    assert schedule.outstanding == 6 - 1 - 2 - 2  # s (stale), a and c (filtered), b and d (taken)
+    # the checkpoint: s (resubmitted, in flight) and e are pending; a and c count as consumed like b and
+    # d, so a resumed run generates neither again
+    state = schedule.state_dict({"epoch": 0, "batch_index": 3})
+    assert state == {
+        "loader": {"epoch": 0, "batch_index": 0},
+        "trained": [[0, 0, 1], [0, 1, 0], [0, 1, 1], [0, 2, 0]],
+    }
+    # the next step's budget starts again: e kept, one short, wait; f arrives kept: e, f (1 round)
+    assert schedule.take(current=3).groups is None
+    schedule.arrive(*_scored([("f", 3, [0.5, 0.0])]))
+    step = schedule.take(current=3)
+    assert [group.uid for group in step.groups] == ["e", "f"] and step.filtered == []
+    assert step.metrics["rollout/rounds"] == 1.0 and step.metrics["rollout/dropped_groups"] == 0
+
+
+def test_an_unfilled_stream_step_stops_or_is_topped_up_failed_groups_first():
+    # 3 groups a step, one round of 3 prompts: the budget is 3 groups. Judged in arrival order (all
+    # version 0): c (1 1: all alike, not failed), a (0 0: failed), b (1 0: kept); d waits unjudged.
+    # One kept of 3 with the budget spent: the step cannot fill
+    def schedule(train_unfilled: bool) -> StreamSchedule:
+        stream = StreamSchedule(groups_per_step=3, max_staleness=1, filter=_filter(1, 3, 3, train_unfilled))
+        stream.submitted(["c", "a", "b", "d"])
+        stream.arrive(
+            *_scored([("c", 0, [1.0, 1.0]), ("a", 0, [0.0, 0.0]), ("b", 0, [1.0, 0.0]), ("d", 0, [0.0, 1.0])])
+        )
+        return stream
+
+    from mmrl.trainer.dynamic_sampling import DynamicSamplingError
+
+    with pytest.raises(DynamicSamplingError, match=r"kept 1 of the 3 prompt groups generated in 1 rounds"):
+        schedule(train_unfilled=False).take(current=0)
+    # train: b, then the dropped ones, the failed a first, then c (left out of the loss)
+    stream = schedule(train_unfilled=True)
+    step = stream.take(current=0)
+    assert [(group.uid, group.verdict) for group in step.groups] == [
+        ("b", "kept"),
+        ("a", "failed"),
+        ("c", "other"),
+    ]
+    assert [group.all_equal for group in step.groups] == [False, True, True]
+    assert step.metrics == {
+        "rollout/kept_groups": 1,
+        "rollout/dropped_groups": 2,
+        "rollout/unfilled_groups": 2,
+        "rollout/left_out_groups": 1,
+        "rollout/rounds": 1.0,
+    }
+    assert [group.uid for group in stream.finished] == ["d"] and stream.outstanding == 1
+
+
+def test_without_a_round_limit_the_stream_judges_every_fresh_group():
+    # max_try_make_batch -1: no budget, every fresh group judged; 5 alike groups are consumed and the
+    # step waits for kept ones (the driver admits new prompts in their room meanwhile)
+    stream = StreamSchedule(groups_per_step=1, max_staleness=1, filter=_filter(-1, 1, 1))
+    stream.submitted([f"g{index}" for index in range(5)])
+    stream.arrive(*_scored([(f"g{index}", 0, [0.0, 0.0]) for index in range(5)]))
+    step = stream.take(current=0)
+    assert step.groups is None and len(step.filtered) == 5 and stream.outstanding == 0
+    assert stream.room() == 2

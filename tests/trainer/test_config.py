@@ -346,15 +346,6 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "trainer.async_mode=stream needs worker.rollout.name=hf",
         ),
         (
-            [
-                "trainer.async_mode=stream",
-                "worker.rollout.placement=separate",
-                "worker.rollout.name=hf",
-                "algorithm.online_filtering=true",
-            ],
-            "trainer.async_mode=stream needs algorithm.online_filtering=false",
-        ),
-        (
             ["trainer.async_mode=stream", "trainer.max_staleness=0"],
             "trainer.max_staleness=0 must be >= 1",
         ),

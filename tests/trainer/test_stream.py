@@ -2,7 +2,8 @@
 its own generating all the time in chunks of one token, so that weight pushes may land in generations
 in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
 (2 steps, then 1) in one command: the second resumes from the first's checkpoint, written with a
-prompt batch in flight, and generates it again (mmrl/trainer/asynchrony.py, StreamSchedule;
+prompt batch in flight, and generates it again. Online filtering is on, judging the groups as they
+arrive (mmrl/trainer/asynchrony.py, StreamSchedule;
 mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts themselves, token
 for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from _trainer_run import run_main, small_run_overrides
+from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+
+COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"
 
 STEPS = 3
 GROUPS = 4  # data.rollout_batch_size: prompts (groups of 4 responses) a step
@@ -22,7 +25,9 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
     """The streamed run (stages of 2 and 1 steps): its training lines by step, and ``save_dir``."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
-        key for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) if "val_files" not in key
+        key
+        for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir)
+        if "val_files" not in key and "reward_function" not in key
     ]
     overrides += [
         "trainer.async_mode=stream",
@@ -35,6 +40,18 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "worker.rollout.placement=separate",
         "worker.rollout.stream_chunk_tokens=1",
         "trainer.n_gpus_per_node=1",
+        # online filtering, scored as the groups arrive: no group passes (crc_mod_4 lies in 0..3, the
+        # bounds start at 4), and one round (4 groups judged) per step; each step is then topped up with
+        # the 4 it dropped (all failed), so it trains the groups it would without the filter. The coarse
+        # reward (overall 0 or 1) makes some groups score all alike, for the collapse gate's count
+        f"worker.reward.reward_function={COARSE_REWARD}:compute_score",
+        "algorithm.online_filtering=true",
+        "algorithm.filter_key=crc_mod_4",
+        "algorithm.filter_low=4.0",
+        "algorithm.filter_high=5.0",
+        "algorithm.unfilled_step=train",
+        "trainer.max_try_make_batch=1",
+        "algorithm.disable_kl=true",  # the rewards alone make the advantages (and the run shorter)
     ]
     rows = run_main(overrides, save_dir, timeout_s=600)
     return {**{row["step"]: row for row in rows if "actor/pg_loss" in row}, "save_dir": save_dir}
@@ -56,6 +73,22 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
         assert row["transfer/weight_push_bytes"] > 0
     assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, in flight at the save
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_online_filtering_judges_the_streamed_groups_and_tops_an_unfilled_step_up(streamed):
+    for step in range(1, STEPS + 1):
+        row = streamed[step]
+        # one round's 4 groups judged, all dropped (failed), then trained as the step's top-up
+        assert row["rollout/kept_groups"] == 0 and row["rollout/dropped_groups"] == GROUPS
+        assert row["rollout/unfilled_groups"] == GROUPS and row["rollout/left_out_groups"] == 0
+        assert row["rollout/rounds"] == 1.0
+        # the collapse gate counts the groups the step's filter saw (here the ones it trains): with no KL
+        # in the rewards, a group whose rewards are all equal is one whose advantages are all 0
+        assert row["rollout/all_equal_group_frac"] == row["rollout/zero_adv_group_frac"]
+        assert row["rollout/all_equal_group_frac"] * GROUPS in (0, 1, 2, 3, 4)
 
 
 @pytest.mark.slow
