@@ -176,6 +176,33 @@ class StreamTake:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def step_batch(
+    step: StreamTake, filtering: bool
+) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
+    """A taken step's rows (its groups in order), their scores (None without filtering: scored from now
+    on), its metrics, and (all-equal, all) of the groups its filter saw: its own and those it dropped,
+    once each (the collapse gate's input). With filtering the rows carry ``left_out`` (1 on an unfilled
+    step's top-up groups that did not fail: ``dynamic_sampling.loss_rows`` keeps them out of the loss)."""
+    assert step.groups is not None
+    batch = DataProto.concat([group.rows for group in step.groups])
+    # everything generated for the step: its groups and those its filter dropped (a top-up group once)
+    spent = list({id(group): group for group in step.groups + step.step_filtered}.values())
+    metrics = {
+        "rollout/generated_responses": sum(len(group.rows) for group in spent),
+        "rollout/generated_response_tokens": sum(
+            int(group.rows.batch["response_mask"].sum()) for group in spent
+        ),
+        **step.metrics,
+    }
+    if not filtering:
+        return batch, None, metrics, (0, 0)
+    batch.batch["left_out"] = torch.cat(
+        [torch.full((len(group.rows),), int(group.verdict == "other")) for group in step.groups]
+    )
+    scores = DataProto.concat([group.scores for group in step.groups])
+    return batch, scores, metrics, (sum(group.all_equal for group in spent), len(spent))
+
+
 @dataclass
 class StreamSchedule:
     """The driver's book of a stream (``trainer.async_mode=stream``), in prompt groups.

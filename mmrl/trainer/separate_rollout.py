@@ -19,11 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mmrl.config import PPOConfig
 from mmrl.protocol import DataProto
-from mmrl.trainer.asynchrony import StreamSchedule, StreamTake
+from mmrl.trainer.asynchrony import StreamSchedule, StreamTake, step_batch
 from mmrl.trainer.dynamic_sampling import FilterOptions
 from mmrl.trainer.placement import Placement
 from mmrl.workers.fsdp_workers import HybridWorker
@@ -158,29 +156,15 @@ class StreamedRollouts:
     def _step_batch(
         self, step: StreamTake, dropped: int
     ) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
-        taken = step.groups
-        for group in taken:
+        for group in step.groups:
             self.prompts.pop(group.uid, None)  # a top-up group's went when the filter dropped it
-        batch = DataProto.concat([group.rows for group in taken])
-        # everything generated for the step: its groups and those its filter dropped (once each)
-        spent = list({id(group): group for group in taken + step.step_filtered}.values())
+        batch, scores, metrics, group_counts = step_batch(step, self.schedule.filter is not None)
         metrics = {
             "rollout/stream_dropped_groups": dropped,  # finished too old, their prompts generated again
             "rollout/stream_outstanding_groups": self.schedule.outstanding,
-            "rollout/generated_responses": sum(len(group.rows) for group in spent),
-            "rollout/generated_response_tokens": sum(
-                int(group.rows.batch["response_mask"].sum()) for group in spent
-            ),
-            **step.metrics,
+            **metrics,
         }
-        if self.schedule.filter is None:
-            return batch, None, metrics, (0, 0)
-        # an unfilled step's top-up groups that did not fail stay out of the loss (dynamic_sampling.loss_rows)
-        batch.batch["left_out"] = torch.cat(
-            [torch.full((len(group.rows),), int(group.verdict == "other")) for group in taken]
-        )
-        scores = DataProto.concat([group.scores for group in taken])
-        return batch, scores, metrics, (sum(group.all_equal for group in spent), len(spent))
+        return batch, scores, metrics, group_counts
 
     def _submit_next(
         self, batches: Iterator[DataProto], loader_position: Callable[[], dict[str, int]]

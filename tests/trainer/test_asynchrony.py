@@ -14,6 +14,7 @@ from mmrl.trainer.asynchrony import (
     StreamSchedule,
     check_versions,
     staleness_metrics,
+    step_batch,
     streamed_groups,
 )
 
@@ -156,8 +157,15 @@ def test_max_staleness_bounds_what_a_step_takes():
     wide = StreamSchedule(groups_per_step=2, max_staleness=4)
     wide.submitted(["p", "q", "r"])
     wide.arrive(_groups(spec))
-    taken, stale = _take(wide, 6)
-    assert [group.uid for group in taken] == ["p", "r"] and stale == []
+    step = wide.take(current=6)
+    assert [group.uid for group in step.groups] == ["p", "r"] and step.stale == []
+    # without filtering the rows go unscored (rewards start now), with no filter metrics or counts
+    batch, scores, metrics, group_counts = step_batch(step, filtering=False)
+    assert (
+        list(batch.non_tensor_batch["uid"]) == ["p", "p", "r", "r"] and "left_out" not in batch.batch.keys()
+    )
+    assert scores is None and group_counts == (0, 0)
+    assert metrics == {"rollout/generated_responses": 4, "rollout/generated_response_tokens": 8}
     narrow = StreamSchedule(groups_per_step=2, max_staleness=1)
     narrow.submitted(["p", "q", "r"])
     narrow.arrive(_groups(spec))
@@ -248,6 +256,9 @@ def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_
         "rollout/left_out_groups": 0,
         "rollout/rounds": 2.0,  # 4 groups judged, rounds of 2
     }
+    # generated for the step: b, d and the dropped a, c; of those a and c scored all alike
+    _, _, metrics, group_counts = step_batch(step, filtering=True)
+    assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4)
     assert [(group.uid, group.judged) for group in schedule.finished] == [("e", False)]
     assert schedule.outstanding == 6 - 1 - 2 - 2  # s (stale), a and c (filtered), b and d (taken)
     # the checkpoint: s (resubmitted, in flight) and e are pending; a and c count as consumed like b and
@@ -298,6 +309,14 @@ def test_an_unfilled_stream_step_stops_or_is_topped_up_failed_groups_first():
         "rollout/rounds": 1.0,
     }
     assert [group.uid for group in stream.finished] == ["d"] and stream.outstanding == 1
+    # the step's rows: b, a, c (2 responses each, 2 model tokens each); c's left out of the loss; the
+    # collapse gate sees 3 groups, 2 of them (a, c) scoring all alike
+    batch, scores, metrics, group_counts = step_batch(step, filtering=True)
+    assert list(batch.non_tensor_batch["uid"]) == ["b", "b", "a", "a", "c", "c"]
+    assert batch.batch["left_out"].tolist() == [0, 0, 0, 0, 1, 1]
+    assert [score["overall"] for score in scores.non_tensor_batch["reward_scores"]] == [1, 0, 0, 0, 1, 1]
+    assert metrics["rollout/generated_responses"] == 6 and metrics["rollout/generated_response_tokens"] == 12
+    assert group_counts == (2, 3)
 
 
 def test_without_a_round_limit_the_stream_judges_every_fresh_group():
