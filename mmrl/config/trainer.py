@@ -131,9 +131,6 @@ class TrainerConfig:
             "worker.rollout.placement=separate (the engines must generate while the trainer trains)": (
                 not rollout.separate
             ),
-            "worker.rollout.name=hf (the transformers engine decodes in chunks between pushes)": (
-                rollout.name != "hf"
-            ),
             "algorithm.online_filtering=false (dynamic sampling's rounds are not streamed yet)": (
                 config.algorithm.online_filtering
             ),

@@ -92,7 +92,49 @@ def _worker_job(
         results.append({"worker": output.batch.to_dict(), "expected": expected.batch.to_dict()})
     sender.join(timeout=120)
     assert not errors, errors
-    return {"results": results, "sleep_enabled": worker.engine.sleep_enabled}
+    return {
+        "results": results,
+        "sleep_enabled": worker.engine.sleep_enabled,
+        "streamed": _streamed(worker, prompts),
+        "partial": _partial(
+            worker, models, attach_media(prompts, worker.media, rollout_media=True), greedy, tokenizer
+        ),
+    }
+
+
+def _streamed(worker, prompts: DataProto) -> dict:
+    """The worker's streaming thread (worker.rollout.stream_chunk_tokens=2) on the prompts, no push:
+    the groups as the driver takes them."""
+    worker.stream_submit(prompts, submission=0)
+    parts, rows = [], 0
+    while rows < len(prompts) * worker.config.worker.rollout.n:
+        part = worker.stream_take(timeout_s=120)
+        assert part is not None, "no group finished within 120 s"
+        parts.append(part)
+        rows += len(part)
+    return DataProto.concat(parts).batch.to_dict()
+
+
+def _partial(worker, models: list, prompts: DataProto, greedy, tokenizer) -> dict:
+    """A generation in chunks of 2 tokens that the first model's weights (version 1) reach after its
+    first chunk, by the second's (version 2): the vLLM engine's stream, and transformers' (exact by
+    construction: PartialDecode) given the same weights at the same token."""
+    from mmrl.workers.rollout.hf import HFRollout
+    from mmrl.workers.weight_sync import iter_full_state_dict
+
+    reference = HFRollout(models[1], tokenizer, return_log_probs=True)
+    results = {}
+    for name, engine in (("vllm", worker.engine), ("hf", reference)):
+        stream = engine.stream(prompts, greedy, 2)
+        stream.advance(2)
+        parts = [stream.take_finished()]
+        engine.update_weights(iter_full_state_dict(models[0], checkpoint_format=True))
+        stream.reload(1)
+        while not stream.done:
+            stream.advance(2)
+            parts.append(stream.take_finished())
+        results[name] = DataProto.concat([part for part in parts if part is not None]).batch.to_dict()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +157,7 @@ def worker_run(tiny_vl_path, shapes_data_dir) -> dict:
         "worker.rollout.temperature=0",  # greedy: the tokens are the pushed weights' argmax
         "worker.rollout.n=2",
         "worker.rollout.cpu_kv_cache_gib=0.125",
+        "worker.rollout.stream_chunk_tokens=2",
         "trainer.async_mode=one_step_off",  # tokens carry their policy version
         "trainer.n_gpus_per_node=1",
     ]
@@ -137,3 +180,36 @@ def test_a_vllm_rollout_worker_samples_as_the_weights_pushed_to_it(worker_run):
     assert not torch.equal(first, second)  # the second push changed what the engine samples
     assert len(torch.unique(first)) > 3  # the moved weights do not repeat one token
     assert not worker_run["sleep_enabled"]  # an engine of its own never sleeps
+
+
+@pytest.mark.distributed
+def test_a_vllm_rollout_worker_streams_the_groups_it_generates_in_chunks(worker_run):
+    # the streaming thread decodes 2 tokens a chunk (each a new engine call on the prompt and the tokens
+    # so far): greedy, with no push between chunks, its groups are the uninterrupted generation's
+    expected = worker_run["results"][-1]["worker"]  # the same weights (version 2), generate in one call
+    got = worker_run["streamed"]
+    order = sorted(range(len(got["input_ids"])), key=lambda row: got["input_ids"][row].tolist())
+    expected_order = sorted(
+        range(len(expected["input_ids"])), key=lambda row: expected["input_ids"][row].tolist()
+    )
+    for key in ("input_ids", "responses", "response_mask", "position_ids", "policy_version"):
+        assert torch.equal(got[key][order], expected[key][expected_order]), key
+    torch.testing.assert_close(
+        got["rollout_log_probs"][order], expected["rollout_log_probs"][expected_order], rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.distributed
+def test_a_push_between_chunks_continues_the_vllm_generations_with_the_new_weights(worker_run):
+    # 2 tokens by version 2, then version 1's weights arrive: the rest of every response is what they
+    # sample after that prefix (transformers' partial decode, exact by construction, is the reference),
+    # and every token records the version that sampled it
+    vllm, hf = worker_run["partial"]["vllm"], worker_run["partial"]["hf"]
+    assert torch.equal(vllm["responses"], hf["responses"])
+    assert torch.equal(vllm["response_mask"], hf["response_mask"])
+    torch.testing.assert_close(vllm["rollout_log_probs"], hf["rollout_log_probs"], rtol=0, atol=1e-4)
+    assert torch.equal(vllm["policy_version"], hf["policy_version"])
+    assert vllm["policy_version"][:, :2].eq(2).all() and vllm["policy_version"][:, 2:].eq(1).all()
+    uninterrupted = worker_run["results"][-1]["worker"]["responses"]  # version 2 all the way
+    assert torch.equal(vllm["responses"][:, :2], uninterrupted[:, :2])
+    assert not torch.equal(vllm["responses"], uninterrupted)  # the push changed the rest
