@@ -96,7 +96,7 @@ class RolloutConfig:
     push_timeout_s: float = 600.0
     # trainer.async_mode=stream: tokens a rollout worker samples per row between two chances for a weight
     # push to land (the generation in flight then continues with the new weights); smaller = fresher
-    # tokens, more interruptions
+    # tokens, more interruptions (with vLLM also more engine calls, each re-reading the cached prefix)
     stream_chunk_tokens: int = 8
 
     @property

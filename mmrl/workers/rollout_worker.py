@@ -7,7 +7,10 @@ group (:mod:`mmrl.workers.weight_push`; the driver calls :meth:`RolloutWorker.re
 ``HybridWorker.push_rollout_weights``), and the engine takes their policy version, which it stamps on
 the tokens it samples. Generation is the colocated one (:mod:`mmrl.workers.rollout.engine`): the same
 sampling seeds per step and rank (of the rollout workers), media attached here from the batch's
-compact refs, ``position_ids`` numbered with the engine's own copy of the architecture.
+compact refs, ``position_ids`` numbered by the architecture's ``get_rope_index`` (the transformers
+engine's model; with vLLM, the architecture on the meta device: no weights). A vLLM engine here never
+sleeps (no training phase needs its device) and takes each push as the colocated one does
+(``VLLMRollout.update_weights``: the family's layout, the CPU kernels' repacking, its caches reset).
 
 Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
 and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a

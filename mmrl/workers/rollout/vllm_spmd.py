@@ -34,6 +34,10 @@ trainer's, as :class:`HFRollout`'s are.
 Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`VLLMRollout.turn_generator`,
 one engine request per trajectory and turn.
 
+On a rollout worker of its own (``worker.rollout.placement=separate``) the same engine receives the
+pushes (:mod:`mmrl.workers.rollout_worker`) and, streaming, decodes a chunk of tokens per engine call
+(:class:`StreamedVLLMGeneration`).
+
 ``vllm`` is imported inside the functions that need it, so this module imports without it.
 """
 
