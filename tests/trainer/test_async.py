@@ -150,7 +150,7 @@ def vllm_separate(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
     return training_lines(run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_a_vllm_rollout_worker_generates_ahead_and_streams_with_the_pushed_weights(
