@@ -131,9 +131,6 @@ class TrainerConfig:
             "worker.rollout.placement=separate (the engines must generate while the trainer trains)": (
                 not rollout.separate
             ),
-            "worker.rollout.name=hf (the transformers engine decodes in chunks between pushes)": (
-                rollout.name != "hf"
-            ),
             "worker.rollout.multi_turn.enable=false (trajectories are not streamed yet)": rollout.multi_turn.enable,
             "worker.actor.moe.routing_replay=false (a re-encoded prefix's routing is not recorded)": (
                 config.worker.actor.moe.routing_replay

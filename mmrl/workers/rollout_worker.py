@@ -7,7 +7,10 @@ group (:mod:`mmrl.workers.weight_push`; the driver calls :meth:`RolloutWorker.re
 ``HybridWorker.push_rollout_weights``), and the engine takes their policy version, which it stamps on
 the tokens it samples. Generation is the colocated one (:mod:`mmrl.workers.rollout.engine`): the same
 sampling seeds per step and rank (of the rollout workers), media attached here from the batch's
-compact refs, ``position_ids`` numbered with the engine's own copy of the architecture.
+compact refs, ``position_ids`` numbered by the architecture's ``get_rope_index`` (the transformers
+engine's model; with vLLM, the architecture on the meta device: no weights). A vLLM engine here never
+sleeps (no training phase needs its device) and takes each push as the colocated one does
+(``VLLMRollout.update_weights``: the family's layout, the CPU kernels' repacking, its caches reset).
 
 Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
 and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a
@@ -33,7 +36,7 @@ from mmrl.versions import check_versions, packages_of_run
 from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_workers import build_media_processor, processes_on_node, setup_distributed
 from mmrl.workers.rollout import GenerationMode
-from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, sampling_params
+from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, position_model, sampling_params
 from mmrl.workers.rollout.streaming import StreamingEngine
 from mmrl.workers.weight_push import Manifest, WeightPushGroup
 
@@ -54,6 +57,7 @@ class RolloutWorker:
         self.model_path = resolve_model_path(model_cfg.model_path, "worker.actor.model.model_path")
         self.media, self.media_cache = build_media_processor(config), MediaCache()
         self.engine, _ = build_rollout_engine(config, self.model_path, self.device)
+        self.position_model = position_model(self.engine, config, self.model_path)
         self.version = 0  # policy version (actor updates) of the weights the engine holds
         self.weight_push: WeightPushGroup | None = None
         self.manifest: Manifest = []
@@ -92,7 +96,7 @@ class RolloutWorker:
         sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
         with self.streaming.hold():
             version = self.version if self.config.trainer.records_policy_versions else None
-            output = generate_with(self.engine, None, prompts, sampling, mode, self.engine.model, version)
+            output = generate_with(self.engine, None, prompts, sampling, mode, self.position_model, version)
         output.meta_info["metrics"] = {GENERATION_STARTED: started, GENERATION_FINISHED: time.time()}
         return output
 
@@ -109,7 +113,7 @@ class RolloutWorker:
         parts = self.streaming.take(timeout_s)
         if not parts:
             return None
-        return without_model_media(add_position_ids(self.engine.model, DataProto.concat(parts)))
+        return without_model_media(add_position_ids(self.position_model, DataProto.concat(parts)))
 
     def shutdown(self) -> None:
         self.streaming.stop()

@@ -128,3 +128,54 @@ def test_each_update_pushes_the_whole_model_once(uninterrupted, tiny_vl_path):
     for step in range(1, STEPS + 1):
         assert uninterrupted[step]["transfer/weight_push_bytes"] == expected
         assert uninterrupted[step]["timing_s/sync"] > 0
+
+
+# ---------------------------------------------------------------- the vLLM engine on a rollout worker
+
+
+@pytest.fixture(scope="module")
+def vllm_separate(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
+    """Images on the vLLM engine of the rollout worker of its own, in one command of two stages: 2 steps
+    one step off, then (resumed from the first stage's checkpoint) 1 step streamed, a chunk of one token
+    at a time. Its training lines by step."""
+    save_dir = tmp_path_factory.mktemp("separate_vllm") / "run"
+    overrides = async_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        "worker.rollout.name=vllm",
+        "worker.rollout.cpu_kv_cache_gib=0.125",
+        "worker.rollout.stream_chunk_tokens=1",
+        "trainer.max_steps=null",
+        "trainer.save_freq=-1",
+        "trainer.stages=[{name: off, steps: 2}, {name: stream, steps: 1, overrides: [trainer.async_mode=stream]}]",
+    ]
+    return training_lines(run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S))
+
+
+@pytest.mark.slow(seconds=120)
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_vllm_rollout_worker_generates_ahead_and_streams_with_the_pushed_weights(
+    vllm_separate, tiny_vl_path
+):
+    # step 1 trains the first batch (the initial weights, pushed into the engine's random ones at start):
+    # vLLM's log-probs are the trainer's (w = 1); step 2 trains the batch the engine generated during
+    # step 1 with the weights before its update, pushed over the push group (fp32: the model's bytes);
+    # step 3, streamed after the resume, trains groups the engine decoded a token per call with the
+    # saved weights (staleness 0: nothing was pushed since)
+    assert sorted(vllm_separate) == [1, 2, 3]
+    first, second, streamed = vllm_separate[1], vllm_separate[2], vllm_separate[3]
+    staleness = [vllm_separate[step]["rollout/staleness_max"] for step in (1, 2, 3)]
+    assert staleness == [0.0, 1.0, 0.0]
+    for row in (first, streamed):  # fresh samples: behaviour = proximal up to the engines' numerics
+        assert row["actor/behaviour_weight"] == pytest.approx(1.0, abs=1e-4)
+        assert row["actor/behaviour_over_cap"] == 0 and abs(row["actor/behaviour_kl"]) < 1e-5
+    assert abs(second["actor/behaviour_kl"]) > 1e-3  # sampled by the weights before the update
+    assert first["timing_s/gen_overlap"] > 0  # step 2's batch was generated while step 1 trained
+    assert streamed["rollout/stream_dropped_groups"] == 0
+    model, seen, expected = load_model(str(tiny_vl_path)), set(), 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            expected += tensor.numel() * tensor.element_size()
+    for row in (first, second, streamed):
+        assert row["transfer/weight_push_bytes"] == expected
+        assert row["rollout/generated_responses"] == 16

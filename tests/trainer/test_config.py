@@ -342,8 +342,12 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "trainer.async_mode=stream needs worker.rollout.placement=separate",
         ),
         (
-            ["trainer.async_mode=stream", "worker.rollout.placement=separate"],
-            "trainer.async_mode=stream needs worker.rollout.name=hf",
+            [
+                "trainer.async_mode=stream",
+                "worker.rollout.placement=separate",
+                "worker.actor.moe.routing_replay=true",
+            ],
+            "trainer.async_mode=stream needs worker.actor.moe.routing_replay=false",
         ),
         (
             ["trainer.async_mode=stream", "trainer.max_staleness=0"],
@@ -360,8 +364,8 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
         (["worker.rollout.num_workers=0"], "worker.rollout.num_workers=0 must be >= 1"),
         (["worker.rollout.push_timeout_s=0"], "worker.rollout.push_timeout_s=0.0 must be > 0 (seconds)"),
         (
-            ["worker.rollout.placement=separate", "worker.rollout.name=vllm"],
-            "worker.rollout.placement=separate does not support worker.rollout.name=vllm yet",
+            ["worker.rollout.placement=separate", "worker.rollout.tensor_parallel_size=2"],
+            "worker.rollout.placement=separate does not support worker.rollout.tensor_parallel_size=2 yet",
         ),
         (["algorithm.off_policy=decoupld"], "algorithm.off_policy='decoupld' is not one of none, decoupled"),
         (

@@ -4,6 +4,7 @@ sampling settings of a generation, and the rollout batch's last columns."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -67,7 +68,11 @@ def build_rollout_engine(config: PPOConfig, model_path: str, device: torch.devic
         rollout = VLLMRollout(
             model_path,
             tokenizer,
-            rollout_cfg,
+            # an engine on a device of its own (placement=separate) has no training phase to give its
+            # memory to: it never sleeps, and vLLM need not map its memory through its sleep allocator
+            dataclasses.replace(rollout_cfg, enable_sleep_mode=False)
+            if rollout_cfg.separate
+            else rollout_cfg,
             context_length=data.max_prompt_length + data.max_response_length,
             # weights are pushed after every update anyway: nothing is gained by keeping a host copy
             sleep_level=2,
@@ -93,6 +98,21 @@ def build_rollout_engine(config: PPOConfig, model_path: str, device: torch.devic
         record_routing=config.worker.actor.moe.routing_replay,
     )
     return rollout, model.config.model_type
+
+
+def position_model(engine: Any, config: PPOConfig, model_path: str) -> torch.nn.Module:
+    """The model whose ``get_rope_index`` numbers a rollout's ``position_ids`` in a process without the
+    actor (a rollout worker of its own): the transformers engine's model, or for vLLM the architecture
+    on the meta device (the numbering reads the config and the token ids, never a weight)."""
+    if hasattr(engine, "model"):
+        return engine.model
+    model_cfg = config.worker.actor.model
+    return load_model(
+        model_path,
+        trust_remote_code=model_cfg.trust_remote_code,
+        override_config=dict(model_cfg.override_config),
+        empty=True,
+    )
 
 
 def build_agent(config: PPOConfig, media: MediaProcessor, eos: list[int], model_type: str):

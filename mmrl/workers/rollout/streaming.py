@@ -3,8 +3,9 @@ are decoded by a thread of their own, ``chunk_tokens`` tokens per row at a time,
 prompt's n responses are queued as soon as they have all ended. Anything else that needs the engine
 (a weight push, validation, greedy baselines) :meth:`StreamingEngine.hold`\\ s it: it waits for the chunk
 in progress to end, and no chunk starts while it holds it. After new weights, :meth:`reload` lets the
-generations in flight continue with them (partial rollouts:
-:class:`mmrl.workers.rollout.hf.PartialDecode`)."""
+generations in flight continue with them (partial rollouts: transformers'
+:class:`mmrl.workers.rollout.hf.PartialDecode`, vLLM's
+:class:`mmrl.workers.rollout.vllm_spmd.StreamedVLLMGeneration`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from mmrl.workers.rollout import SamplingParams
 
 
 class StreamingEngine:
-    """``engine`` (the transformers rollout: its ``stream`` method) driven by a thread of this process."""
+    """``engine`` (either rollout backend: its ``stream`` method) driven by a thread of this process."""
 
     def __init__(self, engine: Any, chunk_tokens: int):
         self.engine, self.chunk_tokens = engine, chunk_tokens

@@ -34,6 +34,10 @@ trainer's, as :class:`HFRollout`'s are.
 Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`VLLMRollout.turn_generator`,
 one engine request per trajectory and turn.
 
+On a rollout worker of its own (``worker.rollout.placement=separate``) the same engine receives the
+pushes (:mod:`mmrl.workers.rollout_worker`) and, streaming, decodes a chunk of tokens per engine call
+(:class:`StreamedVLLMGeneration`).
+
 ``vllm`` is imported inside the functions that need it, so this module imports without it.
 """
 
@@ -536,6 +540,116 @@ class VLLMRollout:
 
         return generate_turns
 
+    def stream(self, prompts: DataProto, sampling: SamplingParams, version: int) -> StreamedVLLMGeneration:
+        """A training generation of ``prompts`` handed out group by group as the prompts finish, its
+        tokens stamped with the policy version that sampled them (:class:`StreamedVLLMGeneration`)."""
+        return StreamedVLLMGeneration(self, prompts, sampling, version)
+
     def shutdown(self) -> None:
         """Stop the engine. This destroys the default process group too (vLLM's teardown)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+class StreamedVLLMGeneration:
+    """A training generation decoded a chunk of tokens at a time (``trainer.async_mode=stream``), so that
+    new weights may land between chunks (partial rollouts), handed out prompt group by prompt group.
+
+    A chunk is one engine call over the rows not yet ended, each row's prompt followed by the tokens it
+    sampled so far (its media passed again; prefix caching makes the re-prefill cheap, and a weight push
+    resets the cache, so after a push the prefix is encoded by the new weights), asking for up to
+    ``k`` more tokens with a seed of its own per row and chunk (the row's seed advanced by the chunk's
+    index, so that no chunk repeats another's draws). Every token keeps the version of the weights that
+    sampled it and its log-prob. Greedy chunks are exactly an uninterrupted call's tokens; sampled
+    chunks draw from the same distributions but not the same random stream as one uninterrupted call
+    (vLLM seeds a request's generator at its start), unlike :class:`mmrl.workers.rollout.hf.PartialDecode`.
+    """
+
+    def __init__(self, rollout: VLLMRollout, prompts: DataProto, sampling: SamplingParams, version: int):
+        self.rollout, self.prompts, self.sampling, self.version = rollout, prompts, sampling, version
+        self.bases = engine_prompts(prompts)
+        rows = len(prompts) * sampling.n
+        # vLLM gives the n samples of a prompt seeds seed_i + 0 .. n - 1 (prompt_seeds): the same per row
+        self.row_seeds = [
+            seed + sample
+            for seed in prompt_seeds(sampling.seed, len(prompts), sampling.n)
+            for sample in range(sampling.n)
+        ]
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.token_log_probs: list[list[float]] = [[] for _ in range(rows)]
+        self.token_versions: list[list[int]] = [[] for _ in range(rows)]
+        self.ended = [False] * rows
+        self.chunks = 0
+        self.handed_out: set[int] = set()  # prompts already returned
+
+    @property
+    def done(self) -> bool:
+        return len(self.handed_out) == len(self.prompts)
+
+    def reload(self, version: int) -> None:
+        """New weights (policy ``version``) in the engine: the next chunk's re-prefill reads them."""
+        self.version = version
+
+    def advance(self, max_new_tokens: int) -> None:
+        """Sample up to ``max_new_tokens`` more tokens for every row not yet ended."""
+        rollout, sampling, n = self.rollout, self.sampling, self.sampling.n
+        rows = [row for row, ended in enumerate(self.ended) if not ended]
+        if not rows:
+            return
+        rollout.wake_up()
+        inputs, engine_sampling = [], []
+        for row in rows:
+            base = self.bases[row // n]
+            inputs.append({**base, "prompt_token_ids": base["prompt_token_ids"] + self.tokens[row]})
+            left = sampling.max_tokens - len(self.tokens[row])
+            seed = (self.row_seeds[row] + SEED_STRIDE * self.chunks) % MAX_SEED
+            chunk = sampling.override(n=1, max_tokens=min(max_new_tokens, left))
+            engine_sampling.append(rollout._engine_sampling(chunk, seed))
+        with rollout._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+            outputs = rollout.llm.generate(inputs, engine_sampling, use_tqdm=rollout.show_progress)
+        if self.chunks == 0:  # every row is here, a prompt's n rows side by side
+            check_prompt_expansion(self.prompts, outputs[::n])
+        self.chunks += 1
+        for row, output in zip(rows, outputs):
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            self.tokens[row] += ids
+            self.token_log_probs[row] += [
+                step[token].logprob for token, step in zip(ids, completion.logprobs)
+            ]
+            self.token_versions[row] += [self.version] * len(ids)
+            # an end-of-sequence token (vLLM's "stop") or the response's length budget
+            self.ended[row] = (
+                completion.finish_reason == "stop" or len(self.tokens[row]) >= sampling.max_tokens
+            )
+
+    def take_finished(self) -> DataProto | None:
+        """The rows (n per prompt, the prompt's columns repeated) of the prompts whose n responses have
+        all ended since the last call, padded to ``max_tokens``; None when there are none."""
+        n, width, rollout = self.sampling.n, self.sampling.max_tokens, self.rollout
+        prompts = [
+            prompt
+            for prompt in range(len(self.prompts))
+            if prompt not in self.handed_out and all(self.ended[prompt * n : (prompt + 1) * n])
+        ]
+        if not prompts:
+            return None
+        self.handed_out.update(prompts)
+        rows = [prompt * n + sample for prompt in prompts for sample in range(n)]
+        responses = torch.full((len(rows), width), rollout.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(rows), width, dtype=torch.float32)
+        versions = torch.full((len(rows), width), self.version, dtype=torch.long)
+        for index, row in enumerate(rows):
+            count = len(self.tokens[row])
+            responses[index, :count] = torch.tensor(self.tokens[row], dtype=torch.long)
+            log_probs[index, :count] = torch.tensor(self.token_log_probs[row])
+            versions[index, :count] = torch.tensor(self.token_versions[row], dtype=torch.long)
+        batch = assemble_rollout_batch(
+            self.prompts[prompts].repeat(n, interleave=True),
+            responses,
+            rollout.eos_token_ids,
+            rollout.pad_token_id,
+            ignore_eos=self.sampling.ignore_eos,
+            rollout_log_probs=log_probs,
+        )
+        batch.batch["policy_version"] = versions
+        return batch
