@@ -13,12 +13,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # dense (distinct characters of the response): GRPO advantages are non-zero from the first step
 FINGERPRINT_REWARD = REPO_ROOT / "tests/trainer/assets/fingerprint_reward.py"
+# the fingerprint reward's scores and reward/rows, which records the dataset rows a step trained
+ROW_REWARD = REPO_ROOT / "tests/trainer/assets/row_reward.py"
 
 
 def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
@@ -138,11 +141,35 @@ def kill_session(process: subprocess.Popen) -> None:
             leftover.kill()
 
 
-def run_killed(overrides: list[str], fault: str, log_path: Path, timeout_s: float = 300) -> str:
+def trained_rows(row: dict, n: int) -> list[int]:
+    """The dataset rows a step trained (its metrics line ``row``, n responses per prompt), read from the
+    ``reward/rows`` of ``ROW_REWARD``: the sum of 2**row over the step's prompts."""
+    total = round(row["reward/rows"] * row["rollout/generated_responses"] / n)
+    return [bit for bit in range(total.bit_length()) if total >> bit & 1]
+
+
+def loader_rows(prompts: int, batch_size: int, batches: int) -> list[list[int]]:
+    """The dataset rows of the training loader's first ``batches`` batches (default shuffling seed)."""
+    from mmrl.data.loader import PromptLoader
+
+    loader = PromptLoader(list(range(prompts)), batch_size, collate_fn=list)
+    return [rows for rows, _ in zip(loader, range(batches))]
+
+
+class KilledRun(NamedTuple):
+    output: str  # what the run wrote before its death
+    pid: int  # the driver's: after a resume, ``assert_left_nothing(pid)`` checks that nothing of it remains
+
+
+def run_killed(
+    overrides: list[str], fault: str, log_path: Path, timeout_s: float = 300, orphans_exit_s: float = 0
+) -> KilledRun:
     """Run the trainer until it SIGKILLs itself at ``fault`` (``<phase>:<step>``, see
     ``mmrl.trainer.ray_trainer.fault_point``), as a crashed machine stops it, then kill what is left of
-    its session (Ray's processes, as the machine's end would); returns its output (written to
-    ``log_path``: Ray's processes outlive the driver holding a pipe's end)."""
+    its session (Ray's processes, as the machine's end would); its output is written to ``log_path``
+    (Ray's processes outlive the driver holding a pipe's end). With ``orphans_exit_s``, the driver's
+    death alone must end every process of its session (Ray's, the training ranks, the rollout workers)
+    within that many seconds: a kill -9 of the driver leaks no process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMRL_FAULT_AT": fault}
     with open(log_path, "wb") as log:
         run = subprocess.Popen(
@@ -153,13 +180,27 @@ def run_killed(overrides: list[str], fault: str, log_path: Path, timeout_s: floa
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    orphans = []
     try:
         returncode = run.wait(timeout=timeout_s)
+        died, deadline = time.monotonic(), time.monotonic() + orphans_exit_s
+        while (orphans := session_processes(run.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        orphans = [_describe(process) for process in orphans]
+        if orphans_exit_s:
+            print(f"{fault}: the session ended {time.monotonic() - died:.1f} s after the driver's death")
     finally:
         kill_session(run)
     output = Path(log_path).read_text(errors="replace")
     assert returncode == -signal.SIGKILL, output[-4000:]
-    return output
+    assert not orphans_exit_s or not orphans, f"{orphans_exit_s:g} s after the driver's SIGKILL: {orphans}"
+    return KilledRun(output, run.pid)
+
+
+def _describe(process: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return f"{process.pid} {' '.join(process.cmdline())[:80]}"
+    return f"{process.pid} (exited)"
 
 
 def merged_and_base(actor_dir, target_dir, base_path) -> tuple[dict, dict]:

@@ -89,7 +89,8 @@ FAULT_ENV = "MMRL_FAULT_AT"  # a test hook: see fault_point
 def fault_point(phase: str, step: int) -> None:
     """Test hook of the chaos test (``test_sigkill_at_any_moment_*`` in tests/trainer/test_ray_trainer.py):
     with ``MMRL_FAULT_AT=<phase>:<step>`` in the environment, the driver SIGKILLs itself on entering
-    ``phase`` ("rollout": the step's start, "sync": after the update, "checkpoint": after the workers
+    ``phase`` ("rollout": the step's start, "generating": its generation just started, on rollout
+    workers of their own still in flight, "sync": after the update, "checkpoint": after the workers
     wrote their part of ``global_step_N.tmp``, before the commit) of training step ``step`` (1-based),
     so that a kill lands in a chosen phase. Unset (always, outside tests) it does nothing."""
     if os.environ.get(FAULT_ENV) == f"{phase}:{step}":
@@ -473,6 +474,7 @@ class RayPPOTrainer:
             filtered = Rollout(batch, lambda: scores, metrics, version)
             return lambda: filtered
         generation = self._start_generation(next(prompts), round_index=0, step=step)
+        fault_point("generating", step + 1)  # one step off: started during the step before, pre-update
 
         def finish() -> Rollout:
             batch, window = generation()

@@ -3,18 +3,29 @@
 (``worker.rollout.placement=separate``: one training rank, one rollout worker): each step trains the
 batch the step before generated with the weights before its update, while that update ran; every
 token records the version that sampled it; the weights reach the rollout worker over the push group;
-and a run killed with a batch in flight, resumed from its checkpoint, trains the uninterrupted run's
-samples to its numbers
+and a run SIGKILLed while the rollout worker generates the next step's batch, resumed from its
+checkpoint, leaves nothing running and trains the uninterrupted run's samples to its numbers
 (mmrl/trainer/asynchrony.py, mmrl/trainer/separate_rollout.py, docs/async.md)."""
 
 from __future__ import annotations
 
 import pytest
-from _trainer_run import metrics_rows, run_killed, run_main, small_run_overrides
+from _trainer_run import (
+    ROW_REWARD,
+    assert_left_nothing,
+    loader_rows,
+    metrics_rows,
+    run_killed,
+    run_main,
+    small_run_overrides,
+    trained_rows,
+)
 
 from mmrl.models.loading import load_model
 
 STEPS = 4
+GROUPS, RESPONSES, PROMPTS = 4, 4, 32  # data.rollout_batch_size, worker.rollout.n, training rows
+ORPHANS_EXIT_S = 60  # Ray's workers exit a few seconds after its head processes
 RUN_TIMEOUT_S = 600  # a loaded 2-core machine starts Ray and two ranks in minutes
 # timings, byte counts and memory vary between runs; a resumed run has just pushed its weights
 VARYING = ("timing_s/", "throughput/", "transfer/", "memory/", "rollout/weight_pushes_before_generate")
@@ -22,9 +33,11 @@ VARYING = ("timing_s/", "throughput/", "transfer/", "memory/", "rollout/weight_p
 
 def async_overrides(model_path, data_dir, save_dir) -> list[str]:
     """4 steps, one step off with decoupled PPO, one training rank and one rollout worker of its own,
-    checkpoints after steps 2 and 4, no validation."""
+    checkpoints after steps 2 and 4, no validation; the reward records the rows each step trained."""
     overrides = small_run_overrides(model_path, data_dir, save_dir)
-    return [key for key in overrides if not key.startswith("data.val_files=")] + [
+    dropped = ("data.val_files=", "worker.reward.reward_function=")
+    return [key for key in overrides if not key.startswith(dropped)] + [
+        f"worker.reward.reward_function={ROW_REWARD}:compute_score",
         "trainer.async_mode=one_step_off",
         "algorithm.off_policy=decoupled",
         f"trainer.max_steps={STEPS}",
@@ -73,7 +86,10 @@ def test_each_step_trains_the_batch_the_weights_one_update_older_sampled(uninter
             assert weight == pytest.approx(1.0, abs=1e-3) and row["actor/behaviour_over_cap"] == 0
         else:  # sampled by the weights before the last update (lr 0.02 moves them visibly)
             assert abs(row["actor/behaviour_kl"]) > 1e-3
-        assert row["rollout/generated_responses"] == 16
+        assert row["rollout/generated_responses"] == GROUPS * RESPONSES
+    # each step trained one loader batch, in the loader's order: every prompt once
+    trained = [trained_rows(uninterrupted[step], RESPONSES) for step in range(1, STEPS + 1)]
+    assert trained == [sorted(rows) for rows in loader_rows(PROMPTS, GROUPS, STEPS)]
 
 
 @pytest.mark.slow(seconds=110)
@@ -83,21 +99,25 @@ def test_a_kill_with_a_batch_in_flight_resumes_to_the_uninterrupted_runs_numbers
     uninterrupted, tiny_vl_path, shapes_data_dir, tmp_path
 ):
     # resumed from step 2's checkpoint (which holds no batch in flight: step 2 generated nothing ahead),
-    # the run is SIGKILLed after step 3's update, when step 4's batch, generated ahead during step 3, is
-    # in the driver waiting to be trained: a kill between checkpoints loses it, and its prompts are drawn
-    # again (docs/async.md). Run again from the same checkpoint, steps 3 and 4 train the same samples as
-    # the uninterrupted run, none twice, none lost, and the versions the resumed engines stamp match the
-    # driver's restored count: every number equals it
+    # the run is SIGKILLed in step 3 right after it started step 4's generation on the rollout worker
+    # (before step 3's log-prob pass and update): a kill between checkpoints loses that generation and
+    # step 3, and the prompts of both are drawn again (docs/async.md). The driver's death alone ends the
+    # rollout worker, the training rank and Ray's processes. Run again from the same checkpoint, steps 3
+    # and 4 train the same samples as the uninterrupted run, none twice, none lost, and the versions
+    # the resumed engines stamp match the driver's restored count: every number equals it
     source = uninterrupted["save_dir"] / "global_step_2"
     save_dir = tmp_path / "resumed"
     overrides = async_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
         f"trainer.load_checkpoint_path={source}"
     ]
-    output = run_killed(overrides, "sync:3", tmp_path / "killed.log", timeout_s=RUN_TIMEOUT_S)
-    assert f"resuming from {source}" in output, output[-4000:]
+    killed = run_killed(
+        overrides, "generating:4", tmp_path / "killed.log", RUN_TIMEOUT_S, orphans_exit_s=ORPHANS_EXIT_S
+    )
+    assert f"resuming from {source}" in killed.output, killed.output[-4000:]
     assert not list(save_dir.glob("global_step_*")), "the killed run had no checkpoint to write"
     assert training_lines(metrics_rows(save_dir)) == {}  # killed inside its first step, step 3
     resumed = training_lines(run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S))
+    assert_left_nothing(killed.pid)  # the resume removed the killed run's Ray session and temp folders
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert deterministic(resumed[step]) == deterministic(uninterrupted[step]), step

@@ -1,40 +1,55 @@
 """Streaming (``trainer.async_mode=stream``) on the trainer: one training rank, one rollout worker of
 its own generating all the time in chunks of one token, so that weight pushes may land in generations
 in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
-(2 steps, then 1) in one command: the second resumes from the first's checkpoint, written with a
-prompt batch in flight, and generates it again. Online filtering is on, judging the groups as they
-arrive (mmrl/trainer/asynchrony.py, StreamSchedule;
-mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts themselves, token
-for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
+(1 step, then 2) in one command, SIGKILLed in step 2 (after its update, a prompt batch in flight) and
+resumed with the same command: the second stage starts, live and again at the resume, from the first's
+checkpoint, written with a prompt batch in flight, and generates that batch again; online filtering judges the groups as they arrive; across the kill no
+prompt is trained twice or lost and nothing is left running (mmrl/trainer/asynchrony.py,
+StreamSchedule; mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts
+themselves, token for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import (
+    REPO_ROOT,
+    assert_left_nothing,
+    loader_rows,
+    metrics_rows,
+    run_killed,
+    run_main,
+    small_run_overrides,
+    trained_rows,
+)
 
-COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"
+COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"  # with the rows record
 
 STEPS = 3
 GROUPS = 4  # data.rollout_batch_size: prompts (groups of 4 responses) a step
+RESPONSES = 4  # worker.rollout.n
+PROMPTS = 32  # rows of the training file (shapes_data_dir)
+RUN_TIMEOUT_S = 600  # a loaded 2-core machine starts Ray and the workers in minutes
+ORPHANS_EXIT_S = 60  # Ray's workers exit a few seconds after its head processes
 
 
 @pytest.fixture(scope="module")
 def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
-    """The streamed run (stages of 2 and 1 steps): its training lines by step, and ``save_dir``."""
+    """The streamed run (stages of 1 and 2 steps), killed in step 2 and resumed: the training lines of
+    both by step, ``save_dir``, the killed run's output, what it had trained and saved at its death."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
         key
         for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir)
-        if "val_files" not in key and "reward_function" not in key
+        if "val_files" not in key and "reward_function=" not in key
     ]
     overrides += [
         "trainer.async_mode=stream",
         "trainer.max_staleness=1",
         "algorithm.off_policy=decoupled",
         "trainer.max_steps=null",
-        "trainer.stages=[{name: first, steps: 2}, {name: second, steps: 1}]",
+        "trainer.stages=[{name: first, steps: 1}, {name: second, steps: 2}]",
         "trainer.val_before_train=false",
         "worker.rollout.name=hf",
         "worker.rollout.placement=separate",
@@ -53,26 +68,43 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.max_try_make_batch=1",
         "algorithm.disable_kl=true",  # the rewards alone make the advantages (and the run shorter)
     ]
-    rows = run_main(overrides, save_dir, timeout_s=600)
-    return {**{row["step"]: row for row in rows if "actor/pg_loss" in row}, "save_dir": save_dir}
+    log_path = save_dir.parent / "killed.log"
+    killed = run_killed(overrides, "sync:2", log_path, RUN_TIMEOUT_S, orphans_exit_s=ORPHANS_EXIT_S)
+    before = [row["step"] for row in metrics_rows(save_dir) if "actor/pg_loss" in row]
+    committed = sorted(path.name for path in save_dir.glob("global_step_*"))
+    rows = run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S)
+    assert_left_nothing(killed.pid)  # the resume removed the killed run's Ray session and temp folders
+    lines = [row for row in rows if "actor/pg_loss" in row]
+    return {
+        **{row["step"]: row for row in lines},
+        "save_dir": save_dir,
+        "killed": killed.output,
+        "trained_before_resume": before,
+        "committed_at_kill": committed,
+        "trained_steps": [row["step"] for row in lines],
+    }
 
 
-@pytest.mark.slow
+def steps(streamed: dict) -> list[int]:
+    return sorted(step for step in streamed if isinstance(step, int))
+
+
+@pytest.mark.slow(seconds=150)
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
-    assert sorted(step for step in streamed if step != "save_dir") == list(range(1, STEPS + 1))
+    assert steps(streamed) == list(range(1, STEPS + 1))
     assert streamed[1]["rollout/staleness_max"] == 0  # the first groups: the initial weights'
     for step in range(1, STEPS + 1):
         row = streamed[step]
-        assert row["rollout/generated_responses"] == GROUPS * 4
+        assert row["rollout/generated_responses"] == GROUPS * RESPONSES
         assert 0 <= row["rollout/staleness_mean"] <= row["rollout/staleness_max"] <= 1
         assert 0 <= row["rollout/partial_response_frac"] <= 1
         assert row["rollout/stream_dropped_groups"] >= 0
         # never more than (max_staleness + 1) steps' groups submitted and not trained
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
         assert row["transfer/weight_push_bytes"] > 0
-    assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, in flight at the save
+    assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, for step 3
 
 
 @pytest.mark.slow
@@ -95,13 +127,34 @@ def test_online_filtering_judges_the_streamed_groups_and_tops_an_unfilled_step_u
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_the_prompts_in_flight_at_a_checkpoint_are_generated_again_after_the_resume(streamed):
-    # stage 1's last step (2) had submitted loader batch 2 (4 prompts) ahead, not trained: its
+    # stage 1's only step (1) had submitted loader batch 1 (4 prompts) ahead, not trained: its
     # checkpoint resumes the loader there, nothing after it trained. Stage 2 (new workers, the saved
-    # weights, version 2) generates that batch again and trains it at step 3: fresh (staleness 0), and
-    # its own checkpoint has the loader after batch 2 with nothing pending: no prompt lost or trained twice
-    first = json.loads((streamed["save_dir"] / "global_step_2" / "trainer_state.json").read_text())
-    assert first["stream"]["submissions"] == 3
-    assert first["loader"] == {"epoch": 0, "batch_index": 2} and first["stream"]["trained"] == []
-    assert streamed[3]["rollout/staleness_max"] == 0
-    second = json.loads((streamed["save_dir"] / "global_step_3" / "trainer_state.json").read_text())
-    assert second["loader"] == {"epoch": 0, "batch_index": 3} and second["stream"]["trained"] == []
+    # weights, version 1) generates that batch again and trains it at step 2: fresh (staleness 0), and
+    # the last checkpoint has the loader after batch 2 with nothing pending
+    first = json.loads((streamed["save_dir"] / "global_step_1" / "trainer_state.json").read_text())
+    assert first["stream"]["submissions"] == 2
+    assert first["loader"] == {"epoch": 0, "batch_index": 1} and first["stream"]["trained"] == []
+    assert streamed[2]["rollout/staleness_max"] == 0
+    last = json.loads((streamed["save_dir"] / f"global_step_{STEPS}" / "trainer_state.json").read_text())
+    assert last["loader"] == {"epoch": 0, "batch_index": STEPS} and last["stream"]["trained"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lost(streamed):
+    # the killed run crossed into stage 2 live (generating batch 1 again from step 1's checkpoint) and
+    # was SIGKILLed after step 2's update, with batch 2's groups submitted for step 3: in flight or
+    # finished on the rollout worker, none trained. Its step 2 was never logged nor saved; the resume
+    # (the same command) starts again from step 1's checkpoint and trains steps 2 and 3
+    assert "stage 2/2 second" in streamed["killed"], streamed["killed"][-4000:]
+    assert f"resuming from {streamed['save_dir'] / 'global_step_1'}" in streamed["killed"]  # stage 2
+    assert streamed["committed_at_kill"] == ["global_step_1"]
+    assert streamed["trained_before_resume"] == [1]
+    assert streamed["trained_steps"] == [1, 2, 3]  # the killed run's line, then the resumed run's
+    # each step trained GROUPS distinct prompts, and together the loader's first STEPS batches, each once
+    trained = [trained_rows(streamed[step], RESPONSES) for step in range(1, STEPS + 1)]
+    assert all(len(rows) == GROUPS for rows in trained), trained
+    expected = loader_rows(PROMPTS, GROUPS, STEPS)
+    assert sorted(row for rows in trained for row in rows) == sorted(row for rows in expected for row in rows)
+    assert trained == [sorted(rows) for rows in expected]  # no group dropped: batch k trains at step k + 1
