@@ -30,6 +30,17 @@ max(G / r, T / t) + P. It is a prediction from
 CPU phase ratios, not a GPU measurement (on GPUs generation is memory-bound and the ratio differs).
 
 Prints the tables and writes ``bench/results/async.json``; ``--report`` prints them again from it.
+
+``--accuracy`` (the issue's learning question): each mode over ``--seeds``, on the colour task from the
+answer-format warm-up model of ``make assets`` (chance accuracy, 1/4), with ``bench/time_to_accuracy.py``'s
+job (16 prompts x 8 responses of at most 4 tokens, 4 optimizer steps per rollout, KL 0.02, greedy
+validation on the 64 validation images before training and every 5 steps), each run stopped at the
+first validation at or above ``--target`` (or after ``--max_steps``). Per run: the wall time from launch
+to that validation (start-up and validations included), the step and the samples (responses) trained
+to reach it, and every validation's accuracy against wall time and samples. The modes run seed by seed,
+each seed's modes one after the other, so a change of load meets every mode alike; the table gives
+medians over seeds and each seed's numbers. Writes ``bench/results/async_accuracy.json``;
+``--accuracy --report`` prints its tables again.
 """
 
 from __future__ import annotations
@@ -39,12 +50,15 @@ import json
 import statistics
 
 from harness import (
+    REPO,
     RESULTS,
     JobSettings,
     build_models_and_data,
+    first_reaching,
     markdown_table,
     mmrl_command,
     run_monitored,
+    validation_records,
     write_json,
 )
 
@@ -70,6 +84,15 @@ MODES = {
         for staleness in (1, 4)
     },
 }
+# --accuracy: the rows the issue asks for (the colocated one at the machine's threads, as `make demo`)
+ACCURACY_MODES = [
+    "sync colocated, 2 threads",
+    "separate sync",
+    "one_step_off separate",
+    "stream separate, staleness 1",
+    "stream separate, staleness 4",
+]
+VAL_KEY = "val/reward/accuracy"
 SPLITS = ((4, 4), (6, 2))  # (rollout GPUs, training GPUs) of 8
 
 
@@ -193,6 +216,124 @@ def predict(results: dict) -> list[dict]:
     return cost_model(results["separate sync"], results["sync colocated, 1 thread"]["push_s"])
 
 
+def accuracy_job(args: argparse.Namespace, seed: int) -> JobSettings:
+    """``bench/time_to_accuracy.py``'s job on the colour task from the ``make assets`` warm-up."""
+    model, data = (
+        REPO / "assets" / "models" / "tiny-qwen2.5-vl-warm",
+        REPO / "assets" / "data" / "shapes-color",
+    )
+    for path in (model, data):
+        if not path.exists():
+            raise SystemExit(f"{path} does not exist: run `make assets` first (the colour demo's warm-up)")
+    return JobSettings(
+        model=str(model),
+        data_dir=str(data),
+        prompts=16,
+        n=8,
+        response_length=4,
+        force_length=False,
+        micro_batch=16,
+        lr=5e-4,
+        steps=args.max_steps,
+        updates_per_rollout=4,
+        val_every=5,
+        kl_coef=0.02,
+        seed=seed,
+    )
+
+
+def run_to_accuracy(mode: str, seed: int, args: argparse.Namespace) -> dict:
+    """One mode and seed until the first validation at ``args.target`` (or ``args.max_steps``)."""
+    job = accuracy_job(args, seed)
+    run_dir = RESULTS / "runs" / "async_accuracy" / f"{mode.replace(' ', '_').replace(',', '')}_seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command, log_file = mmrl_command(job, "hf", run_dir)
+    command += [*MODES[mode], f"worker.rollout.seed={seed}"]
+
+    def reached(record: dict) -> bool:
+        return record.get(VAL_KEY) is not None and record[VAL_KEY] >= args.target - 1e-9
+
+    run = run_monitored(command, log_file, run_dir / "output.txt", RUN_TIMEOUT_S, reached)
+    samples_per_step = job.prompts * job.n
+    validations = [
+        {**v, "samples": v["step"] * samples_per_step} for v in validation_records(run.records, VAL_KEY)
+    ]
+    hit = first_reaching(validations, args.target)
+    steps = [r["timing_s/step"] for r in run.records if r.get("timing_s/step") is not None]
+    return {
+        "mode": mode,
+        "seed": seed,
+        "reached": hit is not None,
+        "step": hit["step"] if hit else None,
+        "wall_s": hit["time_s"] if hit else None,
+        "samples": hit["samples"] if hit else None,
+        "s_per_step": statistics.median(steps) if steps else None,
+        "steps_run": len(steps),
+        "validations": validations,
+        "other_load_cores": run.other_load_cores,
+    }
+
+
+def per_seed(runs: list[dict], key: str, spec: str) -> str:
+    return ", ".join("-" if run[key] is None else format(run[key], spec) for run in runs)
+
+
+def print_accuracy_tables(runs: list[dict], target: float) -> None:
+    """Per mode: seeds that reached ``target``, medians over them, each seed's wall seconds and samples."""
+    rows = []
+    for mode in dict.fromkeys(run["mode"] for run in runs):
+        mine = [run for run in runs if run["mode"] == mode]
+        hits = [run for run in mine if run["reached"]]
+
+        rows.append(
+            [
+                mode,
+                f"{len(hits)}/{len(mine)}",
+                f"{median([run['wall_s'] for run in hits]):.0f}" if hits else "-",
+                per_seed(mine, "wall_s", ".0f"),
+                f"{median([run['samples'] for run in hits]):.0f}" if hits else "-",
+                per_seed(mine, "samples", ".0f"),
+                f"{median([run['s_per_step'] for run in mine if run['s_per_step']]):.2f}",
+                f"{median([run['other_load_cores'] for run in mine]):.1f}",
+            ]
+        )
+    headers = [
+        "mode",
+        f"reached {target}",
+        "wall s (median)",
+        "wall s per seed",
+        "samples (median)",
+        "samples per seed",
+        "s/step",
+        "other load (cores)",
+    ]
+    print(markdown_table(headers, rows))
+    curves = [
+        [
+            run["mode"],
+            run["seed"],
+            " ".join(f"{v['accuracy']:.2f}@{v['time_s']:.0f}s/{v['samples']}" for v in run["validations"]),
+        ]
+        for run in runs
+    ]
+    print(markdown_table(["mode", "seed", "validation accuracy @ wall s / samples"], curves))
+
+
+def accuracy_study(args: argparse.Namespace) -> None:
+    if args.report:
+        saved = json.loads((RESULTS / "async_accuracy.json").read_text())
+        print_accuracy_tables(saved["runs"], saved["settings"]["target"])
+        return
+    modes = args.modes if args.modes != list(MODES) else ACCURACY_MODES
+    runs = []
+    for seed in args.seeds:
+        for mode in modes:
+            runs.append(run_to_accuracy(mode, seed, args))
+            print(f"{mode} seed {seed}: {runs[-1]['step']} steps, {runs[-1]['wall_s']} s", flush=True)
+            write_json("async_accuracy.json", {"settings": vars(args), "runs": runs})
+    print_accuracy_tables(runs, args.target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -205,7 +346,14 @@ def main() -> None:
     parser.add_argument(
         "--report", action="store_true", help="print the tables of the last run's results file"
     )
+    parser.add_argument("--accuracy", action="store_true", help="time and samples to --target, per seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--max_steps", type=int, default=60)
     args = parser.parse_args()
+    if args.accuracy:
+        accuracy_study(args)
+        return
     if args.report:
         results = json.loads((RESULTS / "async.json").read_text())["results"]
         print_tables(results, predict(results))
