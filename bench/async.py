@@ -3,12 +3,13 @@ step off, on the colour demo.
 
     python bench/async.py [--steps 6] [--warmup 1] [--prompts 8] [--n 8] [--response_length 24]
 
-Four runs of the same GRPO job (``bench/harness.py``'s ``mmrl_command``, transformers rollout, one
+Runs of the same GRPO job (``bench/harness.py``'s ``mmrl_command``, transformers rollout, one
 training process):
 
 - ``sync colocated, 2 threads``: the engine in the training process, which has the machine's cores;
 - ``sync colocated, 1 thread``: the same on one core (``trainer.cpus_per_worker=1``): on a shared
   2-core machine two threads per process contend with the other jobs' load;
+- ``sync colocated, 2 ranks``: the colour demo's layout, two training processes of one core each;
 - ``separate sync``: the engine in a rollout worker of its own (``worker.rollout.placement=separate``),
   one core each (``trainer.cpus_per_worker=1``): each step waits for its own generation;
 - ``one_step_off separate``: the same, with ``trainer.async_mode=one_step_off`` (decoupled PPO): the
@@ -66,6 +67,8 @@ RUN_TIMEOUT_S = 3600  # a safety net for hangs on a shared machine
 MODES = {
     "sync colocated, 2 threads": [],
     "sync colocated, 1 thread": ["trainer.cpus_per_worker=1"],
+    # the colour demo's layout: two training processes (one core each), each with its engine
+    "sync colocated, 2 ranks": ["trainer.n_gpus_per_node=2", "trainer.cpus_per_worker=1"],
     "separate sync": ["worker.rollout.placement=separate", "trainer.cpus_per_worker=1"],
     "one_step_off separate": [
         "worker.rollout.placement=separate",
@@ -87,6 +90,7 @@ MODES = {
 # --accuracy: the rows the issue asks for (the colocated one at the machine's threads, as `make demo`)
 ACCURACY_MODES = [
     "sync colocated, 2 threads",
+    "sync colocated, 2 ranks",
     "separate sync",
     "one_step_off separate",
     "stream separate, staleness 1",
