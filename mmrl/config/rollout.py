@@ -133,7 +133,6 @@ class RolloutConfig:
             return []
         refused = {
             "worker.rollout.name=vllm": self.name == "vllm",
-            "worker.rollout.multi_turn.enable=true": self.multi_turn.enable,
             "worker.rollout.reuse_encodings=true (the encodings come from the actor's tower)": self.reuse_encodings,
             f"worker.rollout.tensor_parallel_size={self.tensor_parallel_size}": self.tensor_parallel_size > 1,
         }

@@ -137,7 +137,6 @@ class TrainerConfig:
             "algorithm.online_filtering=false (dynamic sampling's rounds are not streamed yet)": (
                 config.algorithm.online_filtering
             ),
-            "worker.rollout.multi_turn.enable=false (trajectories are not streamed yet)": rollout.multi_turn.enable,
             "worker.actor.moe.routing_replay=false (a re-encoded prefix's routing is not recorded)": (
                 config.worker.actor.moe.routing_replay
             ),
