@@ -19,6 +19,8 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # dense (distinct characters of the response): GRPO advantages are non-zero from the first step
 FINGERPRINT_REWARD = REPO_ROOT / "tests/trainer/assets/fingerprint_reward.py"
+# the agent demo's tool: one call without arguments, returning an image (the multi-turn runs)
+ZOOM_CENTER_TOOL = REPO_ROOT / "examples/tools/zoom_center.py"
 
 
 def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:

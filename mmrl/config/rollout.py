@@ -94,9 +94,9 @@ class RolloutConfig:
     # placement=separate: seconds a weight push (and the push group's set-up) waits for a member that
     # does not take part (hung) before failing; a member that dies fails the push at once
     push_timeout_s: float = 600.0
-    # trainer.async_mode=stream: tokens a rollout worker samples per row between two chances for a weight
-    # push to land (the generation in flight then continues with the new weights); smaller = fresher
-    # tokens, more interruptions
+    # trainer.async_mode=stream: tokens a rollout worker samples per row (of a model turn, multi-turn)
+    # between two chances for a weight push to land (the generation in flight then continues with the
+    # new weights); smaller = fresher tokens, more interruptions
     stream_chunk_tokens: int = 8
 
     @property

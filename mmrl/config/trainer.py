@@ -68,7 +68,8 @@ class TrainerConfig:
     # trains) | one_step_off (during the step before, by the weights before its update: every sample is
     # one update old, except after a checkpoint, where nothing is generated ahead) | stream (rollout
     # workers of their own generate continuously, prompt group by group; a weight push lands between
-    # chunks of tokens, the generations in flight continue with the new weights)
+    # chunks of tokens, and while a trajectory's tools run; the generations in flight continue with the
+    # new weights)
     async_mode: str = "sync"
     # async_mode=stream: a step trains only groups whose oldest token is at most this many updates
     # behind the weights it updates; older finished groups are dropped and their prompts generated again

@@ -11,18 +11,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from _trainer_run import run_main, small_run_overrides
+from _trainer_run import ZOOM_CENTER_TOOL, run_main, small_run_overrides
 
 STEPS = 3
 GROUPS = 4  # data.rollout_batch_size: prompts (groups of 4 responses) a step
 
 
 @pytest.fixture(scope="module")
-def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
+def streamed(tool_calling_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
     """The streamed run (stages of 2 and 1 steps): its training lines by step, and ``save_dir``."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
-        key for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) if "val_files" not in key
+        key
+        for key in small_run_overrides(tool_calling_vl_path, shapes_data_dir, save_dir)
+        if "val_files" not in key
     ]
     overrides += [
         "trainer.async_mode=stream",
@@ -35,6 +37,13 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "worker.rollout.placement=separate",
         "worker.rollout.stream_chunk_tokens=1",
         "trainer.n_gpus_per_node=1",
+        # multi-turn trajectories: the model calls the tool, which returns an image (on the rollout worker)
+        "data.max_prompt_length=320",  # the tool's schema in the system prompt
+        "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the next turn
+        "worker.rollout.multi_turn.enable=true",
+        f"worker.rollout.multi_turn.tools=[{ZOOM_CENTER_TOOL}]",
+        "worker.rollout.multi_turn.max_turns=2",
+        "worker.actor.optim.lr=0.002",  # the taught call survives the 3 updates
     ]
     rows = run_main(overrides, save_dir, timeout_s=600)
     return {**{row["step"]: row for row in rows if "actor/pg_loss" in row}, "save_dir": save_dir}
@@ -55,6 +64,9 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         # never more than (max_staleness + 1) steps' groups submitted and not trained
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
         assert row["transfer/weight_push_bytes"] > 0
+        # the trajectories called the tool, saw its image (observation tokens) in a later turn, and trained
+        assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
+        assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
     assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, in flight at the save
 
 
