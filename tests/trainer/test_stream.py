@@ -3,8 +3,11 @@ its own generating all the time in chunks of one token, so that weight pushes ma
 in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
 (2 steps, then 1) in one command: the second resumes from the first's checkpoint, written with a
 prompt batch in flight, and generates it again (mmrl/trainer/asynchrony.py, StreamSchedule;
-mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts themselves, token
-for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
+mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). The rollouts are multi-turn
+trajectories: a tiny model taught to call the demo's tool (``examples/tools/zoom_center.py``), which
+returns an image, on the rollout worker. Partial rollouts themselves, token for token, are tested
+in-process in tests/workers/rollout/test_partial_rollout.py (single turns) and
+tests/workers/rollout/test_agent_rollout_worker.py (trajectories)."""
 
 from __future__ import annotations
 

@@ -92,9 +92,9 @@ def worker(config):
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    saved = {key: os.environ.get(key) for key in env}
+    saved = {key: os.environ.get(key) for key in [*env, "OMP_NUM_THREADS"]}  # setup_distributed sets it
     os.environ.update(env)
-    worker = RolloutWorker(config, cpu_threads=1)
+    worker = RolloutWorker(config, cpu_threads=torch.get_num_threads())  # this session's threads, unchanged
     calls_every_turn(worker.engine, worker.agent)
     yield worker
     worker.shutdown()
