@@ -47,21 +47,6 @@ class AgentStream:
     def engine(self) -> AbstractContextManager[None]:
         return self.streaming.chunk()
 
-    @contextmanager
-    def chunk(self) -> Iterator[None]:
-        """The engine to the streaming thread for one chunk (or prefill), once nobody holds it."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.stopping or not self.holders)
-            if self.stopping:
-                raise _Stopped
-            self.decoding = True
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.decoding = False
-                self.changed.notify_all()
-
     def reload(self, version: int) -> None:
         """New weights in the engine (called while the engine is held): the next chunk samples by them."""
         self.version = version
