@@ -22,6 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINT_REWARD = REPO_ROOT / "tests/trainer/assets/fingerprint_reward.py"
 # the fingerprint reward's scores and reward/rows, which records the dataset rows a step trained
 ROW_REWARD = REPO_ROOT / "tests/trainer/assets/row_reward.py"
+# the agent demo's tool: one call without arguments, returning an image (the multi-turn runs)
+ZOOM_CENTER_TOOL = REPO_ROOT / "examples/tools/zoom_center.py"
 
 
 def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:

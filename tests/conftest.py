@@ -161,8 +161,9 @@ def shapes_data_dir(tmp_path_factory) -> Path:
 # ---- parallel workers (pytest-xdist: `make test` runs `-n 2 --dist loadgroup`) --------------------------
 
 SHARED_SCOPES = ("module", "class", "package")
-# session fixtures too costly to build in every worker: their users run in one (the 2.2 GB model)
-COSTLY_SESSION_FIXTURES = {"real_width_vl_path": "real_width"}
+# session fixtures too costly to build in every worker: their users run in one (the 2.2 GB model; the
+# tool-calling model's ~50 s of supervised steps, for the LoRA and stream runs)
+COSTLY_SESSION_FIXTURES = {"real_width_vl_path": "real_width", "tool_calling_vl_path": "tool_calling"}
 
 
 def _cost(item) -> float:
@@ -221,3 +222,51 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if links[item.nodeid]:
             item._id = NodeId.parse(f"{item.nodeid}@{scopes[item.nodeid]}")
+
+
+# the agent demo's tool: one call without arguments, returning an image (tests/_trainer_run.py has it too)
+ZOOM_CENTER_TOOL = Path(__file__).resolve().parents[1] / "examples/tools/zoom_center.py"
+
+
+@pytest.fixture(scope="session")
+def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
+    """The tiny Qwen2.5-VL taught to open every turn with a call of ``zoom`` (supervised on the first
+    turn of 2 training prompts: after the tool's image it calls again, and ``max_turns`` ends it), for
+    the trainer runs with multi-turn rollouts (tests/trainer: LoRA, streaming)."""
+    import torch
+
+    from mmrl.agent.loop import tool_schemas
+    from mmrl.config import MultiTurnConfig
+    from mmrl.data.collate import collate_prompts
+    from mmrl.data.config import DataConfig
+    from mmrl.data.dataset import PromptDataset
+    from mmrl.data.processing import attach_media, load_tokenizer_and_processor
+    from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
+    from mmrl.demo.warmup import answer_batch, save_trained, tool_call_text
+    from mmrl.models.inputs import response_head_outputs
+    from mmrl.models.loading import load_model
+
+    torch.manual_seed(0)
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    model = load_model(str(tiny_vl_path))
+    schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[str(ZOOM_CENTER_TOOL)]))
+    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas)
+    prompts = attach_media(collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id), dataset.media)
+    call = tool_call_text("zoom")
+    width = len(tokenizer.encode(call, add_special_tokens=False)) + 1
+    responses = answer_batch([call, call], tokenizer, width)  # the call, then EOS
+    input_ids = torch.cat([prompts.batch["input_ids"], responses], dim=-1)
+    attention_mask = torch.cat([prompts.batch["attention_mask"], torch.ones_like(responses)], dim=-1)
+    types = torch.cat([prompts.batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
+    media = list(prompts.non_tensor_batch["multi_modal_inputs"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+    for _ in range(80):
+        logits = response_head_outputs(model, input_ids, attention_mask, width, media, types)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = tmp_path_factory.mktemp("tool-calling") / "model"
+    save_trained(out, model, tiny_vl_path, tokenizer, processor, {"call": call, "loss": loss.item()})
+    return out

@@ -18,6 +18,7 @@ engine's (placeholders collapsed, decoded media after the prompt's; vLLM).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -42,10 +43,23 @@ class TurnRequest:
 class SampledTurn(NamedTuple):
     token_ids: list[int]
     log_probs: list[float]  # one per id
+    # decoded in chunks (DecodeChunks): the policy version of the weights that sampled each id
+    versions: list[int] | None = None
 
 
 # a backend's token generation: one sampled turn per request, in order
 GenerateTurns = Callable[[Sequence[TurnRequest]], list[SampledTurn]]
+
+
+class DecodeChunks(Protocol):
+    """Model turns decoded a chunk of tokens at a time (``trainer.async_mode=stream``), so that new
+    weights may land between two chunks, and while tools run (:class:`mmrl.workers.rollout.streaming.AgentStream`)."""
+
+    tokens: int  # tokens per row between two chances for a push to land
+    version: int  # the policy version of the weights the engine holds now
+
+    def engine(self) -> AbstractContextManager[None]:
+        """The engine to the decoder for one prefill or chunk: no push lands meanwhile."""
 
 
 class TurnBackend(Protocol):
@@ -58,7 +72,8 @@ class TurnBackend(Protocol):
         """The model turns of the trajectories of ``prompts`` (one row per trajectory, left-padded,
         with ``multi_modal_inputs``/``multi_modal_data`` as :func:`~mmrl.data.processing.attach_media`
         gives them), sampled with ``sampling`` (its ``n`` and ``max_tokens`` unused: each request
-        says its budget). One function per generation: a backend may keep a random stream in it."""
+        says its budget). One function per generation: a backend may keep a random stream in it.
+        A backend that streams (transformers) also takes ``chunks`` (:class:`DecodeChunks`)."""
 
 
 # ---- contexts, in a backend's form ------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mmrl.agent.backend import GenerateTurns, TurnBackend, TurnRequest
+from mmrl.agent.backend import DecodeChunks, GenerateTurns, SampledTurn, TurnBackend, TurnRequest
 from mmrl.agent.tools import (
     ERROR_BAD_RETURN,
     ERROR_OVERSIZED,
@@ -236,13 +236,21 @@ class AgentLoop:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def generate(self, backend: TurnBackend, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+    def generate(
+        self,
+        backend: TurnBackend,
+        prompts: DataProto,
+        sampling: SamplingParams,
+        chunks: DecodeChunks | None = None,
+    ) -> DataProto:
         """``len(prompts) * n`` trajectories, the n of a prompt in consecutive rows (as a backend's
         responses), each model turn sampled by ``backend``; the response budget is ``max_tokens``.
         ``prompts`` carry their media as :func:`~mmrl.data.processing.attach_media` with
-        ``rollout_media`` gives them."""
+        ``rollout_media`` gives them. ``chunks``: the turns are decoded in chunks, pushes landing
+        between them (streaming); their tokens then carry ``policy_version``."""
         repeated = prompts.repeat(sampling.n, interleave=True)  # uid and media kept per row
-        generate = backend.turn_generator(repeated, sampling.override(n=1))
+        streamed = {} if chunks is None else {"chunks": chunks}
+        generate = backend.turn_generator(repeated, sampling.override(n=1), **streamed)
         trajectories = self.run(sample_rows(repeated, self.renderer.media), sampling.max_tokens, generate)
         return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, backend.pad_token_id)
 
@@ -258,8 +266,8 @@ class AgentLoop:
             requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in active]
             generated = generate(requests)
             answered: dict[int, str] = {}
-            for request, (ids, log_probs) in zip(requests, generated):
-                text = self._model_turn(request, ids, log_probs)
+            for request, sampled in zip(requests, generated):
+                text = self._model_turn(request, SampledTurn(*sampled))
                 if text is not None:
                     answered[request.row] = text
             if environments is not None:
@@ -268,13 +276,16 @@ class AgentLoop:
                 active = self._call_tools(answered, rows, trajectories, budget)
         return trajectories
 
-    def _model_turn(self, request: TurnRequest, ids: list[int], log_probs: list[float]) -> str | None:
+    def _model_turn(self, request: TurnRequest, sampled: SampledTurn) -> str | None:
         """Append a model turn; its text when the trajectory may go on, else None (stop recorded)."""
-        trajectory = request.trajectory
+        trajectory, ids = request.trajectory, sampled.token_ids
         end = min(len(ids), request.max_tokens)
         end = next((at + 1 for at, token in enumerate(ids[:end]) if token in self.end_of_turn_ids), end)
-        ids, log_probs = ids[:end], log_probs[:end]
-        trajectory.turns.append(Turn(trajectory.next_turn, list(ids), True, list(log_probs)))
+        ids, log_probs = ids[:end], sampled.log_probs[:end]
+        versions = None if sampled.versions is None else list(sampled.versions[:end])
+        trajectory.turns.append(
+            Turn(trajectory.next_turn, list(ids), True, list(log_probs), versions=versions)
+        )
         record = trajectory.record
         record.model_turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

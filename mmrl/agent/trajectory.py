@@ -47,6 +47,8 @@ class Turn:
     # the decoded media a rollout engine takes (multi_modal_data's form), for the vLLM backend's next
     # turns; never part of the batch
     engine_media: dict[str, list[Any]] = field(default_factory=dict)
+    # a model turn decoded in chunks (streaming): the policy version that sampled each id
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -143,13 +145,36 @@ def trajectory_rows(
     }
 
 
+def trajectory_versions(trajectories: Sequence[Trajectory], width: int) -> torch.Tensor | None:
+    """``policy_version`` [B, width] of trajectories whose model turns recorded their tokens'
+    versions (streaming; None otherwise): a model token's own, an observation or padding token the
+    version of the model token before it (the row's first one's before any)."""
+    if not any(turn.versions is not None for t in trajectories for turn in t.turns if turn.by_model):
+        return None
+    versions = torch.zeros(len(trajectories), width, dtype=torch.long)
+    for row, trajectory in enumerate(trajectories):
+        stamped = [v for turn in trajectory.turns if turn.by_model for v in (turn.versions or [])]
+        current, start = (stamped[0] if stamped else 0), 0
+        for turn in trajectory.turns:
+            end = start + len(turn.token_ids)
+            if turn.by_model and turn.versions:
+                versions[row, start:end] = torch.tensor(turn.versions, dtype=torch.long)
+                current = turn.versions[-1]
+            else:
+                versions[row, start:end] = current
+            start = end
+        versions[row, start:] = current
+    return versions
+
+
 def assemble_trajectory_batch(
     prompts: DataProto, trajectories: Sequence[Trajectory], width: int, pad_token_id: int
 ) -> DataProto:
     """Join the prompt batch (one row per trajectory) with its trajectories into a training batch of
     response width ``width``: the columns :func:`~mmrl.workers.rollout.assemble_rollout_batch` makes,
     with ``response_mask`` 0 on observation tokens and ``attention_mask`` 1 on them, plus
-    ``response_turns``, ``trajectory_media``, ``turn_rewards`` and ``trajectory``. ``truncated`` is 1
+    ``response_turns``, ``trajectory_media``, ``turn_rewards`` and ``trajectory`` (and
+    ``policy_version`` where the turns recorded it: :func:`trajectory_versions`). ``truncated`` is 1
     where the response budget ended the trajectory. Rows whose prompt carries ``multi_modal_inputs``
     get them joined with their observations' (:func:`~mmrl.data.processing.trajectory_inputs`)."""
     if len(prompts) != len(trajectories):
@@ -171,6 +196,9 @@ def assemble_trajectory_batch(
         tensors["mm_token_type_ids"] = torch.cat(
             [batch["mm_token_type_ids"], rows["mm_token_type_ids"]], dim=-1
         )
+    versions = trajectory_versions(trajectories, width)
+    if versions is not None:
+        tensors["policy_version"] = versions
     columns = dict(prompts.non_tensor_batch)
     columns["trajectory_media"] = [trajectory.media() for trajectory in trajectories]
     columns["turn_rewards"] = [list(trajectory.turn_rewards) for trajectory in trajectories]

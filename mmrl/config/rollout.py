@@ -94,9 +94,10 @@ class RolloutConfig:
     # placement=separate: seconds a weight push (and the push group's set-up) waits for a member that
     # does not take part (hung) before failing; a member that dies fails the push at once
     push_timeout_s: float = 600.0
-    # trainer.async_mode=stream: tokens a rollout worker samples per row between two chances for a weight
-    # push to land (the generation in flight then continues with the new weights); smaller = fresher
-    # tokens, more interruptions (with vLLM also more engine calls, each re-reading the cached prefix)
+    # trainer.async_mode=stream: tokens a rollout worker samples per row (of a model turn, multi-turn)
+    # between two chances for a weight push to land (the generation in flight then continues with the
+    # new weights); smaller = fresher tokens, more interruptions (with vLLM also more engine calls, each
+    # re-reading the cached prefix)
     stream_chunk_tokens: int = 8
 
     @property
@@ -132,7 +133,6 @@ class RolloutConfig:
         if not self.separate:
             return []
         refused = {
-            "worker.rollout.multi_turn.enable=true": self.multi_turn.enable,
             "worker.rollout.reuse_encodings=true (the encodings come from the actor's tower)": self.reuse_encodings,
             f"worker.rollout.tensor_parallel_size={self.tensor_parallel_size}": self.tensor_parallel_size > 1,
         }

@@ -68,7 +68,8 @@ class TrainerConfig:
     # trains) | one_step_off (during the step before, by the weights before its update: every sample is
     # one update old, except after a checkpoint, where nothing is generated ahead) | stream (rollout
     # workers of their own generate continuously, prompt group by group; a weight push lands between
-    # chunks of tokens, the generations in flight continue with the new weights)
+    # chunks of tokens, and while a trajectory's tools run; the generations in flight continue with the
+    # new weights)
     async_mode: str = "sync"
     # async_mode=stream: a step trains only groups whose oldest token is at most this many updates
     # behind the weights it updates; older finished groups are dropped and their prompts generated again
@@ -131,7 +132,8 @@ class TrainerConfig:
             "worker.rollout.placement=separate (the engines must generate while the trainer trains)": (
                 not rollout.separate
             ),
-            "worker.rollout.multi_turn.enable=false (trajectories are not streamed yet)": rollout.multi_turn.enable,
+            "worker.rollout.name=hf with worker.rollout.multi_turn.enable=true (a model turn is decoded a chunk at "
+            "a time by the transformers engine only)": rollout.multi_turn.enable and rollout.name != "hf",
             "worker.actor.moe.routing_replay=false (a re-encoded prefix's routing is not recorded)": (
                 config.worker.actor.moe.routing_replay
             ),

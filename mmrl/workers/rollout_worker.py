@@ -10,7 +10,8 @@ sampling seeds per step and rank (of the rollout workers), media attached here f
 compact refs, ``position_ids`` numbered by the architecture's ``get_rope_index`` (the transformers
 engine's model; with vLLM, the architecture on the meta device: no weights). A vLLM engine here never
 sleeps (no training phase needs its device) and takes each push as the colocated one does
-(``VLLMRollout.update_weights``: the family's layout, the CPU kernels' repacking, its caches reset).
+(``VLLMRollout.update_weights``: the family's layout, the CPU kernels' repacking, its caches reset). Multi-turn
+trajectories (``worker.rollout.multi_turn``) run here through the agent loop, as on a training rank.
 
 Streaming (``trainer.async_mode=stream``): the driver submits prompts (:meth:`RolloutWorker.stream_submit`)
 and a thread of this process decodes them a chunk of ``worker.rollout.stream_chunk_tokens`` tokens at a
@@ -36,7 +37,13 @@ from mmrl.versions import check_versions, packages_of_run
 from mmrl.workers.forward import add_position_ids
 from mmrl.workers.fsdp_workers import build_media_processor, processes_on_node, setup_distributed
 from mmrl.workers.rollout import GenerationMode
-from mmrl.workers.rollout.engine import build_rollout_engine, generate_with, position_model, sampling_params
+from mmrl.workers.rollout.engine import (
+    build_agent,
+    build_rollout_engine,
+    generate_with,
+    position_model,
+    sampling_params,
+)
 from mmrl.workers.rollout.streaming import StreamingEngine
 from mmrl.workers.weight_push import Manifest, WeightPushGroup
 
@@ -56,8 +63,10 @@ class RolloutWorker:
         model_cfg = config.worker.actor.model
         self.model_path = resolve_model_path(model_cfg.model_path, "worker.actor.model.model_path")
         self.media, self.media_cache = build_media_processor(config), MediaCache()
-        self.engine, _ = build_rollout_engine(config, self.model_path, self.device)
+        self.engine, model_type = build_rollout_engine(config, self.model_path, self.device)
         self.position_model = position_model(self.engine, config, self.model_path)
+        # multi-turn trajectories run here, tools and environments too: their media stay in this process
+        self.agent = build_agent(config, self.media, self.engine.eos_token_ids, model_type)
         self.version = 0  # policy version (actor updates) of the weights the engine holds
         self.weight_push: WeightPushGroup | None = None
         self.manifest: Manifest = []
@@ -96,7 +105,9 @@ class RolloutWorker:
         sampling = sampling_params(self.config, mode, global_step, self.rank, self.world_size, round_index)
         with self.streaming.hold():
             version = self.version if self.config.trainer.records_policy_versions else None
-            output = generate_with(self.engine, None, prompts, sampling, mode, self.position_model, version)
+            output = generate_with(
+                self.engine, self.agent, prompts, sampling, mode, self.position_model, version
+            )
         output.meta_info["metrics"] = {GENERATION_STARTED: started, GENERATION_FINISHED: time.time()}
         return output
 
@@ -105,7 +116,7 @@ class RolloutWorker:
         submission) in the streaming thread, after the generations submitted before."""
         prompts = attach_media(prompts, self.media, self.media_cache, rollout_media=True)
         sampling = sampling_params(self.config, GenerationMode.TRAIN, submission, self.rank, self.world_size)
-        self.streaming.submit(prompts, sampling, self.version)
+        self.streaming.submit(prompts, sampling, self.version, self.agent)
 
     def stream_take(self, timeout_s: float) -> DataProto | None:
         """The groups finished since the last call (rows of a prompt together, ``position_ids`` and each

@@ -15,53 +15,10 @@ import sys
 
 import pytest
 import torch
-from _trainer_run import REPO_ROOT, run_main, small_run_overrides
+from _trainer_run import REPO_ROOT, ZOOM_CENTER_TOOL, run_main, small_run_overrides
 from torch.distributed.checkpoint import FileSystemReader
 
-WARMUP_STEPS = 80
-WARMUP_LR = 5e-3
-TOOL_FILE = REPO_ROOT / "examples/tools/zoom_center.py"
-
-
-@pytest.fixture(scope="module")
-def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
-    """The tiny Qwen2.5-VL taught to open every turn with a call of ``zoom`` (supervised on the first
-    turn of 2 training prompts: after the tool's image it calls again, and ``max_turns`` ends it)."""
-    from mmrl.agent.loop import tool_schemas
-    from mmrl.config import MultiTurnConfig
-    from mmrl.data.collate import collate_prompts
-    from mmrl.data.config import DataConfig
-    from mmrl.data.dataset import PromptDataset
-    from mmrl.data.processing import attach_media, load_tokenizer_and_processor
-    from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
-    from mmrl.demo.warmup import answer_batch, save_trained, tool_call_text
-    from mmrl.models.inputs import response_head_outputs
-    from mmrl.models.loading import load_model
-
-    torch.manual_seed(0)
-    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
-    model = load_model(str(tiny_vl_path))
-    schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[str(TOOL_FILE)]))
-    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas)
-    prompts = attach_media(collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id), dataset.media)
-    call = tool_call_text("zoom")
-    width = len(tokenizer.encode(call, add_special_tokens=False)) + 1
-    responses = answer_batch([call, call], tokenizer, width)  # the call, then EOS
-    input_ids = torch.cat([prompts.batch["input_ids"], responses], dim=-1)
-    attention_mask = torch.cat([prompts.batch["attention_mask"], torch.ones_like(responses)], dim=-1)
-    types = torch.cat([prompts.batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
-    media = list(prompts.non_tensor_batch["multi_modal_inputs"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
-    for _ in range(WARMUP_STEPS):
-        logits = response_head_outputs(model, input_ids, attention_mask, width, media, types)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    out = tmp_path_factory.mktemp("tool-calling") / "model"
-    save_trained(out, model, tiny_vl_path, tokenizer, processor, {"call": call, "loss": loss.item()})
-    return out
+TOOL_FILE = ZOOM_CENTER_TOOL
 
 
 @pytest.mark.slow

@@ -6,7 +6,10 @@ resumed with the same command: the second stage starts, live and again at the re
 checkpoint, written with a prompt batch in flight, and generates that batch again; online filtering judges the groups as they arrive; across the kill no
 prompt is trained twice or lost and nothing is left running (mmrl/trainer/asynchrony.py,
 StreamSchedule; mmrl/trainer/separate_rollout.py, StreamedRollouts; docs/async.md). Partial rollouts
-themselves, token for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py."""
+themselves, token for token, are tested in-process in tests/workers/rollout/test_partial_rollout.py
+(single turns) and tests/workers/rollout/test_agent_rollout_worker.py (trajectories). The rollouts are
+multi-turn trajectories: a tiny model taught to call the demo's tool (``examples/tools/zoom_center.py``),
+which returns an image, on the rollout worker."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import pytest
 from _trainer_run import (
     REPO_ROOT,
+    ZOOM_CENTER_TOOL,
     assert_left_nothing,
     loader_rows,
     metrics_rows,
@@ -35,13 +39,13 @@ ORPHANS_EXIT_S = 60  # Ray's workers exit a few seconds after its head processes
 
 
 @pytest.fixture(scope="module")
-def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
+def streamed(tool_calling_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
     """The streamed run (stages of 1 and 2 steps), killed in step 2 and resumed: the training lines of
     both by step, ``save_dir``, the killed run's output, what it had trained and saved at its death."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
         key
-        for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir)
+        for key in small_run_overrides(tool_calling_vl_path, shapes_data_dir, save_dir)
         if "val_files" not in key and "reward_function=" not in key
     ]
     overrides += [
@@ -67,6 +71,13 @@ def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "algorithm.unfilled_step=train",
         "trainer.max_try_make_batch=1",
         "algorithm.disable_kl=true",  # the rewards alone make the advantages (and the run shorter)
+        # multi-turn trajectories: the model calls the tool, which returns an image (on the rollout worker)
+        "data.max_prompt_length=320",  # the tool's schema in the system prompt
+        "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the next turn
+        "worker.rollout.multi_turn.enable=true",
+        f"worker.rollout.multi_turn.tools=[{ZOOM_CENTER_TOOL}]",
+        "worker.rollout.multi_turn.max_turns=2",
+        "worker.actor.optim.lr=0.002",  # the taught call survives the 3 updates
     ]
     log_path = save_dir.parent / "killed.log"
     killed = run_killed(overrides, "sync:2", log_path, RUN_TIMEOUT_S, orphans_exit_s=ORPHANS_EXIT_S)
@@ -104,6 +115,9 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         # never more than (max_staleness + 1) steps' groups submitted and not trained
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
         assert row["transfer/weight_push_bytes"] > 0
+        # the trajectories called the tool, saw its image (observation tokens) in a later turn, and trained
+        assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
+        assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
     assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, for step 3
 
 

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from mmrl.agent.backend import GenerateTurns, SampledTurn, TurnRequest, trajectory_contexts
+from mmrl.agent.backend import DecodeChunks, GenerateTurns, SampledTurn, TurnRequest, trajectory_contexts
 from mmrl.models.alignment import check_media_alignment
 from mmrl.models.families import family_of
 from mmrl.models.inputs import compute_position_ids, joined_media, next_text_position
@@ -327,10 +327,15 @@ class HFRollout:
             batch.batch[ROUTED_EXPERTS] = torch.cat(routing, dim=0)
         return batch
 
-    def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
+    def turn_generator(
+        self, prompts: DataProto, sampling: SamplingParams, chunks: DecodeChunks | None = None
+    ) -> GenerateTurns:
         """Model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`): the requests'
         contexts (prompt and trajectory so far, media of every turn included) are decoded
-        ``micro_batch_size`` at a time, all turns of a generation drawing from one seeded stream."""
+        ``micro_batch_size`` at a time, all turns of a generation drawing from one seeded stream.
+        ``chunks`` (streaming): each micro-batch decoded ``chunks.tokens`` at a time, holding the
+        engine only for a chunk; new weights between two chunks continue the turn as a partial
+        rollout does (:class:`PartialDecode`), and each id records its version."""
         generator = self._generator(sampling)
 
         def generate_turns(requests: Sequence[TurnRequest]) -> list[SampledTurn]:
@@ -339,13 +344,35 @@ class HFRollout:
                 part = requests[start : start + self.micro_batch_size]
                 contexts = trajectory_contexts(prompts, part, self.pad_token_id)
                 turn_sampling = sampling.override(n=1, max_tokens=max(request.max_tokens for request in part))
-                tokens, log_probs, _ = self._generate_micro_batch(contexts, turn_sampling, generator)
+                if chunks is None:
+                    tokens, log_probs, _ = self._generate_micro_batch(contexts, turn_sampling, generator)
+                    versions = [None] * len(tokens)
+                else:
+                    decode = self._decode_in_chunks(contexts, turn_sampling, generator, chunks)
+                    tokens, log_probs = decode.responses(), decode.log_probs()
+                    versions = decode.versions().tolist()
                 if log_probs is None:
                     log_probs = torch.zeros(tokens.shape)
-                turns += [SampledTurn(ids, lps) for ids, lps in zip(tokens.tolist(), log_probs.tolist())]
+                turns += [
+                    SampledTurn(ids, lps, row_versions)
+                    for ids, lps, row_versions in zip(tokens.tolist(), log_probs.tolist(), versions)
+                ]
             return turns
 
         return generate_turns
+
+    def _decode_in_chunks(
+        self, contexts: DataProto, sampling: SamplingParams, generator: torch.Generator, chunks: DecodeChunks
+    ) -> PartialDecode:
+        """One micro-batch of turns decoded ``chunks.tokens`` at a time, the engine held for each chunk
+        (and the prefill) only; the weights in it at each chunk's start sample that chunk."""
+        with chunks.engine():
+            decode = PartialDecode(self, contexts, sampling, generator, chunks.version)
+        while not decode.done:
+            with chunks.engine():
+                decode.reload(chunks.version)
+                decode.advance(chunks.tokens)
+        return decode
 
     def stream(self, prompts: DataProto, sampling: SamplingParams, version: int) -> StreamedGeneration:
         """A training generation of ``prompts`` handed out group by group as the prompts finish, its

@@ -5,17 +5,59 @@ prompt's n responses are queued as soon as they have all ended. Anything else th
 in progress to end, and no chunk starts while it holds it. After new weights, :meth:`reload` lets the
 generations in flight continue with them (partial rollouts: transformers'
 :class:`mmrl.workers.rollout.hf.PartialDecode`, vLLM's
-:class:`mmrl.workers.rollout.vllm_spmd.StreamedVLLMGeneration`)."""
+:class:`mmrl.workers.rollout.vllm_spmd.StreamedVLLMGeneration`).
+
+Multi-turn trajectories (an agent given): a submission's trajectories are run by the agent loop in this
+thread (:class:`AgentStream`), each model turn decoded a chunk at a time as above; the engine is held
+for a chunk only, so a push also lands while the tools run: a tool call in flight completes, and the
+turns after it are sampled by the new weights. The submission's groups leave together, when its last
+trajectory has ended (the loop runs a batch's trajectories turn by turn together)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams
+
+
+class _Stopped(Exception):
+    """The engine stopped while a trajectory waited for it."""
+
+
+class AgentStream:
+    """A training generation of multi-turn trajectories (``agent``: :class:`mmrl.agent.loop.AgentLoop`)
+    for the streaming thread; it is the :class:`mmrl.agent.backend.DecodeChunks` its turns decode by."""
+
+    def __init__(
+        self,
+        streaming: StreamingEngine,
+        agent: Any,
+        prompts: DataProto,
+        sampling: SamplingParams,
+        version: int,
+    ):
+        self.streaming, self.agent, self.prompts, self.sampling = streaming, agent, prompts, sampling
+        self.tokens = streaming.chunk_tokens
+        self.version = version  # of the weights in the engine; reload() keeps it current
+        self.done = False
+
+    def engine(self) -> AbstractContextManager[None]:
+        return self.streaming.chunk()
+
+    def reload(self, version: int) -> None:
+        """New weights in the engine (called while the engine is held): the next chunk samples by them."""
+        self.version = version
+
+    def run(self) -> DataProto:
+        """Every trajectory of the submission, to its end (rows of a prompt together, each token's
+        ``policy_version`` included)."""
+        batch = self.agent.generate(self.streaming.engine, self.prompts, self.sampling, chunks=self)
+        self.done = True
+        return batch
 
 
 class StreamingEngine:
@@ -45,16 +87,35 @@ class StreamingEngine:
                 self.holders -= 1
                 self.changed.notify_all()
 
+    @contextmanager
+    def chunk(self) -> Iterator[None]:
+        """The engine to the streaming thread for one chunk (or prefill), once nobody holds it."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.stopping or not self.holders)
+            if self.stopping:
+                raise _Stopped
+            self.decoding = True
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.decoding = False
+                self.changed.notify_all()
+
     def reload(self, version: int) -> None:
         """The engine holds the weights of policy ``version`` now (call it while holding the engine):
         the generations in flight continue with them."""
         for stream in self.streams:
             stream.reload(version)
 
-    def submit(self, prompts: DataProto, sampling: SamplingParams, version: int) -> None:
-        """A training generation of ``prompts`` (media attached), after those submitted before."""
+    def submit(self, prompts: DataProto, sampling: SamplingParams, version: int, agent: Any = None) -> None:
+        """A training generation of ``prompts`` (media attached), after those submitted before;
+        trajectories run by ``agent`` when it is given."""
         with self.changed:
-            self.streams.append(self.engine.stream(prompts, sampling, version))
+            if agent is None:
+                self.streams.append(self.engine.stream(prompts, sampling, version))
+            else:
+                self.streams.append(AgentStream(self, agent, prompts, sampling, version))
             self.changed.notify_all()
         if self.thread is None:
             self.thread = threading.Thread(target=self._loop, name="stream", daemon=True)
@@ -80,22 +141,27 @@ class StreamingEngine:
         try:
             while True:
                 with self.changed:
-                    self.changed.wait_for(lambda: self.stopping or (self.streams and not self.holders))
+                    self.changed.wait_for(lambda: self.stopping or self.streams)
                     if self.stopping:
                         return
-                    stream, self.decoding = self.streams[0], True
+                    stream = self.streams[0]
                 finished = None
                 try:
-                    stream.advance(self.chunk_tokens)
-                    finished = stream.take_finished()
+                    if isinstance(stream, AgentStream):
+                        finished = stream.run()  # holds the engine chunk by chunk itself
+                    else:
+                        with self.chunk():
+                            stream.advance(self.chunk_tokens)
+                            finished = stream.take_finished()
                 finally:
                     with self.changed:
-                        self.decoding = False
                         if stream.done:
                             self.streams.remove(stream)
                         if finished is not None:
                             self.outbox.append(finished)
                         self.changed.notify_all()
+        except _Stopped:
+            return
         except BaseException as error:  # the caller learns it at its next take
             with self.changed:
                 self.error = error
