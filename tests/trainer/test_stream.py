@@ -1,6 +1,7 @@
 """Streaming (``trainer.async_mode=stream``) on the trainer: one training rank, one rollout worker of
 its own generating all the time in chunks of one token, so that weight pushes may land in generations
-in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
+in flight; each step trains groups at most ``trainer.max_staleness`` updates old; every loader batch
+holds image and video prompts (the frames attached on the rollout worker). The run is two stages
 (1 step, then 2) in one command, SIGKILLed in step 2 (after its update, a prompt batch in flight) and
 resumed with the same command: the second stage starts, live and again at the resume, from the first's
 checkpoint, written with a prompt batch in flight, and generates that batch again; online filtering judges the groups as they arrive; across the kill no
@@ -15,6 +16,7 @@ import json
 import pytest
 from _trainer_run import (
     REPO_ROOT,
+    VIDEO_OVERRIDES,
     assert_left_nothing,
     loader_rows,
     metrics_rows,
@@ -22,6 +24,7 @@ from _trainer_run import (
     run_main,
     small_run_overrides,
     trained_rows,
+    video_rows,
 )
 
 COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"  # with the rows record
@@ -29,22 +32,22 @@ COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"  # with the 
 STEPS = 3
 GROUPS = 4  # data.rollout_batch_size: prompts (groups of 4 responses) a step
 RESPONSES = 4  # worker.rollout.n
-PROMPTS = 32  # rows of the training file (shapes_data_dir)
+PROMPTS = 32  # rows of the training file (image_video_data_dir: images, and videos every odd row)
 RUN_TIMEOUT_S = 600  # a loaded 2-core machine starts Ray and the workers in minutes
 ORPHANS_EXIT_S = 60  # Ray's workers exit a few seconds after its head processes
 
 
 @pytest.fixture(scope="module")
-def streamed(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
+def streamed(tiny_vl_path, image_video_data_dir, tmp_path_factory) -> dict:
     """The streamed run (stages of 1 and 2 steps), killed in step 2 and resumed: the training lines of
     both by step, ``save_dir``, the killed run's output, what it had trained and saved at its death."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
     overrides = [
         key
-        for key in small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir)
+        for key in small_run_overrides(tiny_vl_path, image_video_data_dir, save_dir)
         if "val_files" not in key and "reward_function=" not in key
     ]
-    overrides += [
+    overrides += VIDEO_OVERRIDES + [
         "trainer.async_mode=stream",
         "trainer.max_staleness=1",
         "algorithm.off_policy=decoupled",
@@ -142,7 +145,9 @@ def test_the_prompts_in_flight_at_a_checkpoint_are_generated_again_after_the_res
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lost(streamed):
+def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lost(
+    streamed, image_video_data_dir
+):
     # the killed run crossed into stage 2 live (generating batch 1 again from step 1's checkpoint) and
     # was SIGKILLed after step 2's update, with batch 2's groups submitted for step 3: in flight or
     # finished on the rollout worker, none trained. Its step 2 was never logged nor saved; the resume
@@ -158,3 +163,5 @@ def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lo
     expected = loader_rows(PROMPTS, GROUPS, STEPS)
     assert sorted(row for rows in trained for row in rows) == sorted(row for rows in expected for row in rows)
     assert trained == [sorted(rows) for rows in expected]  # no group dropped: batch k trains at step k + 1
+    videos = video_rows(image_video_data_dir)  # every step streamed video prompts beside image ones
+    assert all(set(rows) & videos and set(rows) - videos for rows in trained), (trained, sorted(videos))
