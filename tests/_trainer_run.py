@@ -24,6 +24,8 @@ FINGERPRINT_REWARD = REPO_ROOT / "tests/trainer/assets/fingerprint_reward.py"
 ROW_REWARD = REPO_ROOT / "tests/trainer/assets/row_reward.py"
 # the agent demo's tool: one call without arguments, returning an image (the multi-turn runs)
 ZOOM_CENTER_TOOL = REPO_ROOT / "examples/tools/zoom_center.py"
+# the frame sizes of image_video_data_dir's videos (tests/conftest.py): 56x56 as written, 16 tokens
+VIDEO_OVERRIDES = ["data.video_min_pixels=3136", "data.video_max_pixels=50176"]
 
 
 def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
@@ -148,6 +150,12 @@ def trained_rows(row: dict, n: int) -> list[int]:
     ``reward/rows`` of ``ROW_REWARD``: the sum of 2**row over the step's prompts."""
     total = round(row["reward/rows"] * row["rollout/generated_responses"] / n)
     return [bit for bit in range(total.bit_length()) if total >> bit & 1]
+
+
+def video_rows(data_dir) -> set[int]:
+    """The rows of ``data_dir``'s ``train.jsonl`` whose prompt is a video."""
+    lines = (Path(data_dir) / "train.jsonl").read_text().splitlines()
+    return {index for index, line in enumerate(lines) if "videos" in json.loads(line)}
 
 
 def loader_rows(prompts: int, batch_size: int, batches: int) -> list[list[int]]:

@@ -158,6 +158,29 @@ def shapes_data_dir(tmp_path_factory) -> Path:
     return generate_shapes_dataset("color", out_dir, n_train=32, n_val=8, seed=0, fmt="jsonl")
 
 
+@pytest.fixture(scope="session")
+def image_video_data_dir(shapes_data_dir, tmp_path_factory) -> Path:
+    """``train.jsonl``: the colour task's 32 rows with every odd row a video row of the dot task (8
+    frames of 56x56), media paths absolute: a training file whose loader batches mix images and
+    videos (with ``VIDEO_OVERRIDES`` of tests/_trainer_run.py every prompt fits in 64 tokens)."""
+    import json
+
+    from mmrl.demo.synthetic import generate_shapes_dataset
+
+    out_dir = tmp_path_factory.mktemp("data") / "image-video"
+    video_dir = generate_shapes_dataset("video_direction", out_dir / "videos", n_train=16, n_val=1, seed=0)
+    image_rows = (shapes_data_dir / "train.jsonl").read_text().splitlines()
+    video_rows = iter((video_dir / "train.jsonl").read_text().splitlines())
+    rows = []
+    for index, line in enumerate(image_rows):
+        row, media_dir, key = json.loads(line), shapes_data_dir, "images"
+        if index % 2:
+            row, media_dir, key = json.loads(next(video_rows)), video_dir, "videos"
+        rows.append({**row, key: [str(media_dir / path) for path in row[key]]})
+    (out_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out_dir
+
+
 # ---- parallel workers (pytest-xdist: `make test` runs `-n 2 --dist loadgroup`) --------------------------
 
 SHARED_SCOPES = ("module", "class", "package")

