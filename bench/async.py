@@ -42,6 +42,10 @@ to reach it, and every validation's accuracy against wall time and samples. The 
 each seed's modes one after the other, so a change of load meets every mode alike; the table gives
 medians over seeds and each seed's numbers. Writes ``bench/results/async_accuracy.json``;
 ``--accuracy --report`` prints its tables again.
+
+``--agent``: the speed table for the multi-turn agent demo (``examples/tiny_cpu_agent.yaml``, its tool
+returning an image; ``make assets-agent`` first): the same modes, ``--steps`` steps of 16 prompts x 8
+trajectories, one training process, no validation. Writes ``bench/results/async_agent.json``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from harness import (
     REPO,
@@ -97,6 +104,8 @@ ACCURACY_MODES = [
     "stream separate, staleness 4",
 ]
 VAL_KEY = "val/reward/accuracy"
+AGENT_CONFIG = REPO / "examples" / "tiny_cpu_agent.yaml"
+AGENT_RESPONSES_PER_STEP = 16 * 8  # its data.rollout_batch_size x worker.rollout.n
 SPLITS = ((4, 4), (6, 2))  # (rollout GPUs, training GPUs) of 8
 
 
@@ -354,6 +363,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument(
+        "--agent", action="store_true", help="the agent demo's steps instead of the colour job's"
+    )
     args = parser.parse_args()
     if args.accuracy:
         accuracy_study(args)
@@ -361,6 +373,9 @@ def main() -> None:
     if args.report:
         results = json.loads((RESULTS / "async.json").read_text())["results"]
         print_tables(results, predict(results))
+        return
+    if args.agent:
+        agent_demo(args)
         return
     assets = build_models_and_data(["tiny"])
     job = JobSettings(
@@ -375,20 +390,68 @@ def main() -> None:
         steps=args.steps,
         seed=args.seed,
     )
-    results = {}
-    for mode, extra in ((mode, MODES[mode]) for mode in args.modes):
-        run_dir = RESULTS / "runs" / "async" / mode.replace(" ", "_").replace(",", "")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        command, log_file = mmrl_command(job, "hf", run_dir)
-        run = run_monitored(command + extra, log_file, run_dir / "output.txt", RUN_TIMEOUT_S)
-        results[mode] = {
-            **summarize(run.records, args.warmup, job.prompts * job.n),
-            "other_load_cores": run.other_load_cores,
-        }
-        print(f"{mode}: {results[mode]}", flush=True)
+
+    def command(run_dir: Path) -> tuple[list[str], Path]:
+        return mmrl_command(job, "hf", run_dir)
+
+    results = speed_runs(args.modes, command, "async", args.warmup, job.prompts * job.n)
     predictions = predict(results)
     print_tables(results, predictions)
     write_json("async.json", {"settings": vars(args), "results": results, "cost_model": predictions})
+
+
+def speed_runs(
+    modes: list[str],
+    command: Callable[[Path], tuple[list[str], Path]],
+    name: str,
+    warmup: int,
+    responses: int,
+) -> dict:
+    """Each mode's run of ``command`` (its folder -> command line and metrics file), summarized."""
+    results = {}
+    for mode in modes:
+        run_dir = RESULTS / "runs" / name / mode.replace(" ", "_").replace(",", "")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        line, log_file = command(run_dir)
+        run = run_monitored(line + MODES[mode], log_file, run_dir / "output.txt", RUN_TIMEOUT_S)
+        results[mode] = {
+            **summarize(run.records, warmup, responses),
+            "other_load_cores": run.other_load_cores,
+        }
+        print(f"{mode}: {results[mode]}", flush=True)
+    return results
+
+
+def agent_demo(args: argparse.Namespace) -> None:
+    """``--agent``: the multi-turn agent demo (``examples/tiny_cpu_agent.yaml``: a tool that returns an
+    image; ``make assets-agent`` builds its warm-up) in each mode, ``--steps`` steps, one training process
+    (two in the colour demo's layout), no validation: seconds per step and the idle shares."""
+    if args.report:
+        results = json.loads((RESULTS / "async_agent.json").read_text())["results"]
+        print_tables(results, [])
+        return
+    if not (REPO / "assets" / "models" / "tiny-qwen2.5-vl-agent-warm").exists():
+        raise SystemExit("the agent demo's warm-up is missing: run `make assets-agent` first")
+
+    def command(run_dir: Path) -> tuple[list[str], Path]:
+        overrides = [
+            f"trainer.max_steps={args.steps}",
+            "trainer.n_gpus_per_node=1",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.logger=[jsonl]",
+            f"trainer.save_checkpoint_path={run_dir}",
+            f"trainer.seed={args.seed}",
+            f"worker.rollout.seed={args.seed}",
+        ]
+        line = [sys.executable, "-m", "mmrl.trainer.main", f"config={AGENT_CONFIG}", *overrides]
+        return line, run_dir / "logs" / "metrics.jsonl"
+
+    modes = args.modes if args.modes != list(MODES) else ACCURACY_MODES
+    results = speed_runs(modes, command, "async_agent", args.warmup, AGENT_RESPONSES_PER_STEP)
+    print_tables(results, [])
+    write_json("async_agent.json", {"settings": vars(args), "results": results})
 
 
 if __name__ == "__main__":
