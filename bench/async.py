@@ -385,7 +385,7 @@ def main() -> None:
         n=args.n,
         response_length=args.response_length,
         force_length=True,  # every response as long: the modes do the same work
-        micro_batch=args.prompts * args.n,
+        micro_batch=args.prompts * args.n // 2,  # a whole share of each of two ranks (the demo's layout)
         lr=5e-4,
         steps=args.steps,
         seed=args.seed,
