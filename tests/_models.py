@@ -15,6 +15,20 @@ def training_model(path, role: str = "actor", sequence_parallel: bool = False, *
     )
 
 
+def perturbed_model(path, seed: int = 0):
+    """The tiny model with noise added to every weight, as an actor's are after updates: a random tiny
+    model answers every prompt with the same token, which would make token-for-token agreement
+    meaningless."""
+    import torch
+
+    model = training_model(path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
 def build_hub_cache(model_dir, cache_dir, repo_id: str, revision: str = "0" * 40):
     """A Hugging Face hub cache at ``cache_dir`` (what ``HF_HUB_CACHE`` names) holding ``repo_id`` as
     a copy of ``model_dir``: ``models--owner--name/snapshots/<revision>/`` and ``refs/main``, the layout

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from _models import perturbed_model
 from _trainer_run import small_run_overrides
 
 from mmrl.data.collate import collate_prompts
@@ -38,19 +39,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _pushed_model(model_path: str, seed: int) -> torch.nn.Module:
-    """The tiny model with every weight moved, as an actor's are after updates (a random tiny model
-    answers every prompt with one token, which would make token-for-token agreement meaningless)."""
-    from _models import training_model
-
-    model = training_model(model_path)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
-    return model
-
-
 def _worker_job(
     rank: int, world_size: int, overrides: list[str], model_path: str, prompts: DataProto
 ) -> dict:
@@ -65,7 +53,7 @@ def _worker_job(
     config = load_config(overrides)
     worker = RolloutWorker(config, cpu_threads=1)
     _WORKERS.append(worker)
-    models = [_pushed_model(model_path, seed) for seed in VERSIONS]
+    models = [perturbed_model(model_path, seed) for seed in VERSIONS]
     # what HybridWorker.weight_manifest / push_rollout_weights send to a vLLM engine: the files' names
     manifest = full_state_manifest(models[0], checkpoint_format=True)
     port, errors, pushed = _free_port(), [], [threading.Event() for _ in VERSIONS]

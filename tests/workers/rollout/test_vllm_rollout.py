@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _models import perturbed_model
 from _observations import AUDIO_KINDS, VL_KINDS, check_observation_batch
 from _trainer_run import run_main, small_run_overrides
 
@@ -112,19 +113,6 @@ def _prompts(model_path: str, files: list[str], rows_per_file: int, **dataset_kw
 # ---------------------------------------------------------------- what the ranks compute
 
 
-def _perturbed_model(model_path: str, seed: int = 0):
-    """The tiny model with noise added to every weight: a random tiny model answers every prompt with
-    the same token, which would make token-for-token agreement meaningless."""
-    from _models import training_model
-
-    model = training_model(model_path)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
-    return model
-
-
 def _greedy_against_hf(model_path: str, prompts: DataProto) -> dict:
     """Greedy responses of vLLM and HFRollout with the same (perturbed) weights, n = 2."""
     from mmrl.workers.rollout.hf import HFRollout
@@ -132,7 +120,7 @@ def _greedy_against_hf(model_path: str, prompts: DataProto) -> dict:
     from mmrl.workers.weight_sync import iter_full_state_dict
 
     tokenizer, _ = load_tokenizer_and_processor(model_path)
-    model = _perturbed_model(model_path)
+    model = perturbed_model(model_path)
     start = time.perf_counter()
     rollout = _keep(VLLMRollout(model_path, tokenizer, RolloutConfig(**ENGINE_ARGS)))
     engine_start_s = time.perf_counter() - start
@@ -233,7 +221,7 @@ def _training_run(
 
 
 def _embeds_checks(rollout, model_path: str, prompts: DataProto) -> dict:
-    """The engine (holding ``_perturbed_model``'s weights) given the trainer tower's encodings of the
+    """The engine (holding ``perturbed_model``'s weights) given the trainer tower's encodings of the
     prompts' media instead of the media (``worker.rollout.reuse_encodings``): greedy responses as with
     the media, zeroed encodings change them (the engine used what it got, not an encoder of its own),
     and the gap of sampled-token log-probs to the trainer's, with the media and with the encodings."""
@@ -243,7 +231,7 @@ def _embeds_checks(rollout, model_path: str, prompts: DataProto) -> dict:
     from mmrl.models.encoding_cache import prompt_encodings
     from mmrl.models.loading import vision_modules
 
-    model = _perturbed_model(model_path)
+    model = perturbed_model(model_path)
     rows = list(prompts.non_tensor_batch["multi_modal_inputs"])
     with torch.no_grad():
         encodings = prompt_encodings(vision_modules(model), rows, torch.device("cpu"))
@@ -295,7 +283,7 @@ def _media_checks(model_path: str, prompts: DataProto, embeds: bool = False) -> 
     sampled = rollout.generate(
         prompts, SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=3)
     )
-    log_probs, _ = policy_actor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
+    log_probs, _ = policy_actor(perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
     mask = sampled.batch["response_mask"].bool()
     results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
     results["sampled_tokens"] = int(mask.sum())
@@ -355,7 +343,7 @@ def _trajectory_checks(
     loop = make_loop(media, ends)
     saved = rollout.eos_token_ids
     rollout.eos_token_ids = ends  # the engine stops where the loop ends a turn
-    hf = HFRollout(_perturbed_model(model_path), tokenizer)
+    hf = HFRollout(perturbed_model(model_path), tokenizer)
     hf.eos_token_ids = ends
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
     sampling = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=max_tokens, seed=3)
@@ -366,7 +354,7 @@ def _trajectory_checks(
     }
     rollout.eos_token_ids = saved
     sampled = results["sampled"]
-    log_probs, _ = policy_actor(_perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
+    log_probs, _ = policy_actor(perturbed_model(model_path)).compute_log_probs(sampled, 4, TEMPERATURE)
     mask = sampled.batch["response_mask"].bool()
     results["sampled_gap"] = float((log_probs - sampled.batch["rollout_log_probs"]).abs()[mask].max())
     return results
