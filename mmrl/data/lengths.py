@@ -5,7 +5,7 @@ media included (an image's placeholder count depends on its size). Done serially
 is hours for a 100k-row image dataset, so the rows are split over ``data.preprocess_num_workers``
 processes, and the lengths are kept in the cache folder (:func:`cache_dir`, with ``data.prompt_length_cache``) under a key made of
 everything a length depends on: the data files (path, size, modification time), the data settings
-that shape a prompt, and the tokenizer and processor. A second run over the same files (a resume, a
+that shape a prompt, the tools' schemas the prompt shows (multi-turn), and the tokenizer and processor. A second run over the same files (a resume, a
 new experiment on the same data) reads the lengths back in a second. A different
 ``max_prompt_length`` reuses the cache: lengths are stored, not the verdicts.
 
@@ -130,6 +130,7 @@ def cache_key(dataset: PromptDataset) -> str:
         "files": [_file_identity(rows.source) for rows in dataset.files],
         "settings": {name: getattr(config, name) for name in LENGTH_SETTINGS},
         "format_prompt": _text_digest(config.format_prompt),
+        "tools": dataset.tools,  # multi-turn tools' schemas, rendered into every prompt by the chat template
         "tokenizer": _tokenizer_digest(dataset.tokenizer, dataset.processor),
         "version": 2,  # 2: images and frames sized on the patch grid as qwen-vl-utils sizes them
     }

@@ -112,6 +112,11 @@ def test_the_key_follows_the_files_and_the_settings(shapes_data_dir, tmp_path, v
     assert cache_key(make_dataset(data, vl, filter_overlong_prompts=False, max_prompt_length=64)) == base
     assert cache_key(make_dataset(data, vl, filter_overlong_prompts=False, max_pixels=MAX_PIXELS * 2)) != base
     assert cache_key(make_dataset(data, vl, filter_overlong_prompts=False, system_prompt="Be brief.")) != base
+    # a multi-turn run's prompts show its tools' schemas (hundreds of tokens): not the same lengths
+    tokenizer, processor = vl
+    schema = [{"type": "function", "function": {"name": "zoom", "description": "Zoom in.", "parameters": {}}}]
+    config = DataConfig(filter_overlong_prompts=False, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    assert cache_key(PromptDataset(str(data), tokenizer, processor, config, tools=schema)) != base
     data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])  # one more row
     assert cache_key(make_dataset(data, vl, filter_overlong_prompts=False)) != base
     text_tokenizer = (vl[0], None)

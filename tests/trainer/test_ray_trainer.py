@@ -1209,7 +1209,7 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     # no group can have a mean score in [2, 2]: a step gives up after max_rounds rounds
     hopeless = build_filter(load_config(overrides(tmp_path / "c", "algorithm.unfilled_step=stop")))
     hopeless = dataclasses.replace(hopeless, low=2.0, high=2.0, max_rounds=2)
-    assert hopeless == FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2)
+    assert hopeless == FilterOptions("overall", 2.0, 2.0, groups_per_step=4, max_rounds=2, groups_per_round=2)
     resume = f"trainer.load_checkpoint_path={tmp_path / 'a' / 'global_step_2'}"
     config = load_config(overrides(tmp_path / "a"))
     init_ray(num_cpus=local_cluster_cpus(config), object_store_memory_bytes=300_000_000)
