@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # environment: docs/gpu.md); GPU_PYTHON=python3 picks another
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python)
 
-.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent assets-agent-video demo-agent-video bench-recipes bench bench-scale test test-fast quality docs style clean
+.PHONY: gpu-check install lock assets assets-video assets-audio assets-spatial demo demo-video demo-audio demo-spatial assets-judge demo-judge assets-agent demo-agent assets-agent-video demo-agent-video assets-recipes bench-recipes bench bench-scale test test-fast quality docs style clean
 
 install:
 	@bash scripts/setup_env.sh
@@ -113,7 +113,15 @@ demo-agent-video: assets-agent-video
 	$(PY) -m mmrl.trainer.main config=examples/tiny_cpu_agent_video.yaml $(ARGS)
 
 # seeds x {plain, dapo, entropy} on the spatial task; resumable (bench/results/recipes/), SEEDS x 3 runs
-bench-recipes: assets-spatial
+# The study's second task (bench/recipes.py): "Which shape is bigger, the red one or the blue one?", warmed
+# up as the spatial task is (answers uniform, the colour task trained on the side).
+assets-recipes: assets-spatial
+	@$(PY) -m mmrl.demo.synthetic --task bigger --out $(ASSETS)/data/shapes-bigger --n_train 512 --n_val 64
+	@$(PY) -m mmrl.demo.warmup --model $(ASSETS)/models/tiny-qwen2.5-vl \
+		--data $(ASSETS)/data/shapes-bigger/train.jsonl --out $(ASSETS)/models/tiny-qwen2.5-vl-bigger-warm \
+		--aux_data $(ASSETS)/data/shapes-color/train.jsonl --steps 200
+
+bench-recipes: assets-recipes
 	$(PY) bench/recipes.py $(ARGS)
 
 # CPU benchmarks (docs/benchmarks.md): each prints its table and writes bench/results/*.json.

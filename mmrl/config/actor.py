@@ -101,7 +101,8 @@ class CollapseRecoveryConfig:
     policy's own ``top_k`` most probable tokens at each response token. Its logit gradient is
     ``pi - u_K``, of norm ~1 at a saturated softmax, where the policy gradient, the sample-based KL and
     the entropy bonus all vanish. A collapse: for ``patience`` steps in a row (this one included), at
-    least ``all_equal_share`` of the step's generated groups had all-equal scores. Outside a collapse
+    least ``all_equal_share`` of the step's generated groups not solved (all scores >= ``solved_score``)
+    had all-equal scores. Outside a collapse
     the term is not computed, so the update is exactly the one without it (docs/recipes.md)."""
 
     enabled: bool = False  # add the term while a collapse lasts (off: never computed)
@@ -109,6 +110,9 @@ class CollapseRecoveryConfig:
     top_k: int = 8  # K: the most probable tokens the term spreads probability over
     all_equal_share: float = 0.95  # a collapsed step: at least this share of its groups all-equal
     patience: int = 2  # consecutive collapsed steps before the term applies (this step included)
+    # an all-equal group scoring at least this is solved, not collapsed: the share is judged among the
+    # groups not solved (a policy right on every prompt is no collapse); null: every all-equal group counts
+    solved_score: float | None = 1.0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ Tasks (one image, video or audio clip per sample, one-word answers, answers bala
   "Is the <shape> on the left or the right? Answer left or right." -> ``left`` | ``right``. Chance is 1/2, and a small policy easily settles on one word before
   it uses the image: every group then scores alike and plain GRPO stops learning (the dynamic-sampling
   demo, ``examples/tiny_cpu_spatial.yaml``).
+- ``bigger``: two shapes of one kind (random), a red one and a blue one, one in each half of the image
+  (which half at random): the answer's of side 22-27 px, the other's 10-14 px. "Which shape is bigger,
+  the red one or the blue one? Answer red or blue." -> ``red`` | ``blue``. Both colours are in every
+  image, so the colour does not answer, its share of the image does: a comparison that a policy settled
+  on one word scores 1/2 on (the second task of ``bench/recipes.py``, on which the small-model recipe
+  was not tuned).
 - ``small_mark``: a 1120×1120 image of faintly tinted 20-px blocks (decoys: each block white mixed
   with up to 12 % of one of the 4 colours) with one small filled shape (side 5-6 px, one of the 4
   colours, drawn as ``color`` draws it) inside the white 7×7 square at its centre. "What colour is the
@@ -99,6 +105,7 @@ SHAPES = ("circle", "square", "triangle")
 MAX_CIRCLES = 4
 CIRCLE_RADIUS = 7  # px, every circle of the count task
 COUNT_RGB = COLORS["blue"]
+BIGGER_SIDES, SMALLER_SIDES = (22, 27), (10, 14)  # px, the bigger task's two shapes
 SPLITS = ("train", "val")
 
 VIDEO_FRAMES = 8  # video_direction
@@ -202,6 +209,30 @@ def draw_color_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SI
     image = _blank_image(size)
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), COLORS[answer])
+    return image
+
+
+def draw_bigger_image(answer: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:
+    """Two shapes of one kind, a red one and a blue one, each inside its own half (left or right at
+    random): the ``answer`` colour's of side 22-27 px, the other's 10-14 px (2.5-7 times less area).
+
+    Comparing two shapes: the colour itself does not answer (both are in every image), its share of the
+    image does; a policy that names one colour whatever the image is right half the time.
+    """
+    if answer not in ("red", "blue"):
+        raise ValueError(f"the bigger shape is 'red' or 'blue', found {answer!r}")
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    half = size // 2
+    big_half = int(rng.integers(2))  # 0: the bigger shape in the left half
+    image = _blank_image(size)
+    for colour, (low, high), column in (
+        (answer, BIGGER_SIDES, big_half),
+        ("blue" if answer == "red" else "red", SMALLER_SIDES, 1 - big_half),
+    ):
+        side = int(rng.integers(low, high + 1))
+        left = column * half + int(rng.integers(0, half - side + 1))
+        top = int(rng.integers(0, size - side + 1))
+        draw_shape(image, shape, (left, top, left + side - 1, top + side - 1), COLORS[colour])
     return image
 
 
@@ -402,6 +433,12 @@ TASKS: dict[str, SyntheticTask] = {
         question="<image>How many circles are there? Answer with a number.",
         answers=tuple(str(n) for n in range(1, MAX_CIRCLES + 1)),
         draw=draw_count_image,
+    ),
+    "bigger": SyntheticTask(
+        name="bigger",
+        question="<image>Which shape is bigger, the red one or the blue one? Answer red or blue.",
+        answers=("red", "blue"),
+        draw=draw_bigger_image,
     ),
     "spatial": SyntheticTask(
         name="spatial",

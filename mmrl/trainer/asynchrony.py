@@ -116,8 +116,8 @@ class StreamedGroup:
 
     With online filtering a group is scored as it arrives: ``scores`` (its rows of the reward's
     output), ``verdict`` (the filter's: kept | failed | other, ``dynamic_sampling.group_verdicts``),
-    ``all_equal`` (its rewards all equal: what the collapse gate counts); ``judged`` once a step's
-    filter has counted it."""
+    ``all_equal`` (its rewards all equal: what the collapse gate counts) and ``solved`` (all equal at
+    the gate's ``solved_score`` or above); ``judged`` once a step's filter has counted it."""
 
     uid: str
     rows: DataProto
@@ -126,6 +126,7 @@ class StreamedGroup:
     scores: DataProto | None = None
     verdict: str = "kept"
     all_equal: bool = False
+    solved: bool = False
     judged: bool = False
 
 
@@ -147,9 +148,12 @@ def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]
     return groups
 
 
-def judge_groups(groups: list[StreamedGroup], scores: DataProto, options: FilterOptions) -> None:
+def judge_groups(
+    groups: list[StreamedGroup], scores: DataProto, options: FilterOptions, solved_score: float | None = None
+) -> None:
     """Give each of ``groups`` (consecutive rows of ``scores``, in order) its scores, the filter's verdict
-    on ``options.key`` and whether its rewards (``token_level_scores``) were all equal."""
+    on ``options.key`` and whether its rewards (``token_level_scores``) were all equal (and solved: all
+    at least ``solved_score``)."""
     uids = [group.uid for group in groups for _ in range(len(group.rows))]
     values = filter_scores(scores.non_tensor_batch["reward_scores"], options.key)
     verdicts = group_verdicts(uids, values, options.low, options.high)
@@ -158,7 +162,10 @@ def judge_groups(groups: list[StreamedGroup], scores: DataProto, options: Filter
     for group in groups:
         end = start + len(group.rows)
         group.scores, group.verdict = scores[start:end], verdicts[group.uid]
-        group.all_equal = core_algos.all_equal_groups([group.uid] * (end - start), rewards[start:end])[0] == 1
+        all_equal, _, solved = core_algos.all_equal_groups(
+            [group.uid] * (end - start), rewards[start:end], solved_score
+        )
+        group.all_equal, group.solved = all_equal == 1, solved == 1
         start = end
 
 
@@ -178,9 +185,9 @@ class StreamTake:
 
 def step_batch(
     step: StreamTake, filtering: bool
-) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
+) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int, int]]:
     """A taken step's rows (its groups in order), their scores (None without filtering: scored from now
-    on), its metrics, and (all-equal, all) of the groups its filter saw: its own and those it dropped,
+    on), its metrics, and (all-equal, all, solved) of the groups its filter saw: its own and those it dropped,
     once each (the collapse gate's input). With filtering the rows carry ``left_out`` (1 on an unfilled
     step's top-up groups that did not fail: ``dynamic_sampling.loss_rows`` keeps them out of the loss)."""
     assert step.groups is not None
@@ -195,12 +202,13 @@ def step_batch(
         **step.metrics,
     }
     if not filtering:
-        return batch, None, metrics, (0, 0)
+        return batch, None, metrics, (0, 0, 0)
     batch.batch["left_out"] = torch.cat(
         [torch.full((len(group.rows),), int(group.verdict == "other")) for group in step.groups]
     )
     scores = DataProto.concat([group.scores for group in step.groups])
-    return batch, scores, metrics, (sum(group.all_equal for group in spent), len(spent))
+    counts = (sum(group.all_equal for group in spent), len(spent), sum(group.solved for group in spent))
+    return batch, scores, metrics, counts
 
 
 @dataclass
@@ -231,6 +239,7 @@ class StreamSchedule:
     groups_per_step: int
     max_staleness: int
     filter: FilterOptions | None = None
+    solved_score: float | None = None  # the collapse gate's (judge_groups)
     finished: list[StreamedGroup] = field(default_factory=list)
     outstanding: int = 0
     arrivals: int = 0
@@ -258,7 +267,7 @@ class StreamSchedule:
         if self.filter is not None:
             if scores is None:
                 raise ValueError("online filtering judges groups by their scores: arrive(batch, scores)")
-            judge_groups(groups, scores, self.filter)
+            judge_groups(groups, scores, self.filter, self.solved_score)
         self.arrivals += len(groups)
         self.finished += groups
 

@@ -161,6 +161,7 @@ def build_collapse_gate(config: PPOConfig) -> core_algos.CollapseGate:
         coeff=recovery.coeff,
         all_equal_share=recovery.all_equal_share,
         patience=recovery.patience,
+        solved_score=recovery.solved_score,
     )
 
 
@@ -325,7 +326,7 @@ class RayPPOTrainer:
         self._build_model_workers(placement)
         self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
-        self.collapse, self.group_counts = build_collapse_gate(config), [0, 0]  # (all-equal, all) groups
+        self.collapse, self.group_counts = build_collapse_gate(config), [0, 0, 0]  # (all-equal, all, solved)
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
@@ -399,7 +400,7 @@ class RayPPOTrainer:
         """One PPO step on the next batch of ``prompts``; returns its metrics."""
         plan = StepPlan.for_step(self.config, self.global_step)
         timings: dict[str, float] = {}
-        self.group_counts = [0, 0]
+        self.group_counts = [0, 0, 0]
         transferred = self.transfers.snapshot()
         with timer("step", timings):
             with timer("gen", timings):
@@ -939,12 +940,13 @@ class RayPPOTrainer:
         return metrics
 
     def _count_groups(self, batch: DataProto) -> None:
-        """Add ``batch``'s groups, and those whose responses all got the same score, to the step's
-        counts (the collapse gate's input)."""
+        """Add ``batch``'s groups, those whose responses all got the same score and those of them solved,
+        to the step's counts (the collapse gate's input)."""
         scores = batch.batch["token_level_scores"].sum(-1).float().cpu().numpy()
-        all_equal, groups = core_algos.all_equal_groups(batch.non_tensor_batch["uid"], scores)
-        self.group_counts[0] += all_equal
-        self.group_counts[1] += groups
+        counts = core_algos.all_equal_groups(
+            batch.non_tensor_batch["uid"], scores, self.collapse.solved_score
+        )
+        self.group_counts = [total + count for total, count in zip(self.group_counts, counts)]
 
     @staticmethod
     def _rollout_gap(batch: DataProto) -> dict[str, float]:

@@ -107,7 +107,12 @@ class StreamedRollouts:
         options: FilterOptions | None = None,
     ):
         self.groups_per_step = config.data.rollout_batch_size
-        self.schedule = StreamSchedule(self.groups_per_step, config.trainer.max_staleness, options)
+        self.schedule = StreamSchedule(
+            self.groups_per_step,
+            config.trainer.max_staleness,
+            options,
+            config.worker.actor.collapse_recovery.solved_score,
+        )
         self.workers, self.share_media, self.rewards = workers, share_media, rewards
         self.prompts: dict[str, DataProto] = {}  # uid -> its prompt row, until its group is consumed
         self.scoring: list[tuple[DataProto, PendingRewards]] = []  # arrived, being scored (filtering)

@@ -417,3 +417,19 @@ def test_new_answer_words_are_single_tiny_tokens():
 
     tokenizer = tiny.train_tokenizer(tiny.TINY_CORPUS, tiny.SIZES["tiny"].vocab_size, "qwen2_5_omni")
     tiny.check_single_token_answers(tokenizer, ["left", "right", "1", "2", "3"])
+
+
+def test_bigger_task_draws_the_answer_colour_larger_in_its_own_half():
+    """Both colours in every image, the answer's shape 2.5-7 times the other's area, each in one half."""
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        image, question, answer = draw_sample("bigger", rng)
+        pixels = np.asarray(image)
+        other = "blue" if answer == "red" else "red"
+        big, small = ((pixels == COLORS[colour]).all(-1) for colour in (answer, other))
+        assert question == "<image>Which shape is bigger, the red one or the blue one? Answer red or blue."
+        assert 2 * small.sum() < big.sum() and small.sum() > 0
+        half = pixels.shape[1] // 2
+        columns = [np.nonzero(mask.any(0))[0] for mask in (big, small)]
+        sides = [0 if c.max() < half else 1 if c.min() >= half else None for c in columns]
+        assert sorted(sides) == [0, 1]  # each wholly inside a half, one per half

@@ -164,7 +164,7 @@ def test_max_staleness_bounds_what_a_step_takes():
     assert (
         list(batch.non_tensor_batch["uid"]) == ["p", "p", "r", "r"] and "left_out" not in batch.batch.keys()
     )
-    assert scores is None and group_counts == (0, 0)
+    assert scores is None and group_counts == (0, 0, 0)
     assert metrics == {"rollout/generated_responses": 4, "rollout/generated_response_tokens": 8}
     narrow = StreamSchedule(groups_per_step=2, max_staleness=1)
     narrow.submitted(["p", "q", "r"])
@@ -258,7 +258,7 @@ def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_
     }
     # generated for the step: b, d and the dropped a, c; of those a and c scored all alike
     _, _, metrics, group_counts = step_batch(step, filtering=True)
-    assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4)
+    assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4, 0)
     assert [(group.uid, group.judged) for group in schedule.finished] == [("e", False)]
     assert schedule.outstanding == 6 - 1 - 2 - 2  # s (stale), a and c (filtered), b and d (taken)
     # the checkpoint: s (resubmitted, in flight) and e are pending; a and c count as consumed like b and
@@ -316,7 +316,7 @@ def test_an_unfilled_stream_step_stops_or_is_topped_up_failed_groups_first():
     assert batch.batch["left_out"].tolist() == [0, 0, 0, 0, 1, 1]
     assert [score["overall"] for score in scores.non_tensor_batch["reward_scores"]] == [1, 0, 0, 0, 1, 1]
     assert metrics["rollout/generated_responses"] == 6 and metrics["rollout/generated_response_tokens"] == 12
-    assert group_counts == (2, 3)
+    assert group_counts == (2, 3, 0)
 
 
 def test_without_a_round_limit_the_stream_judges_every_fresh_group():

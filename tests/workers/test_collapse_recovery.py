@@ -61,8 +61,10 @@ def test_spread_gradient_is_p_minus_uniform_on_the_top_k_and_does_not_vanish_at_
 
 def test_all_equal_groups_by_hand():
     uids = ["a", "a", "b", "b", "c", "d", "d"]
-    assert all_equal_groups(uids, [1, 1, 0, 1, 0.5, 0, 0]) == (3, 4)  # a, c (alone), d
-    assert all_equal_groups([], []) == (0, 0)
+    assert all_equal_groups(uids, [1, 1, 0, 1, 0.5, 0, 0]) == (3, 4, 0)  # a, c (alone), d
+    assert all_equal_groups(uids, [1, 1, 0, 1, 0.5, 0, 0], solved_score=1.0) == (3, 4, 1)  # a solved
+    assert all_equal_groups(uids, [1, 1, 0, 1, 0.5, 0, 0], solved_score=0.5) == (3, 4, 2)  # a and c
+    assert all_equal_groups([], []) == (0, 0, 0)
     with pytest.raises(ValueError, match="2 uids for 1 scores"):
         all_equal_groups(["a", "b"], [1.0])
 
@@ -84,6 +86,24 @@ def test_gate_turns_on_after_patience_collapsed_steps_and_off_at_the_first_mixed
     assert off.coefficient == 0.0 and off.metrics()["rollout/all_equal_group_frac"] == 1.0
     with pytest.raises(ValueError, match="patience >= 1"):
         CollapseGate(enabled=True, patience=0)
+
+
+def test_a_solved_policy_is_not_a_collapse():
+    """All-equal groups that all scored ``solved_score`` (every response right) are a task learnt: the gate
+    judges the share of all-equal groups among the others. A policy settled on one answer of two is right
+    on half the prompts and wrong on the rest: collapsed; one right on every prompt: not."""
+    gate = CollapseGate(enabled=True, coeff=0.1, all_equal_share=0.95, patience=1)
+    gate.observe(8, 8, 8)  # solved: every group all right
+    metrics = gate.metrics()
+    assert gate.coefficient == 0.0 and metrics["rollout/all_equal_group_frac"] == 1.0
+    assert metrics["rollout/solved_group_frac"] == 1.0 and metrics["rollout/stuck_group_frac"] == 0.0
+    gate.observe(8, 8, 4)  # one answer for every prompt: right on half, wrong on the other half
+    assert gate.coefficient == 0.1 and gate.metrics()["rollout/stuck_group_frac"] == 1.0
+    gate.observe(7, 8, 5)  # learning: one mixed group among the three not solved
+    assert gate.coefficient == 0.0 and gate.metrics()["rollout/stuck_group_frac"] == 2 / 3
+    counting_all = CollapseGate(enabled=True, coeff=0.1, all_equal_share=0.95, patience=1, solved_score=None)
+    counting_all.observe(*all_equal_groups(["a"] * 4 + ["b"] * 4, [1.0] * 8, counting_all.solved_score))
+    assert counting_all.coefficient == 0.1  # without solved_score a solved policy counts as collapsed
 
 
 # ---- a constructed collapse on the tiny model ---------------------------------------------------
@@ -118,7 +138,7 @@ def _train_answers(model, prompts: DataProto, p_a: float, done) -> None:
     raise AssertionError(f"answers not reached: p(A)={probs[:, ANSWERS[0]]}, p(B)={probs[:, ANSWERS[1]]}")
 
 
-def _scored_step(rollout: HFRollout, prompts: DataProto, seed: int) -> tuple[DataProto, tuple[int, int]]:
+def _scored_step(rollout: HFRollout, prompts: DataProto, seed: int) -> tuple[DataProto, tuple[int, int, int]]:
     """A group of GROUP answers per prompt, scored 1 when right, with GRPO advantages."""
     batch = rollout.generate(prompts, SamplingParams(n=GROUP, temperature=1.0, max_tokens=1, seed=seed))
     scores = (batch.batch["responses"][:, 0].numpy() == batch.non_tensor_batch["answer"].astype(int)).astype(
@@ -127,7 +147,7 @@ def _scored_step(rollout: HFRollout, prompts: DataProto, seed: int) -> tuple[Dat
     grouped = scores.reshape(PROMPTS, GROUP)
     advantages = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + 1e-6)
     batch.batch["advantages"] = torch.tensor(advantages.reshape(-1, 1), dtype=torch.float32)
-    return batch, all_equal_groups(batch.non_tensor_batch["uid"], scores)
+    return batch, all_equal_groups(batch.non_tensor_batch["uid"], scores, solved_score=1.0)
 
 
 def _with_log_probs(actor, reference, batch: DataProto) -> DataProto:
