@@ -54,9 +54,9 @@ demo-audio: assets-audio
 
 # "Is the <shape> on the left or the right?" with the tiny Qwen2.5-VL (examples/tiny_cpu_spatial.yaml).
 # The warm-up also trains the colour task's true labels (--aux_data), which opens the tiny model's image
-# path; the left/right answers stay uniform. bench-recipes compares plain GRPO, stop 20's recipe (DAPO
-# dynamic sampling + clip-higher) and the small-model recipe (+ adaptive top-k entropy control, never
-# giving up a step).
+# path; the left/right answers stay uniform. bench-recipes compares plain GRPO and the small-model recipe
+# (DAPO dynamic sampling that never gives up a step, clip-higher, adaptive top-k entropy control) over
+# seeds, on this task and on a second one (assets-recipes), at a cosine and a constant learning rate.
 assets-spatial: install
 	@$(PY) -m mmrl.demo.tiny --kind qwen2_5_vl --size tiny --out $(ASSETS)/models/tiny-qwen2.5-vl
 	@$(PY) -m mmrl.demo.synthetic --task color --out $(ASSETS)/data/shapes-color --n_train 512 --n_val 64

@@ -4,6 +4,7 @@ learning-rate settings (issue 39: a recipe must survive a collapse on tasks it w
     python bench/recipes.py [--seeds 1 2 3] [--steps 60] [--recipes plain entropy]
         [--tasks spatial bigger] [--settings cosine constant] [--threshold 0.9] [--val_every 10]
         [--jobs 2] [--ranks 1] [--force]
+    python bench/recipes.py --report   # the tables of every run there is a results file of
     python bench/recipes.py --variant NAME --override key=value ... [--seeds ...]   # a variant to try
 
 Tasks (``make assets-recipes`` builds both, each with its warm-up: a tiny random Qwen2.5-VL taught to
@@ -223,9 +224,9 @@ def counts(run: dict) -> bool:
     return run["learnt"] and not stopped_early(run)
 
 
-def summary_table(results: list[dict], recipes: list[str]) -> str:
+def summary_table(results: list[dict], recipes: list[str], studied: str) -> str:
     """One row per task and setting, a column per recipe (seeds that learnt, mean final accuracy); the
-    worst cell of the last recipe (the one studied) first."""
+    worst cell of the ``studied`` recipe first."""
     cells = list(dict.fromkeys((r["task"], r["setting"]) for r in results))
     by = {(r["task"], r["setting"], r["recipe"]): [] for r in results}
     for r in results:
@@ -235,7 +236,7 @@ def summary_table(results: list[dict], recipes: list[str]) -> str:
         runs = by.get((*cell, recipe), [])
         return sum(map(counts, runs)) / len(runs) if runs else 2.0
 
-    cells.sort(key=lambda cell: score(cell, recipes[-1]))
+    cells.sort(key=lambda cell: score(cell, studied))
     lines = ["| task | lr setting | " + " | ".join(recipes) + " |", "|---|---|" + "---|" * len(recipes)]
     for cell in cells:
         row = []
@@ -322,12 +323,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--override", nargs="*", default=[], help="extra key=value for every run (of the --variant)"
     )
     parser.add_argument("--force", action="store_true", help="rerun runs that have a results file")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: print the tables of every results file there is"
+    )
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*_seed*.json"))]
+        recipes = list(
+            dict.fromkeys(
+                [
+                    *(r for r in args.recipes if any(x["recipe"] == r for x in results)),
+                    *(x["recipe"] for x in results),
+                ]
+            )
+        )
+        studied = "entropy" if "entropy" in recipes else recipes[-1]
+        print(summary_table(results, recipes, studied))
+        print()
+        print(table(results, args.threshold))
+        return
     recipes = [args.variant] if args.variant else args.recipes
     # seed-major: an interrupted study has every cell of its first seeds
     cells = [
@@ -345,7 +364,7 @@ def main() -> None:
                 flush=True,
             )
             results.append(summary)
-    print(summary_table(results, recipes))
+    print(summary_table(results, recipes, recipes[-1]))
     print()
     print(table(results, args.threshold))
 
