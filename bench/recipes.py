@@ -304,6 +304,12 @@ def table(results: list[dict], threshold: float) -> str:
     return "\n".join(lines + per_seed)
 
 
+def print_tables(results: list[dict], recipes: list[str], studied: str, threshold: float) -> None:
+    print(summary_table(results, recipes, studied))
+    print()
+    print(table(results, threshold))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 11)))
@@ -334,18 +340,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.report:
         results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*_seed*.json"))]
-        recipes = list(
-            dict.fromkeys(
-                [
-                    *(r for r in args.recipes if any(x["recipe"] == r for x in results)),
-                    *(x["recipe"] for x in results),
-                ]
-            )
-        )
-        studied = "entropy" if "entropy" in recipes else recipes[-1]
-        print(summary_table(results, recipes, studied))
-        print()
-        print(table(results, args.threshold))
+        present = {run["recipe"] for run in results}  # --recipes' order first, then variants
+        recipes = [r for r in args.recipes if r in present] + sorted(present - set(args.recipes))
+        print_tables(results, recipes, "entropy" if "entropy" in present else recipes[-1], args.threshold)
         return
     recipes = [args.variant] if args.variant else args.recipes
     # seed-major: an interrupted study has every cell of its first seeds
@@ -364,9 +361,7 @@ def main() -> None:
                 flush=True,
             )
             results.append(summary)
-    print(summary_table(results, recipes, recipes[-1]))
-    print()
-    print(table(results, args.threshold))
+    print_tables(results, recipes, recipes[-1], args.threshold)
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ class CollapseRecoveryConfig:
     ``pi - u_K``, of norm ~1 at a saturated softmax, where the policy gradient, the sample-based KL and
     the entropy bonus all vanish. A collapse: for ``patience`` steps in a row (this one included), at
     least ``all_equal_share`` of the step's generated groups not solved (all scores >= ``solved_score``)
-    had all-equal scores. Outside a collapse
-    the term is not computed, so the update is exactly the one without it (docs/recipes.md)."""
+    had all-equal scores. Outside a collapse the term is not computed, so the update is exactly the one
+    without it (docs/recipes.md)."""
 
     enabled: bool = False  # add the term while a collapse lasts (off: never computed)
     coeff: float = 0.05  # weight of KL(u_K || pi) in the loss while active

@@ -233,7 +233,7 @@ def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_
     # others are judged oldest version first, arrival among equals: a (v1, rewards 0 0: all alike, mean
     # below filter_low: failed), c (v1, 1 1: all alike), b (v2, 1 0: kept), d (v2, 0 1: kept); the budget
     # is spent, so e (v2) waits unjudged. a and c leave the stream consumed; the step takes b, d
-    schedule = StreamSchedule(groups_per_step=2, max_staleness=1, filter=_filter(2, 2, 2))
+    schedule = StreamSchedule(groups_per_step=2, max_staleness=1, filter=_filter(2, 2, 2), solved_score=1.0)
     origins = {uid: (0, index // 2, index % 2) for index, uid in enumerate("sabcde")}
     schedule.submitted(list(origins), list(origins.values()))
     schedule.arrive(
@@ -256,9 +256,10 @@ def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_
         "rollout/left_out_groups": 0,
         "rollout/rounds": 2.0,  # 4 groups judged, rounds of 2
     }
-    # generated for the step: b, d and the dropped a, c; of those a and c scored all alike
+    # generated for the step: b, d and the dropped a, c; of those a and c scored all alike, and c all
+    # at the collapse gate's solved_score (all right: solved, not collapsed)
     _, _, metrics, group_counts = step_batch(step, filtering=True)
-    assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4, 0)
+    assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4, 1)
     assert [(group.uid, group.judged) for group in schedule.finished] == [("e", False)]
     assert schedule.outstanding == 6 - 1 - 2 - 2  # s (stale), a and c (filtered), b and d (taken)
     # the checkpoint: s (resubmitted, in flight) and e are pending; a and c count as consumed like b and
