@@ -116,6 +116,23 @@ class CollapseRecoveryConfig:
 
 
 @dataclass(frozen=True)
+class KLStepControlConfig:
+    """The learning rate scaled down while the updates move the policy too far (the adaptive step of PPO
+    implementations; :class:`~mmrl.core_algos.KLStepControl`). A step's optimizer steps after its first
+    see how far the earlier ones moved the policy (``actor/ppo_kl_k3``, the k3 estimate of
+    ``KL(old || current)`` per response token, mean over the step's mini-batches); above
+    ``2 * target_kl`` the next step's learning rate scale falls by ``factor`` (not below ``min_scale``),
+    below ``target_kl / 2`` it rises by ``factor`` (not above 1: never above the schedule). It needs
+    several optimizer steps per training step (``global_batch_size < data.rollout_batch_size`` or
+    ``ppo_epochs > 1``). Off, the update is exactly the one without it (docs/recipes.md)."""
+
+    enabled: bool = False  # scale each step's learning rate by the controller's (logged as actor/lr_scale)
+    target_kl: float = 0.01  # KL(old || current) per response token a step's updates may move the policy
+    factor: float = 1.5  # the scale's change per step while the KL is off target
+    min_scale: float = 0.1  # the scale's floor (a fraction of the scheduled learning rate)
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts models (the families with routers, e.g. Qwen3-VL MoE; docs/moe.md). Router
     metrics are logged for every MoE model whatever these keys say."""
@@ -150,6 +167,7 @@ class ActorConfig(PolicyLossConfig):
     entropy_top_k: int = 0
     adaptive_entropy: AdaptiveEntropyConfig = field(default_factory=AdaptiveEntropyConfig)
     collapse_recovery: CollapseRecoveryConfig = field(default_factory=CollapseRecoveryConfig)
+    kl_step_control: KLStepControlConfig = field(default_factory=KLStepControlConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     padding_free: bool = True  # train on packed sequences without padding tokens
     share_prompts: bool = True  # packed: each distinct prompt of a micro-batch once, before its responses
@@ -179,6 +197,7 @@ class ActorConfig(PolicyLossConfig):
         errors += self.check_loss()
         _check_entropy(errors, self)
         _check_collapse_recovery(errors, self.collapse_recovery)
+        _check_kl_step_control(errors, self, config)
         _check_moe(errors, self, config)
         return errors + self.model.check(config)
 
@@ -257,6 +276,27 @@ def _check_entropy(errors: list[str], actor: ActorConfig) -> None:
         errors.append(
             f"worker.actor.entropy_coeff={actor.entropy_coeff} is the adaptive coefficient's start: it must "
             f"lie in [{key}.min_ent_coef, max_ent_coef] = [{adaptive.min_ent_coef}, {adaptive.max_ent_coef}]"
+        )
+
+
+def _check_kl_step_control(errors: list[str], actor: ActorConfig, config: PPOConfig) -> None:
+    """The step-size controller's bounds, and the optimizer steps per training step it measures with."""
+    control = actor.kl_step_control
+    if not control.enabled:
+        return
+    key = "worker.actor.kl_step_control"
+    if control.target_kl <= 0:
+        errors.append(f"{key}.target_kl={control.target_kl} must be > 0 (KL per response token)")
+    if control.factor <= 1:
+        errors.append(f"{key}.factor={control.factor} must be > 1 (the scale's change per step)")
+    if not 0 < control.min_scale <= 1:
+        errors.append(f"{key}.min_scale={control.min_scale} must be in (0, 1] (a fraction of the rate)")
+    if actor.ppo_epochs == 1 and actor.global_batch_size >= config.data.rollout_batch_size:
+        errors.append(
+            f"{key}.enabled=true measures how far a step's first optimizer steps moved the policy, but "
+            f"worker.actor.global_batch_size={actor.global_batch_size} >= data.rollout_batch_size="
+            f"{config.data.rollout_batch_size} with ppo_epochs=1 makes one optimizer step per training step: "
+            "lower global_batch_size, raise ppo_epochs, or set enabled=false"
         )
 
 

@@ -9,6 +9,7 @@ One module per topic:
 - :mod:`~mmrl.core_algos.kl`: KL estimators, the KL reward penalty and its controllers;
 - :mod:`~mmrl.core_algos.entropy`: the entropy bonus's coefficient controller (Skywork-OR1);
 - :mod:`~mmrl.core_algos.collapse`: collapse signs (all-equal groups) and the recovery term's gate;
+- :mod:`~mmrl.core_algos.step_size`: the learning rate scaled down while updates move the policy too far;
 - :mod:`~mmrl.core_algos.logits`: log-probs and entropies (whole-vocabulary or top-k) from logits;
 - :mod:`~mmrl.core_algos.value`, :mod:`~mmrl.core_algos.shaping`: the critic's loss, reward shaping;
 - :mod:`~mmrl.core_algos.masked`, :mod:`~mmrl.core_algos.registry`: masked reductions, name registries.
@@ -87,6 +88,7 @@ from mmrl.core_algos.rollout_correction import (
     rollout_correction_weights,
 )
 from mmrl.core_algos.shaping import overlong_penalty
+from mmrl.core_algos.step_size import KLStepControl
 from mmrl.core_algos.value import compute_value_loss
 
 __all__ = [
@@ -103,6 +105,7 @@ __all__ = [
     "CollapseGate",
     "EntropyController",
     "FixedKLController",
+    "KLStepControl",
     "aggregate_loss",
     "all_equal_groups",
     "apply_kl_penalty",

@@ -165,6 +165,17 @@ def build_collapse_gate(config: PPOConfig) -> core_algos.CollapseGate:
     )
 
 
+def build_kl_step_control(config: PPOConfig) -> core_algos.KLStepControl:
+    """The learning rate's scale per step (``worker.actor.kl_step_control``)."""
+    control = config.worker.actor.kl_step_control
+    return core_algos.KLStepControl(
+        enabled=control.enabled,
+        target_kl=control.target_kl,
+        factor=control.factor,
+        min_scale=control.min_scale,
+    )
+
+
 def local_cluster_cpus(config: PPOConfig) -> int:
     """Logical CPUs of a local Ray cluster: enough for every worker, even on a 2-core machine (the
     workers size their own thread pools; Ray's CPU count only gates scheduling). One training process
@@ -327,6 +338,7 @@ class RayPPOTrainer:
         self.kl_ctrl = build_kl_controller(config)
         self.entropy_ctrl = build_entropy_controller(config)
         self.collapse, self.group_counts = build_collapse_gate(config), [0, 0, 0]  # (all-equal, all, solved)
+        self.step_size = build_kl_step_control(config)
         self.checkpoints = CheckpointLayout(config.trainer.checkpoint_dir, config.trainer.save_limit)
         self.global_step = 0
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
@@ -697,8 +709,11 @@ class RayPPOTrainer:
                     on_policy=plan.old_log_probs_from_update,
                     entropy_coeff=self.entropy_ctrl.coefficient,
                     spread_coeff=self.collapse.coefficient,
+                    lr_scale=self.step_size.scale,
                 )
                 metrics.update(self._worker_metrics(update))
+            metrics.update(self.step_size.metrics())  # the scale this update trained with ...
+            self.step_size.update(metrics.get("actor/ppo_kl_k3", float("nan")))  # ... and the next one's
             self.policy_version += 1
             if plan.old_log_probs_from_update:
                 batch = batch.union(update.select(batch_keys=["old_log_probs", "entropies"]))
@@ -803,6 +818,7 @@ class RayPPOTrainer:
             "kl_coef": self.kl_ctrl.value,
             "entropy_ctrl": self.entropy_ctrl.state_dict(),
             "collapse": self.collapse.state_dict(),
+            "step_size": self.step_size.state_dict(),
             "policy_version": self.policy_version,
         }
         if self.stream is not None:  # the loader resumes at the oldest prompt not trained (docs/async.md)
@@ -843,6 +859,8 @@ class RayPPOTrainer:
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
         if "collapse" in state:
             self.collapse.load_state_dict(state["collapse"])
+        if "step_size" in state:
+            self.step_size.load_state_dict(state["step_size"])
 
     # ---- helpers --------------------------------------------------------------------------------
 

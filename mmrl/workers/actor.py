@@ -248,6 +248,7 @@ class PolicyActor:
         on_policy: bool = False,
         entropy_coeff: float | None = None,
         spread_coeff: float = 0.0,
+        lr_scale: float = 1.0,
     ) -> PolicyUpdate:
         """``ppo_epochs`` passes over this rank's rows, one optimizer step per mini-batch; the scheduler
         advances once per call (one training step). Sizes count this rank's rows.
@@ -261,9 +262,13 @@ class PolicyActor:
         driver's controller decides it each step); None: ``worker.actor.entropy_coeff``, a fixed bonus.
         ``spread_coeff``: this step's weight of the collapse-recovery term (the driver's
         :class:`~mmrl.core_algos.CollapseGate`, ``worker.actor.collapse_recovery``); 0: not computed.
+        ``lr_scale``: this step's factor on the scheduled learning rate (the driver's
+        :class:`~mmrl.core_algos.KLStepControl`, ``worker.actor.kl_step_control``); 1: the schedule's.
 
         Metrics (mini-batch values averaged over steps, equal on every rank): ``pg_loss``,
-        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl``, ``entropy`` and ``entropy_full`` (the actor's
+        ``pg_clipfrac``, ``pg_clipfrac_dual``, ``ppo_kl`` (k1) and ``ppo_kl_k3`` (k3: ``r - 1 - log r``,
+        ``r`` the current over the old probability; how far the step's earlier optimizer steps moved the
+        policy), ``entropy`` and ``entropy_full`` (the actor's
         measure, ``entropy_top_k``, and the whole vocabulary's; token means; with clip_cov or kl_cov
         ``pg_covfrac``, the share of tokens the covariance selected), ``kl_loss`` (with the KL loss),
         ``collapse_spread`` (with ``spread_coeff``), ``grad_norm``, ``skipped_steps`` (non-finite
@@ -309,7 +314,9 @@ class PolicyActor:
             spread_coeff=spread_coeff,
         )
         with self._hooked_routers():  # through backward: recomputed layers route as in their forward
-            metrics = train_role(self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs)
+            metrics = train_role(
+                self, columns, loss, mini_batch_size, micro_batch_size, ppo_epochs, lr_scale=lr_scale
+            )
         if truncated_ratio is not None:
             metrics["truncated_masked_ratio"] = truncated_ratio
         if not outputs:
@@ -396,9 +403,11 @@ class PolicyActor:
             on_policy_outputs.append(
                 (batch[ROW_KEY].cpu(), old_log_probs.float().cpu(), entropy.detach().float().cpu())
             )
+        log_ratio = (log_probs - old_log_probs).detach()
         shares = {
             "pg_loss": pg_loss.detach(),
             **{key: token_share(value, response_mask, num_tokens) for key, value in diagnostics.items()},
+            "ppo_kl_k3": token_share(torch.expm1(log_ratio) - log_ratio, response_mask, num_tokens),
             "entropy": token_share(entropy, response_mask, num_tokens),
             "entropy_full": token_share(
                 scatter_response_tokens(scores.full_entropies, response_valid), response_mask, num_tokens

@@ -8,6 +8,9 @@ the worker from the batch's compact ``prompt_media``, :func:`mmrl.data.processin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -162,31 +165,57 @@ def role_micro_batches(
 
 
 def train_role(
-    role, columns: DataProto, micro_batch_loss, mini_batch_size: int, micro_batch_size: int, epochs: int
+    role,
+    columns: DataProto,
+    micro_batch_loss,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    *,
+    lr_scale: float = 1.0,
 ) -> dict[str, float]:
     """One training step of ``role`` (a ``PolicyActor`` or ``ValueCritic``) over this rank's rows
     (``train_on_batch`` with the role's clipping, packing and groups); the scheduler advances once.
+    ``lr_scale`` multiplies the scheduled learning rate for this step's optimizer steps only.
     The media alignment of all rows is checked once, not per micro-batch and epoch."""
     check_alignment(role.module, columns, names=_sample_names(columns))
     role.module.train()
-    metrics = train_on_batch(
-        role.module,
-        role.optimizer,
-        columns,
-        micro_batch_loss,
-        mini_batch_size=mini_batch_size,
-        micro_batch_size=micro_batch_size,
-        epochs=epochs,
-        max_grad_norm=role.config.max_grad_norm,
-        device=role.device,
-        group=role.dp_group,
-        max_tokens_per_micro_batch=role.config.max_tokens_per_micro_batch,
-        padding_free=role.config.padding_free,
-        fsdp_size=fsdp_size(role.sequence_parallel),
-    )
+    with scaled_lr(role.optimizer, lr_scale):
+        metrics = train_on_batch(
+            role.module,
+            role.optimizer,
+            columns,
+            micro_batch_loss,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            epochs=epochs,
+            max_grad_norm=role.config.max_grad_norm,
+            device=role.device,
+            group=role.dp_group,
+            max_tokens_per_micro_batch=role.config.max_tokens_per_micro_batch,
+            padding_free=role.config.padding_free,
+            fsdp_size=fsdp_size(role.sequence_parallel),
+        )
     if role.lr_scheduler is not None:
         role.lr_scheduler.step()
     return metrics
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """The optimizer's learning rates times ``scale`` inside the block, the scheduled ones after (1:
+    untouched)."""
+    if scale == 1.0:
+        yield
+        return
+    scheduled = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, scheduled):
+        group["lr"] = lr * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, scheduled):
+            group["lr"] = lr
 
 
 def prompts_shared(module: nn.Module, share_prompts: bool) -> bool:

@@ -603,11 +603,13 @@ class HybridWorker:
         on_policy: bool,
         entropy_coeff: float = 0.0,
         spread_coeff: float = 0.0,
+        lr_scale: float = 1.0,
     ) -> DataProto:
         """One training step of the actor. ``on_policy``: the batch has no ``old_log_probs``; the update
         returns the ones its own forward computed (with their entropies) for the step's metrics.
         ``entropy_coeff``: the step's entropy bonus weight (the driver's controller); ``spread_coeff``:
-        the collapse-recovery term's (the driver's gate). The rollout still holds the old weights until
+        the collapse-recovery term's (the driver's gate); ``lr_scale``: the step's factor on the scheduled
+        learning rate (the driver's step-size control). The rollout still holds the old weights until
         :meth:`sync_rollout_weights`."""
         self._release_rollout()
         data = attach_media(data, self.media, self.media_cache)
@@ -624,6 +626,7 @@ class HybridWorker:
                 on_policy=on_policy,
                 entropy_coeff=entropy_coeff,
                 spread_coeff=spread_coeff,
+                lr_scale=lr_scale,
             )
         metrics = {"metrics": {f"actor/{key}": value for key, value in update.metrics.items()}}
         if self.encoding_cache is not None:  # the step's media items: its last pass that encodes ends here

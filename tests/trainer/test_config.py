@@ -245,6 +245,22 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "worker.actor.collapse_recovery.patience=0 must be >= 1",
         ),
         (
+            ["worker.actor.kl_step_control.enabled=true", "worker.actor.kl_step_control.factor=1"],
+            "worker.actor.kl_step_control.factor=1.0 must be > 1",
+        ),
+        (
+            ["worker.actor.kl_step_control.enabled=true", "worker.actor.kl_step_control.min_scale=0"],
+            "worker.actor.kl_step_control.min_scale=0.0 must be in (0, 1]",
+        ),
+        (
+            [
+                "worker.actor.kl_step_control.enabled=true",
+                "worker.actor.global_batch_size=8",
+                "data.rollout_batch_size=8",
+            ],
+            "makes one optimizer step per training step: lower global_batch_size, raise ppo_epochs",
+        ),
+        (
             ["worker.actor.moe.aux_loss_coef=-0.1"],
             "worker.actor.moe.aux_loss_coef=-0.1 must be >= 0",
         ),

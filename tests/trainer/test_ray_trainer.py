@@ -1179,7 +1179,8 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     zero advantage; the dropped and kept groups add up to those generated. The live trainer then
     gives up after trainer.max_try_make_batch rounds when no group can pass, or with
     algorithm.unfilled_step=train trains on groups it dropped. A second trainer resumed
-    from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps."""
+    from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps (and the
+    learning rate's scale of worker.actor.kl_step_control is restored)."""
     import ray
     from _trainer_run import small_run_overrides
 
@@ -1203,6 +1204,11 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
             "worker.actor.collapse_recovery.enabled=true",
             "worker.actor.collapse_recovery.all_equal_share=0.01",
             "worker.actor.collapse_recovery.patience=2",
+            # two optimizer steps a step; the second sees how far the first moved the policy: above
+            # twice this tiny target every step, so each step's learning rate is 1 / 1.5 of the last's
+            "worker.actor.global_batch_size=2",
+            "worker.actor.kl_step_control.enabled=true",
+            "worker.actor.kl_step_control.target_kl=1e-6",
             *extra,
         ]
 
@@ -1268,6 +1274,9 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
         assert ("actor/collapse_spread" in row) == (streak >= 2), step
         assert 0.0 <= row["actor/saturated_token_frac"] <= 1.0
         assert row["actor/grad_norm"] > 0
+        assert row["actor/ppo_kl_k3"] > 2e-6, step
+        assert row["actor/lr_scale"] == pytest.approx(1.5 ** (1 - step)), step  # resumed: step 3's too
+        assert row["actor/lr"] == pytest.approx(0.02 * row["actor/lr_scale"]), step
         # the rounds of a step share the last update's push; only the save of step 2 freed the weights
         assert row["rollout/weight_pushes_before_generate"] == (1.0 if step == 3 else 0.0), step
     assert sum(row["rollout/dropped_groups"] - row["rollout/surplus_groups"] for row in rows.values()) > 0

@@ -251,3 +251,36 @@ def test_decoupled_ppo_weighs_each_tokens_loss_by_proximal_over_behaviour(traini
     assert stale[0]["behaviour_over_cap"] == pytest.approx(float((weights[mask] > 5).float().mean()))
     assert stale[0]["behaviour_weight"] == pytest.approx(float(weights[mask].mean()), rel=1e-5)
     assert stale[0]["behaviour_kl"] == pytest.approx(float(-weights[mask].log().mean()), abs=1e-5)
+
+
+def test_the_step_size_scale_is_the_scheduled_rate_times_it_for_this_step_only(training_batches):
+    # Adam at 1e-3 with the driver's scale 0.5 takes exactly the step of Adam at 5e-4; the scheduler's
+    # rate is back for the next step, and the logged lr is the one the step used
+    path, batch = training_batches["qwen2_5_vl"]
+    steps = []
+    for lr, scale in ((1e-3, 0.5), (5e-4, 1.0)):
+        model = training_model(path)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        actor = policy_actor(model, optimizer, lr_scheduler=scheduler, **ACTOR_SETTINGS)
+        metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE, lr_scale=scale).metrics
+        assert metrics["lr"] == 5e-4
+        assert optimizer.param_groups[0]["lr"] == lr  # the schedule's, untouched by the scale
+        steps.append({name: tensor.detach().clone() for name, tensor in iter_full_state_dict(model)})
+    for name, tensor in steps[0].items():
+        assert torch.equal(tensor, steps[1][name]), name
+
+
+def test_ppo_kl_k3_is_the_token_mean_of_r_minus_1_minus_log_r(training_batches):
+    # the batch's old log-probs are the model's own plus noise: r = p / p_old per token, and the metric
+    # the step-size control reads is the token mean of r - 1 - log r (>= 0), ppo_kl that of -log r
+    path, batch = training_batches["qwen2_5_vl"]
+    model = training_model(path)
+    actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=0.0), **ACTOR_SETTINGS)
+    log_probs, _ = actor.compute_log_probs(batch, 2, TEMPERATURE)
+    mask = batch.batch["response_mask"].bool()
+    log_ratio = (log_probs - batch.batch["old_log_probs"])[mask].double()
+    metrics = actor.update_policy(batch, len(batch), 2, 1, TEMPERATURE).metrics
+    assert metrics["ppo_kl_k3"] == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-4)
+    assert metrics["ppo_kl"] == pytest.approx(float(-log_ratio.mean()), rel=1e-4, abs=1e-6)
+    assert metrics["ppo_kl_k3"] > 0.01  # the noise (0.3 nats) moved it well away from 0
