@@ -20,12 +20,14 @@ Settings: ``cosine`` (the recipe's learning-rate decay to 0.1 x over the run) an
 same peak rate throughout). Recipes, each on top of ``examples/tiny_cpu_spatial.yaml`` (its k3 KL
 loss 0.02 to the warm-up model, peak learning rate, batch sizes):
 
-- ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus;
+- ``plain``: GRPO as the colour demo runs it: no filtering, symmetric clip 0.2, no entropy bonus,
+  Adam's default betas, no step-size control;
 - ``dapo``: stop 20's recipe: online filtering that ends the run when ``trainer.max_try_make_batch``
   rounds cannot fill a step, clip_ratio_high 0.28, no entropy bonus;
 - ``entropy``: the example config as it stands (the recommended recipe): the same filtering, but a
   step that cannot be filled trains on the groups it dropped (``algorithm.unfilled_step: train``),
-  adaptive entropy control over the top-8 entropy and clip-higher.
+  adaptive entropy control over the top-8 entropy and clip-higher, and steps that cannot knock a solved
+  policy off (Adam's beta2 0.95, ``worker.actor.kl_step_control``).
 
 The setting's learning-rate schedule applies to every recipe. A seed sets ``trainer.seed`` (torch RNGs
 of the workers), ``worker.rollout.seed`` (the sampling streams) and ``data.seed`` (the prompt order);
@@ -77,12 +79,15 @@ RUN_TIMEOUT_S = 3600  # a hang's safety net; a busy shared machine slows runs se
 # learning-rate schedule the setting's. (worker.actor.entropy_top_k stays the example's: without a bonus
 # it is only the measure logged, so every recipe's entropy is measured alike)
 NO_ENTROPY_CONTROL = ["worker.actor.entropy_coeff=0.0", "worker.actor.adaptive_entropy.enabled=false"]
+# Adam's default betas and no step-size control: the recipe's steady steps are its own (stop 46)
+PLAIN_STEPS = ["worker.actor.optim.betas=[0.9,0.999]", "worker.actor.kl_step_control.enabled=false"]
 RECIPES: dict[str, list[str]] = {
     "plain": [  # GRPO as the colour demo runs it
         "algorithm.online_filtering=false",
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.2",
         *NO_ENTROPY_CONTROL,
+        *PLAIN_STEPS,
     ],
     "dapo": [  # stop 20's recipe: dynamic sampling (stops when a step cannot be filled), clip-higher
         "algorithm.online_filtering=true",
@@ -90,6 +95,7 @@ RECIPES: dict[str, list[str]] = {
         "worker.actor.clip_ratio_low=0.2",
         "worker.actor.clip_ratio_high=0.28",
         *NO_ENTROPY_CONTROL,
+        *PLAIN_STEPS,
     ],
     "entropy": [],  # examples/tiny_cpu_spatial.yaml as it stands: the recommended recipe
 }
