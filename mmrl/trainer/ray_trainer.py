@@ -167,7 +167,13 @@ def build_collapse_gate(config: PPOConfig) -> core_algos.CollapseGate:
 
 def build_kl_step_control(config: PPOConfig) -> core_algos.KLStepControl:
     """The learning rate's scale per step (``worker.actor.kl_step_control``)."""
-    return core_algos.KLStepControl(**asdict(config.worker.actor.kl_step_control))
+    control = config.worker.actor.kl_step_control
+    return core_algos.KLStepControl(
+        enabled=control.enabled,
+        target_kl=control.target_kl,
+        factor=control.factor,
+        min_scale=control.min_scale,
+    )
 
 
 def local_cluster_cpus(config: PPOConfig) -> int:
