@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from mmrl.models.loading import load_model
 from mmrl.models.prepare import prepare_for_training
 
@@ -27,6 +29,25 @@ def perturbed_model(path, seed: int = 0):
         for parameter in model.parameters():
             parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
     return model
+
+
+class PushBefore:
+    """:class:`mmrl.agent.backend.DecodeChunks` as the streaming thread is to a decoder, with a weight
+    push landing as the decoder enters the engine for the ``at``-th time (from 0): ``push()`` puts the
+    new weights (policy version 1) into the engine. Transformers enters once for a micro-batch's
+    prefill and once per chunk; vLLM once per chunk (its first includes the prefill)."""
+
+    def __init__(self, push, tokens: int, at: int):
+        self.push, self.tokens, self.at = push, tokens, at
+        self.version, self.entries = 0, 0
+
+    @contextlib.contextmanager
+    def engine(self):
+        if self.entries == self.at:
+            self.push()
+            self.version = 1
+        self.entries += 1
+        yield
 
 
 def build_hub_cache(model_dir, cache_dir, repo_id: str, revision: str = "0" * 40):

@@ -132,8 +132,6 @@ class TrainerConfig:
             "worker.rollout.placement=separate (the engines must generate while the trainer trains)": (
                 not rollout.separate
             ),
-            "worker.rollout.name=hf with worker.rollout.multi_turn.enable=true (a model turn is decoded a chunk at "
-            "a time by the transformers engine only)": rollout.multi_turn.enable and rollout.name != "hf",
             "worker.actor.moe.routing_replay=false (a re-encoded prefix's routing is not recorded)": (
                 config.worker.actor.moe.routing_replay
             ),

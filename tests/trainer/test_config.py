@@ -366,15 +366,6 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             "trainer.async_mode=stream needs worker.actor.moe.routing_replay=false",
         ),
         (
-            [
-                "trainer.async_mode=stream",
-                "worker.rollout.placement=separate",
-                "worker.rollout.name=vllm",
-                "worker.rollout.multi_turn.enable=true",
-            ],
-            "trainer.async_mode=stream needs worker.rollout.name=hf with worker.rollout.multi_turn.enable=true",
-        ),
-        (
             ["trainer.async_mode=stream", "trainer.max_staleness=0"],
             "trainer.max_staleness=0 must be >= 1",
         ),

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from _models import perturbed_model
+from _models import PushBefore, perturbed_model
 from _trainer_run import small_run_overrides
 
 from mmrl.data.collate import collate_prompts
@@ -94,6 +94,7 @@ def _worker_job(
         "partial": _partial(
             worker, models, attach_media(prompts, worker.media, rollout_media=True), greedy, tokenizer
         ),
+        "turns": _partial_turns(worker, model_path, attach_media(prompts, worker.media, rollout_media=True)),
     }
 
 
@@ -142,6 +143,44 @@ def _partial(worker, models: list, prompts: DataProto, greedy, tokenizer) -> dic
             stream.advance(2)
             parts.append(stream.take_finished())
         results[name] = DataProto.concat([part for part in parts if part is not None]).batch.to_dict()
+    return results
+
+
+def _partial_turns(worker, model_path: str, prompts: DataProto) -> dict:
+    """Model turns as the agent loop asks for them (each prompt's first turn), decoded 2 tokens a chunk
+    with the weights of version 2 until version 1's are pushed before the third chunk: by the vLLM engine
+    and by transformers (exact by construction), the same push before the same token; vLLM's without
+    the push. Then sampled:
+    vLLM's turns at a near-uniform temperature unchunked, in one chunk, and in chunks of one token (twice)."""
+    from mmrl.agent.backend import TurnRequest
+    from mmrl.agent.trajectory import Trajectory
+    from mmrl.workers.rollout import SamplingParams
+    from mmrl.workers.rollout.hf import HFRollout
+    from mmrl.workers.weight_sync import iter_full_state_dict
+
+    first, second = (perturbed_model(model_path, seed) for seed in VERSIONS)
+    tokenizer = worker.media.tokenizer
+    requests = [TurnRequest(row, Trajectory(), MAX_TOKENS) for row in range(len(prompts))]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    hf = HFRollout(perturbed_model(model_path, VERSIONS[1]), tokenizer, return_log_probs=True)
+    worker.engine.update_weights(iter_full_state_dict(second, checkpoint_format=True))
+    results = {}
+    for name, engine, at in (("vllm", worker.engine, 2), ("hf", hf, 3)):  # transformers' prefill: entry 0
+
+        def push(engine=engine):
+            engine.update_weights(iter_full_state_dict(first, checkpoint_format=True))
+
+        results[name] = engine.turn_generator(prompts, greedy, PushBefore(push, tokens=2, at=at))(requests)
+    worker.engine.update_weights(iter_full_state_dict(second, checkpoint_format=True))
+    results["unpushed"] = worker.engine.turn_generator(prompts, greedy)(requests)  # version 2 throughout
+    hot = SamplingParams(n=1, temperature=1000.0, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True)
+    never = PushBefore(None, tokens=MAX_TOKENS, at=-1)
+    results["unchunked"] = worker.engine.turn_generator(prompts, hot)(requests)
+    results["one_chunk"] = worker.engine.turn_generator(prompts, hot, never)(requests)
+    results["token_chunks"] = [
+        worker.engine.turn_generator(prompts, hot, PushBefore(None, tokens=1, at=-1))(requests)
+        for _ in range(2)
+    ]
     return results
 
 
@@ -241,6 +280,31 @@ def test_a_push_between_chunks_continues_the_vllm_generations_with_the_new_weigh
     uninterrupted = worker_run["results"][-1]["worker"]["responses"]  # version 2 all the way
     assert torch.equal(vllm["responses"][:, :2], uninterrupted[:, :2])
     assert not torch.equal(vllm["responses"], uninterrupted)  # the push changed the rest
+
+
+@pytest.mark.distributed
+def test_streamed_model_turns_on_vllm_continue_with_the_weights_pushed_mid_turn(worker_run):
+    # the agent loop's turns in stream mode on vLLM (a turn decoded 2 tokens per engine call, the push
+    # before the third chunk): the tokens of transformers' exact partial decode given the same push
+    # before the same token, log-probs within 1e-4, each token stamped with the version that sampled it
+    turns = worker_run["turns"]
+    vllm, hf = turns["vllm"], turns["hf"]
+    assert [turn.token_ids for turn in vllm] == [turn.token_ids for turn in hf]
+    for got, expected in zip(vllm, hf):
+        torch.testing.assert_close(
+            torch.tensor(got.log_probs), torch.tensor(expected.log_probs), rtol=0, atol=1e-4
+        )
+        assert got.versions == expected.versions == [0] * 4 + [1] * 2
+    unpushed = [turn.token_ids for turn in turns["unpushed"]]
+    assert [ids[:4] for ids in unpushed] == [turn.token_ids[:4] for turn in vllm]
+    assert unpushed != [turn.token_ids for turn in vllm]  # the push changed the turns' last tokens
+    # sampled: a turn decoded in one chunk draws the unchunked turn's tokens; in one-token chunks each
+    # chunk draws with a seed of its own (the same again with the same seeds), every token stamped
+    assert [turn.token_ids for turn in turns["one_chunk"]] == [turn.token_ids for turn in turns["unchunked"]]
+    small, again = turns["token_chunks"]
+    assert [turn.token_ids for turn in small] == [turn.token_ids for turn in again]
+    assert [turn.token_ids for turn in small] != [turn.token_ids for turn in turns["unchunked"]]
+    assert all(turn.versions == [0] * MAX_TOKENS for turn in small)
 
 
 @pytest.mark.distributed

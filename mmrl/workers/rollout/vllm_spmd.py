@@ -32,7 +32,7 @@ the placeholder bias keeps its full strength at any T), and its raw log-probs ar
 trainer's, as :class:`HFRollout`'s are.
 
 Multi-turn trajectories: the agent loop (:mod:`mmrl.agent`) drives :meth:`VLLMRollout.turn_generator`,
-one engine request per trajectory and turn.
+one engine request per trajectory and turn (streaming: per turn and chunk of tokens).
 
 On a rollout worker of its own (``worker.rollout.placement=separate``) the same engine receives the
 pushes (:mod:`mmrl.workers.rollout_worker`) and, streaming, decodes a chunk of tokens per engine call
@@ -47,13 +47,13 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mmrl.agent.backend import GenerateTurns, SampledTurn, TurnRequest, engine_context
+from mmrl.agent.backend import DecodeChunks, GenerateTurns, SampledTurn, TurnRequest, engine_context
 from mmrl.config import RolloutConfig
 from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
@@ -69,6 +69,8 @@ BLOCKED_TOKEN_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
 # by this prime keeps every prompt's n seeds of one call apart from those of other calls.
 SEED_STRIDE = 1_000_003
 MAX_SEED = 2**31 - 1
+# streamed multi-turn: the chunks of one turn; another prime, so no (turn, chunk) repeats another's seed
+CHUNK_SEED_STRIDE = 999_983
 
 
 # multi_modal_data keys of mmrl.data.dataset items -> vLLM's modality names (the items are already in
@@ -120,6 +122,17 @@ def check_prompt_expansion(prompts: DataProto, outputs: Sequence[Any]) -> None:
                 f"tokens, the trainer's processor to {length}: the two processors disagree on this model's "
                 "media (Qwen3-Omni: videos are not supported on vLLM; use worker.rollout.name=hf)"
             )
+
+
+def completion(output: Any) -> tuple[list[int], list[float], bool]:
+    """One request's sampled ids, their log-probs, and whether it stopped on an end-of-sequence id."""
+    sampled = output.outputs[0]
+    ids = list(sampled.token_ids)
+    return (
+        ids,
+        [step[token].logprob for token, step in zip(ids, sampled.logprobs)],
+        sampled.finish_reason == "stop",
+    )
 
 
 def prompt_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
@@ -506,39 +519,97 @@ class VLLMRollout:
             rollout_log_probs=log_probs,
         )
 
-    def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
+    def turn_generator(
+        self, prompts: DataProto, sampling: SamplingParams, chunks: DecodeChunks | None = None
+    ) -> GenerateTurns:
         """Model turns for the agent loop (:class:`mmrl.agent.backend.TurnBackend`): one engine request
         per trajectory and turn, the prompt and the trajectory so far as token ids (observation
         placeholders collapsed, their media after the prompt's), seeded per row and turn. One engine per
-        rank (``tensor_parallel_size`` 1: ranks of a TP group would have to agree on every turn)."""
+        rank (``tensor_parallel_size`` 1: ranks of a TP group would have to agree on every turn).
+
+        ``chunks`` (streaming): a turn is decoded ``chunks.tokens`` at a time, each chunk one engine
+        call over the turns not yet ended (their context followed by the turn's tokens so far, as
+        :class:`StreamedVLLMGeneration` does), the engine held for that call only; each id records the
+        version of the weights that sampled it. A chunk's seed is the turn's advanced by the chunk's
+        index (:data:`CHUNK_SEED_STRIDE`), so a turn decoded in one chunk draws what it draws unchunked."""
         self.wake_up()
         bases = engine_prompts(prompts)
         row_seeds = prompt_seeds(sampling.seed, len(prompts), 1)
 
+        def context(request: TurnRequest) -> dict[str, Any]:
+            return engine_context(
+                bases[request.row], request.trajectory, self.blocked_token_ids, ENGINE_MODALITIES
+            )
+
+        def turn_seed(request: TurnRequest) -> int:
+            return row_seeds[request.row] + SEED_STRIDE * request.trajectory.record.model_turns
+
         def generate_turns(requests: Sequence[TurnRequest]) -> list[SampledTurn]:
-            inputs = [
-                engine_context(bases[r.row], r.trajectory, self.blocked_token_ids, ENGINE_MODALITIES)
-                for r in requests
-            ]
-            engine_sampling = [
-                self._engine_sampling(
-                    sampling.override(n=1, max_tokens=r.max_tokens),
-                    (row_seeds[r.row] + SEED_STRIDE * r.trajectory.record.model_turns) % MAX_SEED,
-                )
-                for r in requests
-            ]
-            with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
-                outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
-            turns = []
-            for output in outputs:
-                completion = output.outputs[0]
-                ids = list(completion.token_ids)
-                turns.append(
-                    SampledTurn(ids, [step[token].logprob for token, step in zip(ids, completion.logprobs)])
-                )
-            return turns
+            if chunks is None:
+                return [
+                    SampledTurn(*completion(output)[:2])
+                    for output in self._sample(
+                        [context(r) for r in requests],
+                        [
+                            sampling.override(n=1, max_tokens=r.max_tokens, seed=turn_seed(r))
+                            for r in requests
+                        ],
+                        sampling,
+                    )
+                ]
+            return self._turns_in_chunks(
+                [context(r) for r in requests], requests, sampling, turn_seed, chunks
+            )
 
         return generate_turns
+
+    def _turns_in_chunks(
+        self,
+        contexts: list[dict[str, Any]],
+        requests: Sequence[TurnRequest],
+        sampling: SamplingParams,
+        turn_seed: Callable[[TurnRequest], int],
+        chunks: DecodeChunks,
+    ) -> list[SampledTurn]:
+        """:meth:`turn_generator`'s turns decoded ``chunks.tokens`` at a time (streaming)."""
+        ids: list[list[int]] = [[] for _ in requests]
+        log_probs: list[list[float]] = [[] for _ in requests]
+        versions: list[list[int]] = [[] for _ in requests]
+        ended = [request.max_tokens <= 0 for request in requests]
+        chunk = 0
+        while not all(ended):
+            live = [index for index, done in enumerate(ended) if not done]
+            inputs = [
+                {**contexts[i], "prompt_token_ids": contexts[i]["prompt_token_ids"] + ids[i]} for i in live
+            ]
+            settings = [
+                sampling.override(
+                    n=1,
+                    max_tokens=min(chunks.tokens, requests[i].max_tokens - len(ids[i])),
+                    seed=turn_seed(requests[i]) + CHUNK_SEED_STRIDE * chunk,
+                )
+                for i in live
+            ]
+            with chunks.engine():
+                version = chunks.version
+                outputs = self._sample(inputs, settings, sampling)
+            chunk += 1
+            for i, output in zip(live, outputs):
+                new_ids, new_log_probs, stopped = completion(output)
+                ids[i] += new_ids
+                log_probs[i] += new_log_probs
+                versions[i] += [version] * len(new_ids)
+                ended[i] = stopped or len(ids[i]) >= requests[i].max_tokens
+        return [SampledTurn(*turn) for turn in zip(ids, log_probs, versions)]
+
+    def _sample(
+        self, inputs: list[dict[str, Any]], settings: list[SamplingParams], sampling: SamplingParams
+    ) -> list[Any]:
+        """One engine call: a completion per input with its settings (``n`` 1, its ``max_tokens`` and
+        seed), at ``sampling``'s temperature; vLLM's outputs, in order (:func:`completion` reads one)."""
+        engine_sampling = [self._engine_sampling(setting, setting.seed % MAX_SEED) for setting in settings]
+        with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+            return self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
 
     def stream(self, prompts: DataProto, sampling: SamplingParams, version: int) -> StreamedVLLMGeneration:
         """A training generation of ``prompts`` handed out group by group as the prompts finish, its
@@ -596,31 +667,24 @@ class StreamedVLLMGeneration:
         if not rows:
             return
         rollout.wake_up()
-        inputs, engine_sampling = [], []
+        inputs, settings = [], []
         for row in rows:
             base = self.bases[row // n]
             inputs.append({**base, "prompt_token_ids": base["prompt_token_ids"] + self.tokens[row]})
             left = sampling.max_tokens - len(self.tokens[row])
-            seed = (self.row_seeds[row] + SEED_STRIDE * self.chunks) % MAX_SEED
-            chunk = sampling.override(n=1, max_tokens=min(max_new_tokens, left))
-            engine_sampling.append(rollout._engine_sampling(chunk, seed))
-        with rollout._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
-            outputs = rollout.llm.generate(inputs, engine_sampling, use_tqdm=rollout.show_progress)
+            seed = self.row_seeds[row] + SEED_STRIDE * self.chunks
+            settings.append(sampling.override(n=1, max_tokens=min(max_new_tokens, left), seed=seed))
+        outputs = rollout._sample(inputs, settings, sampling)
         if self.chunks == 0:  # every row is here, a prompt's n rows side by side
             check_prompt_expansion(self.prompts, outputs[::n])
         self.chunks += 1
         for row, output in zip(rows, outputs):
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
+            ids, log_probs, stopped = completion(output)
             self.tokens[row] += ids
-            self.token_log_probs[row] += [
-                step[token].logprob for token, step in zip(ids, completion.logprobs)
-            ]
+            self.token_log_probs[row] += log_probs
             self.token_versions[row] += [self.version] * len(ids)
             # an end-of-sequence token (vLLM's "stop") or the response's length budget
-            self.ended[row] = (
-                completion.finish_reason == "stop" or len(self.tokens[row]) >= sampling.max_tokens
-            )
+            self.ended[row] = stopped or len(self.tokens[row]) >= sampling.max_tokens
 
     def take_finished(self) -> DataProto | None:
         """The rows (n per prompt, the prompt's columns repeated) of the prompts whose n responses have

@@ -15,7 +15,6 @@ images arrive mid-trajectory.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _models import PushBefore
 
 from mmrl.agent.loop import tool_schemas
 from mmrl.agent.tools import ToolCall, ToolRunner, tool_from_function
@@ -242,23 +242,6 @@ def test_a_push_during_a_tool_call_reaches_the_next_turn_and_the_call_completes(
     assert not torch.equal(unswitched.batch["responses"], streamed.batch["responses"])  # the push mattered
 
 
-class PushAfter:
-    """:class:`mmrl.agent.backend.DecodeChunks` whose weights change before its ``at``-th chunk (the
-    prefill is entry 0): a push landing in the middle of a model turn."""
-
-    def __init__(self, engine, weights, tokens: int, at: int):
-        self.engine_, self.weights, self.tokens, self.at = engine, weights, tokens, at
-        self.version, self.entries = 0, 0
-
-    @contextlib.contextmanager
-    def engine(self):
-        if self.entries == self.at:
-            self.engine_.update_weights(self.weights.items())
-            self.version = 1
-        self.entries += 1
-        yield
-
-
 @torch.no_grad()
 def full_forward_turn(engine, models, switch_at, contexts, sampling):
     """The reference: each token drawn from a forward of the whole context so far (no cache), by
@@ -297,7 +280,7 @@ def test_a_push_in_the_middle_of_a_model_turn_continues_it_with_the_new_weights(
     new_model.load_state_dict(weights)
     engine = HFRollout(load_model(str(tiny_vl_path)), media.tokenizer, return_log_probs=True, prepack=False)
     sampling = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
-    chunks = PushAfter(engine, weights, tokens=2, at=3)
+    chunks = PushBefore(lambda: engine.update_weights(weights.items()), tokens=2, at=3)  # prefill = 0
     requests = [TurnRequest(row, Trajectory(), 8) for row in range(len(rows))]
     turns = engine.turn_generator(rows, sampling, chunks=chunks)(requests)
     contexts = trajectory_contexts(rows, requests, engine.pad_token_id)
