@@ -2,7 +2,8 @@
 (``algorithm.off_policy=decoupled``) on the trainer, its rollout engine in a worker of its own
 (``worker.rollout.placement=separate``: one training rank, one rollout worker): each step trains the
 batch the step before generated with the weights before its update, while that update ran, every
-loader batch image and video prompts (on the transformers engine, and on vLLM below); every
+loader batch image and video prompts (on the transformers engine, and on vLLM below, after a streamed
+step of multi-turn trajectories whose tool returns an image); every
 token records the version that sampled it; the weights reach the rollout worker over the push group;
 and a run SIGKILLed while the rollout worker generates the next step's batch, resumed from its
 checkpoint, leaves nothing running and trains the uninterrupted run's samples to its numbers
@@ -14,6 +15,7 @@ import pytest
 from _trainer_run import (
     ROW_REWARD,
     VIDEO_OVERRIDES,
+    ZOOM_CENTER_TOOL,
     assert_left_nothing,
     loader_rows,
     metrics_rows,
@@ -166,18 +168,28 @@ def test_each_update_pushes_the_whole_model_once(uninterrupted, tiny_vl_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_separate(tiny_vl_path, image_video_data_dir, tmp_path_factory) -> dict:
+def vllm_separate(tool_calling_vl_path, image_video_data_dir, tmp_path_factory) -> dict:
     """Images and videos on the vLLM engine of the rollout worker of its own, in one command of two
-    stages: 2 steps one step off, then (resumed from the first stage's checkpoint) 1 step streamed, a
-    chunk of one token at a time. Its training lines by step."""
+    stages: 1 step streamed, a chunk of one token at a time, of multi-turn trajectories (the tiny model
+    taught to call the demo's tool, which returns an image; a video row has none, so its call fails
+    alone), then (resumed from the first stage's checkpoint) 2 steps one step off, single-turn. Its
+    training lines by step."""
     save_dir = tmp_path_factory.mktemp("separate_vllm") / "run"
-    overrides = async_overrides(tiny_vl_path, image_video_data_dir, save_dir) + [
+    stream = [
+        "trainer.async_mode=stream",
+        "worker.rollout.multi_turn.enable=true",
+        f"'worker.rollout.multi_turn.tools=[{ZOOM_CENTER_TOOL}]'",
+        "worker.rollout.multi_turn.max_turns=2",
+        "data.max_prompt_length=320",  # the tool's schema in the system prompt
+        "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the next turn
+    ]
+    overrides = async_overrides(tool_calling_vl_path, image_video_data_dir, save_dir) + [
         "worker.rollout.name=vllm",
         "worker.rollout.cpu_kv_cache_gib=0.125",
         "worker.rollout.stream_chunk_tokens=1",
         "trainer.max_steps=null",
         "trainer.save_freq=-1",
-        "trainer.stages=[{name: off, steps: 2}, {name: stream, steps: 1, overrides: [trainer.async_mode=stream]}]",
+        f"trainer.stages=[{{name: stream, steps: 1, overrides: [{', '.join(stream)}]}}, {{name: off, steps: 2}}]",
     ]
     return training_lines(run_main(overrides, save_dir, timeout_s=RUN_TIMEOUT_S))
 
@@ -185,31 +197,34 @@ def vllm_separate(tiny_vl_path, image_video_data_dir, tmp_path_factory) -> dict:
 @pytest.mark.slow(seconds=120)
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_a_vllm_rollout_worker_generates_ahead_and_streams_with_the_pushed_weights(
-    vllm_separate, tiny_vl_path, image_video_data_dir
+def test_a_vllm_rollout_worker_streams_and_generates_ahead_with_the_pushed_weights(
+    vllm_separate, tool_calling_vl_path, image_video_data_dir
 ):
-    # step 1 trains the first batch (the initial weights, pushed into the engine's random ones at start):
-    # vLLM's log-probs are the trainer's (w = 1); step 2 trains the batch the engine generated during
-    # step 1 with the weights before its update, pushed over the push group (fp32: the model's bytes);
-    # step 3, streamed after the resume, trains groups the engine decoded a token per call with the
-    # saved weights (staleness 0: nothing was pushed since)
+    # step 1, streamed, trains trajectories the engine decoded a token per call with the initial weights
+    # (pushed into the engine's random ones at start; staleness 0), the tool's images in them; step 2,
+    # the first one step off after the resume, trains the batch generated with its own weights (w = 1);
+    # step 3 trains the batch the engine generated during step 2 with the weights before its update,
+    # pushed over the push group (fp32: the model's bytes)
     assert sorted(vllm_separate) == [1, 2, 3]
-    first, second, streamed = vllm_separate[1], vllm_separate[2], vllm_separate[3]
+    streamed, first, second = vllm_separate[1], vllm_separate[2], vllm_separate[3]
     staleness = [vllm_separate[step]["rollout/staleness_max"] for step in (1, 2, 3)]
-    assert staleness == [0.0, 1.0, 0.0]
-    for row in (first, streamed):  # fresh samples: behaviour = proximal up to the engines' numerics
+    assert staleness == [0.0, 0.0, 1.0]
+    for row in (streamed, first):  # fresh samples: behaviour = proximal up to the engines' numerics
         assert row["actor/behaviour_weight"] == pytest.approx(1.0, abs=1e-4)
         assert row["actor/behaviour_over_cap"] == 0 and abs(row["actor/behaviour_kl"]) < 1e-5
     # sampled by the weights before the update: 10x past the fresh steps' bound, w visibly off 1
     assert abs(second["actor/behaviour_kl"]) > 1e-4 and abs(second["actor/behaviour_weight"] - 1) > 1e-2
-    assert first["timing_s/gen_overlap"] > 0  # step 2's batch was generated while step 1 trained
+    assert first["timing_s/gen_overlap"] > 0  # step 3's batch was generated while step 2 trained
     assert streamed["rollout/stream_dropped_groups"] == 0
-    model, seen, expected = load_model(str(tiny_vl_path)), set(), 0
+    # the streamed trajectories called the tool, whose image came back as an observation
+    assert streamed.get("agent/tool_calls/zoom", 0) > 0 and streamed["agent/observation_tokens/mean"] > 0
+    assert streamed["agent/turns/max"] == 2
+    model, seen, expected = load_model(str(tool_calling_vl_path)), set(), 0
     for tensor in model.state_dict().values():
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             expected += tensor.numel() * tensor.element_size()
-    for row in (first, second, streamed):
+    for row in (streamed, first, second):
         assert row["transfer/weight_push_bytes"] == expected
         assert row["rollout/generated_responses"] == 16
     # every step generated and trained video prompts (frames attached on the rollout worker, 3-D
