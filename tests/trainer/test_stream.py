@@ -1,5 +1,5 @@
-"""Streaming (``trainer.async_mode=stream``) on the trainer: one training rank, one rollout worker of
-its own generating all the time in chunks of one token, so that weight pushes may land in generations
+"""Streaming (``trainer.async_mode=stream``) on the trainer: one training rank, two rollout workers of
+their own (the submissions in turn) generating all the time in chunks of one token, so that weight pushes may land in generations
 in flight; each step trains groups at most ``trainer.max_staleness`` updates old. The run is two stages
 (1 step, then 2) in one command, SIGKILLed in step 2 (after its update, a prompt batch in flight) and
 resumed with the same command: the second stage starts, live and again at the resume, from the first's
@@ -58,6 +58,7 @@ def streamed(tool_calling_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "worker.rollout.name=hf",
         "worker.rollout.placement=separate",
         "worker.rollout.stream_chunk_tokens=1",
+        "worker.rollout.num_workers=2",  # submissions go to them in turn
         "trainer.n_gpus_per_node=1",
         # online filtering, scored as the groups arrive: no group passes (crc_mod_4 lies in 0..3, the
         # bounds start at 4), and one round (4 groups judged) per step; each step is then topped up with
