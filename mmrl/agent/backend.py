@@ -73,7 +73,7 @@ class TurnBackend(Protocol):
         with ``multi_modal_inputs``/``multi_modal_data`` as :func:`~mmrl.data.processing.attach_media`
         gives them), sampled with ``sampling`` (its ``n`` and ``max_tokens`` unused: each request
         says its budget). One function per generation: a backend may keep a random stream in it.
-        A backend that streams (transformers) also takes ``chunks`` (:class:`DecodeChunks`)."""
+        Streaming, it also takes ``chunks`` (:class:`DecodeChunks`): both backends do."""
 
 
 # ---- contexts, in a backend's form ------------------------------------------------------------
