@@ -68,12 +68,14 @@ class TurnBackend(Protocol):
 
     pad_token_id: int  # the batch's padding id
 
-    def turn_generator(self, prompts: DataProto, sampling: SamplingParams) -> GenerateTurns:
+    def turn_generator(
+        self, prompts: DataProto, sampling: SamplingParams, chunks: DecodeChunks | None = None
+    ) -> GenerateTurns:
         """The model turns of the trajectories of ``prompts`` (one row per trajectory, left-padded,
         with ``multi_modal_inputs``/``multi_modal_data`` as :func:`~mmrl.data.processing.attach_media`
         gives them), sampled with ``sampling`` (its ``n`` and ``max_tokens`` unused: each request
         says its budget). One function per generation: a backend may keep a random stream in it.
-        Streaming, it also takes ``chunks`` (:class:`DecodeChunks`): both backends do."""
+        ``chunks`` (streaming): each turn decoded a chunk of tokens at a time, pushes landing between."""
 
 
 # ---- contexts, in a backend's form ------------------------------------------------------------

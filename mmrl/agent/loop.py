@@ -249,8 +249,7 @@ class AgentLoop:
         ``rollout_media`` gives them. ``chunks``: the turns are decoded in chunks, pushes landing
         between them (streaming); their tokens then carry ``policy_version``."""
         repeated = prompts.repeat(sampling.n, interleave=True)  # uid and media kept per row
-        streamed = {} if chunks is None else {"chunks": chunks}
-        generate = backend.turn_generator(repeated, sampling.override(n=1), **streamed)
+        generate = backend.turn_generator(repeated, sampling.override(n=1), chunks)
         trajectories = self.run(sample_rows(repeated, self.renderer.media), sampling.max_tokens, generate)
         return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, backend.pad_token_id)
 
