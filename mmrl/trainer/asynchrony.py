@@ -27,6 +27,7 @@ updates behind the trained tokens were.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,20 +115,37 @@ class StreamedGroup:
     """A prompt's n responses as they came from the stream: ``version``, the policy version of its
     oldest token (its age is counted from it), ``arrival``, its place in the order groups arrived.
 
-    With online filtering a group is scored as it arrives: ``scores`` (its rows of the reward's
-    output), ``verdict`` (the filter's: kept | failed | other, ``dynamic_sampling.group_verdicts``),
-    ``all_equal`` (its rewards all equal: what the collapse gate counts) and ``solved`` (all equal at
-    the gate's ``solved_score`` or above); ``judged`` once a step's filter has counted it."""
+    Every group is scored from its arrival on. With online filtering the schedule waits for the scores:
+    ``scores`` (its rows of the reward's output), ``verdict`` (the filter's: kept | failed | other,
+    ``dynamic_sampling.group_verdicts``), ``all_equal`` (its rewards all equal: what the collapse gate
+    counts) and ``solved`` (all equal at the gate's ``solved_score`` or above); ``judged`` once a step's
+    filter has counted it. Without, ``pending`` gives its rows' scores when the step training it asks."""
 
     uid: str
     rows: DataProto
     version: int
     arrival: int
     scores: DataProto | None = None
+    pending: Callable[[], DataProto] | None = None
     verdict: str = "kept"
     all_equal: bool = False
     solved: bool = False
     judged: bool = False
+
+
+class ArrivalScores:
+    """The scores of the groups that arrived together, launched on their arrival and collected once
+    (``collect``), when the first step that trains one of them asks; :meth:`rows` slices them."""
+
+    def __init__(self, collect: Callable[[], DataProto]):
+        self.collect: Callable[[], DataProto] | None = collect
+        self.scores: DataProto | None = None
+
+    def rows(self, start: int, end: int) -> DataProto:
+        if self.collect is not None:
+            self.scores, self.collect = self.collect(), None
+        assert self.scores is not None
+        return self.scores[start:end]
 
 
 def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]:
@@ -185,11 +203,12 @@ class StreamTake:
 
 def step_batch(
     step: StreamTake, filtering: bool
-) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int, int]]:
-    """A taken step's rows (its groups in order), their scores (None without filtering: scored from now
-    on), its metrics, and (all-equal, all, solved) of the groups its filter saw: its own and those it dropped,
-    once each (the collapse gate's input). With filtering the rows carry ``left_out`` (1 on an unfilled
-    step's top-up groups that did not fail: ``dynamic_sampling.loss_rows`` keeps them out of the loss)."""
+) -> tuple[DataProto, Callable[[], DataProto] | None, dict[str, float], tuple[int, int, int]]:
+    """A taken step's rows (its groups in order), a function returning their scores in that order
+    (None when its groups arrived without: unscored), its metrics, and (all-equal, all, solved) of the
+    groups its filter saw: its own and those it dropped, once each (the collapse gate's input). With
+    filtering the rows carry ``left_out`` (1 on an unfilled step's top-up groups that did not fail:
+    ``dynamic_sampling.loss_rows`` keeps them out of the loss)."""
     assert step.groups is not None
     batch = DataProto.concat([group.rows for group in step.groups])
     # everything generated for the step: its groups and those its filter dropped (a top-up group once)
@@ -202,13 +221,16 @@ def step_batch(
         **step.metrics,
     }
     if not filtering:
-        return batch, None, metrics, (0, 0, 0)
+        pending = [group.pending for group in step.groups]
+        if any(part is None for part in pending):
+            return batch, None, metrics, (0, 0, 0)
+        return batch, lambda: DataProto.concat([part() for part in pending]), metrics, (0, 0, 0)
     batch.batch["left_out"] = torch.cat(
         [torch.full((len(group.rows),), int(group.verdict == "other")) for group in step.groups]
     )
     scores = DataProto.concat([group.scores for group in step.groups])
     counts = (sum(group.all_equal for group in spent), len(spent), sum(group.solved for group in spent))
-    return batch, scores, metrics, counts
+    return batch, lambda: scores, metrics, counts
 
 
 @dataclass
@@ -260,14 +282,25 @@ class StreamSchedule:
         for uid, origin in zip(uids, origins or ()):
             self.origin[uid] = origin
 
-    def arrive(self, batch: DataProto, scores: DataProto | None = None) -> None:
+    def arrive(
+        self,
+        batch: DataProto,
+        scores: DataProto | None = None,
+        pending: Callable[[], DataProto] | None = None,
+    ) -> None:
         """Finished groups from the rollout workers, with their ``scores`` (the reward's output, row for
-        row) when filtering."""
+        row) when filtering; without, ``pending`` collects those scores (launched as they arrived) when
+        a step trains one of the groups."""
         groups = streamed_groups(batch, self.arrivals)
         if self.filter is not None:
             if scores is None:
                 raise ValueError("online filtering judges groups by their scores: arrive(batch, scores)")
             judge_groups(groups, scores, self.filter, self.solved_score)
+        elif pending is not None:
+            arrival, start = ArrivalScores(pending), 0
+            for group in groups:
+                group.pending = functools.partial(arrival.rows, start, start + len(group.rows))
+                start += len(group.rows)
         self.arrivals += len(groups)
         self.finished += groups
 

@@ -505,20 +505,19 @@ class RayPPOTrainer:
 
     def _streamed_batch(self, prompts: Iterator[DataProto]) -> Rollout:
         """The step's groups from the stream (``trainer.async_mode=stream``), scored in the background
-        from now on; with online filtering, scored already (as they arrived), and the groups the step's
-        filter saw counted for the collapse gate (as the rounds of a synchronous step are)."""
+        since they arrived (with online filtering, scored already), and with online filtering the
+        groups the step's filter saw counted for the collapse gate (as the rounds of a synchronous step
+        are)."""
         # the horizon is the whole schedule's: prompts in flight at a stage's end are generated again by
         # the next stage, from the checkpoint's record of them
         last_step = self.total_steps if self.stage is None else self.stage.schedule_steps
-        batch, scores, metrics, group_counts = self.stream.take(
+        batch, collect_scores, metrics, group_counts = self.stream.take(
             prompts, self.train_loader.state_dict, self.policy_version, last_step - self.global_step
         )
         conform_to_columns(batch, "generate")
-        if scores is not None:
+        if self.filter is not None:
             self.group_counts = list(group_counts)
-            return Rollout(batch, lambda: scores, metrics, self.policy_version)
-        pending = self.rewards.launch(batch)
-        return Rollout(batch, lambda: self.rewards.collect(pending), metrics, self.policy_version)
+        return Rollout(batch, collect_scores, metrics, self.policy_version)
 
     def _filtered_rollout(
         self, prompts: Iterator[DataProto], options: FilterOptions, step: int

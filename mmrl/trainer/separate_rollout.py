@@ -16,6 +16,7 @@ between two chunks of tokens of the generations in flight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -92,9 +93,10 @@ class StreamedRollouts:
     """The driver's side of ``trainer.async_mode=stream``: prompts submitted as the schedule allows,
     finished groups gathered until a step's worth of fresh ones is there, stale ones' prompts sent again.
 
-    ``share_media`` puts a prompt batch's media in Ray's object store (the trainer's). With online
-    filtering (``options``) every batch of finished groups is scored by ``rewards`` as it arrives, so the
-    schedule can judge it."""
+    ``share_media`` puts a prompt batch's media in Ray's object store (the trainer's). Every batch of
+    finished groups is scored by ``rewards`` from its arrival on (a judge, sandbox or reward model works
+    while the stream goes on); with online filtering (``options``) the schedule waits for the scores to
+    judge the groups, without, the step that trains a group collects them."""
 
     WAIT_S = 0.5  # how long one fetch waits for a finished group
 
@@ -124,9 +126,9 @@ class StreamedRollouts:
         loader_position: Callable[[], dict[str, int]],
         current: int,
         steps_left: int,
-    ) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
-        """The next step's groups (policy version ``current``: the updates so far), their scores (online
-        filtering; None: not scored yet), the stream's metrics, and the (all-equal, all) groups the step's
+    ) -> tuple[DataProto, Callable[[], DataProto], dict[str, float], tuple[int, int]]:
+        """The next step's groups (policy version ``current``: the updates so far), a function returning
+        their scores (launched as they arrived), the stream's metrics, and the (all-equal, all) groups the step's
         filter saw (the collapse gate's input); submits new prompts while fewer than ``steps_left`` steps'
         groups are outstanding."""
         dropped = 0
@@ -146,10 +148,13 @@ class StreamedRollouts:
             ):
                 self._submit_next(batches, loader_position)
             arrived = self.workers.stream_take(self.WAIT_S)
-            if arrived is not None and self.schedule.filter is not None:
-                self.scoring.append((arrived, self.rewards.launch(arrived)))  # judged on the next pass
-            elif arrived is not None:
-                self.schedule.arrive(arrived)
+            if arrived is None:
+                continue
+            pending = self.rewards.launch(arrived)  # scored from now on, as the groups arrive
+            if self.schedule.filter is not None:
+                self.scoring.append((arrived, pending))  # judged on the next pass
+            else:  # collected when a step trains them (their rewards ran while the stream went on)
+                self.schedule.arrive(arrived, pending=functools.partial(self.rewards.collect, pending))
         return self._step_batch(step, dropped)
 
     def _score_arrivals(self) -> None:
@@ -160,10 +165,11 @@ class StreamedRollouts:
 
     def _step_batch(
         self, step: StreamTake, dropped: int
-    ) -> tuple[DataProto, DataProto | None, dict[str, float], tuple[int, int]]:
+    ) -> tuple[DataProto, Callable[[], DataProto], dict[str, float], tuple[int, int]]:
         for group in step.groups:
             self.prompts.pop(group.uid, None)  # a top-up group's went when the filter dropped it
         batch, scores, metrics, group_counts = step_batch(step, self.schedule.filter is not None)
+        assert scores is not None  # every arrival's rewards were launched
         metrics = {
             "rollout/stream_dropped_groups": dropped,  # finished too old, their prompts generated again
             "rollout/stream_outstanding_groups": self.schedule.outstanding,

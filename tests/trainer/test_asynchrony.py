@@ -159,7 +159,7 @@ def test_max_staleness_bounds_what_a_step_takes():
     wide.arrive(_groups(spec))
     step = wide.take(current=6)
     assert [group.uid for group in step.groups] == ["p", "r"] and step.stale == []
-    # without filtering the rows go unscored (rewards start now), with no filter metrics or counts
+    # groups that arrived unscored go unscored, with no filter metrics or counts
     batch, scores, metrics, group_counts = step_batch(step, filtering=False)
     assert (
         list(batch.non_tensor_batch["uid"]) == ["p", "p", "r", "r"] and "left_out" not in batch.batch.keys()
@@ -171,6 +171,43 @@ def test_max_staleness_bounds_what_a_step_takes():
     narrow.arrive(_groups(spec))
     taken, stale = _take(narrow, 6)
     assert taken is None and [group.uid for group in stale] == ["p", "r"]
+
+
+def _row_scores(batch: DataProto) -> DataProto:
+    """A reward's output for ``batch``: each row's score names its uid and its place in the arrival."""
+    rows = [f"{uid}{index}" for index, uid in enumerate(batch.non_tensor_batch["uid"])]
+    return DataProto.from_dict(non_tensors={"reward_scores": np.array(rows, dtype=object)})
+
+
+def test_without_a_filter_each_step_collects_the_scores_launched_on_arrival_once_per_arrival():
+    # two arrivals (p q, then r), their rewards launched as they arrived; the first step takes r and p
+    # (oldest version first): its scores are r's and p's rows of their arrivals' outputs, in the step's
+    # row order, collected once per arrival; q's waits for the next step, from the collected output
+    collected = []
+
+    def launched(batch: DataProto):
+        def collect() -> DataProto:
+            collected.append(list(dict.fromkeys(batch.non_tensor_batch["uid"])))
+            return _row_scores(batch)
+
+        return collect
+
+    schedule = StreamSchedule(groups_per_step=2, max_staleness=4)
+    schedule.submitted(["p", "q", "r"])
+    first, second = _groups([("p", [3, 6]), ("q", [4, 6])]), _groups([("r", [2, 6])])
+    schedule.arrive(first, pending=launched(first))
+    schedule.arrive(second, pending=launched(second))
+    batch, scores, _, group_counts = step_batch(schedule.take(current=6), filtering=False)
+    assert list(batch.non_tensor_batch["uid"]) == ["r", "r", "p", "p"] and collected == []
+    assert list(scores().non_tensor_batch["reward_scores"]) == ["r0", "r1", "p0", "p1"]
+    assert collected == [["r"], ["p", "q"]] and group_counts == (0, 0, 0)
+    schedule.submitted(["s"])
+    third = _groups([("s", [6, 6])])
+    schedule.arrive(third, pending=launched(third))
+    batch, scores, _, _ = step_batch(schedule.take(current=6), filtering=False)
+    assert list(batch.non_tensor_batch["uid"]) == ["q", "q", "s", "s"]
+    assert list(scores().non_tensor_batch["reward_scores"]) == ["q2", "q3", "s0", "s1"]
+    assert collected == [["r"], ["p", "q"], ["s"]]  # the first arrival's output was kept, not collected again
 
 
 def test_a_checkpoint_resumes_at_the_oldest_prompt_not_trained_and_skips_the_trained():
@@ -315,7 +352,7 @@ def test_an_unfilled_stream_step_stops_or_is_topped_up_failed_groups_first():
     batch, scores, metrics, group_counts = step_batch(step, filtering=True)
     assert list(batch.non_tensor_batch["uid"]) == ["b", "b", "a", "a", "c", "c"]
     assert batch.batch["left_out"].tolist() == [0, 0, 0, 0, 1, 1]
-    assert [score["overall"] for score in scores.non_tensor_batch["reward_scores"]] == [1, 0, 0, 0, 1, 1]
+    assert [score["overall"] for score in scores().non_tensor_batch["reward_scores"]] == [1, 0, 0, 0, 1, 1]
     assert metrics["rollout/generated_responses"] == 6 and metrics["rollout/generated_response_tokens"] == 12
     assert group_counts == (2, 3, 0)
 
