@@ -2,6 +2,7 @@
 step off, on the colour demo.
 
     python bench/async.py [--steps 6] [--warmup 1] [--prompts 8] [--n 8] [--response_length 24]
+        [--engine hf|vllm]
 
 Runs of the same GRPO job (``bench/harness.py``'s ``mmrl_command``, transformers rollout, one
 training process):
@@ -31,6 +32,9 @@ max(G / r, T / t) + P. It is a prediction from
 CPU phase ratios, not a GPU measurement (on GPUs generation is memory-bound and the ratio differs).
 
 Prints the tables and writes ``bench/results/async.json``; ``--report`` prints them again from it.
+``--engine vllm`` runs the same job on the vLLM engine (eager; streamed, a chunk of
+``worker.rollout.stream_chunk_tokens`` tokens is one engine call over the rows not yet ended) and
+writes ``bench/results/async_vllm.json``.
 
 ``--accuracy`` (the issue's learning question): each mode over ``--seeds``, on the colour task from the
 answer-format warm-up model of ``make assets`` (chance accuracy, 1/4), with ``bench/time_to_accuracy.py``'s
@@ -366,12 +370,19 @@ def main() -> None:
     parser.add_argument(
         "--agent", action="store_true", help="the agent demo's steps instead of the colour job's"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the colour job's rollout engine (vllm: results in async_vllm.json)",
+    )
     args = parser.parse_args()
+    name = "async" if args.engine == "hf" else f"async_{args.engine}"
     if args.accuracy:
         accuracy_study(args)
         return
     if args.report:
-        results = json.loads((RESULTS / "async.json").read_text())["results"]
+        results = json.loads((RESULTS / f"{name}.json").read_text())["results"]
         print_tables(results, predict(results))
         return
     if args.agent:
@@ -392,12 +403,12 @@ def main() -> None:
     )
 
     def command(run_dir: Path) -> tuple[list[str], Path]:
-        return mmrl_command(job, "hf", run_dir)
+        return mmrl_command(job, args.engine, run_dir)
 
-    results = speed_runs(args.modes, command, "async", args.warmup, job.prompts * job.n)
+    results = speed_runs(args.modes, command, name, args.warmup, job.prompts * job.n)
     predictions = predict(results)
     print_tables(results, predictions)
-    write_json("async.json", {"settings": vars(args), "results": results, "cost_model": predictions})
+    write_json(f"{name}.json", {"settings": vars(args), "results": results, "cost_model": predictions})
 
 
 def speed_runs(
