@@ -133,19 +133,8 @@ class StreamedGroup:
     judged: bool = False
 
 
-class ArrivalScores:
-    """The scores of the groups that arrived together, launched on their arrival and collected once
-    (``collect``), when the first step that trains one of them asks; :meth:`rows` slices them."""
-
-    def __init__(self, collect: Callable[[], DataProto]):
-        self.collect: Callable[[], DataProto] | None = collect
-        self.scores: DataProto | None = None
-
-    def rows(self, start: int, end: int) -> DataProto:
-        if self.collect is not None:
-            self.scores, self.collect = self.collect(), None
-        assert self.scores is not None
-        return self.scores[start:end]
+def _rows_of(collect: Callable[[], DataProto], start: int, end: int) -> DataProto:
+    return collect()[start:end]
 
 
 def streamed_groups(batch: DataProto, first_arrival: int) -> list[StreamedGroup]:
@@ -296,10 +285,10 @@ class StreamSchedule:
             if scores is None:
                 raise ValueError("online filtering judges groups by their scores: arrive(batch, scores)")
             judge_groups(groups, scores, self.filter, self.solved_score)
-        elif pending is not None:
-            arrival, start = ArrivalScores(pending), 0
+        elif pending is not None:  # one collect per arrival, by the first step that trains one of its groups
+            collect, start = functools.cache(pending), 0
             for group in groups:
-                group.pending = functools.partial(arrival.rows, start, start + len(group.rows))
+                group.pending = functools.partial(_rows_of, collect, start, start + len(group.rows))
                 start += len(group.rows)
         self.arrivals += len(groups)
         self.finished += groups
