@@ -142,24 +142,41 @@ def test_online_filtering_judges_the_streamed_groups_and_tops_an_unfilled_step_u
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_the_prompts_in_flight_at_a_checkpoint_are_generated_again_after_the_resume(streamed):
-    # stage 1's only step (1) had submitted loader batch 1 (4 prompts) ahead, not trained: its
-    # checkpoint resumes the loader there, nothing after it trained. Stage 2 (new workers, the saved
-    # weights, version 1) generates that batch again and trains it at step 2: fresh (staleness 0), and
-    # the last checkpoint has the loader after batch 2 with nothing pending
+    # stage 1's only step (1) had submitted loader batches 0 and 1 (one to each rollout worker) and
+    # trained the one that arrived first: its checkpoint resumes the loader at the other, in flight, and
+    # lists what was trained from there on. Stage 2 (new workers, the saved weights, version 1)
+    # generates the batch in flight again and trains it fresh (staleness 0); the last checkpoint
+    # agrees with what the three steps trained
+    trained = [trained_rows(streamed[step], RESPONSES) for step in range(1, STEPS + 1)]
+    batches = loader_rows(PROMPTS, GROUPS, STEPS + 1)
     first = json.loads((streamed["save_dir"] / "global_step_1" / "trainer_state.json").read_text())
     assert first["stream"]["submissions"] == 2
-    assert first["loader"] == {"epoch": 0, "batch_index": 1} and first["stream"]["trained"] == []
+    assert trained[0] in (sorted(batches[0]), sorted(batches[1]))  # one submission's groups arrive together
+    assert (first["loader"], first["stream"]["trained"]) == resume_state(trained[:1], batches)
     assert streamed[2]["rollout/staleness_max"] == 0
     last = json.loads((streamed["save_dir"] / f"global_step_{STEPS}" / "trainer_state.json").read_text())
-    assert last["loader"] == {"epoch": 0, "batch_index": STEPS} and last["stream"]["trained"] == []
+    assert (last["loader"], last["stream"]["trained"]) == resume_state(trained, batches)
+
+
+def resume_state(trained: list[list[int]], batches: list[list[int]]) -> tuple[dict, list]:
+    """What a streamed run's checkpoint holds after training the dataset rows ``trained`` (step by
+    step) out of the loader's ``batches``: the loader at the first batch with a row not trained, and the
+    rows trained from that batch on, as (epoch, batch, position in the batch)."""
+    done = {row for rows in trained for row in rows}
+    start = next(index for index, rows in enumerate(batches) if not set(rows) <= done)
+    rows = enumerate(batches[start:], start)
+    consumed = [
+        [0, index, position] for index, batch in rows for position, row in enumerate(batch) if row in done
+    ]
+    return {"epoch": 0, "batch_index": start}, consumed
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lost(streamed):
-    # the killed run crossed into stage 2 live (generating batch 1 again from step 1's checkpoint) and
-    # was SIGKILLed after step 2's update, with batch 2's groups submitted for step 3: in flight or
+    # the killed run crossed into stage 2 live (generating step 1's batch in flight again from its
+    # checkpoint) and was SIGKILLed after step 2's update, with a batch submitted for step 3: in flight or
     # finished on the rollout worker, none trained. Its step 2 was never logged nor saved; the resume
     # (the same command) starts again from step 1's checkpoint and trains steps 2 and 3
     assert "stage 2/2 second" in streamed["killed"], streamed["killed"][-4000:]
@@ -167,9 +184,15 @@ def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lo
     assert streamed["committed_at_kill"] == ["global_step_1"]
     assert streamed["trained_before_resume"] == [1]
     assert streamed["trained_steps"] == [1, 2, 3]  # the killed run's line, then the resumed run's
-    # each step trained GROUPS distinct prompts, and together the loader's first STEPS batches, each once
+    # each step trained one whole loader batch (GROUPS prompts), none twice: the rollout workers finish
+    # their submissions in either order, and a step trains what arrived first
     trained = [trained_rows(streamed[step], RESPONSES) for step in range(1, STEPS + 1)]
     assert all(len(rows) == GROUPS for rows in trained), trained
-    expected = loader_rows(PROMPTS, GROUPS, STEPS)
-    assert sorted(row for rows in trained for row in rows) == sorted(row for rows in expected for row in rows)
-    assert trained == [sorted(rows) for rows in expected]  # no group dropped: batch k trains at step k + 1
+    assert len({row for rows in trained for row in rows}) == STEPS * GROUPS  # none trained twice
+    batches = loader_rows(PROMPTS, GROUPS, STEPS + 1)
+    assert all(rows in [sorted(batch) for batch in batches] for rows in trained), (trained, batches)
+    # none lost: every batch before the last checkpoint's loader position trained whole
+    last = json.loads((streamed["save_dir"] / f"global_step_{STEPS}" / "trainer_state.json").read_text())
+    before = batches[: last["loader"]["batch_index"]]
+    assert last["loader"]["batch_index"] >= STEPS - 1
+    assert {row for batch in before for row in batch} <= {row for rows in trained for row in rows}
