@@ -14,6 +14,7 @@ them once to another node).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,12 @@ class TransferCounter:
 
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
+        self._lock = threading.Lock()  # the driver's rollout thread counts beside its main one
+
+    def add(self, kind: str, size: int) -> None:
+        """Add ``size`` bytes to ``kind``."""
+        with self._lock:
+            self.bytes[kind] += size
 
     def count(self, kind: str, refs: Sequence[ray.ObjectRef]) -> None:
         """Add the sizes of the objects behind ``refs`` (each distinct ref once) to ``kind``."""
@@ -48,7 +55,7 @@ class TransferCounter:
         if not unique:
             return
         locations = ray.experimental.get_object_locations(unique)
-        self.bytes[kind] += sum(int(location.get("object_size") or 0) for location in locations.values())
+        self.add(kind, sum(int(location.get("object_size") or 0) for location in locations.values()))
 
     def put(self, value: Any, kind: str = SENT) -> ray.ObjectRef:
         """``ray.put(value)``, counted under ``kind``."""
@@ -65,10 +72,11 @@ class TransferCounter:
         for proto in protos:
             batch = getattr(proto, "batch", None)
             if batch is not None:
-                self.bytes[TENSORS] += sum(t.numel() * t.element_size() for t in batch.values())
+                self.add(TENSORS, sum(t.numel() * t.element_size() for t in batch.values()))
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self.bytes)
+        with self._lock:
+            return dict(self.bytes)
 
     def since(self, snapshot: dict[str, int]) -> dict[str, int]:
         """Bytes per kind moved since ``snapshot`` (an earlier :meth:`snapshot`), every kind present."""
@@ -93,6 +101,6 @@ def put_media(batch: DataProto, transfers: TransferCounter | None = None) -> Dat
         if isinstance(value, PromptMedia) and id(value) not in refs:
             refs[id(value)] = put(value, MEDIA)
             if transfers is not None:
-                transfers.bytes[ENCODED_MEDIA] += value.encoded_bytes
+                transfers.add(ENCODED_MEDIA, value.encoded_bytes)
         column[row] = refs[id(value)] if isinstance(value, PromptMedia) else value
     return DataProto(batch.batch, {**batch.non_tensor_batch, PROMPT_MEDIA: column}, batch.meta_info)

@@ -44,7 +44,13 @@ from mmrl.parallel.packing import balance_batch
 from mmrl.protocol import DataProto
 from mmrl.rewards.rule import RewardFunctionError, reduce_reward_metrics
 from mmrl.rewards.source import RewardSourceError
-from mmrl.trainer.asynchrony import Rollout, RolloutSchedule, check_versions, staleness_metrics
+from mmrl.trainer.asynchrony import (
+    Rollout,
+    RolloutSchedule,
+    check_versions,
+    in_background,
+    staleness_metrics,
+)
 from mmrl.trainer.dynamic_sampling import (
     DynamicSamplingError,
     FilterOptions,
@@ -478,8 +484,8 @@ class RayPPOTrainer:
         """Start the rollout of step ``step`` (0-based); the returned function waits for it: the
         responses (generation order), a function returning their scores, and the rollout's metrics.
         Without online filtering one batch is generated and scored in the background while the log-prob
-        passes run (on rollout workers of their own, the generation itself runs until the function is
-        called); with it, :meth:`_filtered_rollout` generates and scores as it goes, before returning."""
+        passes run (on rollout workers of their own the generation runs on, and a thread of the driver
+        launches its rewards as it ends); with it, :meth:`_filtered_rollout` generates and scores as it goes, before returning."""
         fault_point("rollout", step + 1)
         version = self.policy_version
         if self.filter is not None:
@@ -492,14 +498,15 @@ class RayPPOTrainer:
         def finish() -> Rollout:
             batch, window = generation()
             pending = self.rewards.launch(batch)  # scored in the background, in generation order
+            launched = time.time()
             metrics = {
                 "rollout/generated_responses": len(batch),
                 "rollout/generated_response_tokens": int(batch.batch["response_mask"].sum()),
             }
-            return Rollout(batch, lambda: self.rewards.collect(pending), metrics, version, window)
+            return Rollout(batch, lambda: self.rewards.collect(pending), metrics, version, window, launched)
 
-        if self.separate is not None:
-            return finish
+        if self.separate is not None:  # its rewards start the moment the rollout workers end it
+            return in_background(finish)
         done = finish()  # colocated: generated already; its rewards start now
         return lambda: done
 
@@ -625,14 +632,19 @@ class RayPPOTrainer:
 
     def _settle_ahead(self, trained_from: float, timings: dict[str, float]) -> dict[str, float]:
         """Rollout workers of their own: wait for the generation started ahead (it must not see the
-        weights pushed next) and measure how long it ran (``timing_s/gen_ahead``) and how much of that
-        while this step's passes did (``timing_s/gen_overlap``)."""
+        weights pushed next) and measure how long it ran (``timing_s/gen_ahead``), how much of that
+        while this step's passes did (``timing_s/gen_overlap``), and how long its rewards had been
+        scoring by then (``timing_s/reward_lead``)."""
         with timer("gen_wait", timings):
             ahead = self.rollouts.settle()
         window = ahead.generated if ahead is not None else None
+        scored_from = ahead.scored_from if ahead is not None else None
+        settled = time.time()
         return {
             "timing_s/gen_ahead": window[1] - window[0] if window is not None else 0.0,
-            "timing_s/gen_overlap": overlap_s(window, trained_from, time.time()),
+            "timing_s/gen_overlap": overlap_s(window, trained_from, settled),
+            # how long its rewards had been scoring when the step settled it (they start as it ends)
+            "timing_s/reward_lead": settled - scored_from if scored_from is not None else 0.0,
         }
 
     def compute_log_probs(self, batch: DataProto, plan: StepPlan, timings: dict[str, float]) -> DataProto:

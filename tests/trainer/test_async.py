@@ -147,6 +147,9 @@ def test_the_generation_ahead_runs_while_the_step_trains(uninterrupted):
     overlaps = [uninterrupted[step]["timing_s/gen_overlap"] for step in range(1, STEPS + 1)]
     assert overlaps[0] > 0 and overlaps[2] > 0, overlaps
     assert overlaps[1] == overlaps[3] == 0, overlaps
+    # their rewards were launched as it ended, before the driver settled it after the update
+    leads = [uninterrupted[step]["timing_s/reward_lead"] for step in range(1, STEPS + 1)]
+    assert leads[0] > 0 and leads[2] > 0 and leads[1] == leads[3] == 0, leads
 
 
 @pytest.mark.slow

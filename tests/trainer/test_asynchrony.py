@@ -3,6 +3,8 @@ version) and the staleness of the trained tokens, on plain batches (mmrl/trainer
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from mmrl.trainer.asynchrony import (
     RolloutSchedule,
     StreamSchedule,
     check_versions,
+    in_background,
     staleness_metrics,
     step_batch,
     streamed_groups,
@@ -97,6 +100,39 @@ def test_a_rollout_started_ahead_runs_until_settled_and_is_waited_for_once():
     assert events == ["start 0", "wait 0", "start 1", "update 0", "wait 1", "push 1"]
     assert (first.policy_version, ahead, second.policy_version) == (0, second, 1)
     assert schedule.settle() is None and schedule.pending is None
+
+
+def test_a_rollout_ahead_launches_its_rewards_as_it_ends_not_when_the_step_settles_it():
+    # rollout workers of their own: a driver thread waits for the generation started ahead and launches
+    # its rewards the moment it ends, while the step's update still runs; the settle picks the result up
+    ended, launched, schedule = threading.Event(), threading.Event(), RolloutSchedule(ahead=True)
+
+    def start(step: int):
+        def finish() -> Rollout:
+            if step == 1:
+                assert ended.wait(30)  # the rollout workers' generation
+                launched.set()  # the rewards launched
+            return _rollout(step)
+
+        return in_background(finish)
+
+    assert schedule.take(0, start, next_step_trains=True).policy_version == 0
+    assert not launched.is_set()  # step 1's batch still generating during update 0 ...
+    ended.set()
+    assert launched.wait(30)  # ... and scoring before update 0 ends, with nobody waiting for it
+    assert schedule.settle().policy_version == 1
+
+
+def test_work_in_the_background_gives_its_result_or_raises_its_error_in_the_waiting_thread():
+    thread = in_background(threading.current_thread)()
+    assert thread.name == "mmrl-rollout" and thread.daemon  # a run stopping with an error does not wait
+
+    def fail() -> None:
+        raise RuntimeError("the rollout worker died")
+
+    waiting = in_background(fail)
+    with pytest.raises(RuntimeError, match="the rollout worker died"):
+        waiting()
 
 
 # ---- streaming (trainer.async_mode=stream): StreamSchedule ----------------------------------------
