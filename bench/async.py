@@ -34,7 +34,8 @@ CPU phase ratios, not a GPU measurement (on GPUs generation is memory-bound and 
 Prints the tables and writes ``bench/results/async.json``; ``--report`` prints them again from it.
 ``--engine vllm`` runs the same job on the vLLM engine (eager; streamed, a chunk of
 ``worker.rollout.stream_chunk_tokens`` tokens is one engine call over the rows not yet ended) and
-writes ``bench/results/async_vllm.json``.
+writes ``bench/results/async_vllm.json``. ``--stream_chunk_tokens N`` sets that chunk (default: the
+config's) for the streamed rows and writes ``async[_vllm]_chunk<N>.json``.
 
 ``--accuracy`` (the issue's learning question): each mode over ``--seeds``, on the colour task from the
 answer-format warm-up model of ``make assets`` (chance accuracy, 1/4), with ``bench/time_to_accuracy.py``'s
@@ -376,8 +377,17 @@ def main() -> None:
         default="hf",
         help="the colour job's rollout engine (vllm: results in async_vllm.json)",
     )
+    parser.add_argument(
+        "--stream_chunk_tokens", type=int, default=None, help="tokens a streamed row decodes per engine call"
+    )
     args = parser.parse_args()
     name = "async" if args.engine == "hf" else f"async_{args.engine}"
+    chunk = (
+        []
+        if args.stream_chunk_tokens is None
+        else [f"worker.rollout.stream_chunk_tokens={args.stream_chunk_tokens}"]
+    )
+    name += "" if args.stream_chunk_tokens is None else f"_chunk{args.stream_chunk_tokens}"
     if args.accuracy:
         accuracy_study(args)
         return
@@ -403,7 +413,8 @@ def main() -> None:
     )
 
     def command(run_dir: Path) -> tuple[list[str], Path]:
-        return mmrl_command(job, args.engine, run_dir)
+        line, log_file = mmrl_command(job, args.engine, run_dir)
+        return line + chunk, log_file
 
     results = speed_runs(args.modes, command, name, args.warmup, job.prompts * job.n)
     predictions = predict(results)

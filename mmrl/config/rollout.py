@@ -97,7 +97,7 @@ class RolloutConfig:
     # trainer.async_mode=stream: tokens a rollout worker samples per row (of a model turn, multi-turn)
     # between two chances for a weight push to land (the generation in flight then continues with the
     # new weights); smaller = fresher tokens, more interruptions (with vLLM also more engine calls, each
-    # re-reading the cached prefix)
+    # re-reading the cached prefix: there a chunk of the whole response ran fastest, docs/async.md)
     stream_chunk_tokens: int = 8
 
     @property
