@@ -233,7 +233,9 @@ def test_rollout_log_probs_match_the_trainer_per_family(family, media, request, 
     mask = batch.batch["response_mask"].bool()
     assert mask.sum() > 12
     gap = (log_probs - batch.batch["rollout_log_probs"]).abs()[mask]
-    assert gap.max() < 1e-5, gap.max()
+    # Qwen3.5: the rollout steps its linear-attention state token by token, the trainer runs the chunked
+    # form over the whole sequence; fp32 sums in other orders (1.9e-5 on an AVX-512 CPU, below 1e-5 on AVX2)
+    assert gap.max() < (5e-5 if family == "qwen3_5" else 1e-5), gap.max()
 
 
 def test_update_weights_changes_the_policy(vl_parts, prompts):
