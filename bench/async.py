@@ -382,12 +382,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     name = "async" if args.engine == "hf" else f"async_{args.engine}"
-    chunk = (
-        []
-        if args.stream_chunk_tokens is None
-        else [f"worker.rollout.stream_chunk_tokens={args.stream_chunk_tokens}"]
-    )
-    name += "" if args.stream_chunk_tokens is None else f"_chunk{args.stream_chunk_tokens}"
+    chunk = []  # the config's chunk unless given
+    if args.stream_chunk_tokens is not None:
+        chunk = [f"worker.rollout.stream_chunk_tokens={args.stream_chunk_tokens}"]
+        name += f"_chunk{args.stream_chunk_tokens}"
     if args.accuracy:
         accuracy_study(args)
         return

@@ -485,7 +485,8 @@ class RayPPOTrainer:
         responses (generation order), a function returning their scores, and the rollout's metrics.
         Without online filtering one batch is generated and scored in the background while the log-prob
         passes run (on rollout workers of their own the generation runs on, and a thread of the driver
-        launches its rewards as it ends); with it, :meth:`_filtered_rollout` generates and scores as it goes, before returning."""
+        launches its rewards as it ends); with it, :meth:`_filtered_rollout` generates and scores as it
+        goes, before returning."""
         fault_point("rollout", step + 1)
         version = self.policy_version
         if self.filter is not None:
