@@ -253,14 +253,46 @@ class AgentLoop:
         trajectories = self.run(sample_rows(repeated, self.renderer.media), sampling.max_tokens, generate)
         return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, backend.pad_token_id)
 
-    def run(self, rows: Sequence[dict[str, Any]], budget: int, generate: GenerateTurns) -> list[Trajectory]:
+    def generate_groups(
+        self,
+        backend: TurnBackend,
+        prompts: DataProto,
+        sampling: SamplingParams,
+        hand_out: Callable[[DataProto], None],
+        chunks: DecodeChunks | None = None,
+    ) -> None:
+        """:meth:`generate`, each prompt's n trajectories handed to ``hand_out`` (a batch of n rows, as
+        :meth:`generate` would hold them) as soon as they have all ended, while the other prompts'
+        go on (streaming: a group does not wait for the slowest trajectory of its submission)."""
+        repeated = prompts.repeat(sampling.n, interleave=True)
+        generate = backend.turn_generator(repeated, sampling.override(n=1), chunks)
+
+        def ended(rows: range, trajectories: list[Trajectory]) -> None:
+            group = repeated[rows.start : rows.stop]
+            hand_out(
+                assemble_trajectory_batch(group, trajectories, sampling.max_tokens, backend.pad_token_id)
+            )
+
+        rows = sample_rows(repeated, self.renderer.media)
+        self.run(rows, sampling.max_tokens, generate, group_ended=(sampling.n, ended))
+
+    def run(
+        self,
+        rows: Sequence[dict[str, Any]],
+        budget: int,
+        generate: GenerateTurns,
+        group_ended: tuple[int, Callable[[range, list[Trajectory]], None]] | None = None,
+    ) -> list[Trajectory]:
         """One trajectory per row (the sample's row: what tools and environments get) within ``budget``
-        response tokens each."""
+        response tokens each. ``group_ended``: ``(size, call)``, the rows in consecutive groups of
+        ``size``; ``call(rows, trajectories)`` as soon as a group's trajectories have all ended."""
         trajectories = [Trajectory(media_key=uuid.uuid4().hex) for _ in rows]
         environments = [self.environment() for _ in rows] if self.environment is not None else None
         active = list(range(len(rows)))
+        groups = _GroupsEnded(len(rows), group_ended)
         if environments is not None:
             active = self._reset(environments, rows, trajectories, budget)
+        groups.report(active, trajectories)
         while active:
             requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in active]
             generated = generate(requests)
@@ -273,6 +305,7 @@ class AgentLoop:
                 active = self._step_environments(environments, answered, rows, trajectories, budget)
             else:
                 active = self._call_tools(answered, rows, trajectories, budget)
+            groups.report(active, trajectories)
         return trajectories
 
     def _model_turn(self, request: TurnRequest, sampled: SampledTurn) -> str | None:
@@ -413,6 +446,24 @@ class AgentLoop:
                 if self._append_observation(trajectory, "user", [observation], budget, where)[0]:
                     active.append(row)
         return active
+
+
+class _GroupsEnded:
+    """Which groups of consecutive rows (``(size, call)``; none without) have ended, each reported once."""
+
+    def __init__(self, rows: int, group_ended: tuple[int, Callable[[range, list[Trajectory]], None]] | None):
+        self.call, self.waiting = None, []
+        if group_ended is not None:
+            size, self.call = group_ended
+            self.waiting = [range(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+    def report(self, active: Sequence[int], trajectories: list[Trajectory]) -> None:
+        going_on = set(active)
+        ended = [rows for rows in self.waiting if going_on.isdisjoint(rows)]
+        self.waiting = [rows for rows in self.waiting if not going_on.isdisjoint(rows)]
+        for rows in ended:
+            assert self.call is not None  # groups wait only when there is a call
+            self.call(rows, trajectories[rows.start : rows.stop])
 
 
 def _env_step(env: Environment, text: str) -> tuple[Any, tuple[float, bool]]:

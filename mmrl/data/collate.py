@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mmrl.columns import COLUMNS
 from mmrl.data.dataset import TOKEN_COLUMNS
 from mmrl.protocol import DataProto
 
@@ -41,3 +42,51 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> DataP
         for key in missing:
             non_tensors[key] = [item.get(key) for item in items]
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+# what the prompt side of a column is padded with (else 0): the pad id, and HF's position of a pad token
+_PROMPT_PAD = {"input_ids": None, "prompts": None, "position_ids": 1, "routed_experts": -1}
+
+
+def _prompt_dim(name: str, ndim: int) -> int | None:
+    """The dim of column ``name`` (a tensor of ``ndim`` dims) that starts with the prompt: its shape's P
+    or L in the listed layout of that many dims; None for columns without one (responses, unlisted)."""
+    spec = COLUMNS.get(name)
+    if spec is None or not spec.is_tensor:
+        return None
+    for layout in spec.shape.replace(" then ", " or ").split(" or "):
+        dims = [dim.strip() for dim in layout.strip("[] ").split(",")]
+        if len(dims) == ndim:
+            return next((index for index, dim in enumerate(dims) if dim in ("P", "L")), None)
+    return None
+
+
+def concat_batches(parts: Sequence[DataProto], pad_token_id: int) -> DataProto:
+    """``parts`` row-wise in order (:meth:`DataProto.concat`), where each part's prompts are left-padded
+    to its own longest (a batch collates them so): the prompt side of every column padded on the left
+    to the widest part's (ids with ``pad_token_id``, ``attention_mask`` with 0). Groups of different
+    loader batches meet in one step in dynamic sampling's rounds and in a stream."""
+    keys = set(parts[0].batch.keys()) if parts else set()
+    key = "prompts" if "prompts" in keys else "input_ids" if "input_ids" in keys else None
+    widths = [part.batch[key].shape[-1] if key is not None else 0 for part in parts]
+    if len(set(widths)) <= 1:  # one width (or no prompt column): nothing to pad
+        return DataProto.concat(parts)
+    widest = max(widths)
+    padded = []
+    for part, width in zip(parts, widths):
+        tensors = dict(part.batch.items())
+        for name, tensor in tensors.items():
+            dim = _prompt_dim(name, tensor.dim())
+            if dim is None or width == widest:
+                continue
+            value = _PROMPT_PAD.get(name, 0)
+            shape = list(tensor.shape)
+            shape[dim] = widest - width
+            fill = torch.full(shape, pad_token_id if value is None else value, dtype=tensor.dtype)
+            tensors[name] = torch.cat([fill.to(tensor.device), tensor], dim=dim)
+        padded.append(
+            DataProto.from_dict(
+                tensors=tensors, non_tensors=dict(part.non_tensor_batch), meta_info=dict(part.meta_info)
+            )
+        )
+    return DataProto.concat(padded)

@@ -39,6 +39,7 @@ from typing import TypeVar
 import torch
 
 from mmrl import core_algos
+from mmrl.data.collate import concat_batches
 from mmrl.protocol import DataProto
 from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions, filter_scores, group_verdicts
 
@@ -213,15 +214,16 @@ class StreamTake:
 
 
 def step_batch(
-    step: StreamTake, filtering: bool
+    step: StreamTake, filtering: bool, pad_token_id: int
 ) -> tuple[DataProto, Callable[[], DataProto] | None, dict[str, float], tuple[int, int, int]]:
     """A taken step's rows (its groups in order), a function returning their scores in that order
     (None when its groups arrived without: unscored), its metrics, and (all-equal, all, solved) of the
     groups its filter saw: its own and those it dropped, once each (the collapse gate's input). With
     filtering the rows carry ``left_out`` (1 on an unfilled step's top-up groups that did not fail:
-    ``dynamic_sampling.loss_rows`` keeps them out of the loss)."""
+    ``dynamic_sampling.loss_rows`` keeps them out of the loss). Groups of different submissions have
+    prompts padded to different widths (``pad_token_id``: :func:`~mmrl.data.collate.concat_batches`)."""
     assert step.groups is not None
-    batch = DataProto.concat([group.rows for group in step.groups])
+    batch = concat_batches([group.rows for group in step.groups], pad_token_id)
     # everything generated for the step: its groups and those its filter dropped (a top-up group once)
     spent = list({id(group): group for group in step.groups + step.step_filtered}.values())
     metrics = {

@@ -35,7 +35,7 @@ from mmrl.checkpoint.tracker import (
 )
 from mmrl.columns import check_batch
 from mmrl.config import PPOConfig
-from mmrl.data.collate import collate_prompts
+from mmrl.data.collate import collate_prompts, concat_batches
 from mmrl.data.dataset import PromptDataset
 from mmrl.data.loader import PromptLoader
 from mmrl.data.processing import load_tokenizer_and_processor
@@ -350,7 +350,14 @@ class RayPPOTrainer:
         self.rollouts = RolloutSchedule(ahead=config.trainer.async_mode == "one_step_off")
         # trainer.async_mode=stream: the rollout workers generate all the time; None otherwise
         self.stream = (
-            StreamedRollouts(config, self.separate, self._share_media, self.rewards, self.filter)
+            StreamedRollouts(
+                config,
+                self.separate,
+                self._share_media,
+                self.tokenizer.pad_token_id,
+                self.rewards,
+                self.filter,
+            )
             if config.trainer.streams and self.separate is not None
             else None
         )
@@ -568,7 +575,8 @@ class RayPPOTrainer:
                 parts[name].append((batch[rows], scores[rows]))
         # the dropped ones only reach the step when it is not full: failed first, the others left out
         ordered = [(part, name == "other") for name in parts for part in parts[name]]
-        batch = DataProto.concat([part[0] for part, _ in ordered])
+        # rounds are loader batches of their own, their prompts padded to their own widths
+        batch = concat_batches([part[0] for part, _ in ordered], self.tokenizer.pad_token_id)
         scores = DataProto.concat([part[1] for part, _ in ordered])
         left_out = torch.cat(
             [torch.full((len(part[0]),), int(out), dtype=torch.long) for part, out in ordered]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mmrl.config import PPOConfig
+from mmrl.data.collate import concat_batches
 from mmrl.protocol import DataProto
 from mmrl.trainer.asynchrony import StreamSchedule, StreamTake, step_batch
 from mmrl.trainer.dynamic_sampling import FilterOptions
@@ -80,10 +81,11 @@ class RolloutWorkers:
             submission % self.group.world_size, RolloutWorker.stream_submit, prompts, submission
         )
 
-    def stream_take(self, timeout_s: float) -> DataProto | None:
-        """The groups every rollout worker finished since the last call, waiting up to ``timeout_s``."""
+    def stream_take(self, timeout_s: float, pad_token_id: int) -> DataProto | None:
+        """The groups every rollout worker finished since the last call, waiting up to ``timeout_s``
+        (prompts padded to one width with ``pad_token_id``)."""
         parts = [part for part in self.group.call(RolloutWorker.stream_take, timeout_s) if part is not None]
-        return DataProto.concat(parts) if parts else None
+        return concat_batches(parts, pad_token_id) if parts else None
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -105,6 +107,7 @@ class StreamedRollouts:
         config: PPOConfig,
         workers: RolloutWorkers,
         share_media: Callable[[DataProto], DataProto],
+        pad_token_id: int,
         rewards: RewardWorkers | None = None,
         options: FilterOptions | None = None,
     ):
@@ -116,6 +119,7 @@ class StreamedRollouts:
             config.worker.actor.collapse_recovery.solved_score,
         )
         self.workers, self.share_media, self.rewards = workers, share_media, rewards
+        self.pad_token_id = pad_token_id  # prompts of different loader batches meet in a step
         self.prompts: dict[str, DataProto] = {}  # uid -> its prompt row, until its group is consumed
         self.scoring: list[tuple[DataProto, PendingRewards]] = []  # arrived, being scored (filtering)
         self.submissions = 0
@@ -139,7 +143,8 @@ class StreamedRollouts:
                 del self.prompts[group.uid]
             if step.stale:
                 dropped += len(step.stale)
-                self._submit(DataProto.concat([self.prompts[group.uid] for group in step.stale]))
+                stale = [self.prompts[group.uid] for group in step.stale]
+                self._submit(concat_batches(stale, self.pad_token_id))
             if step.groups is not None:
                 break
             # whole loader batches while groups are missing (a resumed run's batches may be short)
@@ -147,7 +152,7 @@ class StreamedRollouts:
                 min(self.schedule.room(), steps_left * self.groups_per_step - self.schedule.outstanding) > 0
             ):
                 self._submit_next(batches, loader_position)
-            arrived = self.workers.stream_take(self.WAIT_S)
+            arrived = self.workers.stream_take(self.WAIT_S, self.pad_token_id)
             if arrived is None:
                 continue
             pending = self.rewards.launch(arrived)  # scored from now on, as the groups arrive
@@ -168,7 +173,9 @@ class StreamedRollouts:
     ) -> tuple[DataProto, Callable[[], DataProto], dict[str, float], tuple[int, int]]:
         for group in step.groups:
             self.prompts.pop(group.uid, None)  # a top-up group's went when the filter dropped it
-        batch, scores, metrics, group_counts = step_batch(step, self.schedule.filter is not None)
+        batch, scores, metrics, group_counts = step_batch(
+            step, self.schedule.filter is not None, self.pad_token_id
+        )
         assert scores is not None  # every arrival's rewards were launched
         metrics = {
             "rollout/stream_dropped_groups": dropped,  # finished too old, their prompts generated again

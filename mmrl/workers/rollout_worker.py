@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import PPOConfig
+from mmrl.data.collate import concat_batches
 from mmrl.data.processing import MediaCache, attach_media, without_model_media
 from mmrl.dispatch import rows_per_rank
 from mmrl.models.loading import resolve_model_path
@@ -124,7 +125,8 @@ class RolloutWorker:
         parts = self.streaming.take(timeout_s)
         if not parts:
             return None
-        return without_model_media(add_position_ids(self.position_model, DataProto.concat(parts)))
+        joined = concat_batches(parts, self.engine.pad_token_id)  # submissions padded to their own widths
+        return without_model_media(add_position_ids(self.position_model, joined))
 
     def shutdown(self) -> None:
         self.streaming.stop()

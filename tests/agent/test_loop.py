@@ -46,6 +46,7 @@ from mmrl.data.processing import MediaProcessor, attach_media, load_tokenizer_an
 from mmrl.demo.tiny import MAX_PIXELS, MIN_PIXELS
 from mmrl.logging.console import ConsoleLogger
 from mmrl.models.loading import load_model
+from mmrl.protocol import DataProto
 from mmrl.workers.rollout import SamplingParams
 from mmrl.workers.rollout.hf import HFRollout
 
@@ -236,6 +237,44 @@ def test_video_frames_and_a_malformed_call_are_observations(parts, prompts):
     remade, _ = parts[2].model_media(video_turn.media)
     assert remade.keys() == video_turn.inputs.keys()
     assert all(torch.equal(remade[key], video_turn.inputs[key]) for key in remade)
+
+
+class ScriptedBackend:
+    """A turn backend whose turns are :func:`scripted`'s (what the loop asks of a rollout backend)."""
+
+    def __init__(self, generate, pad_token_id: int):
+        self.generate, self.pad_token_id = generate, pad_token_id
+
+    def turn_generator(self, prompts, sampling, chunks=None):
+        return self.generate
+
+
+def test_each_group_is_handed_out_as_soon_as_its_trajectories_have_ended(parts, prompts):
+    """``generate_groups``: the first prompt's two trajectories answer at once, the second's call zoom
+    first. The first group is handed out before the second model turn is sampled, the second after it,
+    and together they are the batch ``generate`` makes of the same turns."""
+    tokenizer, _, _, eos = parts
+    texts = [["red"], ["blue"], [CALL.format(x=0), "red"], [CALL.format(x=14), "green"]]
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=400)
+    generate, seen = scripted(tokenizer, eos, texts)
+    handed = []
+    make_loop(parts).generate_groups(
+        ScriptedBackend(generate, tokenizer.pad_token_id), prompts, sampling,
+        lambda group: handed.append((len(seen), group)),
+    )  # fmt: skip
+    assert [(turns_sampled, len(group)) for turns_sampled, group in handed] == [(1, 2), (2, 2)]
+    for index, (_, group) in enumerate(handed):  # each group: one prompt's rows
+        assert torch.equal(group.batch["prompts"], prompts.batch["input_ids"][[index, index]])
+        assert [record.model_turns for record in group.non_tensor_batch["trajectory"]] == [index + 1] * 2
+        assert check_batch(group) == []
+    whole = make_loop(parts).generate(
+        ScriptedBackend(scripted(tokenizer, eos, texts)[0], tokenizer.pad_token_id), prompts, sampling
+    )
+    joined = DataProto.concat([group for _, group in handed])
+    assert set(joined.batch.keys()) == set(whole.batch.keys())
+    for key in whole.batch.keys():
+        assert torch.equal(joined.batch[key], whole.batch[key]), key
+    assert [record.stop for record in joined.non_tensor_batch["trajectory"]] == [STOP_ANSWER] * 4
 
 
 def test_environment_turns_and_rewards(parts, prompts):

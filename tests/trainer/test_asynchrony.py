@@ -196,7 +196,7 @@ def test_max_staleness_bounds_what_a_step_takes():
     step = wide.take(current=6)
     assert [group.uid for group in step.groups] == ["p", "r"] and step.stale == []
     # groups that arrived unscored go unscored, with no filter metrics or counts
-    batch, scores, metrics, group_counts = step_batch(step, filtering=False)
+    batch, scores, metrics, group_counts = step_batch(step, filtering=False, pad_token_id=0)
     assert (
         list(batch.non_tensor_batch["uid"]) == ["p", "p", "r", "r"] and "left_out" not in batch.batch.keys()
     )
@@ -233,14 +233,14 @@ def test_without_a_filter_each_step_collects_the_scores_launched_on_arrival_once
     first, second = _groups([("p", [3, 6]), ("q", [4, 6])]), _groups([("r", [2, 6])])
     schedule.arrive(first, pending=launched(first))
     schedule.arrive(second, pending=launched(second))
-    batch, scores, _, group_counts = step_batch(schedule.take(current=6), filtering=False)
+    batch, scores, _, group_counts = step_batch(schedule.take(current=6), filtering=False, pad_token_id=0)
     assert list(batch.non_tensor_batch["uid"]) == ["r", "r", "p", "p"] and collected == []
     assert list(scores().non_tensor_batch["reward_scores"]) == ["r0", "r1", "p0", "p1"]
     assert collected == [["r"], ["p", "q"]] and group_counts == (0, 0, 0)
     schedule.submitted(["s"])
     third = _groups([("s", [6, 6])])
     schedule.arrive(third, pending=launched(third))
-    batch, scores, _, _ = step_batch(schedule.take(current=6), filtering=False)
+    batch, scores, _, _ = step_batch(schedule.take(current=6), filtering=False, pad_token_id=0)
     assert list(batch.non_tensor_batch["uid"]) == ["q", "q", "s", "s"]
     assert list(scores().non_tensor_batch["reward_scores"]) == ["q2", "q3", "s0", "s1"]
     assert collected == [["r"], ["p", "q"], ["s"]]  # the first arrival's output was kept, not collected again
@@ -331,7 +331,7 @@ def test_the_stream_filter_consumes_alike_groups_and_takes_kept_ones_within_its_
     }
     # generated for the step: b, d and the dropped a, c; of those a and c scored all alike, and c all
     # at the collapse gate's solved_score (all right: solved, not collapsed)
-    _, _, metrics, group_counts = step_batch(step, filtering=True)
+    _, _, metrics, group_counts = step_batch(step, filtering=True, pad_token_id=0)
     assert metrics["rollout/generated_responses"] == 8 and group_counts == (2, 4, 1)
     assert [(group.uid, group.judged) for group in schedule.finished] == [("e", False)]
     assert schedule.outstanding == 6 - 1 - 2 - 2  # s (stale), a and c (filtered), b and d (taken)
@@ -385,7 +385,7 @@ def test_an_unfilled_stream_step_stops_or_is_topped_up_failed_groups_first():
     assert [group.uid for group in stream.finished] == ["d"] and stream.outstanding == 1
     # the step's rows: b, a, c (2 responses each, 2 model tokens each); c's left out of the loss; the
     # collapse gate sees 3 groups, 2 of them (a, c) scoring all alike
-    batch, scores, metrics, group_counts = step_batch(step, filtering=True)
+    batch, scores, metrics, group_counts = step_batch(step, filtering=True, pad_token_id=0)
     assert list(batch.non_tensor_batch["uid"]) == ["b", "b", "a", "a", "c", "c"]
     assert batch.batch["left_out"].tolist() == [0, 0, 0, 0, 1, 1]
     assert [score["overall"] for score in scores().non_tensor_batch["reward_scores"]] == [1, 0, 0, 0, 1, 1]

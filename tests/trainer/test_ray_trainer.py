@@ -1180,7 +1180,10 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     gives up after trainer.max_try_make_batch rounds when no group can pass, or with
     algorithm.unfilled_step=train trains on groups it dropped. A second trainer resumed
     from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps (and the
-    learning rate's scale of worker.actor.kl_step_control is restored)."""
+    learning rate's scale of worker.actor.kl_step_control is restored). Every third prompt is longer, so
+    rounds (loader batches of their own) pad their prompts to different widths, which a step joins."""
+    import shutil
+
     import ray
     from _trainer_run import small_run_overrides
 
@@ -1188,8 +1191,14 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions
     from mmrl.trainer.ray_trainer import RayPPOTrainer, build_filter, local_cluster_cpus
 
+    data_dir = shutil.copytree(shapes_data_dir, tmp_path / "data")
+    rows = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
+    for row in rows[::3]:
+        row["problem"] += " Look closely first."
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
     def overrides(save_dir: Path, *extra: str) -> list[str]:
-        return small_run_overrides(tiny_vl_path, shapes_data_dir, save_dir) + [
+        return small_run_overrides(tiny_vl_path, data_dir, save_dir) + [
             f"worker.reward.reward_function={ASSETS / 'coarse_reward.py'}:compute_score",
             "worker.rollout.name=hf",
             "algorithm.online_filtering=true",

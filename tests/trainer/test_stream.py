@@ -113,13 +113,15 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         assert 0 <= row["rollout/staleness_mean"] <= row["rollout/staleness_max"] <= 1
         assert 0 <= row["rollout/partial_response_frac"] <= 1
         assert row["rollout/stream_dropped_groups"] >= 0
-        # never more than (max_staleness + 1) steps' groups submitted and not trained
-        assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS - GROUPS
+        # submitted, neither trained nor dropped: at most (max_staleness + 1) steps' groups and less than
+        # a loader batch more (whole batches go in while there is room; a group the filter drops frees
+        # its room as it is judged, before the step's top-up trains it)
+        assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS + GROUPS - 1
         assert row["transfer/weight_push_bytes"] > 0
         # the trajectories called the tool, saw its image (observation tokens) in a later turn, and trained
         assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
         assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
-    assert streamed[2]["rollout/stream_outstanding_groups"] == GROUPS  # batch 2, for step 3
+    assert streamed[2]["rollout/stream_outstanding_groups"] >= GROUPS  # step 3's groups, at least
 
 
 @pytest.mark.slow
@@ -142,16 +144,19 @@ def test_online_filtering_judges_the_streamed_groups_and_tops_an_unfilled_step_u
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_the_prompts_in_flight_at_a_checkpoint_are_generated_again_after_the_resume(streamed):
-    # stage 1's only step (1) had submitted loader batches 0 and 1 (one to each rollout worker) and
-    # trained the one that arrived first: its checkpoint resumes the loader at the other, in flight, and
-    # lists what was trained from there on. Stage 2 (new workers, the saved weights, version 1)
+    # stage 1's only step (1) had submitted loader batches 0 and 1 (one to each rollout worker; maybe 2
+    # as well) and trained the first groups to arrive (a group leaves as soon as its trajectories have ended, so they
+    # may come from both): its checkpoint resumes the loader at the first batch with a prompt not
+    # trained, and lists what was trained from there on. Stage 2 (new workers, the saved weights, version 1)
     # generates the batch in flight again and trains it fresh (staleness 0); the last checkpoint
     # agrees with what the three steps trained
     trained = [trained_rows(streamed[step], RESPONSES) for step in range(1, STEPS + 1)]
     batches = loader_rows(PROMPTS, GROUPS, STEPS + 1)
     first = json.loads((streamed["save_dir"] / "global_step_1" / "trainer_state.json").read_text())
-    assert first["stream"]["submissions"] == 2
-    assert trained[0] in (sorted(batches[0]), sorted(batches[1]))  # one submission's groups arrive together
+    # two batches fill the admission bound; a group the filter drops (all do here) frees its room as it
+    # is judged, so a third may have gone in before the step's top-up
+    assert first["stream"]["submissions"] in (2, 3)
+    assert len(trained[0]) == GROUPS and set(trained[0]) <= set(batches[0]) | set(batches[1])
     assert (first["loader"], first["stream"]["trained"]) == resume_state(trained[:1], batches)
     assert streamed[2]["rollout/staleness_max"] == 0
     last = json.loads((streamed["save_dir"] / f"global_step_{STEPS}" / "trainer_state.json").read_text())
@@ -184,13 +189,13 @@ def test_a_kill_with_groups_in_flight_resumes_with_no_prompt_trained_twice_or_lo
     assert streamed["committed_at_kill"] == ["global_step_1"]
     assert streamed["trained_before_resume"] == [1]
     assert streamed["trained_steps"] == [1, 2, 3]  # the killed run's line, then the resumed run's
-    # each step trained one whole loader batch (GROUPS prompts), none twice: the rollout workers finish
-    # their submissions in either order, and a step trains what arrived first
+    # each step trained GROUPS prompts, none twice: the two rollout workers' groups arrive in any order,
+    # each as soon as its trajectories have ended, and a step trains what arrived first
     trained = [trained_rows(streamed[step], RESPONSES) for step in range(1, STEPS + 1)]
     assert all(len(rows) == GROUPS for rows in trained), trained
     assert len({row for rows in trained for row in rows}) == STEPS * GROUPS  # none trained twice
     batches = loader_rows(PROMPTS, GROUPS, STEPS + 1)
-    assert all(rows in [sorted(batch) for batch in batches] for rows in trained), (trained, batches)
+    assert {row for rows in trained for row in rows} <= {row for batch in batches for row in batch}
     # none lost: every batch before the last checkpoint's loader position trained whole
     last = json.loads((streamed["save_dir"] / f"global_step_{STEPS}" / "trainer_state.json").read_text())
     before = batches[: last["loader"]["batch_index"]]

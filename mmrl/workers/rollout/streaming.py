@@ -10,8 +10,9 @@ generations in flight continue with them (partial rollouts: transformers'
 Multi-turn trajectories (an agent given): a submission's trajectories are run by the agent loop in this
 thread (:class:`AgentStream`), each model turn decoded a chunk at a time as above; the engine is held
 for a chunk only, so a push also lands while the tools run: a tool call in flight completes, and the
-turns after it are sampled by the new weights. The submission's groups leave together, when its last
-trajectory has ended (the loop runs a batch's trajectories turn by turn together)."""
+turns after it are sampled by the new weights. The loop runs a submission's trajectories turn by turn
+together; each prompt's group leaves as soon as its trajectories have all ended, while the others go
+on (:meth:`mmrl.agent.loop.AgentLoop.generate_groups`)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,13 @@ class AgentStream:
         """New weights in the engine (called while the engine is held): the next chunk samples by them."""
         self.version = version
 
-    def run(self) -> DataProto:
-        """Every trajectory of the submission, to its end (rows of a prompt together, each token's
-        ``policy_version`` included)."""
-        batch = self.agent.generate(self.streaming.engine, self.prompts, self.sampling, chunks=self)
+    def run(self) -> None:
+        """Every trajectory of the submission, to its end, each prompt's group (its rows together, each
+        token's ``policy_version`` included) handed out as soon as it has ended."""
+        self.agent.generate_groups(
+            self.streaming.engine, self.prompts, self.sampling, self.streaming.hand_out, chunks=self
+        )
         self.done = True
-        return batch
 
 
 class StreamingEngine:
@@ -131,6 +133,12 @@ class StreamingEngine:
             parts, self.outbox = self.outbox, []
         return parts
 
+    def hand_out(self, group: DataProto) -> None:
+        """A finished group, for the next :meth:`take`."""
+        with self.changed:
+            self.outbox.append(group)
+            self.changed.notify_all()
+
     def stop(self) -> None:
         with self.changed:
             self.stopping = True
@@ -148,7 +156,7 @@ class StreamingEngine:
                 finished = None
                 try:
                     if isinstance(stream, AgentStream):
-                        finished = stream.run()  # holds the engine chunk by chunk itself
+                        stream.run()  # holds the engine chunk by chunk, hands out each group itself
                     else:
                         with self.chunk():
                             stream.advance(self.chunk_tokens)

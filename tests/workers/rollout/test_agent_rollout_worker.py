@@ -20,6 +20,7 @@ import socket
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _models import PushBefore
@@ -240,6 +241,44 @@ def test_a_push_during_a_tool_call_reaches_the_next_turn_and_the_call_completes(
         GenerationMode.TRAIN, unswitched_engine.model, None,
     )  # fmt: skip
     assert not torch.equal(unswitched.batch["responses"], streamed.batch["responses"])  # the push mattered
+
+
+def test_a_group_leaves_as_soon_as_its_trajectories_end_while_the_others_go_on(worker, prompts):
+    """Streaming, an environment: the first prompt's episodes end at their first step, the second's
+    block in their second until the test has taken a group. The first prompt's group arrives alone
+    while the others are still stepping; theirs arrives once they are let go."""
+    paced = prompts[[0, 1]]
+    paced.non_tensor_batch["pace"] = np.array(["fast", "slow"], dtype=object)
+    blocked, release = threading.Event(), threading.Event()
+
+    class Paced:
+        def reset(self, row):
+            self.pace, self.steps = row["pace"], 0
+            return "Begin."
+
+        def step(self, action_text):
+            self.steps += 1
+            if self.pace == "slow" and self.steps == 2:
+                blocked.set()
+                release.wait(25)  # within the loop's 30 s step timeout
+            return "Go on.", 0.0, self.pace == "fast" or self.steps == 2
+
+    original = worker.agent.tools, worker.agent.environment
+    worker.agent.tools, worker.agent.environment = None, Paced
+    try:
+        worker.stream_submit(paced, submission=2)
+        first = worker.stream_take(timeout_s=60)
+        assert first is not None and list(first.non_tensor_batch["pace"]) == ["fast", "fast"]
+        assert blocked.wait(60) and worker.stream_take(timeout_s=0.5) is None  # the others still step
+        release.set()
+        rest = worker.stream_take(timeout_s=60)
+    finally:
+        release.set()
+        worker.agent.tools, worker.agent.environment = original
+    assert rest is not None and list(rest.non_tensor_batch["pace"]) == ["slow", "slow"]
+    for part, turns in ((first, 1), (rest, 2)):
+        assert [record.model_turns for record in part.non_tensor_batch["trajectory"]] == [turns] * 2
+        assert check_batch(part) == []
 
 
 @torch.no_grad()
