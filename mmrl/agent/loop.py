@@ -303,8 +303,8 @@ class AgentLoop:
                     answered[request.row] = text
             if environments is not None:
                 active = self._step_environments(environments, answered, rows, trajectories, budget)
-            else:
-                active = self._call_tools(answered, rows, trajectories, budget)
+            else:  # the groups that ended with this turn leave before its tool calls run
+                active = self._call_tools(answered, rows, trajectories, budget, groups.report)
             groups.report(active, trajectories)
         return trajectories
 
@@ -334,8 +334,10 @@ class AgentLoop:
         rows: Sequence[dict[str, Any]],
         trajectories: list[Trajectory],
         budget: int,
+        calling: Callable[[Sequence[int], list[Trajectory]], None] | None = None,
     ) -> list[int]:
-        """Run the calls of every answered turn (all at once, bounded); the rows that go on."""
+        """Run the calls of every answered turn (all at once, bounded); the rows that go on.
+        ``calling(rows, trajectories)`` first, with the rows whose calls are about to run."""
         calls: dict[int, list[ToolCall]] = {}
         for row, text in answered.items():
             parsed = self.parse(text)
@@ -346,6 +348,8 @@ class AgentLoop:
                 record.stop = STOP_MAX_TURNS
             else:
                 calls[row] = parsed
+        if calling is not None:
+            calling(list(calls), trajectories)
         jobs = [(call, rows[row]) for row, row_calls in calls.items() for call in row_calls]
         outputs = iter(self.tools.run(jobs))
         active = []

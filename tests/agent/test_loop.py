@@ -251,17 +251,31 @@ class ScriptedBackend:
 
 def test_each_group_is_handed_out_as_soon_as_its_trajectories_have_ended(parts, prompts):
     """``generate_groups``: the first prompt's two trajectories answer at once, the second's call zoom
-    first. The first group is handed out before the second model turn is sampled, the second after it,
-    and together they are the batch ``generate`` makes of the same turns."""
+    first. The first group is handed out before the zoom calls run, the second after its second model
+    turn, and together they are the batch ``generate`` makes of the same turns."""
     tokenizer, _, _, eos = parts
     texts = [["red"], ["blue"], [CALL.format(x=0), "red"], [CALL.format(x=14), "green"]]
     sampling = SamplingParams(n=2, temperature=1.0, max_tokens=400)
     generate, seen = scripted(tokenizer, eos, texts)
-    handed = []
-    make_loop(parts).generate_groups(
-        ScriptedBackend(generate, tokenizer.pad_token_id), prompts, sampling,
-        lambda group: handed.append((len(seen), group)),
-    )  # fmt: skip
+    handed, events = [], []
+
+    def logged_zoom(x: int, y: int, row: dict = None) -> Image.Image:
+        """Crop a 28x28 region of the image.
+
+        Args:
+            x: left edge
+            y: top edge
+        """
+        events.append("zoom")
+        return zoom(x, y, row=row)
+
+    def hand_out(group):
+        events.append("group")
+        handed.append((len(seen), group))
+
+    loop = make_loop(parts, tools={"zoom": tool_from_function(logged_zoom)})
+    loop.generate_groups(ScriptedBackend(generate, tokenizer.pad_token_id), prompts, sampling, hand_out)
+    assert events == ["group", "zoom", "zoom", "group"]
     assert [(turns_sampled, len(group)) for turns_sampled, group in handed] == [(1, 2), (2, 2)]
     for index, (_, group) in enumerate(handed):  # each group: one prompt's rows
         assert torch.equal(group.batch["prompts"], prompts.batch["input_ids"][[index, index]])
