@@ -56,6 +56,20 @@ def small_run_overrides(model_path, data_dir, save_dir) -> list[str]:
     ]
 
 
+def with_longer_prompts(data_dir, out_dir, rows: slice = slice(0, None, 3)) -> Path:
+    """A copy of ``data_dir`` whose training prompts ``rows`` (every third) are a few tokens longer: loader
+    batches then pad their prompts to different widths, as real data's do (the colour task's prompts
+    are all alike)."""
+    import shutil
+
+    out_dir = Path(shutil.copytree(data_dir, out_dir))
+    lines = [json.loads(line) for line in (out_dir / "train.jsonl").read_text().splitlines()]
+    for line in lines[rows]:
+        line["problem"] += " Look closely first."
+    (out_dir / "train.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out_dir
+
+
 def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict | None = None) -> list[dict]:
     """Run the trainer to completion (it must exit 0 and leave nothing behind: see
     :func:`assert_left_nothing`), with ``env`` added to this process's environment; returns its

@@ -1182,20 +1182,14 @@ def test_online_filtering_fills_steps_with_useful_groups_and_resumes_exactly(
     from step 2 repeats step 3 exactly: the loader's position counts rounds, not steps (and the
     learning rate's scale of worker.actor.kl_step_control is restored). Every third prompt is longer, so
     rounds (loader batches of their own) pad their prompts to different widths, which a step joins."""
-    import shutil
-
     import ray
-    from _trainer_run import small_run_overrides
+    from _trainer_run import small_run_overrides, with_longer_prompts
 
     from mmrl.single_controller import init_ray
     from mmrl.trainer.dynamic_sampling import DynamicSamplingError, FilterOptions
     from mmrl.trainer.ray_trainer import RayPPOTrainer, build_filter, local_cluster_cpus
 
-    data_dir = shutil.copytree(shapes_data_dir, tmp_path / "data")
-    rows = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
-    for row in rows[::3]:
-        row["problem"] += " Look closely first."
-    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data_dir = with_longer_prompts(shapes_data_dir, tmp_path / "data")
 
     def overrides(save_dir: Path, *extra: str) -> list[str]:
         return small_run_overrides(tiny_vl_path, data_dir, save_dir) + [

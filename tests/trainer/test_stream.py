@@ -26,6 +26,7 @@ from _trainer_run import (
     run_main,
     small_run_overrides,
     trained_rows,
+    with_longer_prompts,
 )
 
 COARSE_REWARD = REPO_ROOT / "tests/trainer/assets/coarse_reward.py"  # with the rows record
@@ -43,9 +44,12 @@ def streamed(tool_calling_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
     """The streamed run (stages of 1 and 2 steps), killed in step 2 and resumed: the training lines of
     both by step, ``save_dir``, the killed run's output, what it had trained and saved at its death."""
     save_dir = tmp_path_factory.mktemp("stream") / "run"
+    # every third prompt from row 2 on longer (rows 0 and 1 are those the tool calls were taught on):
+    # groups of submissions padded to different widths meet in a step
+    data_dir = with_longer_prompts(shapes_data_dir, save_dir.parent / "data", slice(2, None, 3))
     overrides = [
         key
-        for key in small_run_overrides(tool_calling_vl_path, shapes_data_dir, save_dir)
+        for key in small_run_overrides(tool_calling_vl_path, data_dir, save_dir)
         if "val_files" not in key and "reward_function=" not in key
     ]
     overrides += [
@@ -73,7 +77,7 @@ def streamed(tool_calling_vl_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.max_try_make_batch=1",
         "algorithm.disable_kl=true",  # the rewards alone make the advantages (and the run shorter)
         # multi-turn trajectories: the model calls the tool, which returns an image (on the rollout worker)
-        "data.max_prompt_length=320",  # the tool's schema in the system prompt
+        "data.max_prompt_length=336",  # the tool's schema in the system prompt (and the longer prompts)
         "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the next turn
         "worker.rollout.multi_turn.enable=true",
         f"worker.rollout.multi_turn.tools=[{ZOOM_CENTER_TOOL}]",
