@@ -77,6 +77,15 @@ class Column:
         last = self.shape.rsplit(",", 1)[-1].strip(" ]") if "," in self.shape else None
         return {"P": prompt_length, "R": response_length, "L": prompt_length + response_length}.get(last)
 
+    def prompt_dim(self, ndim: int) -> int | None:
+        """The dim that starts with the prompt (P or L) in the listed layout of ``ndim`` dims (``[B, 3,
+        L] or [B, L]``); None for columns without one (responses, 1-D and object columns)."""
+        for layout in self.shape.replace(" then ", " or ").split(" or "):
+            dims = [dim.strip() for dim in layout.strip("[] ").split(",")]
+            if self.is_tensor and len(dims) == ndim:
+                return next((index for index, dim in enumerate(dims) if dim in ("P", "L")), None)
+        return None
+
 
 _LONG, _FLOAT = torch.int64, torch.float32
 _SPECS = (

@@ -108,3 +108,12 @@ def test_schema_problems_are_named():
     assert len(problems) == 4
     strict = check_batch(_training_batch(), allow_unlisted_objects=False)
     assert strict == ["object column 'data_source' is not listed"]
+
+
+def test_the_prompt_dim_of_a_column_is_read_from_its_listed_layout():
+    from mmrl.columns import COLUMNS
+
+    assert COLUMNS["input_ids"].prompt_dim(2) == 1 and COLUMNS["prompts"].prompt_dim(2) == 1
+    assert COLUMNS["position_ids"].prompt_dim(3) == 2 and COLUMNS["position_ids"].prompt_dim(2) == 1
+    assert COLUMNS["routed_experts"].prompt_dim(4) == 1
+    assert COLUMNS["responses"].prompt_dim(2) is None and COLUMNS["uid"].prompt_dim(1) is None

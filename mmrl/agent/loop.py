@@ -248,9 +248,8 @@ class AgentLoop:
         ``prompts`` carry their media as :func:`~mmrl.data.processing.attach_media` with
         ``rollout_media`` gives them. ``chunks``: the turns are decoded in chunks, pushes landing
         between them (streaming); their tokens then carry ``policy_version``."""
-        repeated = prompts.repeat(sampling.n, interleave=True)  # uid and media kept per row
-        generate = backend.turn_generator(repeated, sampling.override(n=1), chunks)
-        trajectories = self.run(sample_rows(repeated, self.renderer.media), sampling.max_tokens, generate)
+        repeated, rows, generate = self._trajectory_rows(backend, prompts, sampling, chunks)
+        trajectories = self.run(rows, sampling.max_tokens, generate)
         return assemble_trajectory_batch(repeated, trajectories, sampling.max_tokens, backend.pad_token_id)
 
     def generate_groups(
@@ -264,17 +263,26 @@ class AgentLoop:
         """:meth:`generate`, each prompt's n trajectories handed to ``hand_out`` (a batch of n rows, as
         :meth:`generate` would hold them) as soon as they have all ended, while the other prompts'
         go on (streaming: a group does not wait for the slowest trajectory of its submission)."""
-        repeated = prompts.repeat(sampling.n, interleave=True)
-        generate = backend.turn_generator(repeated, sampling.override(n=1), chunks)
+        repeated, rows, generate = self._trajectory_rows(backend, prompts, sampling, chunks)
 
-        def ended(rows: range, trajectories: list[Trajectory]) -> None:
-            group = repeated[rows.start : rows.stop]
+        def ended(group: range, trajectories: list[Trajectory]) -> None:
+            prompt_rows = repeated[group.start : group.stop]
             hand_out(
-                assemble_trajectory_batch(group, trajectories, sampling.max_tokens, backend.pad_token_id)
+                assemble_trajectory_batch(
+                    prompt_rows, trajectories, sampling.max_tokens, backend.pad_token_id
+                )
             )
 
-        rows = sample_rows(repeated, self.renderer.media)
         self.run(rows, sampling.max_tokens, generate, group_ended=(sampling.n, ended))
+
+    def _trajectory_rows(
+        self, backend: TurnBackend, prompts: DataProto, sampling: SamplingParams, chunks: DecodeChunks | None
+    ) -> tuple[DataProto, list[dict[str, Any]], GenerateTurns]:
+        """The prompt batch with one row per trajectory (uid and media kept per row), what tools and
+        environments get of each row, and the backend's turn generator for them."""
+        repeated = prompts.repeat(sampling.n, interleave=True)
+        generate = backend.turn_generator(repeated, sampling.override(n=1), chunks)
+        return repeated, sample_rows(repeated, self.renderer.media), generate
 
     def run(
         self,

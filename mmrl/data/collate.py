@@ -48,19 +48,6 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> DataP
 _PROMPT_PAD = {"input_ids": None, "prompts": None, "position_ids": 1, "routed_experts": -1}
 
 
-def _prompt_dim(name: str, ndim: int) -> int | None:
-    """The dim of column ``name`` (a tensor of ``ndim`` dims) that starts with the prompt: its shape's P
-    or L in the listed layout of that many dims; None for columns without one (responses, unlisted)."""
-    spec = COLUMNS.get(name)
-    if spec is None or not spec.is_tensor:
-        return None
-    for layout in spec.shape.replace(" then ", " or ").split(" or "):
-        dims = [dim.strip() for dim in layout.strip("[] ").split(",")]
-        if len(dims) == ndim:
-            return next((index for index, dim in enumerate(dims) if dim in ("P", "L")), None)
-    return None
-
-
 def concat_batches(parts: Sequence[DataProto], pad_token_id: int) -> DataProto:
     """``parts`` row-wise in order (:meth:`DataProto.concat`), where each part's prompts are left-padded
     to its own longest (a batch collates them so): the prompt side of every column padded on the left
@@ -76,14 +63,16 @@ def concat_batches(parts: Sequence[DataProto], pad_token_id: int) -> DataProto:
     for part, width in zip(parts, widths):
         tensors = dict(part.batch.items())
         for name, tensor in tensors.items():
-            dim = _prompt_dim(name, tensor.dim())
-            if dim is None or width == widest:
+            dim = COLUMNS[name].prompt_dim(tensor.dim()) if name in COLUMNS and width < widest else None
+            if dim is None:
                 continue
             value = _PROMPT_PAD.get(name, 0)
             shape = list(tensor.shape)
             shape[dim] = widest - width
-            fill = torch.full(shape, pad_token_id if value is None else value, dtype=tensor.dtype)
-            tensors[name] = torch.cat([fill.to(tensor.device), tensor], dim=dim)
+            fill = torch.full(
+                shape, pad_token_id if value is None else value, dtype=tensor.dtype, device=tensor.device
+            )
+            tensors[name] = torch.cat([fill, tensor], dim=dim)
         padded.append(
             DataProto.from_dict(
                 tensors=tensors, non_tensors=dict(part.non_tensor_batch), meta_info=dict(part.meta_info)
