@@ -133,6 +133,7 @@ bench: assets
 	$(PY) bench/cost_curves.py
 	$(PY) bench/packing.py --repeats 3
 	$(PY) bench/rollout_speed.py --repeats 2
+	$(PY) bench/agent_turns.py
 	$(PY) bench/sequence_parallel.py --lengths 1024 2048 4096 --repeats 1
 	$(PY) bench/colocated_critic.py
 	$(PY) bench/long_video.py --sides 56 112 --backends hf vllm

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import agent_turns
 import colocated_critic
 import cost_curves
 import long_video
@@ -46,6 +47,11 @@ def _sections() -> list[tuple[str, str, Callable[[dict], str]]]:
             lambda d: colocated_critic.format_table(d["rows"]),
         ),
         ("rollout_speed.json", "rollout: vLLM vs transformers", lambda d: rollout_speed._table(d["rows"])),
+        (
+            "agent_turns.json",
+            "multi-turn generation with tools of uneven latency: lockstep vs as_ready turns",
+            lambda d: agent_turns.format_table(d["args"], d["results"]),
+        ),
         (
             "sequence_parallel.json",
             "sequence parallelism: step, memory and longest row per layout",

@@ -18,6 +18,8 @@ would leave no room for the next model turn ends the trajectory (``budget``).
 
 from __future__ import annotations
 
+import functools
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from mmrl.agent.tools import (
     ERROR_RAISED,
     ERROR_TIMEOUT,
     TIMED_OUT,
+    BoundedRunner,
     ToolCall,
     ToolOutput,
     ToolRunner,
@@ -53,6 +56,9 @@ from mmrl.sampling import SamplingParams
 
 CUT_MARKER = " [... cut: {count} more tokens]"
 LOGGED_OUTPUT_CHARS = 300  # of each tool output, in the trajectory record
+# as_ready: once a trajectory is ready, how long the others' calls may still come back to join its
+# batch, as a share of the last model turn's seconds: calls that end together are sampled together
+AS_READY_GRACE = 0.25
 
 
 class Environment(Protocol):
@@ -75,6 +81,7 @@ class LoopOptions:
     max_observation_tokens: int = 1024  # of one tool/environment turn; longer ones are cut
     timeout_s: float = 30.0  # of one tool call or environment step
     max_concurrency: int = 8  # tool calls (environment steps) running at once
+    as_ready: bool = False  # a trajectory's next turn is sampled as soon as its own calls returned
 
 
 class ObservationRenderer:
@@ -293,28 +300,127 @@ class AgentLoop:
     ) -> list[Trajectory]:
         """One trajectory per row (the sample's row: what tools and environments get) within ``budget``
         response tokens each. ``group_ended``: ``(size, call)``, the rows in consecutive groups of
-        ``size``; ``call(rows, trajectories)`` as soon as a group's trajectories have all ended."""
+        ``size``; ``call(rows, trajectories)`` as soon as a group's trajectories have all ended.
+
+        Each model turn's tool calls (environment step) run on a :class:`BoundedRunner`. ``lockstep``
+        (the default): the next turns are sampled together once every call of the turn has returned.
+        ``as_ready``: the trajectories whose calls have returned are sampled while the others' still
+        run; the engine waits only when no trajectory is ready."""
         trajectories = [Trajectory(media_key=uuid.uuid4().hex) for _ in rows]
         environments = [self.environment() for _ in rows] if self.environment is not None else None
-        active = list(range(len(rows)))
+        ready = list(range(len(rows)))
         groups = _GroupsEnded(len(rows), group_ended)
         if environments is not None:
-            active = self._reset(environments, rows, trajectories, budget)
-        groups.report(active, trajectories)
-        while active:
-            requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in active]
-            generated = generate(requests)
-            answered: dict[int, str] = {}
-            for request, sampled in zip(requests, generated):
-                text = self._model_turn(request, SampledTurn(*sampled))
-                if text is not None:
-                    answered[request.row] = text
-            if environments is not None:
-                active = self._step_environments(environments, answered, rows, trajectories, budget)
-            else:  # the groups that ended with this turn leave before its tool calls run
-                active = self._call_tools(answered, rows, trajectories, budget, groups.report)
-            groups.report(active, trajectories)
+            ready = self._reset(environments, rows, trajectories, budget)
+        groups.report(ready, trajectories)
+        runner = self._runner()
+        observing: dict[int, _Observation] = {}  # row -> its calls (step) in flight
+        while ready or observing:
+            if ready:
+                requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in ready]
+                planned, started = {}, time.perf_counter()
+                sampled_turns = generate(requests)
+                engine_s = time.perf_counter() - started
+                for request, sampled in zip(requests, sampled_turns):
+                    text = self._model_turn(request, SampledTurn(*sampled))
+                    if text is not None and (
+                        plan := self._plan(request.row, text, rows, trajectories, environments)
+                    ):
+                        planned[request.row] = plan
+                # the groups that ended with this turn leave before its calls run
+                groups.report([*observing, *planned], trajectories)
+                for row, plan in planned.items():
+                    observing[row] = plan.start(runner)
+            ready = self._observed(observing, runner, trajectories, budget, AS_READY_GRACE * engine_s)
+            groups.report([*ready, *observing], trajectories)
         return trajectories
+
+    def _runner(self) -> BoundedRunner:
+        """Where the calls run: within the tools' bounds, or the environment's (the loop's options)."""
+        if self.tools is not None:
+            return BoundedRunner(self.tools.timeout_s, self.tools.max_concurrency)
+        return BoundedRunner(self.options.timeout_s, self.options.max_concurrency)
+
+    def _observed(
+        self,
+        observing: dict[int, _Observation],
+        runner: BoundedRunner,
+        trajectories: list[Trajectory],
+        budget: int,
+        grace_s: float,
+    ) -> list[int]:
+        """Wait for observations and append the ones there to their trajectories; the rows that go on, in
+        order. lockstep: all of them. as_ready: once one is there, the others for ``grace_s`` more (the
+        calls that end together go to the engine together)."""
+        runner.collect(block=False)
+        give_up = None
+        while True:
+            there = [row for row in sorted(observing) if observing[row].finished(runner)]
+            if len(there) == len(observing):
+                break
+            if there and self.options.as_ready:
+                give_up = give_up or time.perf_counter() + grace_s
+                if time.perf_counter() >= give_up:
+                    break
+                runner.collect(wait_s=give_up - time.perf_counter())
+            else:
+                runner.collect()
+        return [row for row in there if observing.pop(row).finish(runner, trajectories[row], budget)]
+
+    def _plan(
+        self,
+        row: int,
+        text: str,
+        rows: Sequence[dict[str, Any]],
+        trajectories: list[Trajectory],
+        environments: list[Environment] | None,
+    ) -> _Plan | None:
+        """What answers model turn ``text`` of trajectory ``row``: its tool calls or its environment
+        step, not yet started; None when the trajectory ends here (a final answer, ``max_turns``)."""
+        trajectory = trajectories[row]
+        where = f"row {row}, turn {trajectory.next_turn}"
+        if environments is not None:
+            step = functools.partial(_guarded, functools.partial(_env_step, environments[row], text))
+            return _Plan([step], functools.partial(self._environment_answered, where))
+        parsed = self.parse(text)
+        if not parsed:
+            trajectory.record.stop = STOP_ANSWER
+            return None
+        if trajectory.record.model_turns >= self.options.max_turns:
+            trajectory.record.stop = STOP_MAX_TURNS
+            return None
+        assert self.tools is not None  # a loop has tools or an environment
+        jobs = [self.tools.prepare(call, rows[row]) for call in parsed]
+        return _Plan(jobs, functools.partial(self._tools_answered, parsed, where))
+
+    def _tools_answered(
+        self, calls: list[ToolCall], where: str, results: list[Any], trajectory: Trajectory, budget: int
+    ) -> bool:
+        """Append the observation of a turn's tool calls (``results``: as the runner gave them); whether
+        the trajectory goes on."""
+        assert self.tools is not None
+        outputs = [self.tools.answer(call, *result) for call, result in zip(calls, results)]
+        appended, shown_outputs = self._append_observation(trajectory, "tool", outputs, budget, where)
+        for call, output in zip(calls, shown_outputs):
+            trajectory.record.calls.append(_call_record(call.name or "?", call.arguments, output))
+        return appended
+
+    def _environment_answered(
+        self, where: str, results: list[Any], trajectory: Trajectory, budget: int
+    ) -> bool:
+        """Record an environment step (its reward, its end) and append its observation; whether the
+        trajectory goes on."""
+        extra, observation = self._env_output(*results[0])
+        reward, done = extra if extra is not None else (0.0, True)
+        trajectory.turn_rewards.append(float(reward))
+        trajectory.record.calls.append(_call_record("step", None, observation))
+        if done:
+            trajectory.record.stop = STOP_ANSWER
+            return False
+        if trajectory.record.model_turns >= self.options.max_turns:
+            trajectory.record.stop = STOP_MAX_TURNS
+            return False
+        return self._append_observation(trajectory, "user", [observation], budget, where)[0]
 
     def _model_turn(self, request: TurnRequest, sampled: SampledTurn) -> str | None:
         """Append a model turn; its text when the trajectory may go on, else None (stop recorded)."""
@@ -336,73 +442,21 @@ class AgentLoop:
             return None
         return text
 
-    def _call_tools(
-        self,
-        answered: dict[int, str],
-        rows: Sequence[dict[str, Any]],
-        trajectories: list[Trajectory],
-        budget: int,
-        calling: Callable[[Sequence[int], list[Trajectory]], None] | None = None,
-    ) -> list[int]:
-        """Run the calls of every answered turn (all at once, bounded); the rows that go on.
-        ``calling(rows, trajectories)`` first, with the rows whose calls are about to run."""
-        calls: dict[int, list[ToolCall]] = {}
-        for row, text in answered.items():
-            parsed = self.parse(text)
-            record = trajectories[row].record
-            if not parsed:
-                record.stop = STOP_ANSWER
-            elif record.model_turns >= self.options.max_turns:
-                record.stop = STOP_MAX_TURNS
-            else:
-                calls[row] = parsed
-        if calling is not None:
-            calling(list(calls), trajectories)
-        jobs = [(call, rows[row]) for row, row_calls in calls.items() for call in row_calls]
-        outputs = iter(self.tools.run(jobs))
-        active = []
-        for row, row_calls in calls.items():
-            trajectory = trajectories[row]
-            shown_outputs = [next(outputs) for _ in row_calls]
-            where = f"row {row}, turn {trajectory.next_turn}"
-            appended, shown_outputs = self._append_observation(
-                trajectory, "tool", shown_outputs, budget, where
-            )
-            for call, output in zip(row_calls, shown_outputs):
-                trajectory.record.calls.append(_call_record(call.name or "?", call.arguments, output))
-            if appended:
-                active.append(row)
-        return active
-
     # ---- environments ---------------------------------------------------------------------------
 
-    def _env_outputs(self, jobs: list[Callable[[], Any]]) -> list[tuple[Any, ToolOutput]]:
-        """``(value, observation)`` of each environment call, bounded and with the timeout; a call that
-        raises, hangs or returns an unusable observation gives value None and an error observation."""
-        results = []
-        wrapped = [lambda job=job: _guarded(job) for job in jobs]
-        for (value, seconds), _ in zip(
-            run_bounded(wrapped, self.options.timeout_s, self.options.max_concurrency), jobs
-        ):
-            if value is TIMED_OUT:
-                results.append(
-                    (
-                        None,
-                        error_output(
-                            ERROR_TIMEOUT,
-                            f"the environment took longer than {self.options.timeout_s:g}s",
-                            seconds,
-                        ),
-                    )
-                )
-            elif isinstance(value, ToolOutput):  # an error
-                value.seconds = seconds
-                results.append((None, value))
-            else:
-                observation, extra = value
-                results.append((extra, observation))
-                observation.seconds = seconds
-        return results
+    def _env_output(self, value: Any, seconds: float) -> tuple[Any, ToolOutput]:
+        """``(value, observation)`` of an environment call as a :class:`BoundedRunner` gave it (``value``:
+        :func:`_guarded`'s); a call that raised, hung or returned an unusable observation gives value
+        None and an error observation."""
+        if value is TIMED_OUT:
+            message = f"the environment took longer than {self.options.timeout_s:g}s"
+            return None, error_output(ERROR_TIMEOUT, message, seconds)
+        if isinstance(value, ToolOutput):  # an error
+            value.seconds = seconds
+            return None, value
+        observation, extra = value
+        observation.seconds = seconds
+        return extra, observation
 
     def _reset(
         self,
@@ -412,9 +466,14 @@ class AgentLoop:
         budget: int,
     ) -> list[int]:
         """Each episode's opening observation as turn 0 (none when it is empty); the rows that go on."""
-        jobs = [lambda env=env, row=row: (env.reset(row), None) for env, row in zip(environments, rows)]
+        jobs = [
+            functools.partial(_guarded, lambda env=env, row=row: (env.reset(row), None))
+            for env, row in zip(environments, rows)
+        ]
+        outcomes = run_bounded(jobs, self.options.timeout_s, self.options.max_concurrency)
         active = []
-        for row, (_, observation) in enumerate(self._env_outputs(jobs)):
+        for row, outcome in enumerate(outcomes):
+            _, observation = self._env_output(*outcome)
             trajectory = trajectories[row]
             if observation.error is not None:
                 trajectory.record.calls.append(_call_record("reset", None, observation))
@@ -431,33 +490,36 @@ class AgentLoop:
             active.append(row)
         return active
 
-    def _step_environments(
-        self,
-        environments: list[Environment],
-        answered: dict[int, str],
-        rows: Sequence[dict[str, Any]],
-        trajectories: list[Trajectory],
-        budget: int,
-    ) -> list[int]:
-        rows_stepped = list(answered)
-        jobs = [
-            lambda env=environments[row], text=answered[row]: _env_step(env, text) for row in rows_stepped
+
+@dataclass
+class _Plan:
+    """What will answer a model turn: its jobs (tool calls, or an environment step), each a function or
+    an output known without running one (a malformed call), and ``answered(results, trajectory,
+    budget)``, which appends their observation and says whether the trajectory goes on."""
+
+    jobs: list[Any]
+    answered: Callable[[list[Any], Trajectory, int], bool]
+
+    def start(self, runner: BoundedRunner) -> _Observation:
+        parts = [
+            (job, job.seconds) if isinstance(job, ToolOutput) else runner.submit(job) for job in self.jobs
         ]
-        active = []
-        for row, (extra, observation) in zip(rows_stepped, self._env_outputs(jobs)):
-            trajectory = trajectories[row]
-            reward, done = extra if extra is not None else (0.0, True)
-            trajectory.turn_rewards.append(float(reward))
-            trajectory.record.calls.append(_call_record("step", None, observation))
-            if done:
-                trajectory.record.stop = STOP_ANSWER
-            elif trajectory.record.model_turns >= self.options.max_turns:
-                trajectory.record.stop = STOP_MAX_TURNS
-            else:
-                where = f"row {row}, turn {trajectory.next_turn}"
-                if self._append_observation(trajectory, "user", [observation], budget, where)[0]:
-                    active.append(row)
-        return active
+        return _Observation(parts, self.answered)
+
+
+@dataclass
+class _Observation:
+    """A planned answer in flight: a runner's ticket per job (or the result known at once)."""
+
+    parts: list[int | tuple[Any, float]]
+    answered: Callable[[list[Any], Trajectory, int], bool]
+
+    def finished(self, runner: BoundedRunner) -> bool:
+        return all(not isinstance(part, int) or runner.finished(part) for part in self.parts)
+
+    def finish(self, runner: BoundedRunner, trajectory: Trajectory, budget: int) -> bool:
+        results = [runner.result(part) if isinstance(part, int) else part for part in self.parts]
+        return self.answered(results, trajectory, budget)
 
 
 class _GroupsEnded:
@@ -522,6 +584,7 @@ def build_agent_loop(
         max_observation_tokens=multi_turn.max_observation_tokens,
         timeout_s=multi_turn.tool_timeout,
         max_concurrency=multi_turn.max_concurrency,
+        as_ready=multi_turn.turn_schedule == "as_ready",
     )
     end_of_turn = media.tokenizer.convert_ids_to_tokens(eos_token_ids[0])
     tokenizer_eos = media.tokenizer.eos_token_id

@@ -317,63 +317,117 @@ class ToolRunner:
         output.seconds = time.perf_counter() - start
         return output
 
+    def prepare(self, call: ToolCall, row: dict[str, Any]) -> ToolOutput | Callable[[], ToolOutput]:
+        """The error output of a call that cannot run, else the job that runs it (on a runner's thread)."""
+        checked = self._check(call)
+        if checked is not None:
+            return checked
+        return lambda: self._run_one(call, row)
+
+    def answer(self, call: ToolCall, result: ToolOutput | object, seconds: float) -> ToolOutput:
+        """The output of a job of :meth:`prepare` as a :class:`BoundedRunner` gave it: a timed-out job's
+        is the timeout's error."""
+        if result is TIMED_OUT:
+            return error_output(
+                ERROR_TIMEOUT, f"tool '{call.name}' took longer than {self.timeout_s:g}s", seconds
+            )
+        return result
+
     def run(self, calls: Sequence[tuple[ToolCall, dict[str, Any]]]) -> list[ToolOutput]:
         """The outputs of ``(call, row)`` pairs, in order."""
-        results: list[ToolOutput | None] = [self._check(call) for call, _ in calls]
-        runnable = [index for index, result in enumerate(results) if result is None]
-        jobs = [
-            lambda call=calls[index][0], row=calls[index][1]: self._run_one(call, row) for index in runnable
-        ]
-        outcomes = run_bounded(jobs, self.timeout_s, self.max_concurrency)
-        for index, (output, seconds) in zip(runnable, outcomes):
-            if output is TIMED_OUT:
-                output = error_output(
-                    ERROR_TIMEOUT,
-                    f"tool '{calls[index][0].name}' took longer than {self.timeout_s:g}s",
-                    seconds,
-                )
-            results[index] = output
-        return results
+        prepared = [self.prepare(call, row) for call, row in calls]
+        runnable = [index for index, job in enumerate(prepared) if not isinstance(job, ToolOutput)]
+        outcomes = run_bounded([prepared[index] for index in runnable], self.timeout_s, self.max_concurrency)
+        for index, (result, seconds) in zip(runnable, outcomes):
+            prepared[index] = self.answer(calls[index][0], result, seconds)
+        return prepared
 
 
-TIMED_OUT = object()  # run_bounded's result of a job that ran past its timeout
+TIMED_OUT = object()  # a BoundedRunner's result of a job that ran past its timeout
+
+
+class BoundedRunner:
+    """Jobs run on at most ``max_concurrency`` threads at once, submitted at any time, started in the
+    order they came; a job still running ``timeout_s`` after its start gives :data:`TIMED_OUT` and is
+    abandoned: its thread (a daemon) may finish later, unheard, and its slot goes to the next job. A
+    job's exception is raised by :meth:`collect`: jobs catch their own (see :meth:`ToolRunner._run_one`).
+
+    :meth:`submit` hands out a ticket; :meth:`collect` waits for results, which :meth:`result` gives
+    by ticket."""
+
+    def __init__(self, timeout_s: float, max_concurrency: int):
+        self.timeout_s, self.max_concurrency = timeout_s, max(1, max_concurrency)
+        self.queued: dict[int, Callable[[], Any]] = {}  # ticket -> job, in submission order
+        self.running: dict[int, float] = {}  # ticket -> start time
+        self.results: dict[int, tuple[Any, float]] = {}  # ticket -> (result, seconds)
+        self.done: queue.Queue = queue.Queue()
+        self.tickets = 0
+
+    def submit(self, job: Callable[[], Any]) -> int:
+        ticket, self.tickets = self.tickets, self.tickets + 1
+        self.queued[ticket] = job
+        self._start()
+        return ticket
+
+    def finished(self, ticket: int) -> bool:
+        return ticket in self.results
+
+    def result(self, ticket: int) -> tuple[Any, float]:
+        """``(result, seconds)`` of a finished job (given once)."""
+        return self.results.pop(ticket)
+
+    def collect(self, block: bool = True, wait_s: float | None = None) -> None:
+        """Take in the jobs that ended (or timed out) since the last call; ``block``: first waiting until
+        one does (at most ``wait_s`` when given), unless none is running."""
+        ended, until = len(self.results), None if wait_s is None else time.perf_counter() + wait_s
+        while self.running:
+            try:
+                if block and len(self.results) == ended:  # nothing ended yet: wait for the first
+                    deadline = min(self.running.values()) + self.timeout_s
+                    if until is not None and until < deadline:
+                        deadline, block = until, False  # given up after this wait
+                    item = self.done.get(timeout=max(0.0, deadline - time.perf_counter()))
+                else:
+                    item = self.done.get_nowait()
+            except queue.Empty:
+                item = None
+            if item is not None and item[0] in self.running:  # not abandoned after its timeout
+                ticket, value, error = item
+                if error is not None:
+                    raise error
+                self.results[ticket] = (value, time.perf_counter() - self.running.pop(ticket))
+            now = time.perf_counter()
+            for late, start in list(self.running.items()):
+                if now - start >= self.timeout_s:
+                    del self.running[late]
+                    self.results[late] = (TIMED_OUT, now - start)
+            self._start()
+            if item is None and (not block or len(self.results) > ended):
+                return
+
+    def _start(self) -> None:
+        while self.queued and len(self.running) < self.max_concurrency:
+            ticket = next(iter(self.queued))
+            job = self.queued.pop(ticket)
+            self.running[ticket] = time.perf_counter()
+            threading.Thread(
+                target=self._work, args=(ticket, job), daemon=True, name=f"mmrl-tool-{ticket}"
+            ).start()
+
+    def _work(self, ticket: int, job: Callable[[], Any]) -> None:
+        try:
+            self.done.put((ticket, job(), None))
+        except BaseException as err:  # handed to the collecting thread
+            self.done.put((ticket, None, err))
 
 
 def run_bounded(
     jobs: Sequence[Callable[[], Any]], timeout_s: float, max_concurrency: int
 ) -> list[tuple[Any, float]]:
-    """``(result, seconds)`` of each job, run on at most ``max_concurrency`` threads at once; a job
-    still running ``timeout_s`` after its start gives :data:`TIMED_OUT` and is abandoned: its thread
-    (a daemon) may finish later, unheard, and its slot goes to the next job. A job's exception is
-    raised here: jobs catch their own (see :meth:`ToolRunner._run_one`)."""
-    results: list[tuple[Any, float] | None] = [None] * len(jobs)
-    pending = list(range(len(jobs)))
-    done: queue.Queue = queue.Queue()
-    running: dict[int, float] = {}  # index -> start time
-
-    def work(index: int) -> None:
-        try:
-            done.put((index, jobs[index](), None))
-        except BaseException as err:  # handed to the caller's thread
-            done.put((index, None, err))
-
-    while pending or running:
-        while pending and len(running) < max(1, max_concurrency):
-            index = pending.pop(0)
-            running[index] = time.perf_counter()
-            threading.Thread(target=work, args=(index,), daemon=True, name=f"mmrl-tool-{index}").start()
-        next_deadline = min(running.values()) + timeout_s
-        try:
-            index, value, error = done.get(timeout=max(0.0, next_deadline - time.perf_counter()))
-            if index in running:  # not abandoned after its timeout
-                if error is not None:
-                    raise error
-                results[index] = (value, time.perf_counter() - running.pop(index))
-        except queue.Empty:
-            pass
-        now = time.perf_counter()
-        for index, start in list(running.items()):
-            if now - start >= timeout_s:
-                del running[index]
-                results[index] = (TIMED_OUT, now - start)
-    return results
+    """``(result, seconds)`` of each job, run by a :class:`BoundedRunner` (its bounds, timeout and
+    errors), once all have ended."""
+    runner = BoundedRunner(timeout_s, max_concurrency)
+    tickets = [runner.submit(job) for job in jobs]
+    while runner.running:
+        runner.collect()
+    return [runner.result(ticket) for ticket in tickets]

@@ -29,6 +29,11 @@ class MultiTurnConfig:
     max_observation_tokens: int = (
         1024  # tokens of one tool/environment turn; longer text is cut with a marker
     )
+    # lockstep: a batch's next model turns are sampled together, after the turn's last tool call
+    # (environment step) returned; as_ready: a trajectory's next turn is sampled as soon as its own calls
+    # returned, beside the others ready then (tools of uneven latency stall no one; the batches then
+    # depend on timing, so a run is not reproduced bit for bit)
+    turn_schedule: str = "lockstep"
 
     def check(self) -> list[str]:
         errors: list[str] = []

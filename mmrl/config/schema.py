@@ -21,7 +21,7 @@ from mmrl.config.model import (
     OptimConfig,
 )
 from mmrl.config.reward import CodeConfig, JudgeConfig, RewardConfig, RewardModelConfig, SandboxConfig
-from mmrl.config.rollout import RolloutConfig
+from mmrl.config.rollout import MultiTurnConfig, RolloutConfig
 from mmrl.config.trainer import LOGGERS, TrainerConfig
 from mmrl.data.config import DataConfig
 
@@ -183,6 +183,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (RolloutConfig, "name"): ("vllm", "hf"),
     (RolloutConfig, "dtype"): DTYPES,
     (RolloutConfig, "placement"): ("colocated", "separate"),
+    (MultiTurnConfig, "turn_schedule"): ("lockstep", "as_ready"),
     (RewardConfig, "reward_type"): ("batch", "sequential"),  # or null: the reward file's REWARD_TYPE
     (CodeConfig, "score"): ("pass_rate", "all_passed"),
     (SandboxConfig, "isolation"): ("namespaces", "process"),

@@ -291,6 +291,167 @@ def test_each_group_is_handed_out_as_soon_as_its_trajectories_have_ended(parts, 
     assert [record.stop for record in joined.non_tensor_batch["trajectory"]] == [STOP_ANSWER] * 4
 
 
+def _gated_zoom(events: list, gate):
+    """A zoom whose call at ``x=0`` waits for ``gate`` (up to 4 s): a slow tool."""
+
+    def zoom_tool(x: int, y: int, row: dict = None) -> Image.Image:
+        """Crop a 28x28 region of the image.
+
+        Args:
+            x: left edge
+            y: top edge
+        """
+        if x == 0:
+            gate.wait(4)
+        events.append(f"zoom {x}")
+        return zoom(x, y, row=row)
+
+    return {"zoom": tool_from_function(zoom_tool)}
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "as_ready"])
+def test_as_ready_samples_a_trajectory_s_next_turns_while_another_s_tool_still_runs(parts, prompts, schedule):
+    """Row 0's first call is slow: it returns only once row 1 asks for its third turn. ``as_ready``:
+    row 1 is sampled on (turns 2 and 3) while row 0's call runs, then row 0. ``lockstep``: every turn
+    waits for the turn's slowest call, so row 0's runs into its timeout (1 s here) and the gate opens
+    only after; each trajectory is the same either way save for that answer."""
+    import threading
+
+    tokenizer, _, _, eos = parts
+    gate, events = threading.Event(), []
+    texts = [[CALL.format(x=0), "red"], [CALL.format(x=14), CALL.format(x=28), "green"]]
+    generate, seen = scripted(tokenizer, eos, texts)
+
+    def gated(requests):
+        if any(request.row == 1 and request.trajectory.record.model_turns == 2 for request in requests):
+            gate.set()
+        return generate(requests)
+
+    loop = make_loop(parts, tools=_gated_zoom(events, gate), as_ready=schedule == "as_ready")
+    loop.tools.timeout_s = 1.0
+    trajectories = loop.run(sample_rows(prompts, parts[2]), 400, gated)
+    rows = [[row for row, _, _ in call] for call in seen]
+    slow = trajectories[0].record.calls[0]
+    if schedule == "as_ready":
+        assert rows == [[0, 1], [1], [1], [0]]
+        assert events == ["zoom 14", "zoom 28", "zoom 0"] and slow.error is None
+    else:
+        assert rows == [[0, 1], [0, 1], [1]]
+        assert slow.error == "timeout" and events[:2] == ["zoom 14", "zoom 28"]
+    assert [record.stop for record in (t.record for t in trajectories)] == [STOP_ANSWER] * 2
+    assert [t.record.model_turns for t in trajectories] == [2, 3]
+    assert tokenizer.decode(trajectories[1].turns[-1].token_ids) == "green<|im_end|>"
+
+
+def test_as_ready_samples_calls_that_end_together_in_one_batch(parts, prompts):
+    """Once a trajectory is ready, the others' calls may join its batch for a quarter of the last model
+    turn's time (``AS_READY_GRACE``; the first turn takes 2 s here, so 0.5 s): a call 0.05 s slower
+    than the first goes with it, not in an engine call of its own."""
+    import time as clock
+
+    tokenizer, _, _, eos = parts
+    generate, seen = scripted(tokenizer, eos, [[CALL.format(x=0), "red"], [CALL.format(x=14), "green"]])
+
+    def slow_first_turn(requests):
+        if not seen:
+            clock.sleep(2.0)
+        return generate(requests)
+
+    def zoom_tool(x: int, y: int, row: dict = None) -> Image.Image:
+        """Crop a 28x28 region of the image.
+
+        Args:
+            x: left edge
+            y: top edge
+        """
+        clock.sleep(0.05 if x else 0.0)
+        return zoom(x, y, row=row)
+
+    loop = make_loop(parts, tools={"zoom": tool_from_function(zoom_tool)}, as_ready=True)
+    loop.run(sample_rows(prompts, parts[2]), 400, slow_first_turn)
+    assert [[row for row, _, _ in call] for call in seen] == [[0, 1], [0, 1]]
+
+
+def test_as_ready_trajectories_equal_lockstep_s_when_the_turns_do_not_depend_on_the_batch(parts, prompts):
+    """Calls of uneven latency split the as_ready turns into other batches than lockstep's; with turns
+    that depend on their row only, the batch ``generate`` assembles is the same, tensor for tensor."""
+    import time as clock
+
+    tokenizer, _, _, eos = parts
+    texts = [
+        [CALL.format(x=0), CALL.format(x=0), "red"],
+        ["blue"],
+        [CALL.format(x=14), "red"],
+        [CALL.format(x=28), "green"],
+    ]
+
+    def slow_zoom(x: int, y: int, row: dict = None) -> Image.Image:
+        """Crop a 28x28 region of the image.
+
+        Args:
+            x: left edge
+            y: top edge
+        """
+        clock.sleep(0.03 * x)  # 0.42 s, 0.84 s
+        return zoom(x, y, row=row)
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=400)
+    batches, calls = [], []
+    for as_ready in (False, True):
+        generate, seen = scripted(tokenizer, eos, texts)
+        loop = make_loop(parts, tools={"zoom": tool_from_function(slow_zoom)}, as_ready=as_ready)
+        batches.append(loop.generate(ScriptedBackend(generate, tokenizer.pad_token_id), prompts, sampling))
+        calls.append([[row for row, _, _ in call] for call in seen])
+    assert calls[0] == [[0, 1, 2, 3], [0, 2, 3], [0]]
+    assert calls[1] != calls[0] and sorted(row for call in calls[1] for row in call) == [
+        0,
+        0,
+        0,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    lockstep, as_ready = batches
+    for key in lockstep.batch.keys():
+        assert torch.equal(lockstep.batch[key], as_ready.batch[key]), key
+    records = [batch.non_tensor_batch["trajectory"] for batch in batches]
+    assert [r.turn_texts for r in records[0]] == [r.turn_texts for r in records[1]]
+
+
+def test_as_ready_steps_environments_as_they_answer(parts, prompts):
+    """Environments too: the slow episode's first step returns once the fast one has taken two more
+    turns; ``as_ready`` samples the fast one's turns meanwhile, with each step's reward in its place."""
+    import threading
+
+    tokenizer, _, _, eos = parts
+    gate = threading.Event()
+
+    class Gated:
+        def reset(self, row):
+            self.slow = row["slow"]
+            return "Go."
+
+        def step(self, action_text):
+            if self.slow:
+                gate.wait(4)
+            return "Again.", 1.0 if action_text == "stop" else 0.0, action_text == "stop"
+
+    rows = [dict(row, slow=index == 0) for index, row in enumerate(sample_rows(prompts, parts[2]))]
+    generate, seen = scripted(tokenizer, eos, [["go", "stop"], ["go", "go", "stop"]])
+
+    def gated(requests):
+        if any(request.row == 1 and request.trajectory.record.model_turns == 2 for request in requests):
+            gate.set()
+        return generate(requests)
+
+    trajectories = make_loop(parts, environment=Gated, as_ready=True).run(rows, 400, gated)
+    assert [[row for row, _, _ in call] for call in seen] == [[0, 1], [1], [1], [0]]
+    assert [t.turn_rewards for t in trajectories] == [[0.0, 1.0], [0.0, 0.0, 1.0]]
+    assert [t.record.stop for t in trajectories] == [STOP_ANSWER] * 2
+
+
 def test_environment_turns_and_rewards(parts, prompts):
     tokenizer, _, _, eos = parts
     rows = [dict(row, ground_truth="42") for row in sample_rows(prompts[:1], parts[2])]

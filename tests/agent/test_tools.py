@@ -18,7 +18,9 @@ from mmrl.agent.tools import (
     ERROR_KINDS,
     ERROR_RAISED,
     ERROR_TIMEOUT,
+    TIMED_OUT,
     Audio,
+    BoundedRunner,
     ToolCall,
     ToolFileError,
     ToolRunner,
@@ -196,6 +198,52 @@ def test_calls_run_concurrently_up_to_the_bound():
         [(ToolCall("wait", {"x": i}), {}) for i in range(6)]
     )
     assert [output.text for output in outputs] == ["ok"] * 6 and most[0] == 3
+
+
+def test_a_bounded_runner_takes_jobs_while_others_run_and_hands_out_each_as_it_ends():
+    """Jobs submitted at any time start in order within the bound; ``collect`` waits for the first to
+    end (or time out) and takes in all that ended; ``block=False`` waits for none; an error is raised."""
+    gates = [threading.Event() for _ in range(3)]
+    started = []
+
+    def job(index: int):
+        def run() -> str:
+            started.append(index)
+            gates[index].wait(10)
+            return f"job {index}"
+
+        return run
+
+    runner = BoundedRunner(timeout_s=5, max_concurrency=2)
+    first, second = runner.submit(job(0)), runner.submit(job(1))
+    third = runner.submit(job(2))  # queued: two run already
+    runner.collect(block=False)
+    assert not any(runner.finished(ticket) for ticket in (first, second, third)) and 2 not in started
+    gates[1].set()
+    runner.collect()  # waits for job 1; job 2 takes its slot
+    assert runner.finished(second) and not runner.finished(first)
+    assert runner.result(second)[0] == "job 1"
+    gates[2].set()
+    runner.collect()
+    assert runner.finished(third) and not runner.finished(first)
+    late = runner.submit(lambda: time.sleep(10))  # submitted while job 0 still runs
+    gates[0].set()
+    runner.collect()
+    assert runner.result(first)[0] == "job 0" and not runner.finished(late)
+
+    quick = BoundedRunner(timeout_s=0.2, max_concurrency=1)
+    hung = quick.submit(lambda: time.sleep(10))
+    quick.collect()  # the hung job's timeout ends the wait
+    result, seconds = quick.result(hung)
+    assert result is TIMED_OUT and 0.2 <= seconds < 5
+
+    def fails() -> None:
+        raise ValueError("the job's own")
+
+    broken = BoundedRunner(timeout_s=5, max_concurrency=1)
+    broken.submit(fails)
+    with pytest.raises(ValueError, match="the job's own"):
+        broken.collect()
 
 
 def test_bad_media_returns_are_errors():

@@ -36,6 +36,9 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
         "worker.rollout.multi_turn.enable=true",
         f"worker.rollout.multi_turn.tools=[{TOOL_FILE}]",
         "worker.rollout.multi_turn.max_turns=2",
+        # each trajectory's next turn as soon as its own call returned: the parity below holds for the
+        # turns sampled in other batches than lockstep's
+        "worker.rollout.multi_turn.turn_schedule=as_ready",
         "worker.actor.model.lora.rank=4",
         "worker.actor.model.lora.alpha=32",
         "worker.actor.model.lora.target_modules=q_proj,v_proj,qkv",

@@ -11,7 +11,7 @@ Multi-turn trajectories (an agent given): a submission's trajectories are run by
 thread (:class:`AgentStream`), each model turn decoded a chunk at a time as above; the engine is held
 for a chunk only, so a push also lands while the tools run: a tool call in flight completes, and the
 turns after it are sampled by the new weights. The loop runs a submission's trajectories turn by turn
-together; each prompt's group leaves as soon as its trajectories have all ended, while the others go
+together, or each as its calls return (``multi_turn.turn_schedule``); each prompt's group leaves as soon as its trajectories have all ended, while the others go
 on (:meth:`mmrl.agent.loop.AgentLoop.generate_groups`)."""
 
 from __future__ import annotations
