@@ -315,6 +315,7 @@ class AgentLoop:
         groups.report(ready, trajectories)
         runner = self._runner()
         observing: dict[int, _Observation] = {}  # row -> its calls (step) in flight
+        engine_s = 0.0  # the last model turn's seconds
         while ready or observing:
             if ready:
                 requests = [TurnRequest(i, trajectories[i], budget - trajectories[i].length) for i in ready]
