@@ -1,6 +1,7 @@
 """One-step off-policy training (``trainer.async_mode=one_step_off``) with decoupled PPO
 (``algorithm.off_policy=decoupled``) on the trainer, its rollout engine in a worker of its own
-(``worker.rollout.placement=separate``: one training rank, one rollout worker): each step trains the
+(``worker.rollout.placement=separate``: one training rank, two rollout workers, each generating half of
+every batch; one on vLLM below): each step trains the
 batch the step before generated with the weights before its update, while that update ran, every
 loader batch image and video prompts (on the transformers engine, and on vLLM below, after a streamed
 step of multi-turn trajectories whose tool returns an image); every
@@ -37,7 +38,7 @@ VARYING = ("timing_s/", "throughput/", "transfer/", "memory/", "rollout/weight_p
 
 
 def async_overrides(model_path, data_dir, save_dir) -> list[str]:
-    """4 steps, one step off with decoupled PPO, one training rank and one rollout worker of its own,
+    """4 steps, one step off with decoupled PPO, one training rank and two rollout workers of their own,
     checkpoints after steps 2 and 4, no validation; the reward records the rows each step trained.
     ``data_dir``: image_video_data_dir (tests/conftest.py), every loader batch images and videos."""
     overrides = small_run_overrides(model_path, data_dir, save_dir)
@@ -53,7 +54,7 @@ def async_overrides(model_path, data_dir, save_dir) -> list[str]:
         "trainer.val_freq=-1",
         "worker.rollout.name=hf",  # starts in seconds where vLLM's CPU engine takes a minute
         "worker.rollout.placement=separate",
-        "worker.rollout.num_workers=1",
+        "worker.rollout.num_workers=2",  # each generates half of every batch
         "trainer.n_gpus_per_node=1",
     ]
 
