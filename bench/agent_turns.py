@@ -1,15 +1,16 @@
 """Multi-turn generation with tools of uneven latency: ``lockstep`` against ``as_ready`` turns.
 
-    python bench/agent_turns.py [--prompts 8] [--n 4] [--max_turns 4] [--end_every 32] [--slow_share 0.2]
-                                [--slow_s 1.0] [--fast_s 0.05] [--repeats 3] [--threads 2]
+    python bench/agent_turns.py [--size tiny|3b-width] [--prompts 8] [--n 4] [--max_turns 4] [--end_every 32]
+                                [--slow_share 0.2] [--slow_s 1.0] [--fast_s 0.05] [--repeats 3] [--threads 2]
 
-The agent loop (``worker.rollout.multi_turn.turn_schedule``) drives the transformers engine on the tiny
-Qwen2.5-VL of ``make assets`` (random weights) over the colour task's prompts; every ``--end_every``-th
+The agent loop (``worker.rollout.multi_turn.turn_schedule``) drives the transformers engine on a
+Qwen2.5-VL with random weights, ``--size`` tiny or 3b-width (the 3B model's widths and real vocabulary, 2
+decoder layers; both built under ``bench/results``), over the colour task's prompts; every ``--end_every``-th
 token id ends a turn (a random model's turns are then ~that long). Every model turn calls a zoom tool
 (the loop reads each turn as a call: a random model writes none), whose latency is drawn per
 call from a seeded stream: ``--slow_s`` with probability ``--slow_share``, else ``--fast_s`` (a search
 or a sandboxed program now and then slow). Both schedules see the same latencies: the k-th call of a
-trajectory sleeps the same whatever its batch. The tiny model decodes fast: with a real model the
+trajectory sleeps the same whatever its batch. The tiny model decodes fast; at the 3B widths the
 engine's share of the wall time is larger, and so is the cost of its smaller batches.
 
 For each schedule, over ``--repeats`` generations after a warm-up: wall seconds of a generation, the
@@ -26,8 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+from harness import RESULTS, build_models_and_data
 
 
 def build(args: argparse.Namespace):
@@ -45,13 +45,12 @@ def build(args: argparse.Namespace):
     from mmrl.workers.rollout.hf import HFRollout
 
     torch.set_num_threads(args.threads)
-    model_path = str(ASSETS / "models" / "tiny-qwen2.5-vl")
+    built = build_models_and_data([args.size], n_train=max(64, args.prompts), n_val=1)
+    model_path = built["models"][args.size]
     tokenizer, processor = load_tokenizer_and_processor(model_path)
     config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     media = MediaProcessor(tokenizer, processor, config)
-    dataset = PromptDataset(
-        str(ASSETS / "data" / "shapes-color" / "train.jsonl"), tokenizer, processor, config
-    )
+    dataset = PromptDataset(str(Path(built["data_dir"]) / "train.jsonl"), tokenizer, processor, config)
     prompts = attach_media(
         collate_prompts([dataset[i] for i in range(args.prompts)], tokenizer.pad_token_id),
         media,
@@ -139,7 +138,7 @@ def measure(args: argparse.Namespace) -> dict:
 def format_table(args: dict, results: dict) -> str:
     """The medians of each schedule's generations as a markdown table, under a line naming the job."""
     lines = [
-        f"{args['prompts']} prompts × {args['n']} trajectories, up to {args['max_turns']} turns; each call "
+        f"{args.get('size', 'tiny')} model, {args['prompts']} prompts × {args['n']} trajectories, up to {args['max_turns']} turns; each call "
         f"{args['slow_s']:g} s with p={args['slow_share']:g}, else {args['fast_s']:g} s; medians of {args['repeats']}",
         "| schedule | wall s | engine s | engine idle | engine calls | trajectories per call | turns | tool calls |",
         "|---|---|---|---|---|---|---|---|",
@@ -156,6 +155,7 @@ def format_table(args: dict, results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="tiny", help="tiny, or 3b-width (Qwen2.5-VL-3B's widths, 2 layers)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max_turns", type=int, default=4)
