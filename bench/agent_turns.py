@@ -21,13 +21,12 @@ tools), the engine calls and the trajectories per call. Writes ``bench/results/a
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from harness import RESULTS, build_models_and_data
+from harness import build_models_and_data, markdown_table, write_json
 
 
 def build(args: argparse.Namespace):
@@ -137,20 +136,37 @@ def measure(args: argparse.Namespace) -> dict:
 
 def format_table(args: dict, results: dict) -> str:
     """The medians of each schedule's generations as a markdown table, under a line naming the job."""
-    lines = [
-        f"{args.get('size', 'tiny')} model, {args['prompts']} prompts × {args['n']} trajectories, up to {args['max_turns']} turns; each call "
-        f"{args['slow_s']:g} s with p={args['slow_share']:g}, else {args['fast_s']:g} s; medians of {args['repeats']}",
-        "| schedule | wall s | engine s | engine idle | engine calls | trajectories per call | turns | tool calls |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for schedule, runs in results.items():
         med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-        idle = 1 - med["engine_s"] / med["wall_s"]
-        lines.append(
-            f"| {schedule} | {med['wall_s']:.2f} | {med['engine_s']:.2f} | {idle:.0%} | {med['engine_calls']:.0f} "
-            f"| {med['rows_per_call']:.1f} | {med['turns']:.0f} | {med['tool_calls']:.0f} |"
+        rows.append(
+            [
+                schedule,
+                f"{med['wall_s']:.2f}",
+                f"{med['engine_s']:.2f}",
+                f"{1 - med['engine_s'] / med['wall_s']:.0%}",
+                f"{med['engine_calls']:.0f}",
+                f"{med['rows_per_call']:.1f}",
+                f"{med['turns']:.0f}",
+                f"{med['tool_calls']:.0f}",
+            ]
         )
-    return "\n".join(lines)
+    headers = [
+        "schedule",
+        "wall s",
+        "engine s",
+        "engine idle",
+        "engine calls",
+        "trajectories per call",
+        "turns",
+        "tool calls",
+    ]
+    job = (
+        f"{args.get('size', 'tiny')} model, {args['prompts']} prompts × {args['n']} trajectories, up to "
+        f"{args['max_turns']} turns; each call {args['slow_s']:g} s with p={args['slow_share']:g}, else "
+        f"{args['fast_s']:g} s; medians of {args['repeats']}"
+    )
+    return job + "\n" + markdown_table(headers, rows)
 
 
 def main() -> None:
@@ -171,10 +187,7 @@ def main() -> None:
     args = parser.parse_args()
     results = measure(args)
     print(format_table(vars(args), results))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "agent_turns.json"
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json('agent_turns.json', {'args': vars(args), 'results': results})}")
 
 
 if __name__ == "__main__":
