@@ -252,10 +252,11 @@ ZOOM_CENTER_TOOL = Path(__file__).resolve().parents[1] / "examples/tools/zoom_ce
 
 
 @pytest.fixture(scope="session")
-def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
+def tool_calling_vl_path(tiny_vl_path, image_video_data_dir, tmp_path_factory):
     """The tiny Qwen2.5-VL taught to open every turn with a call of ``zoom`` (supervised on the first
-    turn of 2 training prompts: after the tool's image it calls again, and ``max_turns`` ends it), for
-    the trainer runs with multi-turn rollouts (tests/trainer: LoRA, streaming)."""
+    turn of 2 training prompts, an image one and a video one: after the tool's image it calls again,
+    and ``max_turns`` ends it), for the trainer runs with multi-turn rollouts (tests/trainer: LoRA,
+    streaming). It samples the whole call on ~75 % of image and video prompts alike."""
     import torch
 
     from mmrl.agent.loop import tool_schemas
@@ -273,8 +274,12 @@ def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, tmp_path_factory):
     tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
     model = load_model(str(tiny_vl_path))
     schemas = tool_schemas(MultiTurnConfig(enable=True, tools=[str(ZOOM_CENTER_TOOL)]))
-    config = DataConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    dataset = PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas)
+    config = DataConfig(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
+    )
+    dataset = PromptDataset(
+        str(image_video_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas
+    )  # row 0 an image prompt, row 1 a video one
     prompts = attach_media(collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id), dataset.media)
     call = tool_call_text("zoom")
     width = len(tokenizer.encode(call, add_special_tokens=False)) + 1

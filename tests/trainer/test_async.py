@@ -189,6 +189,10 @@ def vllm_separate(tool_calling_vl_path, image_video_data_dir, tmp_path_factory) 
     ]
     overrides = async_overrides(tool_calling_vl_path, image_video_data_dir, save_dir) + [
         "worker.rollout.name=vllm",
+        # one worker: it runs its submissions in turn, so the streamed step trains the first loader
+        # batch whole, however fast each group ends (two raced, and a step once trained only groups
+        # that had not called the tool)
+        "worker.rollout.num_workers=1",
         "worker.rollout.cpu_kv_cache_gib=0.125",
         "worker.rollout.stream_chunk_tokens=1",
         "trainer.max_steps=null",
@@ -235,3 +239,6 @@ def test_a_vllm_rollout_worker_streams_and_generates_ahead_with_the_pushed_weigh
     # positions numbered there) beside image ones, in either mode
     trained = [trained_rows(vllm_separate[step], RESPONSES) for step in (1, 2, 3)]
     assert_images_and_videos(trained, video_rows(image_video_data_dir))
+    # the stream's one worker ran loader batch 0 whole before batch 1 (in flight at the checkpoint, so
+    # generated again after the resume); the steps trained the loader's batches in order
+    assert [sorted(rows) for rows in trained] == [sorted(rows) for rows in loader_rows(PROMPTS, GROUPS, 3)]
