@@ -174,9 +174,9 @@ def test_each_update_pushes_the_whole_model_once(uninterrupted, tiny_vl_path):
 @pytest.fixture(scope="module")
 def vllm_separate(tool_calling_vl_path, image_video_data_dir, tmp_path_factory) -> dict:
     """Images and videos on the vLLM engine of the rollout worker of its own, in one command of two
-    stages: 1 step streamed, a chunk of one token at a time, of multi-turn trajectories (the tiny model
-    taught to call the demo's tool, which returns an image; a video row has none, so its call fails
-    alone), then (resumed from the first stage's checkpoint) 2 steps one step off, single-turn. Its
+    stages: 1 step streamed, a chunk of one token at a time, of multi-turn trajectories sampled as their
+    calls return (``turn_schedule=as_ready``; the tiny model taught to call the demo's tool, which
+    returns an image; a video row has none, so its call fails alone), then (resumed from the first stage's checkpoint) 2 steps one step off, single-turn. Its
     training lines by step."""
     save_dir = tmp_path_factory.mktemp("separate_vllm") / "run"
     stream = [
@@ -184,6 +184,7 @@ def vllm_separate(tool_calling_vl_path, image_video_data_dir, tmp_path_factory) 
         "worker.rollout.multi_turn.enable=true",
         f"'worker.rollout.multi_turn.tools=[{ZOOM_CENTER_TOOL}]'",
         "worker.rollout.multi_turn.max_turns=2",
+        "worker.rollout.multi_turn.turn_schedule=as_ready",  # each trajectory's turns as its calls return
         "data.max_prompt_length=320",  # the tool's schema in the system prompt
         "data.max_response_length=96",  # a call (34 tokens), the tool turn with its image, the next turn
     ]
