@@ -45,8 +45,8 @@ first validation at or above ``--target`` (or after ``--max_steps``). Per run: t
 to that validation (start-up and validations included), the step and the samples (responses) trained
 to reach it, and every validation's accuracy against wall time and samples. The modes run seed by seed,
 each seed's modes one after the other, so a change of load meets every mode alike; the table gives
-medians over seeds and each seed's numbers. Writes ``bench/results/async_accuracy.json``;
-``--accuracy --report`` prints its tables again.
+medians over seeds and each seed's numbers. Writes ``bench/results/async_accuracy.json``
+(``async_accuracy_vllm.json`` with ``--engine vllm``); ``--accuracy --report`` prints its tables again.
 
 ``--agent``: the speed table for the multi-turn agent demo (``examples/tiny_cpu_agent.yaml``, its tool
 returning an image; ``make assets-agent`` first): the same modes, ``--steps`` steps of 16 prompts x 8
@@ -263,9 +263,10 @@ def accuracy_job(args: argparse.Namespace, seed: int) -> JobSettings:
 def run_to_accuracy(mode: str, seed: int, args: argparse.Namespace) -> dict:
     """One mode and seed until the first validation at ``args.target`` (or ``args.max_steps``)."""
     job = accuracy_job(args, seed)
-    run_dir = RESULTS / "runs" / "async_accuracy" / f"{mode.replace(' ', '_').replace(',', '')}_seed{seed}"
+    folder = f"{mode.replace(' ', '_').replace(',', '')}_seed{seed}"
+    run_dir = RESULTS / "runs" / accuracy_name(args) / folder
     run_dir.mkdir(parents=True, exist_ok=True)
-    command, log_file = mmrl_command(job, "hf", run_dir)
+    command, log_file = mmrl_command(job, args.engine, run_dir)
     command += [*MODES[mode], f"worker.rollout.seed={seed}"]
 
     def reached(record: dict) -> bool:
@@ -337,9 +338,14 @@ def print_accuracy_tables(runs: list[dict], target: float) -> None:
     print(markdown_table(["mode", "seed", "validation accuracy @ wall s / samples"], curves))
 
 
+def accuracy_name(args: argparse.Namespace) -> str:
+    """The accuracy study's results name: ``async_accuracy``, ``_vllm`` added on that engine."""
+    return "async_accuracy" if args.engine == "hf" else f"async_accuracy_{args.engine}"
+
+
 def accuracy_study(args: argparse.Namespace) -> None:
     if args.report:
-        saved = json.loads((RESULTS / "async_accuracy.json").read_text())
+        saved = json.loads((RESULTS / f"{accuracy_name(args)}.json").read_text())
         print_accuracy_tables(saved["runs"], saved["settings"]["target"])
         return
     modes = args.modes if args.modes != list(MODES) else ACCURACY_MODES
@@ -348,7 +354,7 @@ def accuracy_study(args: argparse.Namespace) -> None:
         for mode in modes:
             runs.append(run_to_accuracy(mode, seed, args))
             print(f"{mode} seed {seed}: {runs[-1]['step']} steps, {runs[-1]['wall_s']} s", flush=True)
-            write_json("async_accuracy.json", {"settings": vars(args), "runs": runs})
+            write_json(f"{accuracy_name(args)}.json", {"settings": vars(args), "runs": runs})
     print_accuracy_tables(runs, args.target)
 
 
