@@ -65,6 +65,17 @@ def assert_images_and_videos(trained: list[list[int]], videos: set[int]) -> None
         assert set(rows) & videos and set(rows) - videos, (step, rows, sorted(videos))
 
 
+def model_bytes(model_path) -> int:
+    """The bytes of the model's parameters and persistent buffers, each in its own dtype, tied ones once:
+    what a weight push sends."""
+    model, seen, total = load_model(str(model_path)), set(), 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def training_lines(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in rows if "actor/pg_loss" in row}
 
@@ -158,11 +169,7 @@ def test_the_generation_ahead_runs_while_the_step_trains(uninterrupted):
 @pytest.mark.timeout(900)
 def test_each_update_pushes_the_whole_model_once(uninterrupted, tiny_vl_path):
     # fp32 on CPU: every parameter and persistent buffer (tied ones once) in its own dtype, per update
-    model, seen, expected = load_model(str(tiny_vl_path)), set(), 0
-    for tensor in model.state_dict().values():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            expected += tensor.numel() * tensor.element_size()
+    expected = model_bytes(tiny_vl_path)
     for step in range(1, STEPS + 1):
         assert uninterrupted[step]["transfer/weight_push_bytes"] == expected
         assert uninterrupted[step]["timing_s/sync"] > 0
@@ -223,7 +230,7 @@ def test_a_rollout_worker_streams_and_generates_ahead_multi_turn_with_the_pushed
         assert row["actor/behaviour_weight"] == pytest.approx(1.0, abs=1e-4)
         assert row["actor/behaviour_over_cap"] == 0 and abs(row["actor/behaviour_kl"]) < 1e-5
     # sampled by the weights before the update: the KL 10x past the fresh steps' bound, the weight past
-    # its (a mean of clipped ratios either side of 1: measured 0.9996 on transformers, 0.984 on vLLM)
+    # theirs (a mean of clipped ratios either side of 1: measured 0.9996 on transformers, 0.984 on vLLM)
     assert abs(second["actor/behaviour_kl"]) > 1e-4 and abs(second["actor/behaviour_weight"] - 1) > 1e-4
     assert first["timing_s/gen_overlap"] > 0  # step 3's batch was generated while step 2 trained
     assert streamed["rollout/stream_dropped_groups"] == 0
@@ -231,11 +238,7 @@ def test_a_rollout_worker_streams_and_generates_ahead_multi_turn_with_the_pushed
     for row in (streamed, first, second):
         assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
         assert row["agent/turns/max"] == 2
-    model, seen, expected = load_model(str(tool_calling_vl_path)), set(), 0
-    for tensor in model.state_dict().values():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            expected += tensor.numel() * tensor.element_size()
+    expected = model_bytes(tool_calling_vl_path)
     for row in (streamed, first, second):
         assert row["transfer/weight_push_bytes"] == expected
         assert row["rollout/generated_responses"] == 16
