@@ -252,12 +252,16 @@ ZOOM_CENTER_TOOL = Path(__file__).resolve().parents[1] / "examples/tools/zoom_ce
 
 
 @pytest.fixture(scope="session")
-def tool_calling_vl_path(tiny_vl_path, image_video_data_dir, tmp_path_factory):
+def tool_calling_vl_path(tiny_vl_path, shapes_data_dir, image_video_data_dir, tmp_path_factory):
     """The tiny Qwen2.5-VL taught to open every turn with a call of ``zoom`` (supervised on the first
-    turn of 2 training prompts, an image one and a video one: after the tool's image it calls again,
-    and ``max_turns`` ends it), for the trainer runs with multi-turn rollouts (tests/trainer: LoRA,
-    streaming). It samples the whole call on ~75 % of image and video prompts alike."""
+    turn of 3 training prompts: row 0 of the colour task, row 2 lengthened as ``with_longer_prompts``
+    does, and a video row of image_video; after the tool's image it calls again, and ``max_turns`` ends
+    it), for the trainer runs with multi-turn rollouts (tests/trainer: LoRA, streaming, one step off).
+    It samples the whole call on ~89 % of the colour task's prompts, lengthened or not, and of
+    image_video's images and videos alike. Not taught a lengthened prompt, it never called on one: a
+    streamed step trains the groups that end first, and once trained only groups without a call."""
     import torch
+    from _trainer_run import with_longer_prompts
 
     from mmrl.agent.loop import tool_schemas
     from mmrl.config import MultiTurnConfig
@@ -277,19 +281,22 @@ def tool_calling_vl_path(tiny_vl_path, image_video_data_dir, tmp_path_factory):
     config = DataConfig(
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, video_min_pixels=MIN_PIXELS, video_max_pixels=MAX_PIXELS
     )
-    dataset = PromptDataset(
-        str(image_video_data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas
-    )  # row 0 an image prompt, row 1 a video one
-    prompts = attach_media(collate_prompts([dataset[0], dataset[1]], tokenizer.pad_token_id), dataset.media)
+    longer = with_longer_prompts(shapes_data_dir, tmp_path_factory.mktemp("tool-calling-data") / "longer")
+    images, lengthened, videos = (
+        PromptDataset(str(data_dir / "train.jsonl"), tokenizer, processor, config, tools=schemas)
+        for data_dir in (shapes_data_dir, longer, image_video_data_dir)
+    )
+    rows = [images[0], lengthened[2], videos[1]]  # image_video's odd rows are its videos
+    prompts = attach_media(collate_prompts(rows, tokenizer.pad_token_id), images.media)
     call = tool_call_text("zoom")
     width = len(tokenizer.encode(call, add_special_tokens=False)) + 1
-    responses = answer_batch([call, call], tokenizer, width)  # the call, then EOS
+    responses = answer_batch([call] * len(rows), tokenizer, width)  # the call, then EOS
     input_ids = torch.cat([prompts.batch["input_ids"], responses], dim=-1)
     attention_mask = torch.cat([prompts.batch["attention_mask"], torch.ones_like(responses)], dim=-1)
     types = torch.cat([prompts.batch["mm_token_type_ids"], torch.zeros_like(responses)], dim=-1)
     media = list(prompts.non_tensor_batch["multi_modal_inputs"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
-    for _ in range(80):
+    for _ in range(160):  # 34 tokens at p 0.99 each: the whole call 0.74 after 80 steps, 0.89 after 160
         logits = response_head_outputs(model, input_ids, attention_mask, width, media, types)
         loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), responses)
         optimizer.zero_grad()
