@@ -43,7 +43,7 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
         "worker.actor.model.lora.alpha=32",
         "worker.actor.model.lora.target_modules=q_proj,v_proj,qkv",
         "worker.actor.model.lora.exclude_modules=null",
-        "worker.actor.optim.lr=0.002",  # the taught call survives the update (at 0.02 every call came out garbled)
+        "worker.actor.optim.lr=0.002",  # the taught call survives the update (0.02 garbled every call)
         "algorithm.use_kl_loss=true",
         "algorithm.kl_coef=0.1",
         "worker.rollout.name=hf",
