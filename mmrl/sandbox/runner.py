@@ -37,7 +37,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from mmrl.errors import UserInputError
+from mmrl.runtime.debris import make_temp_dir
 
 ISOLATIONS = ("namespaces", "process")
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launcher.py")
@@ -205,7 +205,7 @@ class Sandbox:
         for name in program.files:
             if not name or "/" in name or name in (".", ".."):
                 raise SandboxError(f"sandbox file name {name!r} must be a plain file name")
-        folder = tempfile.mkdtemp(prefix="mmrl-sandbox-")
+        folder = make_temp_dir("sandbox")  # a later start-up removes it if this process is killed meanwhile
         try:
             spec_path, stdin_path = os.path.join(folder, "spec.json"), os.path.join(folder, "stdin")
             with open(stdin_path, "w") as stdin_file:

@@ -14,6 +14,7 @@ import time
 import pytest
 from _sandboxed import foreign_processes
 
+from mmrl.runtime.debris import clean_stale_debris
 from mmrl.sandbox import Sandbox, SandboxError, SandboxLimits
 from mmrl.sandbox.runner import PROGRAM_ENV
 
@@ -96,9 +97,12 @@ def _wait_for(condition, timeout_s: float) -> bool:
     return True
 
 
-def test_a_run_dies_with_the_process_that_started_it():
+def test_a_run_dies_with_the_process_that_started_it_and_a_later_start_up_removes_its_folder(
+    tmp_path, monkeypatch
+):
     before = foreign_processes()
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert worker.stdout.readline() == "started\n"
         # init, the program and its setsid child: all in the run's namespaces
@@ -108,6 +112,13 @@ def test_a_run_dies_with_the_process_that_started_it():
         worker.wait()
         worker.stdout.close()
     assert _wait_for(lambda: not foreign_processes() - before, 5.0), foreign_processes() - before
+    # the killed process never removed its run's folder; it is named after it, and the next start-up's
+    # cleaning (the trainer's, a vLLM engine's) removes it
+    assert [path.name.startswith(f"mmrl-sandbox-{worker.pid}-") for path in tmp_path.iterdir()] == [True]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    clean_stale_debris()
+    assert list(tmp_path.iterdir()) == [tmp_path / "mmrl-debris.lock"]
 
 
 UNPRIVILEGED = """
