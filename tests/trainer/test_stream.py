@@ -122,10 +122,15 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
         # its room as it is judged, before the step's top-up trains it)
         assert row["rollout/stream_outstanding_groups"] <= 2 * GROUPS + GROUPS - 1
         assert row["transfer/weight_push_bytes"] > 0
-        # the trajectories called the tool, saw its image (observation tokens) in a later turn, and trained
-        assert row.get("agent/tool_calls/zoom", 0) > 0 and row["agent/observation_tokens/mean"] > 0, row
-        assert row["agent/turns/max"] == 2 and row["agent/errors/raised"] == 0
+        assert row["agent/errors/raised"] == 0
     assert streamed[2]["rollout/stream_outstanding_groups"] >= GROUPS  # step 3's groups, at least
+    # the trajectories called the tool, saw its image (observation tokens) in a later turn, and trained.
+    # Over the run, not each step: a streamed step trains the groups that end first, and a trajectory that
+    # calls the tool ends last (3 to 9 zoom calls in a step's 16 trajectories measured, from 89 % sampled)
+    calls = {step: streamed[step].get("agent/tool_calls/zoom", 0) for step in range(1, STEPS + 1)}
+    assert sum(calls.values()) >= STEPS, calls
+    for step in (step for step, count in calls.items() if count > 0):
+        assert streamed[step]["agent/turns/max"] == 2 and streamed[step]["agent/observation_tokens/mean"] > 0
 
 
 @pytest.mark.slow
