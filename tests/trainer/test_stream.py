@@ -129,8 +129,8 @@ def test_each_step_trains_a_batch_of_groups_at_most_max_staleness_old(streamed):
     # calls the tool ends last (3 to 9 zoom calls in a step's 16 trajectories measured, from 89 % sampled)
     calls = {step: streamed[step].get("agent/tool_calls/zoom", 0) for step in range(1, STEPS + 1)}
     assert sum(calls.values()) >= STEPS, calls
-    for step in (step for step, count in calls.items() if count > 0):
-        assert streamed[step]["agent/turns/max"] == 2 and streamed[step]["agent/observation_tokens/mean"] > 0
+    for row in (streamed[step] for step, count in calls.items() if count):
+        assert row["agent/turns/max"] == 2 and row["agent/observation_tokens/mean"] > 0, row
 
 
 @pytest.mark.slow
