@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from mmrl.config.loading import config_to_yaml, load_config
 from mmrl.errors import UserInputError
+from mmrl.runtime.startup import collector_paused
 
 USAGE = """usage: python -m mmrl.trainer.main config=path/to/config.yaml [section.key=value ...] [--dry-run] [--debug]
 
@@ -53,17 +54,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load_check_and_run(args: list[str], dry_run: bool) -> int:
-    notes: list[str] = []
-    config = load_config(args, notes=notes)
-    if notes:  # EasyR1 spellings translated: what changed on the way to the printed config
-        print("# translated from EasyR1 (see docs/config.md):\n" + "\n".join(f"#   {n}" for n in notes))
-    print(config_to_yaml(config), flush=True)
-    if dry_run:
-        return 0
-    from mmrl.trainer.preflight import preflight
+    with collector_paused():  # the imports of torch, transformers and Ray (mmrl.runtime.startup)
+        notes: list[str] = []
+        config = load_config(args, notes=notes)
+        if notes:  # EasyR1 spellings translated: what changed on the way to the printed config
+            print("# translated from EasyR1 (see docs/config.md):\n" + "\n".join(f"#   {n}" for n in notes))
+        print(config_to_yaml(config), flush=True)
+        if dry_run:
+            return 0
+        from mmrl.trainer.preflight import preflight
 
-    preflight(config)
-    from mmrl.trainer.ray_trainer import run
+        preflight(config)
+        from mmrl.trainer.ray_trainer import run
 
     return run(config)
 

@@ -23,6 +23,7 @@ from mmrl.data.processing import PROMPT_MEDIA
 from mmrl.protocol import DataProto
 from mmrl.rewards.rule import RewardFunctionError, build_reward_inputs, load_reward_function
 from mmrl.rewards.source import RewardSourceError
+from mmrl.runtime.startup import collector_paused
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
 MODEL_INPUT_COLUMNS = (
@@ -90,15 +91,16 @@ class RewardScorer:
         (:func:`~mmrl.core_algos.overlong_penalty` over ``data.max_response_length``) is added to every
         ``overall`` score and reported as the score ``overlong_penalty``. ``judge_url`` and
         ``judge_model`` name the judge mmrl serves (else ``judge.base_url`` and ``judge.model``)."""
-        from transformers import AutoTokenizer
-
         from mmrl.models.loading import resolve_model_path
         from mmrl.rewards.compose import build_composite
 
         model, reward = config.worker.actor.model, config.worker.reward
         # a hub id: resolved in this process (which may run on another node than the driver)
         folder = resolve_model_path(model.tokenizer_or_model_path, model.tokenizer_key, without_weights=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
+        with collector_paused():  # transformers' modules (mmrl.runtime.startup)
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         self.function = None
         if reward.reward_function:
             self.function = load_reward_function(reward.reward_function, reward.reward_function_kwargs)

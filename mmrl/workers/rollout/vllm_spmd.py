@@ -59,6 +59,7 @@ from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
 from mmrl.protocol import DataProto
 from mmrl.runtime.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
+from mmrl.runtime.startup import collector_paused
 from mmrl.workers.fsdp_engine import resolve_dtype
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 
@@ -323,7 +324,9 @@ class VLLMRollout:
         override_config: dict[str, Any] | None = None,
     ):
         from transformers import GenerationConfig
-        from vllm import LLM
+
+        with collector_paused():  # vLLM's modules (mmrl.runtime.startup)
+            from vllm import LLM
 
         config = config or RolloutConfig(name="vllm")
         if sleep_level not in (1, 2):
