@@ -126,8 +126,8 @@ class WorkerStep:
         from mmrl.config.loading import load_config
         from mmrl.data.dataset import PromptDataset
         from mmrl.data.processing import load_tokenizer_and_processor
+        from mmrl.rewards.scorer import RewardScorer
         from mmrl.workers.fsdp_workers import HybridWorker
-        from mmrl.workers.reward_worker import RewardScorer
 
         _join_one_rank_group()
         command, _ = mmrl_command(job, "hf", RESULTS / "runs" / "cost_curves")
@@ -151,6 +151,7 @@ class WorkerStep:
         from mmrl.data.collate import collate_prompts
         from mmrl.protocol import DataProto
         from mmrl.trainer.step_plan import StepPlan
+        from mmrl.workers.reward_worker import score_in_process
         from mmrl.workers.rollout import GenerationMode
 
         job, worker, timings = self.job, self.worker, {}
@@ -174,7 +175,7 @@ class WorkerStep:
             batch = batch.union(worker.compute_ref_log_probs(batch, temperature=plan.temperature))
         timings["log_prob_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        scores = self.scorer.score(batch).select(
+        scores = score_in_process(self.scorer, batch, self.tokenizer, self.config).select(
             batch_keys=["token_level_scores"], non_tensor_keys=["reward_scores"]
         )
         batch = batch.union(scores)

@@ -10,7 +10,8 @@ seconds of each (``time.process_time`` in that process):
 - driver: the config loaded and checked, pre-flight (tokenizer, processor, model folder, data rows),
   the trainer's module imported (Ray);
 - training rank: the worker module a rank imports (``mmrl.workers.fsdp_workers``);
-- reward worker: the reward module and transformers' tokenizer, loaded as ``RewardScorer`` does;
+- reward worker: the scorer's module and the run's reward sources, built as a reward worker does
+  (``mmrl.rewards.scorer``; it is handed decoded responses, so neither torch nor transformers);
 - vLLM engine module: what a rank imports when its rollout is vLLM, after its worker module (not
   measured: torch and transformers are in by then).
 
@@ -21,6 +22,8 @@ Prints the table and writes ``bench/results/startup.json``.
 from __future__ import annotations
 
 import argparse
+import functools
+import pickle
 import statistics
 import subprocess
 import sys
@@ -39,11 +42,9 @@ import mmrl.trainer.ray_trainer
 import mmrl.workers.fsdp_workers
 """,
     "reward worker": """
-import mmrl.workers.reward_worker
-from mmrl.config.loading import load_config
-config = load_config([f"config={CONFIG}"])
-from transformers import AutoTokenizer
-AutoTokenizer.from_pretrained(config.worker.actor.model.tokenizer_or_model_path)
+import pickle
+from mmrl.rewards.scorer import RewardScorer
+RewardScorer(pickle.loads(bytes.fromhex(PICKLED_CONFIG)))
 """,
     "vLLM engine module": """
 from vllm import LLM
@@ -56,6 +57,7 @@ CHILD = """
 import contextlib, json, time
 from mmrl.runtime.startup import collector_paused
 CONFIG = {config!r}
+PICKLED_CONFIG = {pickled!r}  # the config as Ray hands it to a reward worker
 {before}
 start = time.process_time()
 with collector_paused() if {paused} else contextlib.nullcontext():
@@ -66,11 +68,19 @@ print(json.dumps(time.process_time() - start))
 
 def cpu_seconds(role: str, paused: bool, config: str) -> float:
     body = "\n".join("    " + line for line in ROLES[role].strip().splitlines())
-    code = CHILD.format(config=config, paused=paused, body=body, before=BEFORE.get(role, ""))
+    pickled = pickled_config(config) if role == "reward worker" else ""
+    code = CHILD.format(config=config, pickled=pickled, paused=paused, body=body, before=BEFORE.get(role, ""))
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=300
     )
     return float(done.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def pickled_config(config: str) -> str:
+    from mmrl.config.loading import load_config
+
+    return pickle.dumps(load_config([f"config={config}"])).hex()
 
 
 def main() -> None:

@@ -6,7 +6,8 @@
 - :mod:`mmrl.rewards.code`: the response's program run against the row's test cases, in
   :mod:`mmrl.sandbox`;
 
-Sources run inside the reward workers (:mod:`mmrl.workers.reward_worker`), which stay thin: decode,
-call the composition, place the scores on the tokens. Nothing here imports Ray; HTTP clients, servers
-and models are imported where a source that needs them is built.
+Sources run inside the reward worker processes (:mod:`mmrl.rewards.scorer`: responses decoded by the
+driver in, score dicts out; :mod:`mmrl.workers.reward_worker` is the driver's side, which places the
+scores on the tokens). Nothing here imports Ray or torch at the top; HTTP clients, servers and models
+are imported where a source that needs them is built.
 """

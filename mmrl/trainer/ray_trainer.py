@@ -245,20 +245,15 @@ def start_judge_server(config: PPOConfig) -> ServedJudge | None:
 
 
 def start_reward_workers(
-    config: PPOConfig, judge_server: ServedJudge | None, transfers: TransferCounter
+    config: PPOConfig, tokenizer: Any, judge_server: ServedJudge | None, transfers: TransferCounter
 ) -> RewardWorkers:
-    """The reward worker processes of ``worker.reward`` (they start importing at once)."""
+    """The reward worker processes of ``worker.reward``; ``tokenizer`` decodes the responses they score."""
     from mmrl.workers.reward_worker import RewardWorkers
 
-    reward = config.worker.reward
     return RewardWorkers(
-        reward.num_workers,
-        reward.num_cpus,
-        reward.timeout_s,
-        transfers=transfers,
-        num_gpus=reward.num_gpus,
-        send_media=reward.judge.enable or bool(reward.reward_model.model_path),
-        config=config,
+        config,
+        tokenizer,
+        transfers,
         judge_url=judge_server.base_url if judge_server else None,
         judge_model=judge_server.model if judge_server else None,
     )
@@ -325,10 +320,10 @@ class RayPPOTrainer:
         self.config = config
         self.stage = stage
         self.transfers = TransferCounter()  # bytes through Ray's object store, logged per step
-        # Processes first: the reward workers and the training ranks start (and import torch and
-        # transformers) while this process loads the tokenizer and reads the datasets.
+        # Processes first: the training ranks start (and import torch and transformers) while this
+        # process loads the tokenizer and reads the datasets. The reward workers start in a second
+        # (they import neither) and decode nothing: they are handed the responses as text.
         self.judge_server = start_judge_server(config)
-        self.rewards = start_reward_workers(config, self.judge_server, self.transfers)
         placement = plan_cluster_placement(config)
         self.model_workers = start_model_processes(config, placement, self.transfers)
         # worker.rollout.placement=separate: the engines' own processes; None: in the training processes
@@ -336,6 +331,7 @@ class RayPPOTrainer:
             RolloutWorkers(config, placement, self.transfers) if config.worker.rollout.separate else None
         )
         self.tokenizer, processor = load_tokenizer(config)
+        self.rewards = start_reward_workers(config, self.tokenizer, self.judge_server, self.transfers)
         self.train_loader, self.val_loader = build_loaders(config, self.tokenizer, processor, self._collate)
         self.total_steps = total_training_steps(config, len(self.train_loader.dataset))
         self.filter = build_filter(config)  # None: one generation per step, no filtering

@@ -1,29 +1,30 @@
 """Reward scoring in Ray worker processes, launched asynchronously and overlapped with log-prob passes.
 
-``RewardScorer`` is the plain object that turns a rollout batch into scores (decode → user function
-→ token-level scores); ``RewardWorkers`` runs one or more of them as Ray actors and hands the driver
-a handle to collect later. A user error inside the reward file reaches the driver as a
+The driver's side of the reward workers. :class:`RewardWorkers` runs one or more
+:class:`~mmrl.rewards.scorer.RewardScorer` as Ray actors (processes that import neither torch nor
+transformers). ``launch`` decodes the responses with the run's tokenizer and hands the workers
+:class:`~mmrl.rewards.scorer.RewardSamples`; ``collect`` places the scores on the tokens (with DAPO's
+overlong punishment). A user error inside the reward file reaches the driver as a
 ``RewardFunctionError`` naming the file and sample.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
-from mmrl.columns import METRICS_META_KEY
 from mmrl.config import PPOConfig
 from mmrl.core_algos import overlong_penalty
 from mmrl.data.processing import PROMPT_MEDIA
 from mmrl.protocol import DataProto
-from mmrl.rewards.rule import RewardFunctionError, build_reward_inputs, load_reward_function
+from mmrl.rewards.rule import RewardFunctionError
+from mmrl.rewards.scorer import RewardSamples, RewardScorer, RewardScores
 from mmrl.rewards.source import RewardSourceError
-from mmrl.runtime.startup import collector_paused
 
 # object columns that are model inputs, not sample data: never handed to reward functions (nor sent)
 MODEL_INPUT_COLUMNS = (
@@ -49,19 +50,6 @@ def reward_error_message(error: RewardFunctionError, remote_text: str) -> str:
     return f"{error}\n--- traceback in the reward function ---\n{user_traceback}"
 
 
-def resolved_media(batch: DataProto) -> list[Any]:
-    """Each row's PromptMedia (or None): Ray refs resolved in one ``ray.get``, rows sharing one ref
-    sharing the object."""
-    values = list(batch.non_tensor_batch.get(PROMPT_MEDIA, [None] * len(batch)))
-    refs = {value.hex(): value for value in values if type(value).__name__ == "ObjectRef"}
-    if not refs:
-        return values
-    import ray
-
-    resolved = dict(zip(refs, ray.get(list(refs.values()))))
-    return [resolved[value.hex()] if type(value).__name__ == "ObjectRef" else value for value in values]
-
-
 def scores_to_token_level(overall: list[float], response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome scores → ``[B, R]`` rewards, each on the response's last model token (the last 1 of
     ``response_mask``: a trajectory's mask has holes; position 0 for an empty response)."""
@@ -82,91 +70,47 @@ def response_lengths(batch: DataProto) -> torch.Tensor:
     return batch.batch["response_mask"].sum(-1)
 
 
-class RewardScorer:
-    """Decodes responses and scores them with the run's reward sources (:mod:`mmrl.rewards.compose`)."""
+def reward_samples(batch: DataProto, tokenizer: Any, skip_special_tokens: bool, media: bool) -> RewardSamples:
+    """What the reward sources score of ``batch``: each response's valid tokens decoded, its length,
+    the rows' object columns but the model inputs, and with ``media`` the rows' ``prompt_media``."""
+    lengths = response_lengths(batch).tolist()
+    responses = [row[:length].tolist() for row, length in zip(batch.batch["responses"], lengths)]
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=skip_special_tokens)
+    columns = {k: list(v) for k, v in batch.non_tensor_batch.items() if k not in MODEL_INPUT_COLUMNS}
+    rows_media = batch.non_tensor_batch.get(PROMPT_MEDIA) if media else None
+    return RewardSamples(texts, lengths, columns, None if rows_media is None else list(rows_media))
 
-    def __init__(self, config: PPOConfig, judge_url: str | None = None, judge_model: str | None = None):
-        """The run's reward sources (``config.worker.reward``) and tokenizer. With
-        ``overlong_buffer_length`` > 0 DAPO's soft overlong punishment
-        (:func:`~mmrl.core_algos.overlong_penalty` over ``data.max_response_length``) is added to every
-        ``overall`` score and reported as the score ``overlong_penalty``. ``judge_url`` and
-        ``judge_model`` name the judge mmrl serves (else ``judge.base_url`` and ``judge.model``)."""
-        from mmrl.models.loading import resolve_model_path
-        from mmrl.rewards.compose import build_composite
 
-        model, reward = config.worker.actor.model, config.worker.reward
-        # a hub id: resolved in this process (which may run on another node than the driver)
-        folder = resolve_model_path(model.tokenizer_or_model_path, model.tokenizer_key, without_weights=True)
-        with collector_paused():  # transformers' modules (mmrl.runtime.startup)
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
-        self.function = None
-        if reward.reward_function:
-            self.function = load_reward_function(reward.reward_function, reward.reward_function_kwargs)
-            if reward.reward_type is not None:  # overrides the file's REWARD_TYPE (old EasyR1 files lack it)
-                self.function = dataclasses.replace(self.function, reward_type=reward.reward_type)
-        self.reward = build_composite(
-            reward,
-            self.function,
-            judge_url,
-            judge_model,
-            judge_cache_path=os.path.join(config.trainer.checkpoint_dir, "judge_cache.sqlite"),
-            prompt_key=config.data.prompt_key,
-        )
-        self.skip_special_tokens = reward.skip_special_tokens
-        self.max_response_length = config.data.max_response_length
-        self.overlong_buffer_length = reward.overlong_buffer_length
-        self.overlong_penalty_factor = reward.overlong_penalty_factor
-
-    def score(self, batch: DataProto) -> DataProto:
-        response_mask = batch.batch["response_mask"]
-        valid_lengths = response_lengths(batch)
-        lengths = valid_lengths.tolist()
-        responses = [row[:length].tolist() for row, length in zip(batch.batch["responses"], lengths)]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=self.skip_special_tokens)
-        columns = {k: v for k, v in batch.non_tensor_batch.items() if k not in MODEL_INPUT_COLUMNS}
-        ground_truths = columns.pop("ground_truth", np.full(len(batch), None, dtype=object))
-        inputs = build_reward_inputs(texts, lengths, ground_truths, columns)
-        if self.reward.needs_media:
-            for sample, media in zip(inputs, resolved_media(batch)):
-                sample["media"] = media
-        scores = self.reward.score(inputs)
-        if self.overlong_buffer_length > 0:
-            scores = self._punish_overlong(scores, valid_lengths)
-        token_level = scores_to_token_level([s["overall"] for s in scores], response_mask)
-        meta = {}
-        if len(self.reward.names) > 1:  # a rule-only run returns exactly what it did before sources
-            meta = {METRICS_META_KEY: {f"timing_s/reward_{k}": v for k, v in self.reward.seconds.items()}}
-        return DataProto.from_dict(
-            tensors={"token_level_scores": token_level},
-            non_tensors={"reward_scores": scores, "response_text": texts},
-            meta_info=meta,
-        )
-
-    def close(self) -> None:
-        """Releases the sources' connections, caches and models."""
-        self.reward.close()
-
-    def progress(self) -> str:
-        """The reward function and what its running call is scoring (answered while ``score`` runs:
-        the actor has a concurrency group of its own for this call)."""
-        if self.function is None or len(self.reward.names) > 1:
-            return f"reward sources {self.reward.names} were scoring a batch"
-        return f"{self.function} was scoring {self.function.in_progress or 'nothing yet'}"
-
-    def _punish_overlong(
-        self, scores: list[dict[str, float]], lengths: torch.Tensor
-    ) -> list[dict[str, float]]:
-        """``scores`` with the overlong penalty of each response (``lengths`` [B] tokens) added to
-        ``overall`` and kept as ``overlong_penalty`` (logged like every score key)."""
+def scored_batch(
+    samples: RewardSamples, scored: RewardScores, response_mask: torch.Tensor, config: PPOConfig
+) -> DataProto:
+    """The reward phase's columns: ``token_level_scores`` (each response's ``overall`` on its last model
+    token), ``reward_scores`` and ``response_text``. With ``worker.reward.overlong_buffer_length`` > 0
+    DAPO's soft overlong punishment (:func:`~mmrl.core_algos.overlong_penalty` over
+    ``data.max_response_length``) is added to every ``overall`` and reported as the score
+    ``overlong_penalty``."""
+    reward, scores = config.worker.reward, scored.scores
+    if reward.overlong_buffer_length > 0:
         penalties = overlong_penalty(
-            lengths, self.max_response_length, self.overlong_buffer_length, self.overlong_penalty_factor
+            torch.tensor(samples.lengths),
+            config.data.max_response_length,
+            reward.overlong_buffer_length,
+            reward.overlong_penalty_factor,
         ).tolist()
-        return [
+        scores = [
             {**score, "overall": score["overall"] + penalty, "overlong_penalty": penalty}
             for score, penalty in zip(scores, penalties)
         ]
+    return DataProto.from_dict(
+        tensors={"token_level_scores": scores_to_token_level([s["overall"] for s in scores], response_mask)},
+        non_tensors={"reward_scores": scores, "response_text": samples.texts},
+    )
+
+
+def score_in_process(scorer: RewardScorer, batch: DataProto, tokenizer: Any, config: PPOConfig) -> DataProto:
+    """What the reward workers return for ``batch``, scored by ``scorer`` in this process (benches)."""
+    samples = reward_samples(batch, tokenizer, config.worker.reward.skip_special_tokens, media=True)
+    return scored_batch(samples, scorer.score(samples), batch.batch["response_mask"], config)
 
 
 def _died(ref: Any) -> bool:
@@ -184,67 +128,88 @@ def _died(ref: Any) -> bool:
 
 
 @dataclasses.dataclass
-class PendingRewards:
-    """What ``RewardWorkers.launch`` returns: Ray refs of the scored shards, in batch order."""
+class SentRewards:
+    """A batch's samples and the Ray ref of each scored slice with the index of the worker scoring
+    it, in batch order."""
 
-    refs: list[Any]
-    pad_size: int
+    samples: RewardSamples
+    refs: list[tuple[int, Any]]
+
+
+@dataclasses.dataclass
+class PendingRewards:
+    """What ``RewardWorkers.launch`` returns: the samples being decoded and sent in the background
+    (a future of :class:`SentRewards`) and the responses' mask ``collect`` places the scores with."""
+
+    sent: Future
+    response_mask: torch.Tensor
 
 
 class RewardWorkers:
-    """``num_workers`` Ray actors running :class:`RewardScorer`; the batch is split among them.
-    ``transfers`` (a ``mmrl.single_controller.transfer.TransferCounter``) counts the shards and scores
-    moved through Ray."""
+    """``worker.reward.num_workers`` Ray actors running :class:`~mmrl.rewards.scorer.RewardScorer`;
+    each batch is split among them. ``transfers`` (a ``mmrl.single_controller.transfer.TransferCounter``)
+    counts the slices and scores moved through Ray."""
 
     def __init__(
         self,
-        num_workers: int,
-        num_cpus: float,
-        timeout_s: float,
+        config: PPOConfig,
+        tokenizer: Any,
         transfers: Any = None,
-        num_gpus: float = 0.0,
-        send_media: bool = False,
-        **scorer_kwargs: Any,
+        judge_url: str | None = None,
+        judge_model: str | None = None,
     ):
-        """``send_media``: each shard carries the rows' ``prompt_media`` refs (for sources that see the
-        media); ``num_gpus``: per worker, for a reward model."""
+        """``tokenizer`` decodes the responses; ``judge_url`` and ``judge_model`` name the judge mmrl
+        serves. Sources that see the media (a judge, a reward model) get each row's ``prompt_media``
+        refs, fetched by the workers from the object store."""
         import ray
 
+        reward = config.worker.reward
         # `progress` runs in a concurrency group of its own, so a hung `score` can still be asked what
         # it is scoring; the reward function then runs in a worker thread, not the main thread (a
         # signal-based timeout inside a reward file does not work; worker.reward.timeout_s does)
-        remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={PROGRESS_GROUP: 1})(
-            RewardScorer
-        )
-        self.actors = [remote_cls.remote(**scorer_kwargs) for _ in range(num_workers)]
-        self.timeout_s = timeout_s
-        self.transfers = transfers
-        self.send_media = send_media
+        remote_cls = ray.remote(
+            num_cpus=reward.num_cpus, num_gpus=reward.num_gpus, concurrency_groups={PROGRESS_GROUP: 1}
+        )(RewardScorer)
+        self.actors = [remote_cls.remote(config, judge_url, judge_model) for _ in range(reward.num_workers)]
+        self.config, self.transfers = config, transfers
+        self.timeout_s = reward.timeout_s
+        self.send_media = reward.judge.enable or bool(reward.reward_model.model_path)
         self.metrics: dict[str, float] = {}
+        # Decoding takes ~1 s for 1,024 responses of 4,096 tokens (Qwen's vocabulary): a thread of its
+        # own does it, so the driver goes on to the log-prob passes at once. The thread has its own copy
+        # of the tokenizer (a fast tokenizer must not decode in one thread while it encodes in another).
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-decode")
 
     def launch(self, batch: DataProto) -> PendingRewards:
-        scoring_columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS]
-        if self.send_media and PROMPT_MEDIA in batch.non_tensor_batch:
-            scoring_columns.append(PROMPT_MEDIA)  # refs: the workers fetch the bytes from the object store
+        """Starts scoring ``batch``: its responses are decoded and sent in the background, in launch
+        order (the columns are taken now: the caller may go on adding to ``batch``)."""
         tensors = ["responses", "response_mask"]
         tensors += ["response_turns"] if "response_turns" in batch.batch.keys() else []  # trajectories
-        light = batch.select(batch_keys=tensors, non_tensor_keys=scoring_columns)
-        padded, pad_size = light.pad_to_divisor(len(self.actors))
-        shards = padded.chunk(len(self.actors))
-        if self.transfers is not None:
-            shards = [self.transfers.put(shard) for shard in shards]  # an argument ref reaches it resolved
-        return PendingRewards(
-            [actor.score.remote(shard) for actor, shard in zip(self.actors, shards)], pad_size
-        )
+        columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS or k == PROMPT_MEDIA]
+        taken = batch.select(batch_keys=tensors, non_tensor_keys=columns)
+        return PendingRewards(self._sender.submit(self._send, taken), batch.batch["response_mask"])
+
+    def _send(self, batch: DataProto) -> SentRewards:
+        skip_special_tokens = self.config.worker.reward.skip_special_tokens
+        samples = reward_samples(batch, self.tokenizer, skip_special_tokens, self.send_media)
+        refs = []
+        for index, part in samples.split(len(self.actors)):
+            # an argument ref reaches the worker resolved
+            sent = self.transfers.put(part) if self.transfers is not None else part
+            refs.append((index, self.actors[index].score.remote(sent)))
+        return SentRewards(samples, refs)
 
     def collect(self, pending: PendingRewards) -> DataProto:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+        sent = pending.sent.result()
+        refs = [ref for _, ref in sent.refs]
         try:
-            shards = ray.get(pending.refs, timeout=self.timeout_s)
+            parts: list[RewardScores] = ray.get(refs, timeout=self.timeout_s)
         except GetTimeoutError:
-            raise RewardFunctionError(self._timeout_message(pending)) from None
+            raise RewardFunctionError(self._timeout_message(sent)) from None
         except RayTaskError as err:
             if isinstance(err.cause, RewardFunctionError):  # the scorer's own exception, unpickled
                 raise RewardFunctionError(reward_error_message(err.cause, str(err))) from None
@@ -252,23 +217,25 @@ class RewardWorkers:
                 raise RewardSourceError(str(err.cause)) from None
             raise
         except RayActorError as err:  # the process died (killed, out of memory): name the worker
-            index = next((i for i, ref in enumerate(pending.refs) if _died(ref)), "?")
+            index = next((i for i, ref in sent.refs if _died(ref)), "?")
             self.shutdown()
             raise RewardFunctionError(
                 f"reward worker {index} of {len(self.actors)} (RewardScorer) died while scoring: "
                 f"{str(err).splitlines()[0]}"
             ) from None
         if self.transfers is not None:
-            self.transfers.received(pending.refs)
-        # each source's seconds on the slowest worker (they score their shards side by side), added up
+            self.transfers.received(refs)
+        # each source's seconds on the slowest worker (they score their slices side by side), added up
         # over the collects of a step until take_metrics()
         slowest: dict[str, float] = {}
-        for shard in shards:
-            for key, value in shard.meta_info.pop(METRICS_META_KEY, {}).items():
-                slowest[key] = max(value, slowest.get(key, 0.0))
-        for key, value in slowest.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + value
-        return DataProto.concat(shards).unpad(pending.pad_size)
+        for part in parts:
+            for name, seconds in part.seconds.items():
+                slowest[name] = max(seconds, slowest.get(name, 0.0))
+        for name, seconds in slowest.items():
+            key = f"timing_s/reward_{name}"
+            self.metrics[key] = self.metrics.get(key, 0.0) + seconds
+        scored = RewardScores([score for part in parts for score in part.scores], {})
+        return scored_batch(sent.samples, scored, pending.response_mask, self.config)
 
     def take_metrics(self) -> dict[str, float]:
         """Each reward source's seconds (``timing_s/reward_<source>``) since the last call; empty for a
@@ -276,12 +243,12 @@ class RewardWorkers:
         metrics, self.metrics = self.metrics, {}
         return metrics
 
-    def _timeout_message(self, pending: PendingRewards) -> str:
+    def _timeout_message(self, sent: SentRewards) -> str:
         """Names what each unfinished worker was scoring, then kills the workers (a hung function
         would otherwise keep its process busy forever)."""
         import ray
 
-        unfinished = [i for i, ref in enumerate(pending.refs) if not ray.wait([ref], timeout=0)[0]]
+        unfinished = [i for i, ref in sent.refs if not ray.wait([ref], timeout=0)[0]]
         lines = []
         for index in unfinished:
             actor = self.actors[index]
@@ -303,5 +270,6 @@ class RewardWorkers:
     def shutdown(self) -> None:
         import ray
 
+        self._sender.shutdown(wait=False, cancel_futures=True)
         for actor in self.actors:
             ray.kill(actor)

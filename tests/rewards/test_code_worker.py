@@ -1,5 +1,6 @@
 """The code source where a run uses it: in a Ray reward worker, composed with the rule file by weights,
-scoring hostile programs beside good ones; the worker carries on and nothing outlives the runs."""
+scoring hostile programs beside good ones; the worker carries on and nothing outlives the runs. The
+worker is handed decoded responses: its process imports neither torch nor transformers."""
 
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def test_a_ray_reward_worker_scores_code_beside_the_rule_file_and_survives_hosti
             "worker.reward.code.sandbox.cpu_time_s=1",
             "worker.reward.code.sandbox.wall_time_s=2",
             "worker.reward.code.sandbox.max_processes=8",
+            "worker.reward.num_workers=1",
+            "worker.reward.timeout_s=120",
             f"trainer.save_checkpoint_path={tmp_path}",
         ],
         check_paths=False,
@@ -74,11 +77,17 @@ def test_a_ray_reward_worker_scores_code_beside_the_rule_file_and_survives_hosti
     init_ray(num_cpus=2, object_store_memory_bytes=150_000_000)
     before = foreign_processes()
     try:
-        workers = RewardWorkers(1, 1.0, 120.0, config=config)
+        workers = RewardWorkers(config, tokenizer)
         hostile = workers.collect(
             workers.launch(_batch(tokenizer, [GOOD, FORK_BOMB, KILL_ALL, DAEMON, HALF]))
         )
         after = workers.collect(workers.launch(_batch(tokenizer, [GOOD, HALF])))  # the same worker
+        # the driver decoded the responses: the worker process has not imported torch or transformers
+        imported = ray.get(
+            workers.actors[0].__ray_call__.remote(
+                lambda scorer: [name for name in ("torch", "transformers") if name in sys.modules]
+            )
+        )
         ray.kill(workers.actors[0])
     finally:
         if started_here:
@@ -96,6 +105,8 @@ def test_a_ray_reward_worker_scores_code_beside_the_rule_file_and_survives_hosti
     assert scores[3]["code/wrong_answer"] == 1.0 and scores[0]["rule/format"] == 1.0
     assert all(s["code/failed"] == 0.0 and s["code/leftover_processes"] == 0.0 for s in scores)
     assert [s["overall"] for s in after.non_tensor_batch["reward_scores"]] == pytest.approx([1.0, 0.55])
+    assert list(after.non_tensor_batch["response_text"]) == [GOOD, HALF]
+    assert imported == []
     assert hostile.batch["token_level_scores"].sum(-1).tolist() == pytest.approx([1.0, 0.1, 0.1, 0.1, 0.55])
     # the killed programs are gone once reaped (seconds, on a machine busy with other tests)
     deadline = time.monotonic() + 10

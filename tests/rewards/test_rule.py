@@ -577,10 +577,12 @@ def test_easyr1_reward_without_mathruler_names_the_extra(missing, monkeypatch):
 
 def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
     import torch
+    from transformers import AutoTokenizer
 
     from mmrl.config import RewardConfig
     from mmrl.protocol import DataProto
-    from mmrl.workers.reward_worker import RewardScorer
+    from mmrl.rewards.scorer import RewardScorer
+    from mmrl.workers.reward_worker import score_in_process
 
     # data.max_response_length 20, buffer 4, factor 0.5 (L = valid tokens):
     #   L 3, 16: 0 (up to 20 - 4 = 16); 17: (16 - 17) / 4 * 0.5 = -0.125; 18: -0.25; 20 (end): -0.5
@@ -591,11 +593,12 @@ def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
         tensors={"responses": responses, "response_mask": response_mask},
         non_tensors={"ground_truth": np.array(["7"] * 5, dtype=object)},
     )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_path)
     spec = f"{REWARD_FUNCTIONS / 'math.py'}:compute_score"  # junk responses: accuracy and format 0
     expected = [0.0, 0.0, -0.125, -0.25, -0.5]
     reward = RewardConfig(reward_function=spec, overlong_buffer_length=4, overlong_penalty_factor=0.5)
-    scorer = RewardScorer(_scorer_config(tiny_vl_path, reward))
-    scored = scorer.score(batch)
+    config = _scorer_config(tiny_vl_path, reward)
+    scored = score_in_process(RewardScorer(config), batch, tokenizer, config)
     scores = scored.non_tensor_batch["reward_scores"]
     assert [score["overlong_penalty"] for score in scores] == pytest.approx(expected)
     assert [score["overall"] for score in scores] == pytest.approx(expected)
@@ -604,14 +607,20 @@ def test_reward_scorer_adds_the_overlong_penalty_to_every_reward(tiny_vl_path):
     assert token_level.sum(-1).tolist() == pytest.approx(expected)
     assert token_level[4, 19] == pytest.approx(-0.5) and token_level[2, 16] == pytest.approx(-0.125)
     assert reduce_reward_metrics(list(scores))["reward/overlong_penalty"] == pytest.approx(sum(expected) / 5)
+    # the texts scored and logged are the valid tokens decoded
+    texts = [
+        tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(responses, lengths)
+    ]
+    assert list(scored.non_tensor_batch["response_text"]) == texts
 
-    off = RewardScorer(_scorer_config(tiny_vl_path, RewardConfig(reward_function=spec))).score(batch)  # off
+    off_config = _scorer_config(tiny_vl_path, RewardConfig(reward_function=spec))
+    off = score_in_process(RewardScorer(off_config), batch, tokenizer, off_config)
     assert all("overlong_penalty" not in score for score in off.non_tensor_batch["reward_scores"])
     assert off.batch["token_level_scores"].abs().sum() == 0
 
 
 def _scorer_config(model_path, reward):
-    """A run's config for a reward scorer: the tokenizer of ``model_path``, 20-token responses."""
+    """A run's config for a reward scorer: the model ``model_path``, 20-token responses."""
     from mmrl.config import ActorConfig, ActorModelConfig, DataConfig, PPOConfig, WorkerConfig
 
     actor = ActorConfig(model=ActorModelConfig(model_path=str(model_path)))
