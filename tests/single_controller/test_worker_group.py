@@ -50,7 +50,12 @@ class GlooWorker:
         self.scale = scale
 
     def environment(self) -> dict[str, str | None]:
-        return {key: os.environ.get(key) for key in (*ENV_KEYS, "TOKENIZERS_PARALLELISM", "MMRL_TEST_FLAG")}
+        keys = (*ENV_KEYS, "TOKENIZERS_PARALLELISM", "MMRL_TEST_FLAG", "MMRL_CLUSTER_FLAG")
+        return {key: os.environ.get(key) for key in keys}
+
+    def runtime_env_vars(self) -> dict[str, str]:
+        """The variables Ray's runtime environment set in this process."""
+        return dict(ray.get_runtime_context().runtime_env.get("env_vars", {}))
 
     def pid(self) -> int:
         return os.getpid()
@@ -128,7 +133,12 @@ def ray_cluster():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started_here = not ray.is_initialized()
     # 2 logical GPUs on this CPU machine: what the driver plans a GPU run from (no worker here uses them)
-    init_ray(num_cpus=4, num_gpus=2, object_store_memory_bytes=150_000_000)
+    init_ray(
+        num_cpus=4,
+        num_gpus=2,
+        object_store_memory_bytes=150_000_000,
+        runtime_env_vars={"MMRL_CLUSTER_FLAG": "2"},
+    )
     assert ray.cluster_resources()["CPU"] == 4, "these tests expect the 4-CPU local cluster started here"
     yield
     if started_here:
@@ -169,9 +179,13 @@ def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:
     assert {(env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) for env in envs} == {("2", "2")}
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == ray.util.get_node_ip_address()
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
-    # init_ray's defaults and the group's own env both reach the worker processes.
+    # init_ray's defaults, its caller's variables and the group's own env all reach the worker processes;
+    # init_ray's through the environment a local cluster inherits, not a runtime environment (which
+    # would start each worker through a set-up process: resource_pool.init_ray)
     assert {env["TOKENIZERS_PARALLELISM"] for env in envs} == {"false"}
+    assert {env["MMRL_CLUSTER_FLAG"] for env in envs} == {"2"}
     assert {env["MMRL_TEST_FLAG"] for env in envs} == {"1"}
+    assert group.call(GlooWorker.runtime_env_vars) == [{"MMRL_TEST_FLAG": "1"}] * 2
     # (0 + 1) + (1 + 1) summed over the two ranks of a real gloo group.
     assert group.call(GlooWorker.all_reduce_rank_plus_one) == [3.0, 3.0]
 
