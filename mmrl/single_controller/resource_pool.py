@@ -75,8 +75,8 @@ def init_ray(
     if ray.is_initialized():
         return
     enable_token_auth(joining=address is not None)
-    env_vars = {**DEFAULT_WORKER_ENV_VARS, **(runtime_env_vars or {})}
-    env_vars = {key: os.environ.get(key, str(value)) for key, value in env_vars.items()}
+    wanted = {**DEFAULT_WORKER_ENV_VARS, **(runtime_env_vars or {})}
+    env_vars = {key: os.environ.get(key, str(value)) for key, value in wanted.items()}
     options: dict[str, Any] = {}
     if address is not None:
         options["runtime_env"] = {"env_vars": env_vars}

@@ -82,14 +82,14 @@ def reward_samples(batch: DataProto, tokenizer: Any, skip_special_tokens: bool, 
 
 
 def scored_batch(
-    samples: RewardSamples, scored: RewardScores, response_mask: torch.Tensor, config: PPOConfig
+    samples: RewardSamples, scores: list[dict[str, float]], response_mask: torch.Tensor, config: PPOConfig
 ) -> DataProto:
     """The reward phase's columns: ``token_level_scores`` (each response's ``overall`` on its last model
     token), ``reward_scores`` and ``response_text``. With ``worker.reward.overlong_buffer_length`` > 0
     DAPO's soft overlong punishment (:func:`~mmrl.core_algos.overlong_penalty` over
     ``data.max_response_length``) is added to every ``overall`` and reported as the score
     ``overlong_penalty``."""
-    reward, scores = config.worker.reward, scored.scores
+    reward = config.worker.reward
     if reward.overlong_buffer_length > 0:
         penalties = overlong_penalty(
             torch.tensor(samples.lengths),
@@ -110,7 +110,7 @@ def scored_batch(
 def score_in_process(scorer: RewardScorer, batch: DataProto, tokenizer: Any, config: PPOConfig) -> DataProto:
     """What the reward workers return for ``batch``, scored by ``scorer`` in this process (benches)."""
     samples = reward_samples(batch, tokenizer, config.worker.reward.skip_special_tokens, media=True)
-    return scored_batch(samples, scorer.score(samples), batch.batch["response_mask"], config)
+    return scored_batch(samples, scorer.score(samples).scores, batch.batch["response_mask"], config)
 
 
 def _died(ref: Any) -> bool:
@@ -186,8 +186,7 @@ class RewardWorkers:
         order (the columns are taken now: the caller may go on adding to ``batch``)."""
         tensors = ["responses", "response_mask"]
         tensors += ["response_turns"] if "response_turns" in batch.batch.keys() else []  # trajectories
-        columns = [k for k in batch.non_tensor_batch if k not in MODEL_INPUT_COLUMNS or k == PROMPT_MEDIA]
-        taken = batch.select(batch_keys=tensors, non_tensor_keys=columns)
+        taken = batch.select(batch_keys=tensors)  # every object column: reward_samples picks
         return PendingRewards(self._sender.submit(self._send, taken), batch.batch["response_mask"])
 
     def _send(self, batch: DataProto) -> SentRewards:
@@ -234,8 +233,8 @@ class RewardWorkers:
         for name, seconds in slowest.items():
             key = f"timing_s/reward_{name}"
             self.metrics[key] = self.metrics.get(key, 0.0) + seconds
-        scored = RewardScores([score for part in parts for score in part.scores], {})
-        return scored_batch(sent.samples, scored, pending.response_mask, self.config)
+        scores = [score for part in parts for score in part.scores]
+        return scored_batch(sent.samples, scores, pending.response_mask, self.config)
 
     def take_metrics(self) -> dict[str, float]:
         """Each reward source's seconds (``timing_s/reward_<source>``) since the last call; empty for a
