@@ -15,8 +15,16 @@ seconds of each (``time.process_time`` in that process):
 - vLLM engine module: what a rank imports when its rollout is vLLM, after its worker module (not
   measured: torch and transformers are in by then).
 
+A second table is what the collections cost once a process runs, with the heap it built at start-up
+left to the collector and frozen out of its way (:func:`mmrl.runtime.startup.freeze_heap`), again
+``--repeats`` fresh processes of each, the role's imports done with the collector paused first:
+
+- a full collection after a rank's or the driver's imports (``gc.collect()``, as the automatic
+  passes of the oldest generation do every so often while a run lasts);
+- a vLLM engine's start for the config's model (eager, 256 tokens): it collects five times on purpose.
+
 The config (default the colour demo's: ``make assets`` builds its model and data) names the model.
-Prints the table and writes ``bench/results/startup.json``.
+Prints the tables and writes ``bench/results/startup.json``.
 """
 
 from __future__ import annotations
@@ -66,14 +74,75 @@ print(json.dumps(time.process_time() - start))
 """
 
 
-def cpu_seconds(role: str, paused: bool, config: str) -> float:
-    body = "\n".join("    " + line for line in ROLES[role].strip().splitlines())
-    pickled = pickled_config(config) if role == "reward worker" else ""
-    code = CHILD.format(config=config, pickled=pickled, paused=paused, body=body, before=BEFORE.get(role, ""))
+# after a role's start-up (its imports with the collector paused), what is timed, the heap frozen or not
+AFTER = {
+    "a full collection after a training rank's imports": (
+        "import mmrl.workers.fsdp_workers",
+        "import gc\ngc.collect()",
+    ),
+    "a full collection after the driver's imports": (ROLES["driver"], "import gc\ngc.collect()"),
+    "a vLLM engine's start (tiny model, eager)": (
+        "import mmrl.workers.fsdp_workers\nfrom vllm import LLM",
+        # vLLM's own engine (mmrl's VLLMRollout freezes the heap before it as a matter of course)
+        """
+import os, socket
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+from mmrl.config import RolloutConfig
+from mmrl.config.loading import load_config
+from mmrl.runtime.debris import vllm_socket_dir
+from mmrl.workers.rollout.vllm_spmd import engine_arguments
+path = load_config([f"config={CONFIG}"]).worker.actor.model.model_path
+settings = RolloutConfig(name="vllm", max_model_len=256, enforce_eager=True, cpu_kv_cache_gib=0.25)
+arguments = engine_arguments(path, path, settings, max_model_len=256, on_gpu=False)
+start = time.process_time()
+with vllm_socket_dir():
+    LLM(**arguments)
+""",
+    ),
+}
+
+AFTER_CHILD = """
+import json, os, time
+from mmrl.runtime.startup import collector_paused, freeze_heap
+CONFIG = {config!r}
+with collector_paused():
+{imports}
+if {frozen}:
+    freeze_heap()
+start = time.process_time()
+{body}
+print(json.dumps(time.process_time() - start))
+os._exit(0)  # a vLLM engine's threads would hold the exit
+"""
+
+
+def indented(code: str) -> str:
+    return "\n".join("    " + line for line in code.strip().splitlines())
+
+
+def run_child(code: str) -> float:
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=300
     )
     return float(done.stdout.strip().splitlines()[-1])
+
+
+def after_start_up_seconds(case: str, frozen: bool, config: str) -> float:
+    imports, body = AFTER[case]
+    return run_child(
+        AFTER_CHILD.format(config=config, imports=indented(imports), frozen=frozen, body=body.strip())
+    )
+
+
+def cpu_seconds(role: str, paused: bool, config: str) -> float:
+    pickled = pickled_config(config) if role == "reward worker" else ""
+    code = CHILD.format(
+        config=config, pickled=pickled, paused=paused, body=indented(ROLES[role]), before=BEFORE.get(role, "")
+    )
+    return run_child(code)
 
 
 @functools.cache
@@ -87,7 +156,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--config", default="examples/tiny_cpu.yaml")
-    parser.add_argument("--roles", nargs="+", choices=list(ROLES), default=list(ROLES))
+    parser.add_argument("--roles", nargs="*", choices=list(ROLES), default=list(ROLES))
+    parser.add_argument("--after", nargs="*", choices=list(AFTER), default=list(AFTER))
     args = parser.parse_args()
     results = {}
     for role in args.roles:
@@ -106,8 +176,25 @@ def main() -> None:
         ]
         for role, r in results.items()
     ]
-    print(markdown_table(["process", "collector on (CPU-s)", "paused (CPU-s)", "saved"], rows))
-    print(f"medians of {args.repeats} fresh processes each; written to {write_json('startup.json', results)}")
+    if rows:
+        print(markdown_table(["process", "collector on (CPU-s)", "paused (CPU-s)", "saved"], rows))
+    after = {}
+    for case in args.after:
+        samples = {"left": [], "frozen": []}
+        for _ in range(args.repeats):
+            for mode in samples:
+                samples[mode].append(after_start_up_seconds(case, mode == "frozen", args.config))
+        after[case] = {mode: statistics.median(values) for mode, values in samples.items()}
+        after[case]["samples"] = samples
+    rows = [
+        [case, f"{r['left']:.2f}", f"{r['frozen']:.2f}", f"{r['left'] - r['frozen']:.2f}"]
+        for case, r in after.items()
+    ]
+    if rows:
+        print()
+        print(markdown_table(["after start-up", "heap left (CPU-s)", "frozen (CPU-s)", "saved"], rows))
+    path = write_json("startup.json", {"imports": results, "after_start_up": after})
+    print(f"medians of {args.repeats} fresh processes each; written to {path}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,15 @@ def _limit_torch_threads():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _collections_skip_the_collected_modules(_limit_torch_threads):
+    """The modules the collected tests imported (torch, transformers, ...) live as long as this process:
+    its collections skip them from here on, as a driver's and a rank's do (mmrl.runtime.startup)."""
+    from mmrl.runtime.startup import freeze_heap
+
+    freeze_heap()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _no_stale_debris():
     """What killed runs (an interrupted session included) left: vLLM shared memory that would block the
     next TP=2 engine, Ray sessions and their orphans, temp folders. Only debris of dead processes goes,

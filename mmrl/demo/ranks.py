@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mmrl.runtime.debris import make_temp_dir
+from mmrl.runtime.startup import freeze_heap
 
 # imported once by the forkserver that forks every rank (names: the server imports them, not this
 # process); a module missing here is imported by the rank
@@ -46,6 +47,7 @@ PRELOAD = (
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, out_dir: str, args: tuple, threads: int) -> None:
+    freeze_heap()  # the server's preloaded modules: this rank's collections skip them
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     exit_code = 0

@@ -1,6 +1,9 @@
-"""The collector pause of a process's start-up (mmrl.runtime.startup)."""
+"""The collector pause of a process's start-up and the frozen heap after it (mmrl.runtime.startup)."""
 
 import gc
+import json
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -46,3 +49,39 @@ def test_an_error_inside_turns_it_on_again_and_a_collector_that_was_off_stays_of
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+FREEZE_CHILD = """
+import gc, json, weakref
+import torch  # a start-up's heap
+from mmrl.runtime.startup import freeze_heap
+
+class Node:
+    pass
+
+def dropped_cycle():
+    node = Node()
+    node.self = node
+    freed = []
+    return node, freed, weakref.ref(node, lambda _: freed.append(True))
+
+before, freed_before, ref_before = dropped_cycle()
+walked_before = len(gc.get_objects())
+freeze_heap()
+walked_after = len(gc.get_objects())
+after, freed_after, ref_after = dropped_cycle()
+del before, after
+gc.collect()
+print(json.dumps([walked_before, gc.get_freeze_count(), walked_after, freed_before, freed_after]))
+"""
+
+
+def test_a_frozen_heap_is_left_out_of_every_later_collection():
+    """Everything alive at the freeze (torch's modules) leaves the collector's generations: a later
+    collection walks only newer objects, frees a cycle made after it, and leaves one made before."""
+    done = subprocess.run([sys.executable, "-c", FREEZE_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    walked_before, frozen, walked_after, freed_before, freed_after = json.loads(done.stdout)
+    assert walked_before > 100_000 and frozen >= walked_before  # torch's heap, all of it frozen
+    assert walked_after < 100
+    assert freed_after == [True] and freed_before == []

@@ -3,6 +3,7 @@ DataProto with padding, and failing fast when a rank raises or dies while its pe
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -59,6 +60,10 @@ class GlooWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def collector_heap(self) -> tuple[int, int]:
+        """(objects frozen out of the collector's way, objects it still walks) in this process."""
+        return gc.get_freeze_count(), len(gc.get_objects())
 
     def all_reduce_rank_plus_one(self) -> float:
         value = torch.tensor([self.rank + 1.0])
@@ -188,6 +193,10 @@ def test_ranks_get_torchrun_env_and_all_reduce(group: RayWorkerGroup) -> None:
     assert group.call(GlooWorker.runtime_env_vars) == [{"MMRL_TEST_FLAG": "1"}] * 2
     # (0 + 1) + (1 + 1) summed over the two ranks of a real gloo group.
     assert group.call(GlooWorker.all_reduce_rank_plus_one) == [3.0, 3.0]
+    # the worker module's imports (torch: ~300k objects) were frozen as the rank started: the collector
+    # walks only what came after (mmrl.runtime.startup)
+    for frozen, walked in group.call(GlooWorker.collector_heap):
+        assert frozen > 100_000 and walked < frozen / 4, (frozen, walked)
 
 
 def test_call_rank_and_async_calls(group: RayWorkerGroup) -> None:
