@@ -38,7 +38,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmrl.dispatch import ROWS_PER_DATA_PARALLEL_SHARE, ROWS_PER_RANK, layout_of, sequence_parallel_role_of
-from mmrl.runtime.startup import collector_paused, freeze_heap
+from mmrl.runtime.startup import collector_paused
 from mmrl.single_controller.resource_pool import ResourcePool
 from mmrl.single_controller.transfer import SENT, TransferCounter
 
@@ -106,9 +106,10 @@ class _WorkerHost:
         inside a list so that Ray does not unpickle it, importing the module, before ``env`` is set
         (``CUDA_VISIBLE_DEVICES`` must precede anything that counts devices)."""
         os.environ.update(env)
-        with collector_paused():  # torch's and transformers' modules (mmrl.runtime.startup)
+        # torch's and transformers' modules; this process is the rank's: its collections skip them from
+        # now on (mmrl.runtime.startup)
+        with collector_paused(freeze=True):
             self._worker_cls = ray.get(worker_cls_ref[0])
-        freeze_heap()  # this process is the rank's: its collections skip the modules from now on
 
     def start(self, master_port: int, args: tuple, kwargs: dict[str, Any]) -> None:
         os.environ["MASTER_PORT"] = str(master_port)

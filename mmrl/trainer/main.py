@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from mmrl.config.loading import config_to_yaml, load_config
 from mmrl.errors import UserInputError
-from mmrl.runtime.startup import collector_paused
+from mmrl.runtime.startup import collector_paused, freeze_heap
 
 USAGE = """usage: python -m mmrl.trainer.main config=path/to/config.yaml [section.key=value ...] [--dry-run] [--debug]
 
@@ -67,6 +67,7 @@ def _load_check_and_run(args: list[str], dry_run: bool) -> int:
         preflight(config)
         from mmrl.trainer.ray_trainer import run
 
+        freeze_heap()  # this process is the run's driver from here on (mmrl.runtime.startup)
     return run(config)
 
 

@@ -1047,10 +1047,8 @@ def run(config: PPOConfig) -> int:
     import ray
 
     from mmrl.runtime.debris import clean_stale_debris
-    from mmrl.runtime.startup import freeze_heap
     from mmrl.single_controller import WorkerGroupError, init_ray
 
-    freeze_heap()  # this process is the run's driver from here on (mmrl.runtime.startup)
     clean_stale_debris()  # what killed runs left (shared memory, Ray sessions, temp folders)
     ray_cfg = config.trainer.ray
     init_ray(

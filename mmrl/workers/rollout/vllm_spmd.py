@@ -59,7 +59,7 @@ from mmrl.data.processing import EMBEDS_COLUMN
 from mmrl.models.families import family_for
 from mmrl.protocol import DataProto
 from mmrl.runtime.debris import clean_stale_debris, unlink_cpu_shared_memory, vllm_socket_dir
-from mmrl.runtime.startup import collector_paused, freeze_heap
+from mmrl.runtime.startup import collector_paused
 from mmrl.workers.fsdp_engine import resolve_dtype
 from mmrl.workers.rollout import SamplingParams, assemble_rollout_batch, eos_token_ids
 
@@ -325,9 +325,10 @@ class VLLMRollout:
     ):
         from transformers import GenerationConfig
 
-        with collector_paused():  # vLLM's modules (mmrl.runtime.startup)
+        # vLLM's modules, frozen: the engine collects five times as it starts, and freezes the heap itself
+        # after (mmrl.runtime.startup)
+        with collector_paused(freeze=True):
             from vllm import LLM
-        freeze_heap()  # the engine collects five times as it starts, and freezes the heap itself after
 
         config = config or RolloutConfig(name="vllm")
         if sleep_level not in (1, 2):
