@@ -35,6 +35,7 @@ import pickle
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 
 from harness import REPO, markdown_table, write_json
 
@@ -152,6 +153,16 @@ def pickled_config(config: str) -> str:
     return pickle.dumps(load_config([f"config={config}"])).hex()
 
 
+def medians(measure: Callable[[bool], float], modes: tuple[str, str], repeats: int) -> dict:
+    """``measure(False)`` and ``measure(True)`` ``repeats`` times each, interleaved: the median of each
+    under ``modes``' names, and the samples."""
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for index, mode in enumerate(modes):
+            samples[mode].append(measure(bool(index)))
+    return {**{mode: statistics.median(values) for mode, values in samples.items()}, "samples": samples}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -159,14 +170,12 @@ def main() -> None:
     parser.add_argument("--roles", nargs="*", choices=list(ROLES), default=list(ROLES))
     parser.add_argument("--after", nargs="*", choices=list(AFTER), default=list(AFTER))
     args = parser.parse_args()
-    results = {}
-    for role in args.roles:
-        samples = {"on": [], "paused": []}
-        for _ in range(args.repeats):
-            for mode in samples:
-                samples[mode].append(cpu_seconds(role, mode == "paused", args.config))
-        results[role] = {mode: statistics.median(values) for mode, values in samples.items()}
-        results[role]["samples"] = samples
+    results = {
+        role: medians(
+            functools.partial(cpu_seconds, role, config=args.config), ("on", "paused"), args.repeats
+        )
+        for role in args.roles
+    }
     rows = [
         [
             role,
@@ -178,14 +187,14 @@ def main() -> None:
     ]
     if rows:
         print(markdown_table(["process", "collector on (CPU-s)", "paused (CPU-s)", "saved"], rows))
-    after = {}
-    for case in args.after:
-        samples = {"left": [], "frozen": []}
-        for _ in range(args.repeats):
-            for mode in samples:
-                samples[mode].append(after_start_up_seconds(case, mode == "frozen", args.config))
-        after[case] = {mode: statistics.median(values) for mode, values in samples.items()}
-        after[case]["samples"] = samples
+    after = {
+        case: medians(
+            functools.partial(after_start_up_seconds, case, config=args.config),
+            ("left", "frozen"),
+            args.repeats,
+        )
+        for case in args.after
+    }
     rows = [
         [case, f"{r['left']:.2f}", f"{r['frozen']:.2f}", f"{r['left'] - r['frozen']:.2f}"]
         for case, r in after.items()

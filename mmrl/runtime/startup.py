@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 from collections.abc import Iterator
 
@@ -49,15 +50,16 @@ def collector_paused(*, freeze: bool = False) -> Iterator[None]:
 def freeze_heap() -> None:
     """Moves every object alive now to the collector's permanent generation: later collections skip
     them (their memory is freed as usual when their last reference goes). For processes that own
-    their whole life (a driver as it trains, a rank), never a library caller's process.
+    their whole life (a driver as it trains, a rank), or about to start a vLLM engine (which freezes
+    the heap itself); never a library caller's process otherwise.
 
     At exit the heap goes back to the collector (``gc.unfreeze``), so the interpreter's last collection
     finalizes it as it would have: extensions that count their objects as they unload (triton's
     nanobind bindings, which torch's compiler imports) would otherwise print pages of "leaked" ones."""
     gc.freeze()
-    if not _UNFREEZE_AT_EXIT:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT.append(True)
+    _unfreeze_at_exit()
 
 
-_UNFREEZE_AT_EXIT: list[bool] = []  # registered once per process
+@functools.cache  # registered once per process
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
