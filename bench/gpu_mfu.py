@@ -4,6 +4,8 @@ update on the CPU, for mmrl and for a plain FSDP2 loop written here.
     python bench/gpu_mfu.py [--model 3b|7b] [--rows 16] [--prompt_length 512] [--response_length 512]
                             [--micro_batch 4] [--repeats 3] [--gradient_checkpointing]
                             [--baseline plain] [--peak_tflops 989]
+    python bench/gpu_mfu.py --sides mmrl:full,mmrl:full+compile,mmrl:off+compile,plain:full,plain:off
+                            [--profile_sides mmrl:full+compile,plain:full]
     python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
     python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
     python bench/gpu_mfu.py --smoke [--baseline plain]   # the timed path on the CPU, tiny config (a check)
@@ -22,8 +24,14 @@ numbers a rollout batch. Each side: a warm-up update, then ``--repeats`` timed o
 ``torch.cuda.synchronize`` around each), the optimizer step timed on its own (clipping included), the
 no-grad log-prob pass timed, and one update profiled: host-bound share = CPU time of the ops (self,
 summed) / GPU kernel time (kernels only, each counted once); above 1 the GPU waits on the host. GPU
-busy = that kernel time / the median update's seconds. The profiled update's top ops and kernels by
-device time are printed for each side.
+busy = that kernel time / the median update's seconds. The profiled update's kernel time by kind
+(matrix products, eager elementwise, compiled Triton kernels, copies and casts, reductions, attention,
+optimizer, collectives) and its top ops and kernels by device time are printed for each side.
+``--sides`` times several settings in one process on the same weights and batch, each
+``name:checkpointing[+compile]``: ``mmrl`` or ``plain``, ``full`` (whole layers recomputed in the
+backward) or ``off``, ``+compile`` (mmrl only: its decoder layers compiled, the trainer's
+``worker.actor.model.compile_layers``); a side that fails is reported and the others still run.
+``--profile_sides`` profiles only those (profiling takes an update and its analysis per side).
 
 FLOPs (:func:`update_flops`): matmul FLOPs of the forward pass (2 per multiply-add) times 3 for
 forward + backward: per layer and token, the q/k/v/o projections and the SwiGLU MLP; per sequence, the
@@ -68,6 +76,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -297,15 +306,17 @@ class MmrlSide:
         config,
         device,
         compute_dtype,
-        gradient_checkpointing: bool,
+        checkpointing: bool,
         response_length: int,
         max_tokens: int | None = None,
         packed_attention: str = "sdpa",
+        compiled: bool = False,
     ):
         import torch
         import torch.distributed as dist
 
         from mmrl.config import ActorConfig
+        from mmrl.models.compiled import compile_layers
         from mmrl.models.prepare import prepare_for_training
         from mmrl.workers.actor import PolicyActor
         from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
@@ -316,8 +327,10 @@ class MmrlSide:
         prepare_for_training(  # as the trainer prepares the actor
             model, packing=True, score_tokens=True, packed_attention=packed_attention
         )
-        if gradient_checkpointing:
+        if checkpointing:
             enable_gradient_checkpointing(model)
+        if compiled:
+            compile_layers(model)
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
         model = apply_fsdp2(model, mesh, param_dtype=compute_dtype, reduce_dtype=torch.float32)
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
@@ -371,9 +384,10 @@ class PlainSide:
         config,
         device,
         compute_dtype,
-        gradient_checkpointing: bool,
+        checkpointing: bool,
         response_length: int,
         ragged: bool = False,
+        compiled: bool = False,
         **_,
     ):
         import torch
@@ -383,7 +397,9 @@ class PlainSide:
         model = build_model(config, device)
         self.params = sum(p.numel() for p in model.parameters())
         self.param_tensors = sum(1 for _ in model.parameters())
-        if gradient_checkpointing:
+        if compiled:
+            raise ValueError("the plain loop compiles nothing")
+        if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
@@ -502,7 +518,31 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-TOP_OPS = 25  # ops (and kernels) listed per side, by device time, from the profiled update
+TOP_OPS = 40  # ops (and kernels) listed per side, by device time, from the profiled update
+
+
+# kernel kinds by name, first match wins (cuBLAS/CUTLASS products, attention, compiled, collectives...)
+KERNEL_KINDS = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
+    ("compiled (triton)", ("triton",)),
+    ("collective", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy / cast / cat", ("copy", "memcpy", "cat", "memset", "fill")),
+    ("reduction", ("reduce", "softmax", "norm")),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_kinds(kernels) -> dict[str, float]:
+    """Device ms per kind of kernel (:data:`KERNEL_KINDS`, ``other`` for the rest) from ``(name,
+    device us)`` pairs."""
+    totals: dict[str, float] = {}
+    for name, device_us in kernels:
+        lowered = name.lower()
+        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
+        totals[kind] = totals.get(kind, 0.0) + device_us / 1e3
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[float | None, float | None]:
@@ -522,6 +562,11 @@ def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[floa
     host = sum(event.self_cpu_time_total for event in events)
     # kernels only: an op's own device time repeats the time of the kernels it launched
     kernel = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA)
+    side.kernel_kinds = kernel_kinds(
+        (event.key, event.self_device_time_total or 0)
+        for event in events
+        if event.device_type == DeviceType.CUDA
+    )
     top = sorted(events, key=lambda event: -(getattr(event, "self_device_time_total", 0) or 0))[:TOP_OPS]
     side.top_ops = [
         (event.key, event.count, (event.self_device_time_total or 0) / 1e3, event.self_cpu_time_total / 1e3)
@@ -553,6 +598,7 @@ def measure_side(side, batch, args, device) -> dict:
         return time.perf_counter() - begin, value
 
     metrics = side.update(batch, args.micro_batch)  # warm-up: allocator, kernels, optimizer states
+    side.log_probs(batch, args.log_prob_micro_batch or args.micro_batch)  # and the no-grad pass's
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     side.step_context = timed_step
@@ -582,6 +628,7 @@ def measure_side(side, batch, args, device) -> dict:
         "host_per_kernel": host_s / kernel_s if host_s and kernel_s else None,
         "gpu_busy": min(1.0, kernel_s / statistics.median(update_s)) if kernel_s else None,
         "top_ops": getattr(side, "top_ops", []),
+        "kernel_kinds": getattr(side, "kernel_kinds", {}),
         "metrics": metrics,
     }
 
@@ -592,8 +639,6 @@ def run(args: argparse.Namespace) -> dict:
     under ``sides``."""
     import torch
     import torch.distributed as dist
-
-    from mmrl.protocol import DataProto
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if not dist.is_initialized():  # bench/gpu_check.py runs this in its own one-rank group
@@ -611,47 +656,108 @@ def run(args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     peak = peak_tflops(device_name, args.peak_tflops)
     sides = {}
-    names = ["mmrl"] + (["plain"] if getattr(args, "baseline", None) == "plain" else [])
-    for name in names:
-        start = time.perf_counter()
-        side = SIDES[name](
-            config,
-            device,
-            compute_dtype,
-            args.gradient_checkpointing,
-            args.response_length,
-            max_tokens=getattr(args, "max_tokens", None),
-            packed_attention=getattr(args, "attention", "sdpa"),
-        )
-        build_s = time.perf_counter() - start
-        if "old_log_probs" not in batch.batch.keys():  # mmrl's pass; the plain loop reuses them
-            old = side.log_probs(side.prepare(batch), args.micro_batch)
-            batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
-        result = measure_side(
-            side, side.prepare(batch), argparse.Namespace(**{**_defaults(), **vars(args)}), device
-        )
-        del side
-        release()
+    failed: dict[str, str] = {}
+    for spec in side_specs(args):
+        parse_side(spec)  # every spec checked before the first side is built
+    for spec in side_specs(args):
+        try:
+            result, batch = time_side(spec, config, device, compute_dtype, batch, args)
+        except Exception as error:  # one side's failure (a compile, memory) leaves the others timed
+            traceback.print_exc()
+            failed[spec] = f"{type(error).__name__}: {str(error)[:300]}"
+            result = None
+        if result is None:
+            release()  # outside the handler: the traceback no longer holds the side's frames
+            continue
         result.update(
-            build_s=build_s,
             tokens_per_s=tokens / result["update_s"],
             log_prob_tokens_per_s=tokens / result["log_prob_s"],
             achieved_tflops=flops / result["update_s"] / 1e12,
             mfu=flops / result["update_s"] / (peak * 1e12) if peak else None,
         )
-        sides[name] = result
+        sides[spec] = result
+        print(f"  {spec}: {result['tokens_per_s']:.0f} tokens/s", flush=True)
+    if not any(spec.startswith("mmrl") for spec in sides):
+        raise RuntimeError(f"no mmrl side ran: {failed}")
+    first_mmrl = next(spec for spec in sides if spec.startswith("mmrl"))
     return {
-        **sides["mmrl"],
+        **sides[first_mmrl],
         "model": args.model,
         "device": device_name,
         "torch": torch.__version__,
         "notes": notes,
         "attention": kernel,
+        "failed": failed,
         "tokens_per_update": tokens,
         "tflops_per_update": flops / 1e12,
         "peak_tflops": peak,
         "sides": sides,
     }
+
+
+def parse_side(spec: str) -> tuple[str, bool, bool]:
+    """``name:checkpointing[+compile]``, e.g. ``mmrl:full``, ``mmrl:off+compile``, ``plain:full``: the
+    side, whether it checkpoints its layers' activations (``full``: whole layers, recomputed in the
+    backward; ``off``) and whether its decoder layers are compiled (mmrl only: the trainer's
+    ``worker.actor.model.compile_layers``, mmrl.models.compiled)."""
+    name, _, settings = spec.partition(":")
+    checkpointing, _, compiled = settings.partition("+")
+    if name not in SIDES or checkpointing not in ("off", "full") or compiled not in ("", "compile"):
+        raise SystemExit(
+            f"--sides {spec!r}: name:checkpointing[+compile], name one of {', '.join(SIDES)}, checkpointing "
+            "off or full"
+        )
+    return name, checkpointing == "full", compiled == "compile"
+
+
+def side_specs(args: argparse.Namespace) -> list[str]:
+    """``--sides``, or the sides ``--gradient_checkpointing`` and ``--baseline`` name (mmrl, and the
+    plain loop with ``--baseline plain``, both checkpointing whole layers or not at all)."""
+    if getattr(args, "sides", None):
+        return list(args.sides)
+    setting = "full" if args.gradient_checkpointing else "off"
+    plain = [f"plain:{setting}"] if getattr(args, "baseline", None) == "plain" else []
+    return [f"mmrl:{setting}", *plain]
+
+
+def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Namespace):
+    """Build the side ``spec`` names and measure it (:func:`measure_side`); the first side to run adds
+    the batch's ``old_log_probs`` (its own, from the same weights as every side's). Returns the side's
+    figures and the batch."""
+    from mmrl.protocol import DataProto
+
+    name, checkpointing, compiled = parse_side(spec)
+    start = time.perf_counter()
+    side = SIDES[name](
+        config,
+        device,
+        compute_dtype,
+        checkpointing,
+        args.response_length,
+        max_tokens=getattr(args, "max_tokens", None),
+        packed_attention=getattr(args, "attention", "sdpa"),
+        compiled=compiled,
+    )
+    build_s = time.perf_counter() - start
+    if "old_log_probs" not in batch.batch.keys():
+        old = side.log_probs(side.prepare(batch), args.micro_batch)
+        batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
+    options = argparse.Namespace(**{**_defaults(), **vars(args)})
+    options.profile = options.profile and (not options.profile_sides or spec in options.profile_sides)
+    graphs = compiled_graphs()
+    try:
+        result = measure_side(side, side.prepare(batch), options, device)
+    finally:
+        del side
+        release()
+    return {**result, "build_s": build_s, "compiled_graphs": compiled_graphs() - graphs}, batch
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (recompilations included)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def attention_kernel(device, choice: str) -> str:
@@ -676,6 +782,8 @@ def _defaults() -> dict:
         "baseline": None,
         "attention": "auto",
         "max_tokens": None,
+        "sides": None,
+        "profile_sides": None,
     }
 
 
@@ -689,14 +797,14 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
         f"\nactor update, {args.rows} rows x ({args.prompt_length} prompt + {args.response_length} response) "
         f"tokens, micro-batch {args.micro_batch}"
         f"{f' (mmrl: {args.max_tokens} tokens)' if args.max_tokens else ''}, {setting}, gradient "
-        f"checkpointing {'on' if args.gradient_checkpointing else 'off'}; mmrl's attention: "
+        f"checkpointing per side (name:checkpointing[+compile]); mmrl's attention: "
         f"{result['attention']}; median of {args.repeats}; {result['device']}, torch {result['torch']}\n"
     )
     print(
         "| side | params | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
-        "| log-prob tokens/s | host s / kernel s | GPU busy | loss | grad norm |"
+        "| log-prob tokens/s | host s / kernel s | GPU busy | loss | grad norm | graphs compiled |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, side in result["sides"].items():
         mfu = "-" if side["mfu"] is None else f"{side['mfu']:.1%}"
         memory = "-" if side["peak_memory_gib"] is None else f"{side['peak_memory_gib']:.1f}"
@@ -709,17 +817,35 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
             f"| {name} | {side['params'] / 1e9:.2f}B | {side['update_s']:.3f} | {side['tokens_per_s']:.0f} "
             f"| {side['achieved_tflops']:.1f} | {mfu} | {memory} | {side['optimizer_step_s']:.3f} "
             f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {busy} | {side['metrics']['loss']:.6f} "
-            f"| {side['metrics']['grad_norm']:.6f} |"
+            f"| {side['metrics']['grad_norm']:.6f} | {side['compiled_graphs']} |"
         )
+    kinds = {spec: side["kernel_kinds"] for spec, side in result["sides"].items() if side["kernel_kinds"]}
+    if kinds:
+        names = sorted(
+            {kind for totals in kinds.values() for kind in totals},
+            key=lambda kind: -max(totals.get(kind, 0.0) for totals in kinds.values()),
+        )
+        print("\nthe profiled updates' kernel time by kind (device ms)\n")
+        print(f"| kind | {' | '.join(kinds)} |\n|---|{'---|' * len(kinds)}")
+        for kind in names:
+            print(f"| {kind} | {' | '.join(f'{totals.get(kind, 0.0):.1f}' for totals in kinds.values())} |")
+        print(f"| all kernels | {' | '.join(f'{sum(totals.values()):.1f}' for totals in kinds.values())} |")
     for name, side in result["sides"].items():
         if side["top_ops"]:
             print(f"\n{name}: the profiled update's top ops by device time\n")
             print("| op or kernel | calls | device ms | host ms |\n|---|---|---|---|")
             for key, count, device_ms, host_ms in side["top_ops"]:
                 print(f"| {key[:90]} | {count} | {device_ms:.1f} | {host_ms:.1f} |")
-    if len(result["sides"]) == 2:
-        mmrl, plain = result["sides"]["mmrl"], result["sides"]["plain"]
-        print(f"\nmmrl / plain tokens/s: {mmrl['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    plains = [spec for spec in result["sides"] if spec.startswith("plain")]
+    for spec, side in result["sides"].items():
+        if spec.startswith("mmrl") and plains:
+            ratios = ", ".join(
+                f"{side['tokens_per_s'] / result['sides'][plain]['tokens_per_s']:.2f}x {plain}"
+                for plain in plains
+            )
+            print(f"{'' if spec != next(iter(result['sides'])) else chr(10)}{spec} tokens/s: {ratios}")
+    for spec, error in result.get("failed", {}).items():
+        print(f"{spec} failed: {error}")
     for note in result["notes"]:
         print(f"note: {note}")
 
@@ -905,6 +1031,8 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
         "\nthe counted update's loss and gradient norm (same weights and batch, bf16): "
         + ", ".join(f"{name} {m['loss']:.6f} / {m['grad_norm']:.6f}" for name, m in numbers.items())
     )
+    for spec, error in result.get("failed", {}).items():
+        print(f"{spec} failed: {error}")
     for note in result["notes"]:
         print(f"note: {note}")
 
@@ -922,7 +1050,20 @@ def main() -> None:
     parser.add_argument("--micro_batch", type=int, default=4)
     parser.add_argument("--log_prob_micro_batch", type=int, default=None, help="default: --micro_batch")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="both sides: whole layers")
+    parser.add_argument(
+        "--sides",
+        type=lambda text: text.split(","),
+        default=None,
+        help="GPU: sides to time in one run, e.g. mmrl:full,mmrl:full+compile,plain:full (name:off|full"
+        "[+compile]); default mmrl (and plain) at --gradient_checkpointing",
+    )
+    parser.add_argument(
+        "--profile_sides",
+        type=lambda text: text.split(","),
+        default=None,
+        help="GPU: profile only these sides' update (default: every side's)",
+    )
     parser.add_argument(
         "--attention",
         choices=["sdpa", "torch_varlen"],

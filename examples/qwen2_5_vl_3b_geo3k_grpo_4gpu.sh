@@ -13,6 +13,7 @@ python -m mmrl.trainer.main config=examples/config.yaml \
     worker.actor.loss_avg_mode=seq_mean_token_sum_norm \
     worker.actor.global_batch_size=64 \
     worker.actor.model.model_path="${MODEL_PATH}" \
+    worker.actor.model.compile_layers=true \
     worker.reward.reward_function=./reward_functions/math.py:compute_score \
     worker.rollout.name=${ROLLOUT:-vllm} \
     worker.rollout.tensor_parallel_size=1 \

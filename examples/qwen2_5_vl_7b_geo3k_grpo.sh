@@ -11,6 +11,7 @@ python -m mmrl.trainer.main config=examples/config.yaml \
     data.format_prompt=./format_prompts/math.jinja \
     worker.actor.model.model_path="${MODEL_PATH}" \
     worker.reward.reward_function=./reward_functions/math.py:compute_score \
+    worker.actor.model.compile_layers=true \
     worker.rollout.name=vllm \
     worker.rollout.tensor_parallel_size=2 \
     trainer.experiment_name=qwen2_5_vl_7b_geo3k_grpo \

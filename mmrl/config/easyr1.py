@@ -131,7 +131,10 @@ NO_EFFECT: dict[str, NoEffect] = {
         "remove it: the critic trains all its weights (LoRA is the actor's: worker.actor.model.lora)",
     ),
     "worker.actor.use_torch_compile": NoEffect(
-        _always, "EasyR1 compiles its log-prob function for speed; the values are the same", ""
+        _always,
+        "EasyR1 compiles its log-prob function for speed; the values are the same (mmrl compiles whole "
+        "decoder layers, for every pass, with worker.actor.model.compile_layers=true)",
+        "",
     ),
     "worker.rollout.disable_log_stats": NoEffect(
         _always, "vLLM's periodic stats lines; mmrl logs its own rollout metrics", ""

@@ -23,6 +23,9 @@ class ModelConfig:
     )
     override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
     enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
+    # torch.compile each decoder layer (its elementwise work fused: docs/throughput.md); the first steps
+    # compile
+    compile_layers: bool = False
     freeze_vision_tower: bool = False  # keep the vision (and audio) encoder weights fixed
     # padding-free attention without flash-attn: sdpa on each packed sequence (cuDNN/flash kernels per
     # sequence: measured faster on H100/H200 with torch 2.11, docs/throughput.md) or torch's own

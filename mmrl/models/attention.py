@@ -423,6 +423,23 @@ def packed_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    return _PACKED_ATTENTION[0](
+        module, query, key, value, packed_sequences, dropout, scaling, torch_varlen, kwargs
+    )
+
+
+def _packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed_sequences: PackedSequences,
+    dropout: float,
+    scaling: float | None,
+    torch_varlen: bool,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention on a packed row (:func:`packed_attention_forward`)."""
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError(
             f"packed attention has no sliding-window variant (layer {getattr(module, 'layer_idx', '?')} "
@@ -443,6 +460,19 @@ def packed_attention_forward(
             f"packed lengths), got query of shape {tuple(query.shape)} [batch, heads, tokens, head_dim]"
         )
     return varlen_attention(module, query, key, value, packed_sequences, scaling, dropout, torch_varlen), None
+
+
+# the packed-row attention packed_attention_forward calls; eager_under_compile swaps in its
+# compiler-disabled twin (torch._dynamo is imported only then: 1.2 s of every process's start otherwise)
+_PACKED_ATTENTION: list[Callable] = [_packed_attention]
+
+
+def eager_under_compile() -> None:
+    """Keep packed-row attention out of ``torch.compile`` (:mod:`mmrl.models.compiled`): a compiled
+    decoder layer calls it eagerly, so the rows' lengths it reads stay out of the compiler's guards and a
+    new batch layout does not compile the layer again. Idempotent."""
+    if _PACKED_ATTENTION[0] is _packed_attention:
+        _PACKED_ATTENTION[0] = torch.compiler.disable(_packed_attention)
 
 
 def packed_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):

@@ -932,8 +932,9 @@ def test_two_rank_weight_push_gathers_shards_already_cast(two_rank_results):
 
 def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
     """The worker's builder with rank 0's copy broadcast (rank 1 starts on the meta device) and with every
-    rank reading the weights: actor (tied head), critic (value head, CPU offload), actor with LoRA.
-    Broadcast chunks of 1 MiB: the embedding travels in several, one across the shard boundary."""
+    rank reading the weights: actor (tied head, compiled decoder layers), critic (value head, CPU
+    offload), actor with LoRA. Broadcast chunks of 1 MiB: the embedding travels in several, one across
+    the shard boundary."""
     from torch.distributed.tensor import DTensor
 
     from mmrl.config import FSDPConfig, LoraConfig, ModelConfig
@@ -942,13 +943,13 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
 
     fsdp_engine.BROADCAST_CHUNK_BYTES = 1024**2
 
-    results, digests = {}, {}
+    results, digests, compiled = {}, {}, {}
     for label, role, lora in (("actor", "actor", None), ("critic", "critic", None), ("lora", "actor", 4)):
         for rank0_init in (True, False):
             torch.manual_seed(0)  # the adapter's initialisation
             model = build_fsdp_model(
                 model_path,
-                ModelConfig(),
+                ModelConfig(compile_layers=label == "actor"),
                 FSDPConfig(enable_cpu_offload=label == "critic"),
                 role,
                 torch.device("cpu"),
@@ -963,13 +964,16 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
             digests[label, rank0_init] = [
                 getattr(t, "_mmrl_weights_digest", None) for t in vision_modules(model)
             ]
+            compiled[label, rank0_init] = [
+                layer._compiled_call_impl is not None for layer in decoder_layers(model)
+            ]
             state = {  # adapters included
                 name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 for name, tensor in model.state_dict().items()
             }
             buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
             results[label, rank0_init] = (state, buffers, _gathered_parameters(model))
-    results["digests"] = digests
+    results["digests"], results["compiled"] = digests, compiled
     return results
 
 
@@ -998,6 +1002,10 @@ def test_two_rank_build_from_rank0_equals_every_rank_reading_the_weights(tiny_vl
     labelled = [digest for ranks in digests for key, digest in ranks.items() if key[0] != "lora"]
     assert len(labelled) == 8 and labelled[0][0] is not None and all(d == labelled[0] for d in labelled)
     assert all(ranks["lora", init] == [None] for ranks in digests for init in (True, False))
+    # worker.actor.model.compile_layers reaches the built model: every decoder layer compiled, sharded
+    for result in results:
+        for (label, _), layers in result["compiled"].items():
+            assert layers == [label == "actor"] * len(layers) and layers, label
     adapter = {name: tensor for name, tensor in results[1]["lora", True][0].items() if "lora_A" in name}
     assert adapter and all(tensor.abs().sum() > 0 for tensor in adapter.values())  # rank 0's random A
 

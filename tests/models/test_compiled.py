@@ -1,0 +1,112 @@
+"""Compiled decoder layers (mmrl.models.compiled): the compiled code runs and the update is the eager
+one's, with and without gradient checkpointing (the compiled forward then runs again in the backward);
+a new layout of packed rows compiles nothing new; layers routing tokens to experts stay eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
+from _models import training_model
+
+from mmrl.models.compiled import compile_layers, compiled_layers
+from mmrl.models.loading import decoder_layers
+from mmrl.workers.fsdp_engine import enable_gradient_checkpointing
+
+ROWS = [{"image": (56, 56)}, {}, {"image": (28, 56)}, {}]
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_vl_path):
+    """Image and text rows of uneven lengths (packed), in three layouts."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    lengths = ([5, 7, 3, 6], [4, 2, 8, 6], [1, 6, 6, 3])
+    return [
+        add_training_columns(build_batch(processor, ROWS, response_lengths, seed=seed), tiny_vl_path)
+        for seed, response_lengths in enumerate(lengths)
+    ]
+
+
+class CountingBackend:
+    """``aot_eager`` (the compiler's graph capture and autograd split, no code generation) counting
+    the runs of the compiled forward and backward graphs."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.calls = {"forward": 0, "backward": 0}
+
+        def counted(kind):
+            def compiler(graph, _inputs):
+                def run(*args):
+                    self.calls[kind] += 1
+                    return graph(*args)
+
+                return make_boxed_func(run)
+
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward"))
+
+
+def _actor(model_path, checkpointing: bool, backend=None):
+    torch.manual_seed(0)
+    model = training_model(model_path)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    if backend is not None:
+        assert compile_layers(model, backend) == len(decoder_layers(model))
+    model.train()
+    return model, policy_actor(model, torch.optim.SGD(model.parameters(), lr=0.1), **ACTOR_SETTINGS)
+
+
+def _update(actor, batch) -> dict:
+    return actor.update_policy(batch, len(batch), 2, ppo_epochs=1, temperature=TEMPERATURE).metrics
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, checkpointing):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    counting = CountingBackend()
+    eager_model, eager_actor = _actor(tiny_vl_path, checkpointing)
+    eager_metrics = _update(eager_actor, batches[0])
+    model, actor = _actor(tiny_vl_path, checkpointing, counting.backend)
+    metrics = _update(actor, batches[0])
+    for name in ("pg_loss", "grad_norm", "entropy"):
+        assert metrics[name] == pytest.approx(eager_metrics[name], rel=1e-5, abs=1e-7), name
+    for (name, weight), eager_weight in zip(model.named_parameters(), eager_model.parameters()):
+        torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6, msg=name)
+    # every layer ran compiled in each micro-batch's forward and backward, as two graphs (before and
+    # after its eager packed attention); under checkpointing its forward ran once more in the backward
+    assert counting.calls["backward"] >= len(decoder_layers(model)) * 2 * 2
+    assert counting.calls["forward"] == counting.calls["backward"] * (2 if checkpointing else 1)
+
+
+def test_a_new_layout_of_packed_rows_compiles_nothing_new(tiny_vl_path, batches):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _, eager_actor = _actor(tiny_vl_path, True)
+    _, actor = _actor(tiny_vl_path, True, CountingBackend().backend)
+    graphs = []
+    for batch in batches:
+        expected = _update(eager_actor, batch)["grad_norm"]
+        assert _update(actor, batch)["grad_norm"] == pytest.approx(expected, rel=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    # the first two layouts compile (static shapes, then a dynamic token count); the third reuses them
+    assert graphs[0] > 0 and graphs[2] == graphs[1]
+
+
+def test_layers_routing_to_experts_stay_eager(tiny_qwen3_vl_moe_path, tiny_qwen3_5_path):
+    from mmrl.models.loading import load_model
+
+    assert compiled_layers(load_model(str(tiny_qwen3_vl_moe_path))) == []  # every layer is a MoE layer
+    dense = load_model(str(tiny_qwen3_5_path))
+    assert compiled_layers(dense) == list(decoder_layers(dense))
