@@ -62,3 +62,41 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
     numbers = {name: side["metrics"] for name, side in sides.items()}
     assert numbers["mmrl"]["loss"] == pytest.approx(numbers["plain"]["loss"], rel=1e-2, abs=1e-3)
     assert numbers["mmrl"]["grad_norm"] == pytest.approx(numbers["plain"]["grad_norm"], rel=5e-2)
+
+
+def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
+    """``--sides`` (the timed path, ``--smoke``: tiny, fp32, on the CPU): each named setting is built and
+    timed from the same weights and batch, compiled decoder layers included, with the same loss and
+    gradient norm; a setting that cannot be built is reported and the others still run."""
+    out = tmp_path / "smoke.json"
+    sides = "mmrl:full,mmrl:off+compile,plain:full+compile,plain:off"
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--sides", sides, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())["result"]
+    assert list(result["sides"]) == ["mmrl:full", "mmrl:off+compile", "plain:off"]
+    assert result["failed"] == {"plain:full+compile": "ValueError: the plain loop compiles nothing"}
+    assert "plain:full+compile failed: ValueError" in run.stdout
+    reference = result["sides"]["mmrl:full"]["metrics"]
+    for side in result["sides"].values():
+        assert side["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert side["metrics"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    assert "mmrl:off+compile tokens/s:" in run.stdout and "x plain:off" in run.stdout
+
+
+def test_a_side_is_named_by_its_checkpointing_and_compilation():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_mfu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_side("mmrl:full+compile") == ("mmrl", True, True)
+    assert bench.parse_side("plain:off") == ("plain", False, False)
+    for spec_text in ("mmrl:sometimes", "mmrl", "torch:full", "mmrl:full+fast"):
+        with pytest.raises(SystemExit, match=r"name:checkpointing\[\+compile\]"):
+            bench.parse_side(spec_text)
