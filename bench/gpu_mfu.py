@@ -31,7 +31,8 @@ optimizer, collectives) and its top ops and kernels by device time are printed f
 ``name:checkpointing[+compile]``: ``mmrl`` or ``plain``, ``full`` (whole layers recomputed in the
 backward) or ``off``, ``+compile`` (mmrl only: its decoder layers compiled, the trainer's
 ``worker.actor.model.compile_layers``); a side that fails is reported and the others still run.
-``--profile_sides`` profiles only those (profiling takes an update and its analysis per side).
+``--profile_sides`` profiles only those (profiling takes an update and its analysis per side). At least
+one mmrl side must run: the figures at the top level of the output are the first one's.
 
 FLOPs (:func:`update_flops`): matmul FLOPs of the forward pass (2 per multiply-add) times 3 for
 forward + backward: per layer and token, the q/k/v/o projections and the SwiGLU MLP; per sequence, the
@@ -677,7 +678,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         sides[spec] = result
         print(f"  {spec}: {result['tokens_per_s']:.0f} tokens/s", flush=True)
-    if not any(spec.startswith("mmrl") for spec in sides):
+    if not any(spec.startswith("mmrl") for spec in sides):  # the figures at the top level are mmrl's
         raise RuntimeError(f"no mmrl side ran: {failed}")
     first_mmrl = next(spec for spec in sides if spec.startswith("mmrl"))
     return {
@@ -837,13 +838,15 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
             for key, count, device_ms, host_ms in side["top_ops"]:
                 print(f"| {key[:90]} | {count} | {device_ms:.1f} | {host_ms:.1f} |")
     plains = [spec for spec in result["sides"] if spec.startswith("plain")]
+    if plains:
+        print()
     for spec, side in result["sides"].items():
         if spec.startswith("mmrl") and plains:
             ratios = ", ".join(
                 f"{side['tokens_per_s'] / result['sides'][plain]['tokens_per_s']:.2f}x {plain}"
                 for plain in plains
             )
-            print(f"{'' if spec != next(iter(result['sides'])) else chr(10)}{spec} tokens/s: {ratios}")
+            print(f"{spec} tokens/s: {ratios}")
     for spec, error in result.get("failed", {}).items():
         print(f"{spec} failed: {error}")
     for note in result["notes"]:
@@ -1110,6 +1113,10 @@ def main() -> None:
     elif device == "cpu":
         if args.ragged and args.images:
             parser.error("--ragged pads text rows only; leave out --images")
+        if args.sides or args.profile_sides:
+            parser.error(
+                "--sides and --profile_sides time sides on a GPU (or with --smoke); the CPU mode counts both"
+            )
         args.layers = args.layers or 2
         args.rows, args.prompt_length, args.response_length = (
             args.rows or 4,

@@ -26,12 +26,14 @@ the model is built):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import inspect
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -416,10 +418,11 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function of :data:`PACKED_ATTENTION` (and, with ``torch_varlen``, of
     :data:`PACKED_VARLEN_ATTENTION`): varlen attention on a packed row, transformers' sdpa attention on
-    anything else."""
+    anything else. In a compiled decoder layer's call on a packed row (:func:`layer_packed_sequences`)
+    the packed attention runs eagerly, its rows' boundaries out of the compiler's sight."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if packed_sequences is None:
+    if packed_sequences is None and not _IN_PACKED_LAYER[0]:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -433,13 +436,15 @@ def _packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    packed_sequences: PackedSequences,
+    packed_sequences: PackedSequences | None,
     dropout: float,
     scaling: float | None,
     torch_varlen: bool,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """Attention on a packed row (:func:`packed_attention_forward`)."""
+    """Attention on a packed row: ``packed_sequences``, or those of the compiled layer being called."""
+    if packed_sequences is None:
+        packed_sequences = _LAYER_PACKED_SEQUENCES.get()
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError(
             f"packed attention has no sliding-window variant (layer {getattr(module, 'layer_idx', '?')} "
@@ -462,17 +467,39 @@ def _packed_attention(
     return varlen_attention(module, query, key, value, packed_sequences, scaling, dropout, torch_varlen), None
 
 
-# the packed-row attention packed_attention_forward calls; eager_under_compile swaps in its
+# The packed rows of the compiled decoder layer being called (layer_packed_sequences): its compiled
+# code never sees them (traced, their lengths became guards and every new batch layout compiled the layer
+# again); the flag tells the traced attention to call the eager packed attention, which reads them.
+_LAYER_PACKED_SEQUENCES: contextvars.ContextVar[PackedSequences | None] = contextvars.ContextVar(
+    "mmrl_layer_packed_sequences", default=None
+)
+_IN_PACKED_LAYER = [False]
+# the packed attention packed_attention_forward calls; eager_under_compile swaps in its
 # compiler-disabled twin (torch._dynamo is imported only then: 1.2 s of every process's start otherwise)
 _PACKED_ATTENTION: list[Callable] = [_packed_attention]
 
 
 def eager_under_compile() -> None:
-    """Keep packed-row attention out of ``torch.compile`` (:mod:`mmrl.models.compiled`): a compiled
-    decoder layer calls it eagerly, so the rows' lengths it reads stay out of the compiler's guards and a
-    new batch layout does not compile the layer again. Idempotent."""
+    """Run packed attention eagerly inside compiled decoder layers (:mod:`mmrl.models.compiled`).
+    Idempotent."""
     if _PACKED_ATTENTION[0] is _packed_attention:
         _PACKED_ATTENTION[0] = torch.compiler.disable(_packed_attention)
+
+
+@contextlib.contextmanager
+def layer_packed_sequences(packed_sequences: PackedSequences | None) -> Iterator[None]:
+    """Around a compiled decoder layer's call, with its ``packed_sequences`` taken off the call: its
+    packed attention reads them here. None (a padded or dense call) changes nothing."""
+    if packed_sequences is None:
+        yield
+        return
+    token, flag = _LAYER_PACKED_SEQUENCES.set(packed_sequences), _IN_PACKED_LAYER[0]
+    _IN_PACKED_LAYER[0] = True
+    try:
+        yield
+    finally:
+        _IN_PACKED_LAYER[0] = flag
+        _LAYER_PACKED_SEQUENCES.reset(token)
 
 
 def packed_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):

@@ -3,14 +3,18 @@
 A compiled layer runs its norms, rotary embedding, residual adds and MLP activation as few fused
 kernels, forward and backward; the matrix products and the attention kernel stay library calls. On an
 H200 this took the actor update's elementwise kernels from 506 to 93 ms and the update from 16,395 to
-19,065 tokens/s (docs/throughput.md). Every layer shares one compiled graph per input kind: the token
-count turns dynamic after its first change, and gradient and no-gradient passes compile apart; the
-first steps pay the compilation.
+19,065 tokens/s (docs/throughput.md). Every layer shares its compiled graphs; the token count turns
+dynamic after its first change, and gradient and no-gradient passes, trained and frozen weights compile
+apart; the first steps pay the compilation.
 
-Attention on packed rows runs eagerly inside the compiled layer
-(:func:`mmrl.models.attention.eager_under_compile`): the rows' lengths it reads would otherwise make
-the compiler guard on them and compile again for every batch layout. A layer that routes tokens to
-experts (mixture of experts: data-dependent shapes, host syncs) stays eager.
+The packed rows' boundaries never enter the compiled code: the layer's ``packed_sequences`` argument is
+taken off its call (:func:`mmrl.models.attention.layer_packed_sequences`) and its packed attention runs
+eagerly and reads them there (:func:`mmrl.models.attention.eager_under_compile`); a dense micro-batch's
+attention (no padding, no shared prompt) is compiled with the rest of the layer. Traced, the boundaries (how many sequences and
+shared-prompt buckets, their lengths) became guards, and every new batch layout compiled the layer
+again until the compiler gave up. Left eager: layers that route tokens to experts (mixture of experts:
+data-dependent shapes, host syncs), and every layer of a decoder that carries a state along each
+sequence (Qwen3.5's linear attention runs each packed sequence on its own, by its boundaries).
 """
 
 from __future__ import annotations
@@ -20,16 +24,24 @@ from collections.abc import Callable
 
 from torch import nn
 
-from mmrl.models.attention import eager_under_compile
+from mmrl.models.attention import eager_under_compile, layer_packed_sequences
 from mmrl.models.families import family_of
 from mmrl.models.loading import decoder_layers
 
 logger = logging.getLogger(__name__)
 
+# compiled graphs one layer call may keep (torch's default is 8): token count static and dynamic, times
+# gradient and no-gradient passes, times trained and frozen weights, with room to spare
+RECOMPILE_LIMIT = 32
+
 
 def compiled_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers :func:`compile_layers` compiles: those without an expert router."""
-    routers = {id(router) for _, router in family_of(model).router_modules(model)}
+    """The decoder layers :func:`compile_layers` compiles: none of a decoder that carries a state along
+    each sequence, else those without an expert router."""
+    family = family_of(model)
+    if family.sequence_state is not None:
+        return []
+    routers = {id(router) for _, router in family.router_modules(model)}
     return [
         layer
         for layer in decoder_layers(model)
@@ -37,17 +49,32 @@ def compiled_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def _without_packed_sequences(compiled_call: Callable) -> Callable:
+    """``compiled_call`` with the layer's ``packed_sequences`` set aside for its attention."""
+
+    def call(*args, packed_sequences=None, **kwargs):
+        with layer_packed_sequences(packed_sequences):
+            return compiled_call(*args, **kwargs)
+
+    return call
+
+
 def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> int:
     """Compile (in place, before sharding) each of ``model``'s decoder layers :func:`compiled_layers`
     names with ``backend``; returns how many were compiled."""
+    import torch._dynamo
+
     layers = compiled_layers(model)
     eager_under_compile()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(backend=backend)
+        layer._compiled_call_impl = _without_packed_sequences(layer._compiled_call_impl)
     total = len(decoder_layers(model))
     if len(layers) < total:
         logger.warning(
-            "compile_layers: %d of %d decoder layers compiled; those routing tokens to experts stay eager",
+            "compile_layers: %d of %d decoder layers compiled (left eager: layers routing tokens to "
+            "experts, decoders carrying a state along each sequence)",
             len(layers),
             total,
         )

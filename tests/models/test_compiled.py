@@ -1,6 +1,7 @@
 """Compiled decoder layers (mmrl.models.compiled): the compiled code runs and the update is the eager
 one's, with and without gradient checkpointing (the compiled forward then runs again in the backward);
-a new layout of packed rows compiles nothing new; layers routing tokens to experts stay eager."""
+new layouts of packed rows compile nothing new; layers routing tokens to experts, and decoders carrying
+a state along each sequence, stay eager."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from _batches import ACTOR_SETTINGS, TEMPERATURE, add_training_columns, build_batch, policy_actor
 from _models import training_model
 
-from mmrl.models.compiled import compile_layers, compiled_layers
+from mmrl.models.compiled import RECOMPILE_LIMIT, compile_layers, compiled_layers
 from mmrl.models.loading import decoder_layers
 from mmrl.workers.fsdp_engine import enable_gradient_checkpointing
 
@@ -18,14 +19,23 @@ ROWS = [{"image": (56, 56)}, {}, {"image": (28, 56)}, {}]
 
 @pytest.fixture(scope="module")
 def batches(tiny_vl_path):
-    """Image and text rows of uneven lengths (packed), in three layouts."""
+    """Image and text rows of uneven lengths (packed; the text rows share their prompt), in six
+    layouts: 4, 6, 2, 5, 3 and 3 rows, so the number of sequences and of shared-prompt groups changes;
+    the third and the last hold text rows only."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_vl_path)
-    lengths = ([5, 7, 3, 6], [4, 2, 8, 6], [1, 6, 6, 3])
+    layouts = (
+        (ROWS, [5, 7, 3, 6]),
+        ([{}, {}, {"image": (56, 28)}, {}, {}, {}], [4, 2, 8, 6, 3, 5]),
+        ([{}, {}], [6, 1]),
+        ([{"image": (28, 28)}, {}, {}, {}, {"image": (56, 56)}], [2, 7, 7, 4, 5]),
+        ([{"image": (56, 28)}, {"image": (28, 28)}, {}], [3, 8, 2]),
+        ([{}, {}, {}], [2, 5, 7]),
+    )
     return [
-        add_training_columns(build_batch(processor, ROWS, response_lengths, seed=seed), tiny_vl_path)
-        for seed, response_lengths in enumerate(lengths)
+        add_training_columns(build_batch(processor, rows, lengths, seed=seed), tiny_vl_path)
+        for seed, (rows, lengths) in enumerate(layouts)
     ]
 
 
@@ -87,7 +97,8 @@ def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, ch
     assert counting.calls["forward"] == counting.calls["backward"] * (2 if checkpointing else 1)
 
 
-def test_a_new_layout_of_packed_rows_compiles_nothing_new(tiny_vl_path, batches):
+def test_new_layouts_of_packed_rows_compile_nothing_new(tiny_vl_path, batches):
+    """Each batch's no-grad log-prob pass and update (one micro-batch: every row packed together)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -97,16 +108,27 @@ def test_a_new_layout_of_packed_rows_compiles_nothing_new(tiny_vl_path, batches)
     _, actor = _actor(tiny_vl_path, True, CountingBackend().backend)
     graphs = []
     for batch in batches:
-        expected = _update(eager_actor, batch)["grad_norm"]
-        assert _update(actor, batch)["grad_norm"] == pytest.approx(expected, rel=1e-5)
+        expected, _ = eager_actor.compute_log_probs(batch, len(batch), TEMPERATURE)
+        log_probs, _ = actor.compute_log_probs(batch, len(batch), TEMPERATURE)
+        torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+        expected = eager_actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
+        metrics = actor.update_policy(batch, len(batch), len(batch), 1, TEMPERATURE).metrics
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
-    # the first two layouts compile (static shapes, then a dynamic token count); the third reuses them
-    assert graphs[0] > 0 and graphs[2] == graphs[1]
+    # the first layouts compile (static token counts, then dynamic ones; rows with media and text rows
+    # only: inputs that need a gradient or not); the rows' lengths and groups are never guarded on, so
+    # a new layout of a kind already seen reuses the graphs (the fourth after the third, the last after
+    # the fifth), and what the graphs grow by stays far under the compiler's limit per layer call
+    assert graphs[0] > 0 and graphs[3] == graphs[2] and graphs[5] == graphs[4], graphs
+    assert graphs[5] < RECOMPILE_LIMIT, graphs
 
 
-def test_layers_routing_to_experts_stay_eager(tiny_qwen3_vl_moe_path, tiny_qwen3_5_path):
+def test_layers_routing_to_experts_or_carrying_a_sequence_state_stay_eager(
+    tiny_vl_path, tiny_qwen3_vl_moe_path, tiny_qwen3_5_path
+):
     from mmrl.models.loading import load_model
 
     assert compiled_layers(load_model(str(tiny_qwen3_vl_moe_path))) == []  # every layer is a MoE layer
-    dense = load_model(str(tiny_qwen3_5_path))
+    assert compiled_layers(load_model(str(tiny_qwen3_5_path))) == []  # linear attention, per sequence
+    dense = load_model(str(tiny_vl_path))
     assert compiled_layers(dense) == list(decoder_layers(dense))
