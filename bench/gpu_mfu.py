@@ -1034,8 +1034,6 @@ def print_op_counts(args: argparse.Namespace, result: dict) -> None:
         "\nthe counted update's loss and gradient norm (same weights and batch, bf16): "
         + ", ".join(f"{name} {m['loss']:.6f} / {m['grad_norm']:.6f}" for name, m in numbers.items())
     )
-    for spec, error in result.get("failed", {}).items():
-        print(f"{spec} failed: {error}")
     for note in result["notes"]:
         print(f"note: {note}")
 

@@ -9,10 +9,10 @@ apart; the first steps pay the compilation.
 
 The packed rows' boundaries never enter the compiled code: the layer's ``packed_sequences`` argument is
 taken off its call (:func:`mmrl.models.attention.layer_packed_sequences`) and its packed attention runs
-eagerly and reads them there (:func:`mmrl.models.attention.eager_under_compile`); a dense micro-batch's
-attention (no padding, no shared prompt) is compiled with the rest of the layer. Traced, the boundaries (how many sequences and
-shared-prompt buckets, their lengths) became guards, and every new batch layout compiled the layer
-again until the compiler gave up. Left eager: layers that route tokens to experts (mixture of experts:
+eagerly and reads them there (:func:`mmrl.models.attention.eager_under_compile`); a dense
+micro-batch's attention (no padding, no shared prompt) is compiled with the rest of the layer.
+Traced, the boundaries (how many sequences and shared-prompt buckets, their lengths) became guards,
+and every new batch layout compiled the layer again until the compiler gave up. Left eager: layers that route tokens to experts (mixture of experts:
 data-dependent shapes, host syncs), and every layer of a decoder that carries a state along each
 sequence (Qwen3.5's linear attention runs each packed sequence on its own, by its boundaries).
 """
