@@ -540,10 +540,15 @@ def kernel_kinds(kernels) -> dict[str, float]:
     device us)`` pairs."""
     totals: dict[str, float] = {}
     for name, device_us in kernels:
-        lowered = name.lower()
-        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
+        kind = kernel_kind(name)
         totals[kind] = totals.get(kind, 0.0) + device_us / 1e3
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def kernel_kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` kind of the kernel ``name`` (``other`` when none matches)."""
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
 
 
 def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[float | None, float | None]:
@@ -568,6 +573,11 @@ def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[floa
         for event in events
         if event.device_type == DeviceType.CUDA
     )
+    side.product_kernels = {
+        event.key: (event.count, (event.self_device_time_total or 0) / 1e3)
+        for event in events
+        if event.device_type == DeviceType.CUDA and kernel_kind(event.key) == "matmul"
+    }
     top = sorted(events, key=lambda event: -(getattr(event, "self_device_time_total", 0) or 0))[:TOP_OPS]
     side.top_ops = [
         (event.key, event.count, (event.self_device_time_total or 0) / 1e3, event.self_cpu_time_total / 1e3)
@@ -630,6 +640,7 @@ def measure_side(side, batch, args, device) -> dict:
         "gpu_busy": min(1.0, kernel_s / statistics.median(update_s)) if kernel_s else None,
         "top_ops": getattr(side, "top_ops", []),
         "kernel_kinds": getattr(side, "kernel_kinds", {}),
+        "product_kernels": getattr(side, "product_kernels", {}),
         "metrics": metrics,
     }
 
@@ -788,6 +799,25 @@ def _defaults() -> dict:
     }
 
 
+def print_product_kernels(result: dict) -> None:
+    """The profiled sides' matrix-product kernels by name: calls and device ms of each, side by side
+    (which kernels the library picked for the same products differs between eager and compiled code)."""
+    sides = {
+        spec: side["product_kernels"] for spec, side in result["sides"].items() if side.get("product_kernels")
+    }
+    if not sides:
+        return
+    names = sorted(
+        {name for kernels in sides.values() for name in kernels},
+        key=lambda name: -max(kernels.get(name, (0, 0.0))[1] for kernels in sides.values()),
+    )
+    print("\nthe profiled updates' matrix-product kernels (calls, device ms)\n")
+    print(f"| kernel | {' | '.join(sides)} |\n|---|{'---|' * len(sides)}")
+    for name in names:
+        cells = [kernels.get(name) for kernels in sides.values()]
+        print(f"| {name[:100]} | {' | '.join('-' if c is None else f'{c[0]}, {c[1]:.1f}' for c in cells)} |")
+
+
 def print_timings(args: argparse.Namespace, result: dict) -> None:
     setting = (
         "fp32 on the CPU (smoke check)"
@@ -831,6 +861,7 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
         for kind in names:
             print(f"| {kind} | {' | '.join(f'{totals.get(kind, 0.0):.1f}' for totals in kinds.values())} |")
         print(f"| all kernels | {' | '.join(f'{sum(totals.values()):.1f}' for totals in kinds.values())} |")
+    print_product_kernels(result)
     for name, side in result["sides"].items():
         if side["top_ops"]:
             print(f"\n{name}: the profiled update's top ops by device time\n")

@@ -8,7 +8,8 @@ workers' judge client uses, the same client as for any other endpoint. The serve
 other machines): vLLM's API has no key here, so nothing off the machine should reach it by default. The trainer stops it when the run
 ends. The server runs in a session of its own with a parent-death signal (SIGTERM): when the actor dies
 (killed, or the run's Ray cluster goes), the server shuts down with its engine processes, and ``stop``
-ends its whole process group. Its ZMQ sockets live in a folder of the actor's own, removed at stop.
+ends its whole process group. Its ZMQ sockets and temporary files live in a folder of the actor's own,
+removed at stop.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class VllmServer:
         self.socket_dir = make_temp_dir("judge")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path]
         command += ["--served-model-name", self.served_name, "--host", host, "--port", str(port), *self.args]
-        env = {**os.environ, **self.env, "VLLM_RPC_BASE_PATH": self.socket_dir}
+        env = {**os.environ, **self.env, **_own_temp_dir(self.socket_dir)}
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -157,6 +158,25 @@ class VllmServer:
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
             self.socket_dir = None
+
+
+def _own_temp_dir(folder: str) -> dict[str, str]:
+    """The server's environment for ``folder``, removed at stop: its ZMQ sockets and every temporary
+    file (``TMPDIR``: the file its engine's process group rendezvous through, which vLLM leaves in the
+    system's temporary folder) go there, while torch's compile cache stays where it was (shared by runs
+    and kept)."""
+    import getpass
+    import re
+    import tempfile
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:  # torch's default, computed without importing torch here
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        cache = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return {"VLLM_RPC_BASE_PATH": folder, "TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": cache}
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -100,3 +100,30 @@ def test_a_side_is_named_by_its_checkpointing_and_compilation():
     for spec_text in ("mmrl:sometimes", "mmrl", "torch:full", "mmrl:full+fast"):
         with pytest.raises(SystemExit, match=r"name:checkpointing\[\+compile\]"):
             bench.parse_side(spec_text)
+
+
+def test_kernels_are_sorted_by_kind_and_product_kernels_compared_side_by_side(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_mfu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "matmul"
+    assert bench.kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled (triton)"
+    assert bench.kernel_kind("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert bench.kernel_kind("ncclDevKernel_AllGather_RING_LL") == "collective"
+    assert bench.kernel_kind("some_kernel") == "other"
+    sides = {
+        "mmrl:full": {"product_kernels": {"nvjet_a": (10, 5.0), "nvjet_b": (2, 1.0)}},
+        "mmrl:full+compile": {"product_kernels": {"nvjet_a": (10, 6.5), "sm90_xmma_c": (2, 3.0)}},
+        "plain:full": {},  # not profiled
+    }
+    bench.print_product_kernels({"sides": sides})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2:] == [
+        "| kernel | mmrl:full | mmrl:full+compile |",
+        "|---|---|---|",
+        "| nvjet_a | 10, 5.0 | 10, 6.5 |",  # the kernel taking longest on some side first
+        "| sm90_xmma_c | - | 2, 3.0 |",
+        "| nvjet_b | 2, 1.0 | - |",
+    ]

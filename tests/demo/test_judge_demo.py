@@ -4,7 +4,10 @@ run's judge client."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -106,8 +109,12 @@ def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data
     server = VllmServer(
         str(out), "judge", ["--max-model-len", "512", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": "1"}
     )
+    rendezvous_files = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
     try:
         base_url = server.start(timeout_s=300)
+        folder = server.socket_dir
+        # the file its engine's process group meets through is in the server's own folder
+        assert glob.glob(os.path.join(folder, "vllm_dist_*"))
         assert base_url.startswith("http://127.0.0.1:")  # loopback: the served API has no key
         judge = build_judge(
             JudgeConfig(prompt_template=str(TEMPLATE), max_tokens=4, cache=False),
@@ -129,3 +136,6 @@ def test_a_trained_judge_is_served_by_vllm_and_answers(tiny_vl_path, shapes_data
     assert not any(isinstance(result, SampleFailure) for result in results)
     assert all(result["overall"] in (0.0, 1.0) for result in results)
     assert not server.alive()
+    # stopped, it left nothing: its folder is gone, and no file of it is in the system's temporary folder
+    assert not os.path.exists(folder)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*"))) <= rendezvous_files
