@@ -234,6 +234,16 @@ def _override_hf_config(config: Any, overrides: dict[str, Any]) -> Any:
     return config
 
 
+def compiling(enforce_eager: bool) -> contextlib.AbstractContextManager:
+    """Around an engine's construction and calls: with ``enforce_eager``, nothing is compiled. vLLM
+    runs the model eagerly then, but still compiles small helpers of its sampler with ``torch.compile``
+    at their first call (the rank of each sampled token's log-prob); here they run eagerly too
+    (``torch.compiler.set_stance("force_eager")``), which spares each engine inductor's pool of
+    compile workers and its cache checks: a 2-step, 2-rank colour run took 34 CPU-s instead of 42 on
+    the 2-core CPU (``bench/run_cost.py``)."""
+    return torch.compiler.set_stance("force_eager") if enforce_eager else contextlib.nullcontext()
+
+
 def _device_memory_used_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -304,7 +314,7 @@ class VLLMRollout:
     """One vLLM engine per training process; see the module docstring.
 
     Built from the rollout's config section: the engine's dtype (``auto``: fp32 on a CPU, which keeps
-    it equal to the fp32 trainer), ``tensor_parallel_size``, ``seed`` (the same on every rank of a
+    it equal to the fp32 trainer), ``tensor_parallel_size``, ``enforce_eager`` (nothing compiled: :func:`compiling`), ``seed`` (the same on every rank of a
     tensor-parallel group), the scheduler and context limits (``max_model_len``; null = the run's
     ``context_length``), the KV cache (``cpu_kv_cache_gib`` on a CPU, where vLLM's default takes 90%
     of the RAM; ``gpu_memory_utilization`` of a GPU), ``enable_sleep_mode`` (GPUs only: vLLM's CPU
@@ -364,7 +374,8 @@ class VLLMRollout:
             trust_remote_code=trust_remote_code,
             override_config=override_config,
         )
-        with vllm_socket_dir():
+        self.enforce_eager = config.enforce_eager
+        with vllm_socket_dir(), compiling(self.enforce_eager):
             self.llm = LLM(**engine_args)
         # Asleep from the start: the KV cache (and at level 2 the dummy weights) must not sit beside the
         # model builds, checkpoint resume and first update that follow; the first weight push wakes the
@@ -506,7 +517,8 @@ class VLLMRollout:
         inputs = [item for item in engine_prompts(prompts) for _ in range(copies)]
         inputs, seeds, start = self._gather_tp_requests(inputs, sampling)
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
-        with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        with self._temperature_in_logits(temperature), compiling(self.enforce_eager):
             outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
         check_prompt_expansion(prompts, outputs[start : start + len(prompts) * copies : copies])
         responses, log_probs = completion_tensors(
@@ -613,7 +625,8 @@ class VLLMRollout:
         """One engine call: a completion per input with its settings (``n`` 1, its ``max_tokens`` and
         seed), at ``sampling``'s temperature; vLLM's outputs, in order (:func:`completion` reads one)."""
         engine_sampling = [self._engine_sampling(setting, setting.seed % MAX_SEED) for setting in settings]
-        with self._temperature_in_logits(1.0 if sampling.greedy else sampling.temperature):
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        with self._temperature_in_logits(temperature), compiling(self.enforce_eager):
             return self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
 
     def stream(self, prompts: DataProto, sampling: SamplingParams, version: int) -> StreamedVLLMGeneration:

@@ -370,6 +370,9 @@ def _observation_checks(rollout, model_path: str, prompts: DataProto, kinds: tup
 
 
 def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_path: str, vl_prompts) -> dict:
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     results = {"text": _greedy_against_hf(text_path, text_prompts)}
     results["vl"] = _greedy_against_hf(vl_path, vl_prompts)
     results["embeds"] = _embeds_checks(results["vl"]["rollout"], vl_path, vl_prompts)
@@ -381,6 +384,7 @@ def _one_rank_job(rank: int, world_size: int, text_path: str, text_prompts, vl_p
     engine = results["training"].pop("rollout")
     results["lora_training"] = _training_run(rank, world_size, vl_path, vl_prompts, 1, LORA_RANK, engine)
     results["lora_training"].pop("rollout")
+    results["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs
     return results
 
 
@@ -593,6 +597,12 @@ def test_sounds_as_observations_at_turn_0_and_later_on_omni(media_rank):
     """A sound and a list with an image and a sound, as opening and later observations, on the Omni
     thinker's engine: as the test above."""
     _assert_observation_parity(media_rank["observations"])
+
+
+def test_an_eager_engine_compiles_nothing(one_rank):
+    """Its engines (enforce_eager) built, generating, sampling and pushed new weights: vLLM's sampler
+    helpers, which it compiles even when the model runs eagerly, ran eagerly too."""
+    assert one_rank["compiled_graphs"] == 0
 
 
 def test_rows_are_interleaved_per_prompt(one_rank, vl_prompts):
