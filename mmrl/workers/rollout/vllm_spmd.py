@@ -240,7 +240,9 @@ def compiling(enforce_eager: bool) -> contextlib.AbstractContextManager:
     at their first call (the rank of each sampled token's log-prob); here they run eagerly too
     (``torch.compiler.set_stance("force_eager")``), which spares each engine inductor's pool of
     compile workers and its cache checks: a 2-step, 2-rank colour run took 34 CPU-s instead of 42 on
-    the 2-core CPU (``bench/run_cost.py``)."""
+    the 2-core CPU (``bench/run_cost.py``). The stance is the process's: no compiled pass runs beside
+    an engine call (a colocated rank runs one call at a time; a rollout worker of its own trains
+    nothing)."""
     return torch.compiler.set_stance("force_eager") if enforce_eager else contextlib.nullcontext()
 
 
