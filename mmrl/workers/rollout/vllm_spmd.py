@@ -316,9 +316,9 @@ class VLLMRollout:
     """One vLLM engine per training process; see the module docstring.
 
     Built from the rollout's config section: the engine's dtype (``auto``: fp32 on a CPU, which keeps
-    it equal to the fp32 trainer), ``tensor_parallel_size``, ``enforce_eager`` (nothing compiled: :func:`compiling`), ``seed`` (the same on every rank of a
-    tensor-parallel group), the scheduler and context limits (``max_model_len``; null = the run's
-    ``context_length``), the KV cache (``cpu_kv_cache_gib`` on a CPU, where vLLM's default takes 90%
+    it equal to the fp32 trainer), ``tensor_parallel_size``, ``enforce_eager`` (nothing compiled:
+    :func:`compiling`), ``seed`` (the same on every rank of a tensor-parallel group), the scheduler
+    and context limits (``max_model_len``; null = the run's ``context_length``), the KV cache (``cpu_kv_cache_gib`` on a CPU, where vLLM's default takes 90%
     of the RAM; ``gpu_memory_utilization`` of a GPU), ``enable_sleep_mode`` (GPUs only: vLLM's CPU
     backend refuses it), ``limit_images`` and ``disable_tqdm``. Needs ``LOCAL_RANK`` set and, when
     ``torch.distributed`` is initialised, every rank of the group to build its engine together.
@@ -519,9 +519,7 @@ class VLLMRollout:
         inputs = [item for item in engine_prompts(prompts) for _ in range(copies)]
         inputs, seeds, start = self._gather_tp_requests(inputs, sampling)
         engine_sampling = [self._engine_sampling(sampling, seed) for seed in seeds]
-        temperature = 1.0 if sampling.greedy else sampling.temperature
-        with self._temperature_in_logits(temperature), compiling(self.enforce_eager):
-            outputs = self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
+        outputs = self._engine_generate(inputs, engine_sampling, sampling)
         check_prompt_expansion(prompts, outputs[start : start + len(prompts) * copies : copies])
         responses, log_probs = completion_tensors(
             outputs[start : start + len(prompts) * copies],
@@ -627,6 +625,11 @@ class VLLMRollout:
         """One engine call: a completion per input with its settings (``n`` 1, its ``max_tokens`` and
         seed), at ``sampling``'s temperature; vLLM's outputs, in order (:func:`completion` reads one)."""
         engine_sampling = [self._engine_sampling(setting, setting.seed % MAX_SEED) for setting in settings]
+        return self._engine_generate(inputs, engine_sampling, sampling)
+
+    def _engine_generate(self, inputs: list[dict[str, Any]], engine_sampling: list, sampling: SamplingParams):
+        """vLLM's ``generate`` of ``inputs`` with their engine settings, at ``sampling``'s temperature
+        (1 when greedy), compiling nothing when the engine is eager."""
         temperature = 1.0 if sampling.greedy else sampling.temperature
         with self._temperature_in_logits(temperature), compiling(self.enforce_eager):
             return self.llm.generate(inputs, engine_sampling, use_tqdm=self.show_progress)
