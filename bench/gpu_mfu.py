@@ -312,6 +312,7 @@ class MmrlSide:
         max_tokens: int | None = None,
         packed_attention: str = "sdpa",
         compiled: bool = False,
+        reduce_grads_once: bool = False,
     ):
         import torch
         import torch.distributed as dist
@@ -337,7 +338,9 @@ class MmrlSide:
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
         self.actor = PolicyActor(
             model,
-            ActorConfig(padding_free=True, max_tokens_per_micro_batch=max_tokens),
+            ActorConfig(
+                padding_free=True, max_tokens_per_micro_batch=max_tokens, reduce_grads_once=reduce_grads_once
+            ),
             optimizer=optimizer,
             device=device,
             max_response_length=response_length,
@@ -749,6 +752,7 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
         max_tokens=getattr(args, "max_tokens", None),
         packed_attention=getattr(args, "attention", "sdpa"),
         compiled=compiled,
+        **mmrl_options(name, args),
     )
     build_s = time.perf_counter() - start
     if "old_log_probs" not in batch.batch.keys():
@@ -763,6 +767,11 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
         del side
         release()
     return {**result, "build_s": build_s, "compiled_graphs": compiled_graphs() - graphs}, batch
+
+
+def mmrl_options(name: str, args: argparse.Namespace) -> dict:
+    """Keyword arguments of mmrl's side only: ``--reduce_grads_once`` (``worker.actor.reduce_grads_once``)."""
+    return {"reduce_grads_once": getattr(args, "reduce_grads_once", False)} if name == "mmrl" else {}
 
 
 def compiled_graphs() -> int:
@@ -951,7 +960,8 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
             args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab, images=args.images
         )
         ragged = {"ragged": args.ragged} if name == "plain" else {}
-        side = SIDES[name](config, device, torch.bfloat16, True, args.response_length, **ragged)
+        options = {**ragged, **mmrl_options(name, args)}
+        side = SIDES[name](config, device, torch.bfloat16, True, args.response_length, **options)
         batch = side.prepare(batch)
         side.update(batch, rows // 2)  # warm-up: optimizer states exist from here on
         key = "full" if layers == args.layers else "one_layer"
@@ -1107,6 +1117,11 @@ def main() -> None:
         type=int,
         default=None,
         help="mmrl: token-budget micro-batches (max_tokens_per_micro_batch)",
+    )
+    parser.add_argument(
+        "--reduce_grads_once",
+        action="store_true",
+        help="mmrl: gradients reduced once per optimizer step, not per micro-batch (reduce_grads_once)",
     )
     parser.add_argument("--no_profile", dest="profile", action="store_false", help="skip the profiled update")
     parser.add_argument("--peak_tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of the GPU")

@@ -178,6 +178,11 @@ class ActorConfig(PolicyLossConfig):
     # response tokens per chunk of the log-prob/entropy head (actor, ref): [chunk, vocab] logits at a
     # time, in forward and backward; 0 = the whole [tokens, vocab] logits at once
     log_prob_chunk_tokens: int = 1024
+    # FSDP2 gradient accumulation without a reduction per micro-batch (FSDP's no_sync): each rank sums
+    # a mini-batch's gradients unsharded, in the reduce dtype, and reduce-scatters them once, in its last
+    # micro-batch. One reduction per optimizer step instead of one per micro-batch, for a whole fp32
+    # gradient of the model held on every rank until then (memory); the step is the same to fp32 rounding
+    reduce_grads_once: bool = False
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     model: ActorModelConfig = field(default_factory=ActorModelConfig)
@@ -339,6 +344,7 @@ class CriticConfig:
     max_tokens_per_micro_batch: int | None = None  # packed tokens per forward; null = by response count
     # packed tokens per forward of the no-grad value pass; null = max_tokens_per_micro_batch
     max_tokens_per_micro_batch_for_experience: int | None = None
+    reduce_grads_once: bool = False  # one gradient reduction per optimizer step, as the actor's
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     # model_path null = the actor's folder; the other model keys are the critic's own

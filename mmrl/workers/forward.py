@@ -195,6 +195,7 @@ def train_role(
             max_tokens_per_micro_batch=role.config.max_tokens_per_micro_batch,
             padding_free=role.config.padding_free,
             fsdp_size=fsdp_size(role.sequence_parallel),
+            reduce_grads_once=role.config.reduce_grads_once,
         )
     if role.lr_scheduler is not None:
         role.lr_scheduler.step()

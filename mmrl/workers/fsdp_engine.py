@@ -517,6 +517,40 @@ def all_reduce_metrics(
     return dict(zip(names, totals.tolist()))
 
 
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
+    """The block's backward reduces the gradients of FSDP2 ``module`` across its ranks (``sync``), or
+    leaves them unsharded on each rank, summed in FSDP's reduce dtype, for a later synced backward to
+    reduce with its own (``set_requires_gradient_sync``: gradient accumulation without communication).
+    The later backward reduces them whether or not it runs the unit: FSDP's final backward callback
+    reduces every unit its backward left out (a vision tower that no rank called in the last
+    micro-batch, whose gradients came from earlier ones). Reductions are back on after the block."""
+    if sync or not isinstance(module, FSDPModule):
+        yield
+        return
+    _gathered_once(module)
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _gathered_once(module: nn.Module) -> None:
+    """Gathers and reshards every FSDP2 unit of ``module`` once in its life, before its first backward
+    without reductions: FSDP2 makes a unit's unsharded parameters at its first gather, and such a
+    backward's final callback fails on a unit not gathered yet (torch 2.13 reads them to keep its
+    gradients: a vision tower that no row has called so far, when compute and reduce dtypes differ).
+    Every rank calls it at the same micro-batch, so the gathers pair up."""
+    if getattr(module, "_mmrl_units_gathered", False):
+        return
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.reshard()
+    module._mmrl_units_gathered = True
+
+
 def optimizer_step(
     module: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float
 ) -> tuple[float, bool]:
@@ -544,6 +578,7 @@ def train_on_batch(
     max_tokens_per_micro_batch: int | None = None,
     padding_free: bool = False,
     fsdp_size: int | None = None,
+    reduce_grads_once: bool = False,
 ) -> dict[str, float]:
     """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
     ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows
@@ -562,6 +597,9 @@ def train_on_batch(
     FSDP averages gradients over (default: ``group``'s size). With sequence parallelism they differ:
     the ranks of an SP group hold the same rows and compute the same loss, each backpropagating
     through its own tokens only, so their gradients add up to the rows' gradient.
+
+    ``reduce_grads_once`` (an FSDP2 module): a mini-batch's gradients are summed unsharded on each rank
+    and reduced once, in its last micro-batch (:func:`gradient_sync`), instead of in every micro-batch.
     """
     gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
     # per micro-batch: its metric shares as one float64 vector (one cast, one add), keyed by their names
@@ -588,9 +626,10 @@ def train_on_batch(
             num_tokens, num_seqs = global_counts(mini_batch.batch["response_mask"], group)
             attention_mask = mini_batch.batch["attention_mask"]
             lengths = attention_mask.sum(-1).tolist()  # one host sync per mini-batch, not per micro-batch
-            for rows, flag in zip(plan, flags):
+            for index, (rows, flag) in enumerate(zip(plan, flags)):
                 micro_batch = mini_batch[row_selection(rows)]
-                with media_step(module, flag):
+                last = index == len(plan) - 1
+                with gradient_sync(module, last or not reduce_grads_once), media_step(module, flag):
                     loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
                     (loss * gradient_scale).backward()
                 names = tuple(shares)

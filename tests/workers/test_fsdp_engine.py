@@ -145,7 +145,15 @@ def vl_batch(tiny_vl_path, vl_processor) -> DataProto:
 # ---------------------------------------------------------------- what each rank computes
 
 
-def _sharded(model_path: str, mesh, role="actor", freeze=False, checkpointing=False, cpu_offload=False):
+def _sharded(
+    model_path: str,
+    mesh,
+    role="actor",
+    freeze=False,
+    checkpointing=False,
+    cpu_offload=False,
+    param_dtype=torch.float32,
+):
     from mmrl.workers.fsdp_engine import apply_fsdp2, enable_gradient_checkpointing
 
     model = training_model(model_path, role=role)
@@ -153,7 +161,7 @@ def _sharded(model_path: str, mesh, role="actor", freeze=False, checkpointing=Fa
         freeze_vision_tower(model)
     if checkpointing:
         enable_gradient_checkpointing(model)
-    return apply_fsdp2(model, mesh, torch.float32, torch.float32, cpu_offload=cpu_offload)
+    return apply_fsdp2(model, mesh, param_dtype, torch.float32, cpu_offload=cpu_offload)
 
 
 def _response_log_prob_sum(model, batch: DataProto) -> torch.Tensor:
@@ -692,6 +700,15 @@ def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch
 
 MIXED_ORDER = [0, 2, 3, 1]  # rank 0: image row, text row; rank 1: text row, image row
 TEXT_ORDER = [2, 3, 2, 3]  # text rows only, on both ranks
+IMAGES_FIRST_ORDER = [0, 2, 1, 3]  # on both ranks an image row, then a text row: no rank calls the tower last
+# name -> (rows, reduce_grads_once): the tower job's runs (an update per micro-batch of one row, the
+# gradients reduced in each micro-batch or once, in the mini-batch's last)
+TOWER_RUNS = {
+    "mixed": (MIXED_ORDER, False),
+    "text": (TEXT_ORDER, False),
+    "mixed_reduced_once": (MIXED_ORDER, True),
+    "images_first_reduced_once": (IMAGES_FIRST_ORDER, True),
+}
 
 
 def _recording_tower_collectives() -> list[tuple[str, str]]:
@@ -717,9 +734,9 @@ def _recording_tower_collectives() -> list[tuple[str, str]]:
     return record
 
 
-def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, text: DataProto) -> dict:
-    """A log-prob pass and an update on a batch whose image rows lie in different micro-batches on
-    the two ranks, then the same on text rows only, each noting the tower's collectives."""
+def _tower_job(rank: int, world_size: int, model_path: str, batch: DataProto) -> dict:
+    """A log-prob pass and an update for each of ``TOWER_RUNS`` (a batch whose image rows lie in
+    different micro-batches on the two ranks, text rows only, ...), each noting the tower's collectives."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from mmrl.models.encoding_cache import prompt_encodings
@@ -729,10 +746,11 @@ def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, te
     mesh = init_device_mesh("cpu", (world_size,))
     record = _recording_tower_collectives()
     results: dict = {}
-    for name, data in (("mixed", mixed), ("text", text)):
-        shard = data.chunk(world_size)[rank]
+    for name, (order, reduce_once) in TOWER_RUNS.items():
+        shard = batch[order].chunk(world_size)[rank]
         model = _sharded(model_path, mesh, checkpointing=True)
-        actor = policy_actor(model, torch.optim.SGD(model.parameters(), lr=SGD_LR), **ACTOR_SETTINGS)
+        optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=reduce_once)
         del record[:]
         log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
         log_prob_collectives = list(record)
@@ -747,7 +765,7 @@ def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, te
             "placeholders": tower_sync(model).placeholder_calls,
         }
     # the rollout's prompt encodings: the tower called outside the forward, by the ranks with images only
-    shard = mixed.chunk(world_size)[rank]
+    shard = batch[MIXED_ORDER].chunk(world_size)[rank]
     model = _sharded(model_path, mesh)
     del record[:]
     with root_gathered(model), torch.no_grad():
@@ -760,9 +778,7 @@ def _tower_job(rank: int, world_size: int, model_path: str, mixed: DataProto, te
 
 @pytest.fixture(scope="module")
 def tower_results(tiny_vl_path, vl_batch) -> list[dict]:
-    return run_on_ranks(
-        _tower_job, 2, str(tiny_vl_path), vl_batch[MIXED_ORDER], vl_batch[TEXT_ORDER], timeout_s=300
-    )
+    return run_on_ranks(_tower_job, 2, str(tiny_vl_path), vl_batch, timeout_s=300)
 
 
 def test_tower_placeholder_runs_through_every_sharded_tower(
@@ -786,12 +802,14 @@ def test_tower_placeholder_runs_through_every_sharded_tower(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, order", [("mixed", MIXED_ORDER), ("text", TEXT_ORDER)])
-def test_tower_unit_update_equals_one_rank(tiny_vl_path, vl_batch, tower_results, name, order):
+@pytest.mark.parametrize("name", list(TOWER_RUNS))
+def test_tower_unit_update_equals_one_rank(tiny_vl_path, vl_batch, tower_results, name):
     """Image rows on one rank and text rows on the other in the same micro-batch, each rank's image in
-    another micro-batch (the other rank runs the tower on its placeholder there), or no image at all:
-    the update, its metrics and the log-probs equal one process's on the whole batch."""
-    batch = vl_batch[order]
+    another micro-batch (the other rank runs the tower on its placeholder there), or no image at all;
+    the gradients reduced in every micro-batch or once per step (``reduce_grads_once``), the tower's
+    too when no rank calls it in the last micro-batch: the update, its metrics and the log-probs
+    equal one process's on the whole batch."""
+    batch = vl_batch[TOWER_RUNS[name][0]]
     expected, expected_metrics = _reference_update(tiny_vl_path, batch, micro_batch_size=4)
     model = training_model(str(tiny_vl_path))
     log_probs, _ = policy_actor(model, **{**ACTOR_SETTINGS, **UNCHUNKED}).compute_log_probs(
@@ -833,6 +851,42 @@ def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
         # text rows only: the tower is never gathered, cast or reduced, and no placeholder runs
         assert text["update_collectives"] == text["log_prob_collectives"] == [], rank
         assert text["placeholders"] == 0, rank
+        # gradients reduced once per step: gathered once more before the model's first such update
+        # (fsdp_engine._gathered_once), then per micro-batch with media; reduced once, in the last
+        # micro-batch's backward, or after it when no rank called the tower there
+        gather, reduce = ("all_gather", "model.visual"), ("reduce_scatter", "model.visual")
+        assert result["mixed_reduced_once"]["update_collectives"] == [gather, gather, gather, reduce], rank
+        assert result["images_first_reduced_once"]["update_collectives"] == [gather, gather, reduce], rank
+
+
+def _bf16_reduced_once_job(rank: int, world_size: int, model_path: str, data: DataProto) -> dict:
+    """An update in micro-batches of one row with bf16 compute and fp32 reductions, its gradients
+    reduced per micro-batch and once per step: the state and gradient norm of each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = data.chunk(world_size)[rank]
+    results = {}
+    for once in (False, True):
+        model = _sharded(model_path, mesh, param_dtype=torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=once)
+        metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
+        results[once] = {"state": _full_state(model), "grad_norm": metrics["grad_norm"]}
+    return results
+
+
+@pytest.mark.distributed
+def test_gradients_reduced_once_in_bf16_while_the_tower_was_never_called(tiny_vl_path, vl_batch):
+    """Text rows only, so no rank has ever gathered the vision tower's unit, and bf16 compute, so FSDP2
+    keeps the unreduced gradients in fp32 (it reads the unit's unsharded parameters, which only a
+    gather makes: each unit is gathered once before the first such backward): the update equals the
+    one that reduces in every micro-batch."""
+    results = run_on_ranks(_bf16_reduced_once_job, 2, str(tiny_vl_path), vl_batch[TEXT_ORDER], timeout_s=300)
+    for result in results:
+        every, once = result[False], result[True]
+        assert once["grad_norm"] == pytest.approx(every["grad_norm"], rel=1e-5)
+        _assert_states_close(once["state"], every["state"], atol=1e-6)
 
 
 @pytest.mark.distributed
