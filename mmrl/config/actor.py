@@ -179,9 +179,10 @@ class ActorConfig(PolicyLossConfig):
     # time, in forward and backward; 0 = the whole [tokens, vocab] logits at once
     log_prob_chunk_tokens: int = 1024
     # FSDP2 gradient accumulation without a reduction per micro-batch (FSDP's no_sync): each rank sums
-    # a mini-batch's gradients unsharded, in the reduce dtype, and reduce-scatters them once, in its last
-    # micro-batch. One reduction per optimizer step instead of one per micro-batch, for a whole fp32
-    # gradient of the model held on every rank until then (memory); the step is the same to fp32 rounding
+    # a mini-batch's gradients unsharded, in fsdp.mp_reduce_dtype, and reduce-scatters them once, in its
+    # last micro-batch. One reduction per optimizer step instead of one per micro-batch, for a whole
+    # gradient of the model held on every rank's device until then (memory, CPU offload or not); the
+    # step is the same to that dtype's rounding
     reduce_grads_once: bool = False
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring

@@ -532,6 +532,7 @@ def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
     try:
         yield
+        _unreduced_grads_in_reduce_dtype(module)
     finally:
         module.set_requires_gradient_sync(True)
 
@@ -544,11 +545,40 @@ def _gathered_once(module: nn.Module) -> None:
     Every rank calls it at the same micro-batch, so the gathers pair up."""
     if getattr(module, "_mmrl_units_gathered", False):
         return
+    module._get_fsdp_state()._lazy_init()  # the root's, before a unit's own gather could claim it
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.unshard()
             unit.reshard()
     module._mmrl_units_gathered = True
+
+
+def _unreduced_grads_in_reduce_dtype(module: nn.Module) -> None:
+    """After a backward without reductions: every trainable parameter of every FSDP2 unit of
+    ``module`` holds its unreduced gradient in the unit's reduce dtype, zeros where it has none yet.
+    FSDP2 keeps what a backward without reductions left in the reduce dtype (fp32) but a parameter's
+    first gradient, and the zeros it reduces for an unused one, in the compute dtype (bf16); a reducing
+    backward that meets both in one unit (an expert first routed in the last micro-batch, an audio
+    tower in the root that text rows leave unused) stops ("uniform gradient dtype")."""
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                if (
+                    param.reduce_dtype is None
+                    or param.unsharded_accumulated_grad is not None
+                    or not param.sharded_param.requires_grad
+                ):
+                    continue
+                grad = param.unsharded_param.grad
+                if grad is not None:  # left in the compute dtype (reduce dtype equal to it: skipped above)
+                    param.unsharded_accumulated_grad = grad.to(param.reduce_dtype)
+                    param.unsharded_param.grad = None
+                else:
+                    param.unsharded_accumulated_grad = torch.zeros_like(
+                        param.unsharded_param, dtype=param.reduce_dtype
+                    )
 
 
 def optimizer_step(

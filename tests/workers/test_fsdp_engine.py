@@ -153,10 +153,13 @@ def _sharded(
     checkpointing=False,
     cpu_offload=False,
     param_dtype=torch.float32,
+    unused_parameter=False,
 ):
     from mmrl.workers.fsdp_engine import apply_fsdp2, enable_gradient_checkpointing
 
     model = training_model(model_path, role=role)
+    if unused_parameter:  # in the root unit, reached by no forward (as an audio tower on text rows)
+        model.register_parameter("unused_weight", torch.nn.Parameter(torch.zeros(8)))
     if freeze:
         freeze_vision_tower(model)
     if checkpointing:
@@ -868,7 +871,7 @@ def _bf16_reduced_once_job(rank: int, world_size: int, model_path: str, data: Da
     shard = data.chunk(world_size)[rank]
     results = {}
     for once in (False, True):
-        model = _sharded(model_path, mesh, param_dtype=torch.bfloat16)
+        model = _sharded(model_path, mesh, param_dtype=torch.bfloat16, unused_parameter=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
         actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=once)
         metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
@@ -880,8 +883,9 @@ def _bf16_reduced_once_job(rank: int, world_size: int, model_path: str, data: Da
 def test_gradients_reduced_once_in_bf16_while_the_tower_was_never_called(tiny_vl_path, vl_batch):
     """Text rows only, so no rank has ever gathered the vision tower's unit, and bf16 compute, so FSDP2
     keeps the unreduced gradients in fp32 (it reads the unit's unsharded parameters, which only a
-    gather makes: each unit is gathered once before the first such backward): the update equals the
-    one that reduces in every micro-batch."""
+    gather makes: each unit is gathered once before the first such backward); the root holds a
+    parameter no forward reaches (reduced as zeros, which FSDP2 makes in bf16: kept in fp32 with the
+    rest of its unit): the update equals the one that reduces in every micro-batch."""
     results = run_on_ranks(_bf16_reduced_once_job, 2, str(tiny_vl_path), vl_batch[TEXT_ORDER], timeout_s=300)
     for result in results:
         every, once = result[False], result[True]
