@@ -571,14 +571,10 @@ def _unreduced_grads_in_reduce_dtype(module: nn.Module) -> None:
                     or not param.sharded_param.requires_grad
                 ):
                     continue
-                grad = param.unsharded_param.grad
-                if grad is not None:  # left in the compute dtype (reduce dtype equal to it: skipped above)
-                    param.unsharded_accumulated_grad = grad.to(param.reduce_dtype)
-                    param.unsharded_param.grad = None
-                else:
-                    param.unsharded_accumulated_grad = torch.zeros_like(
-                        param.unsharded_param, dtype=param.reduce_dtype
-                    )
+                # (a gradient still in .grad would be added to it by FSDP's next accumulation)
+                param.unsharded_accumulated_grad = torch.zeros_like(
+                    param.unsharded_param, dtype=param.reduce_dtype
+                )
 
 
 def optimizer_step(
