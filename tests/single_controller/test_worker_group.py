@@ -297,66 +297,78 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A killed child of the raylet may linger as a zombie until reaped; it no longer runs.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
+    # A killed child of the raylet may linger as a zombie until reaped; it no longer runs. It may also
+    # be reaped between the signal and the read, which then fails.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
     group = make_group(GlooWorker, "raiser")
-    pids = group.call(GlooWorker.pid)
-    start = time.monotonic()
-    with pytest.raises(WorkerGroupError) as failure:
-        group.call(GlooWorker.raise_or_wait, failing_rank=1)
-    assert time.monotonic() - start < FAST_S
-    assert (failure.value.rank, failure.value.method) == (1, "raise_or_wait")
-    message = str(failure.value)
-    assert "raiser_rank1 (rank 1 of 2) raised an exception in 'raise_or_wait'" in message
-    assert "ValueError: rank 1 cannot read sample 3" in message
-    assert "in raise_or_wait" in message  # the remote traceback's frame
-    # The rank stuck in the barrier was killed, and the group refuses further work.
-    _assert_processes_exit(pids, within_s=FAST_S)
-    with pytest.raises(WorkerGroupError, match="shut down"):
-        group.call(GlooWorker.pid)
-    group.shutdown()
+    try:
+        pids = group.call(GlooWorker.pid)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError) as failure:
+            group.call(GlooWorker.raise_or_wait, failing_rank=1)
+        assert time.monotonic() - start < FAST_S
+        assert (failure.value.rank, failure.value.method) == (1, "raise_or_wait")
+        message = str(failure.value)
+        assert "raiser_rank1 (rank 1 of 2) raised an exception in 'raise_or_wait'" in message
+        assert "ValueError: rank 1 cannot read sample 3" in message
+        assert "in raise_or_wait" in message  # the remote traceback's frame
+        # The rank stuck in the barrier was killed, and the group refuses further work.
+        _assert_processes_exit(pids, within_s=FAST_S)
+        with pytest.raises(WorkerGroupError, match="shut down"):
+            group.call(GlooWorker.pid)
+    finally:
+        group.shutdown()
 
 
 def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
     group = make_group(GlooWorker, "crasher", timeout_s=60.0)
-    pids = group.call(GlooWorker.pid)
-    start = time.monotonic()
-    with pytest.raises(WorkerGroupError) as failure:
-        group.call(GlooWorker.exit_or_wait, failing_rank=0)
-    assert time.monotonic() - start < FAST_S
-    assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
-    assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
-    _assert_processes_exit(pids, within_s=FAST_S)
-    group.shutdown()
+    try:
+        pids = group.call(GlooWorker.pid)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError) as failure:
+            group.call(GlooWorker.exit_or_wait, failing_rank=0)
+        assert time.monotonic() - start < FAST_S
+        assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
+        assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
+        _assert_processes_exit(pids, within_s=FAST_S)
+    finally:
+        group.shutdown()
 
 
 def test_a_dead_rank_is_blamed_rather_than_the_peer_its_death_failed(ray_cluster) -> None:
     """Rank 1 raises first, rank 0's process dies a moment later: the group names rank 0's lost
     process (the root cause), not rank 1's exception (its symptom)."""
     group = make_group(GlooWorker, "dying", timeout_s=60.0)
-    pids = group.call(GlooWorker.pid)
-    with pytest.raises(WorkerGroupError) as failure:
-        group.call(GlooWorker.exit_late_or_raise, failing_rank=0)
-    assert (failure.value.rank, failure.value.method) == (0, "exit_late_or_raise")
-    assert "dying_rank0 (rank 0 of 2) lost its process" in str(failure.value)
-    _assert_processes_exit(pids, within_s=FAST_S)
-    group.shutdown()
+    try:
+        pids = group.call(GlooWorker.pid)
+        with pytest.raises(WorkerGroupError) as failure:
+            group.call(GlooWorker.exit_late_or_raise, failing_rank=0)
+        assert (failure.value.rank, failure.value.method) == (0, "exit_late_or_raise")
+        assert "dying_rank0 (rank 0 of 2) lost its process" in str(failure.value)
+        _assert_processes_exit(pids, within_s=FAST_S)
+    finally:
+        group.shutdown()
 
 
 def test_call_past_timeout_stops_the_group(ray_cluster) -> None:
     pool = ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
     group = RayWorkerGroup(Sleeper, pool, name_prefix="sleeper", timeout_s=1.0)
-    pids = group.call(Sleeper.pid)
-    start = time.monotonic()
-    with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not finish 'sleep' within 1 s"):
-        group.call(Sleeper.sleep, 60.0)
-    assert time.monotonic() - start < FAST_S
-    _assert_processes_exit(pids, within_s=FAST_S)
-    group.shutdown()
+    try:
+        pids = group.call(Sleeper.pid)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not finish 'sleep' within 1 s"):
+            group.call(Sleeper.sleep, 60.0)
+        assert time.monotonic() - start < FAST_S
+        _assert_processes_exit(pids, within_s=FAST_S)
+    finally:
+        group.shutdown()
 
 
 def test_deferred_start_takes_late_arguments_once(ray_cluster) -> None:
