@@ -292,7 +292,7 @@ def test_each_group_is_handed_out_as_soon_as_its_trajectories_have_ended(parts, 
 
 
 def _gated_zoom(events: list, gate):
-    """A zoom whose call at ``x=0`` waits for ``gate`` (up to 4 s): a slow tool."""
+    """A zoom whose call at ``x=0`` waits for ``gate`` (up to 10 s): a slow tool."""
 
     def zoom_tool(x: int, y: int, row: dict = None) -> Image.Image:
         """Crop a 28x28 region of the image.
@@ -302,7 +302,7 @@ def _gated_zoom(events: list, gate):
             y: top edge
         """
         if x == 0:
-            gate.wait(4)
+            gate.wait(10)
         events.append(f"zoom {x}")
         return zoom(x, y, row=row)
 
@@ -313,7 +313,7 @@ def _gated_zoom(events: list, gate):
 def test_as_ready_samples_a_trajectory_s_next_turns_while_another_s_tool_still_runs(parts, prompts, schedule):
     """Row 0's first call is slow: it returns only once row 1 asks for its third turn. ``as_ready``:
     row 1 is sampled on (turns 2 and 3) while row 0's call runs, then row 0. ``lockstep``: every turn
-    waits for the turn's slowest call, so row 0's runs into its timeout (1 s here) and the gate opens
+    waits for the turn's slowest call, so row 0's runs into its timeout (3 s here) and the gate opens
     only after; each trajectory is the same either way save for that answer."""
     import threading
 
@@ -328,7 +328,7 @@ def test_as_ready_samples_a_trajectory_s_next_turns_while_another_s_tool_still_r
         return generate(requests)
 
     loop = make_loop(parts, tools=_gated_zoom(events, gate), as_ready=schedule == "as_ready")
-    loop.tools.timeout_s = 1.0
+    loop.tools.timeout_s = 3.0  # as_ready: row 1's two turns and calls fit in it however loaded the machine
     trajectories = loop.run(sample_rows(prompts, parts[2]), 400, gated)
     rows = [[row for row, _, _ in call] for call in seen]
     slow = trajectories[0].record.calls[0]

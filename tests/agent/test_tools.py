@@ -154,14 +154,15 @@ def test_failures_answer_the_model_and_never_end_the_run():
         """Echoes."""
         return f"got {x}"
 
-    runner = ToolRunner(_tools(fails, hangs, malformed, fine), timeout_s=0.3, max_concurrency=2)
+    # 2 s: plenty for the quick tools on a loaded machine, far less than hangs' 10
+    runner = ToolRunner(_tools(fails, hangs, malformed, fine), timeout_s=2.0, max_concurrency=2)
     calls = [ToolCall("fails", {"x": 1}), ToolCall("hangs", {"x": 1}), ToolCall("malformed", {"x": 1}),
              ToolCall("fine", {"x": 2}), ToolCall("nope", {}), ToolCall("fine", {"y": 1}),
              *parse_hermes_tool_calls('<tool_call>{"name": "fine", "arguments": {"x": 1,}}</tool_call>')]  # fmt: skip
     start = time.perf_counter()
     outputs = runner.run([(call, {}) for call in calls])
     release.set()
-    assert time.perf_counter() - start < 5  # the hung call was abandoned at its timeout
+    assert time.perf_counter() - start < 8  # the hung call was abandoned at its timeout
     kinds = [output.error for output in outputs]
     assert kinds == [
         ERROR_RAISED,
@@ -174,7 +175,7 @@ def test_failures_answer_the_model_and_never_end_the_run():
     ]
     assert set(kinds) - {None} <= set(ERROR_KINDS)
     assert outputs[0].text == "Error (raised): RuntimeError: disk on fire"
-    assert "longer than 0.3s" in outputs[1].text and outputs[3].text == "got 2"
+    assert "longer than 2s" in outputs[1].text and outputs[3].text == "got 2"
     assert "no tool named 'nope'" in outputs[4].text and "missing ['x']" in outputs[5].text
     assert "not valid JSON" in outputs[6].text
 

@@ -64,7 +64,7 @@ def test_a_ray_reward_worker_scores_code_beside_the_rule_file_and_survives_hosti
             "worker.reward.code.enable=true",
             "worker.reward.code.weight=0.9",
             "worker.reward.code.sandbox.cpu_time_s=1",
-            "worker.reward.code.sandbox.wall_time_s=2",
+            "worker.reward.code.sandbox.wall_time_s=4",  # GOOD passes within it beside a fork bomb, loaded
             "worker.reward.code.sandbox.max_processes=8",
             "worker.reward.num_workers=1",
             "worker.reward.timeout_s=120",

@@ -4,7 +4,6 @@ rule file may combine them itself, failures are named, sources run side by side.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,15 @@ INPUTS = [
 class Scripted:
     """A source returning fixed results (and recording the thread and the inputs it saw)."""
 
-    def __init__(self, name, results, needs_media=False, seconds=0.0):
-        self.name, self.results, self.needs_media, self.seconds = name, results, needs_media, seconds
+    def __init__(self, name, results, needs_media=False, barrier=None):
+        self.name, self.results, self.needs_media, self.barrier = name, results, needs_media, barrier
         self.seen, self.threads, self.closed = None, set(), False
 
     def score(self, inputs):
         self.seen = inputs
         self.threads.add(threading.get_ident())
-        time.sleep(self.seconds)
+        if self.barrier is not None:  # passes only once every source sharing it is scoring at once
+            self.barrier.wait()
         return list(self.results)
 
     def close(self):
@@ -77,11 +77,12 @@ def test_a_weight_of_zero_logs_a_source_without_training_on_it():
 
 
 def test_sources_run_side_by_side():
-    slow = [Scripted(name, [{"overall": 1.0}] * 3, seconds=0.3) for name in ("a", "b", "c")]
-    start = time.perf_counter()
-    CompositeReward([WeightedSource(s) for s in slow]).score(INPUTS)
-    assert time.perf_counter() - start < 0.6  # 3 x 0.3 s in sequence
-    assert len(set.union(*(s.threads for s in slow))) == 3
+    # in sequence the first source would wait at the barrier alone and break it after 10 s
+    barrier = threading.Barrier(3, timeout=10)
+    sources = [Scripted(name, [{"overall": 1.0}] * 3, barrier=barrier) for name in ("a", "b", "c")]
+    scores = CompositeReward([WeightedSource(s) for s in sources]).score(INPUTS)
+    assert [s["overall"] for s in scores] == [3.0, 3.0, 3.0] and not barrier.broken
+    assert len(set.union(*(s.threads for s in sources))) == 3
 
 
 def test_only_sources_that_see_media_get_them():

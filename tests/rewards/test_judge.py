@@ -90,12 +90,13 @@ def test_a_bad_request_is_not_retried():
 
 
 def test_a_slow_answer_times_out_and_is_asked_again():
-    with ScriptedJudge(["sleep:1.0"]) as judge:
-        client = _client(judge, timeout_s=0.3, max_retries=1)
+    # the retry's answer comes within 1 s even on a loaded machine; the sleeping answers never do
+    with ScriptedJudge(["sleep:3.0"]) as judge:
+        client = _client(judge, timeout_s=1.0, max_retries=1)
         assert client.complete(BODY) == "yes"
-        judge.script = ["sleep:1.0", "sleep:1.0"]
+        judge.script = ["sleep:3.0", "sleep:3.0"]
         failed = client.complete(BODY)
-    assert failed == SampleFailure("no answer within timeout_s=0.3 (after 2 tries)")
+    assert failed == SampleFailure("no answer within timeout_s=1 (after 2 tries)")
 
 
 def test_a_server_dying_mid_run_fails_the_rest_by_name_and_returns():

@@ -77,6 +77,7 @@ def _live_debris(tmp_path: Path) -> tuple[list[Path], mmap.mmap, socket.socket]:
 
 
 @pytest.mark.distributed
+@pytest.mark.shares("vllm")  # its live segments match what the vLLM tests find left on the machine
 def test_start_up_cleans_what_a_sigkilled_driver_left_and_nothing_live(tmp_path):
     live, mapping, live_socket = _live_debris(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

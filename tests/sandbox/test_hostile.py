@@ -28,7 +28,7 @@ pytestmark = pytest.mark.shares("sandbox")  # tests count the sandboxed processe
 
 LIMITS = SandboxLimits(
     cpu_time_s=1.0,
-    wall_time_s=2.0,
+    wall_time_s=4.0,  # 2 s was once too short for memory_bomb beside 9 spinning programs on 2 busy cores
     memory_bytes=256 << 20,
     file_size_bytes=8 << 20,
     disk_bytes=24 << 20,
@@ -143,8 +143,8 @@ EXPECTED = {
     "memory_bomb": (("MemoryError",), ("memory",)),
     "infinite_loop": (("CPU time limit", "wall time limit"), ("cpu_time", "wall_time")),
     "threads_spin": (("CPU time limit", "wall time limit"), ("cpu_time", "wall_time")),
-    "sleep_past_wall_time": (("wall time limit (2 s) exceeded",), ("wall_time",)),
-    "ignore_signals_idle": (("wall time limit (2 s) exceeded",), ("wall_time",)),
+    "sleep_past_wall_time": (("wall time limit (4 s) exceeded",), ("wall_time",)),
+    "ignore_signals_idle": (("wall time limit (4 s) exceeded",), ("wall_time",)),
     "ignore_signals_spin": (("CPU time limit", "wall time limit"), ("cpu_time", "wall_time")),
     "write_outside": (("Read-only file system",), ("wrong_answer",)),
     "read_outside": (("No such file or directory",), ("wrong_answer",)),
@@ -293,4 +293,4 @@ def test_the_grader_carries_on_and_the_host_is_untouched(hostile_batch):
     assert not os.path.exists("/usr/written") and not os.path.exists(sys.prefix + "/written")
     assert os.path.isfile(hostile_batch["files"]["test_file"])
     # 20 programs, 10 at a time, 2 s wall time each: the batch ends in a few rounds of that
-    assert hostile_batch["elapsed_s"] < 20.0, hostile_batch["elapsed_s"]
+    assert hostile_batch["elapsed_s"] < 30.0, hostile_batch["elapsed_s"]

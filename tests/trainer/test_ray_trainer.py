@@ -40,7 +40,7 @@ from _trackers import (
     wandb_offline_exit_code,
     wandb_offline_run,
 )
-from _trainer_run import kill_session, session_processes
+from _trainer_run import command_of, kill_session, name_of, session_processes
 
 from mmrl.checkpoint.tracker import find_last_checkpoint
 from mmrl.config.loading import config_to_yaml, load_config
@@ -910,8 +910,8 @@ def test_dying_reward_worker_stops_the_run_with_a_message_naming_it(tmp_path, ti
     trainer exits 1 within seconds naming the reward worker."""
 
     def reward_scorer(process: subprocess.Popen, log_path: Path) -> psutil.Process:
-        scorers = [p for p in session_processes(process.pid) if p.name().startswith("ray::RewardScorer")]
-        assert len(scorers) == 1, [p.name() for p in session_processes(process.pid)]
+        scorers = [p for p in session_processes(process.pid) if name_of(p).startswith("ray::RewardScorer")]
+        assert len(scorers) == 1, [name_of(p) for p in session_processes(process.pid)]
         return scorers[0]
 
     returncode, seconds_to_exit, output, leftovers = kill_a_process_of_an_endless_run(
@@ -1122,7 +1122,7 @@ def test_gae_critic_shares_the_actors_processes_and_learns(tiny_vl_path, shapes_
         assert trainer.model_workers.world_size == WORLD_SIZE
         assert training_processes() == WORLD_SIZE
         # and no idle Python worker that Ray would have started for plain tasks (mmrl runs none)
-        idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
+        idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in command_of(p)]
         assert idle == [], idle
         trainer.fit()
     finally:

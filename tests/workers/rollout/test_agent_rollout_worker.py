@@ -95,15 +95,20 @@ def worker(config):
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
     saved = {key: os.environ.get(key) for key in [*env, "OMP_NUM_THREADS"]}  # setup_distributed sets it
     os.environ.update(env)
-    worker = RolloutWorker(config, cpu_threads=torch.get_num_threads())  # this session's threads, unchanged
-    calls_every_turn(worker.engine, worker.agent)
-    yield worker
-    worker.shutdown()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = value
+    try:
+        # this session's threads, unchanged
+        worker = RolloutWorker(config, cpu_threads=torch.get_num_threads())
+        calls_every_turn(worker.engine, worker.agent)
+        yield worker
+        worker.shutdown()
+    finally:  # also when the worker failed to start: later tests in this process see none of it
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 def colocated(config, switch_weights=None):

@@ -5,6 +5,8 @@ them on a rollout worker: mmrl/workers/rollout/streaming.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import pytest
@@ -186,16 +188,28 @@ def test_a_push_holding_the_streaming_thread_lands_between_chunks(tiny_vl_path, 
     sampling = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=9, ignore_eos=True)
     rollout = rollout_of(tiny_vl_path, tokenizer)
     streaming = StreamingEngine(rollout, chunk_tokens=2)
+    # the first chunk that sampled tokens waits, once it has ended, until the test holds the engine: the
+    # stream cannot run to its end before the push however the two threads are scheduled
+    real_chunk, first_tokens = streaming.chunk, threading.Event()
+
+    @contextlib.contextmanager
+    def chunk_then_wait_for_the_push():
+        with real_chunk():
+            yield
+        current = streaming.streams[0].current
+        if not first_tokens.is_set() and current is not None and len(current.tokens):
+            first_tokens.set()
+            deadline = time.monotonic() + 60
+            while not streaming.holders and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    streaming.chunk = chunk_then_wait_for_the_push
     streaming.submit(prompts, sampling, version=0)
-    sampled = 0
-    while sampled == 0:
-        time.sleep(0.005)
-        with streaming.hold():
-            current = streaming.streams[0].current if streaming.streams else None
-            sampled = len(current.tokens) if current is not None else 0
-            if sampled:
-                rollout.update_weights(updated.items())
-                streaming.reload(1)
+    assert first_tokens.wait(60)
+    with streaming.hold():
+        sampled = len(streaming.streams[0].current.tokens)
+        rollout.update_weights(updated.items())
+        streaming.reload(1)
     assert 0 < sampled < 16 and sampled % 2 == 0
     groups = []
     while len(groups) < 1:
