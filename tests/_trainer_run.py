@@ -96,12 +96,15 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
 def train_on_both_backends(
     overrides: list[str], save_dir, transformers: tuple = (), vllm: tuple = (), timeout_s: float = 600
 ) -> list[dict]:
-    """A 4-step run in two invocations sharing ``save_dir``: steps 1-2 on the transformers rollout
-    (``transformers``: more overrides for them), saved; steps 3-4 resumed from that checkpoint
-    (find_last_checkpoint) on vLLM (``vllm``: more overrides). The metrics rows of the 4 updates."""
-    common = [*overrides, "trainer.save_freq=2"]
-    run_main([*common, "worker.rollout.name=hf", "trainer.max_steps=2", *transformers], save_dir, timeout_s)
-    run_main([*common, "worker.rollout.name=vllm", "trainer.max_steps=4", *vllm], save_dir, timeout_s)
+    """A 4-step run of two stages (``trainer.stages``) in one command: steps 1-2 on the transformers
+    rollout (``transformers``: more overrides for them), saved; steps 3-4 on vLLM (``vllm``: more
+    overrides) by fresh workers, which load that checkpoint. The metrics rows of the 4 updates."""
+    stages = {"hf": ["worker.rollout.name=hf", *transformers], "vllm": ["worker.rollout.name=vllm", *vllm]}
+    schedule = ", ".join(
+        f"{{name: {name}, steps: 2, overrides: [{', '.join(keys)}]}}" for name, keys in stages.items()
+    )
+    common = [*overrides, "trainer.save_freq=2", "trainer.max_steps=null", f"trainer.stages=[{schedule}]"]
+    run_main(common, save_dir, 2 * timeout_s)
     return [row for row in metrics_rows(save_dir) if "actor/grad_norm" in row]
 
 
@@ -225,6 +228,20 @@ def _describe(process: psutil.Process) -> str:
     with contextlib.suppress(psutil.Error):
         return f"{process.pid} {' '.join(process.cmdline())[:80]}"
     return f"{process.pid} (exited)"
+
+
+def name_of(process: psutil.Process) -> str:
+    """The process's name (a Ray worker's ``ray::Class``), or "" once it has exited."""
+    with contextlib.suppress(psutil.Error):
+        return process.name()
+    return ""
+
+
+def command_of(process: psutil.Process) -> str:
+    """The process's command line as one string, or "" once it has exited."""
+    with contextlib.suppress(psutil.Error):
+        return " ".join(process.cmdline())
+    return ""
 
 
 def merged_and_base(actor_dir, target_dir, base_path) -> tuple[dict, dict]:

@@ -1,6 +1,6 @@
-"""A GLM-4.1V run of the trainer on both rollout backends, as one 4-step run in two invocations sharing
-a checkpoint folder: steps 1-2 on the transformers rollout (saved), then the run resumed from that
-checkpoint for steps 3-4 on the vLLM rollout (saved). Every test here reads that run: rollout/trainer
+"""A GLM-4.1V run of the trainer on both rollout backends, as one 4-step run of two stages in one command:
+steps 1-2 on the transformers rollout (saved), then fresh workers resumed from that checkpoint for steps
+3-4 on the vLLM rollout (saved). Every test here reads that run: rollout/trainer
 log-prob parity from its metrics, the resume, and the merge of its last checkpoint."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def glm4v_run(tiny_glm4v_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.val_before_train=false",
         "trainer.val_freq=-1",
     ]
-    # steps 1-2 on the transformers rollout, saved; steps 3-4 resumed on vLLM (find_last_checkpoint)
+    # steps 1-2 on the transformers rollout, saved; steps 3-4 resumed on vLLM (the second stage)
     return {"save_dir": save_dir, "steps": train_on_both_backends(overrides, save_dir)}
 
 
@@ -26,7 +26,7 @@ def glm4v_run(tiny_glm4v_path, shapes_data_dir, tmp_path_factory) -> dict:
 def test_each_backend_trains_two_steps_with_rollout_log_probs_equal_to_the_trainers(glm4v_run):
     # steps 1-2 by the transformers rollout, 3-4, after the resume, by vLLM; each scores its tokens as the
     # trainer does (fp32: the order of sums)
-    assert [row["step"] for row in glm4v_run["steps"]] == [1, 2, 3, 4]  # the resumed invocation: 3-4 only
+    assert [row["step"] for row in glm4v_run["steps"]] == [1, 2, 3, 4]  # the resumed stage: 3-4 only
     for row in glm4v_run["steps"]:
         assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]
         assert row["actor/grad_norm"] > 0

@@ -1,4 +1,4 @@
-"""A Qwen3-VL MoE run of the trainer in two invocations: steps 1-2 on two FSDP2 workers (the expert
+"""A Qwen3-VL MoE run of the trainer in two stages of one command: steps 1-2 on two FSDP2 workers (the expert
 tensors sharded with the rest of each decoder layer), the transformers rollout recording its routing and
 the actor replaying it, saved; steps 3-4 resumed from that checkpoint on one worker with the vLLM rollout
 (the weights pushed into vLLM's fused-MoE layers). The routers' load-balancing loss is in every update and
@@ -35,7 +35,7 @@ def test_moe_trains_a_step_on_each_backend_with_router_loss_resumes_and_merges(
     rows = train_on_both_backends(
         overrides, save_dir, transformers=replayed, vllm=("trainer.n_gpus_per_node=1",)
     )
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the resumed invocation trained steps 3-4 only
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the resumed stage trained steps 3-4 only
     for row in rows:
         assert row["rollout/log_prob_gap_max"] < 1e-4, row["step"]  # both backends score as the trainer
         assert 1.0 <= row["actor/moe_aux_loss"] <= 2.0  # 1 balanced, E / k = 2 all on two experts

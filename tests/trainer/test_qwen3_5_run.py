@@ -1,6 +1,6 @@
 """The Qwen3.5 runs of the trainer, dense (last test) and MoE (the Qwen3.5 MoE tiny model: everything
 the dense Qwen3.5 has — gated-delta-net linear attention run per packed sequence, prompts not shared —
-plus routed experts), each one training rank in two invocations: steps 1-2 on the transformers rollout,
+plus routed experts), each one training rank in two stages of one command: steps 1-2 on the transformers rollout,
 saved (the MoE's recording its routing and the actor replaying it, the routers' load-balancing loss in
 the update), steps 3-4 resumed on vLLM. The MoE run is read by the first two tests. (Resuming these
 families' experts and linear attention in full: tests/checkpoint/test_checkpoint.py, in-process.)"""
@@ -91,7 +91,7 @@ def test_every_step_reaches_the_merged_weights_that_load_back(
 def test_dense_qwen3_5_trains_two_steps_on_each_backend_resumes_and_merges(
     tiny_qwen3_5_path, shapes_data_dir, tmp_path
 ):
-    """The dense family's own run, one training rank, in two invocations: steps 1-2 on the transformers
+    """The dense family's own run, one training rank, in two stages of one command: steps 1-2 on the transformers
     rollout, saved; steps 3-4 resumed from it on vLLM, whose CPU kernel for the linear attention takes
     bf16 only (the engine in bf16, with chunked prefill for its hybrid cache); merged, every kind of layer
     trained, steps 3-4 from step 2's weights."""

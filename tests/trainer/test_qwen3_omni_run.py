@@ -1,6 +1,6 @@
 """A Qwen3-Omni run of the trainer on both rollout backends: one FSDP2 worker, every prompt an image
 and a sound (the beeps task's clips beside the colour task's images), the routers' load-balancing loss
-in the update; 4 steps in two invocations sharing a checkpoint folder: steps 1-2 on the transformers
+in the update; 4 steps in two stages of one command: steps 1-2 on the transformers
 rollout, which records its routing for the actor to replay (saved), then the run resumed for steps 3-4
 on the vLLM rollout (the fused experts pushed as the files' per-expert tensors and packed again for vLLM's
 CPU kernel). Every test here reads that run: parity and router metrics from its metrics, the resume,
@@ -56,14 +56,14 @@ def omni_run(tiny_qwen3_omni_path, shapes_data_dir, tmp_path_factory) -> dict:
         "trainer.val_freq=-1",
     ]
     # steps 1-2: the rollout's experts cross to the actor and are replayed (the transformers rollout
-    # records them), saved; steps 3-4 resumed on vLLM (find_last_checkpoint)
+    # records them), saved; steps 3-4 resumed on vLLM (the second stage)
     replayed = ("worker.actor.moe.routing_replay=true",)
     return {"save_dir": save_dir, "steps": train_on_both_backends(overrides, save_dir, transformers=replayed)}
 
 
 @pytest.mark.timeout(600)
 def test_each_backend_trains_two_steps_with_parity_router_loss_and_metrics(omni_run):
-    assert [row["step"] for row in omni_run["steps"]] == [1, 2, 3, 4]  # the resumed invocation: 3-4 only
+    assert [row["step"] for row in omni_run["steps"]] == [1, 2, 3, 4]  # the resumed stage: 3-4 only
     for row in omni_run["steps"]:
         # steps 1-2 by the transformers rollout (routing replayed), 3-4 by vLLM after weight pushes; each
         # scores its tokens as the trainer does (fp32: the order of sums)
