@@ -148,11 +148,15 @@ gpu-check:
 bench-scale: install
 	$(PY) bench/scale.py --run memory media startup smoke
 
+# each of the suite's ~400 processes (drivers, ranks, reward workers) would compile mmrl's modules again where
+# PYTHONDONTWRITEBYTECODE is set (as on these machines): the suite keeps their bytecode (docs/benchmarks.md)
+KEEP_BYTECODE = PYTHONDONTWRITEBYTECODE=
+
 test: install
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(KEEP_BYTECODE) $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" -x -q $(PYTEST_ARGS)
+	$(KEEP_BYTECODE) $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" -x -q $(PYTEST_ARGS)
 
 # lint style and formatting, and the layer rules of DESIGN.md (contracts in pyproject.toml)
 quality: install
