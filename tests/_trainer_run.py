@@ -225,9 +225,7 @@ def run_killed(
 
 
 def _describe(process: psutil.Process) -> str:
-    with contextlib.suppress(psutil.Error):
-        return f"{process.pid} {' '.join(process.cmdline())[:80]}"
-    return f"{process.pid} (exited)"
+    return f"{process.pid} {command_of(process)[:80] or '(exited)'}"
 
 
 def name_of(process: psutil.Process) -> str:

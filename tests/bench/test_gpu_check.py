@@ -4,14 +4,11 @@ table lists them all, and the exit code follows the rows (the GPU run itself nee
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from _bench_run import BENCH_DIR, run_bench
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH_DIR))  # bench/ holds scripts, not a package
 
 import gpu_check  # noqa: E402
@@ -29,18 +26,11 @@ CHECKS = (
 
 
 def test_the_dry_run_runs_every_check_on_the_cpu_and_exits_0(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "gpu_check.py"), "--dry", "--out", str(tmp_path / "check.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stdout = run_bench("gpu_check.py", "--dry", "--out", str(tmp_path / "check.json"))
     rows = json.loads((tmp_path / "check.json").read_text())["rows"]
     assert {row["check"] for row in rows} == set(CHECKS)
     assert all(row["ok"] for row in rows)
-    assert "| check | what | result | ok |" in run.stdout and f"{len(rows)} ok, 0 mismatched" in run.stdout
+    assert "| check | what | result | ok |" in stdout and f"{len(rows)} ok, 0 mismatched" in stdout
     # the bf16 kernels were compared with something, not skipped
     assert (
         sum(row["check"] == "flash-attn" for row in rows) == 9

@@ -4,14 +4,11 @@ on the same model and batch (tiny widths here: no count depends on them), and th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _bench_run import BENCH_DIR, run_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_mfu.py"
+BENCH = BENCH_DIR / "gpu_mfu.py"
 
 
 def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_parameter_or_layer(tmp_path):
@@ -28,15 +25,8 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
         "--out",
         str(out),
     ]
-    run = subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "| what | ops mmrl | ops plain |" in run.stdout
+    stdout = run_bench("gpu_mfu.py", *args, timeout_s=600)
+    assert "| what | ops mmrl | ops plain |" in stdout
     sides = json.loads(out.read_text())["result"]["sides"]
     mmrl, plain = sides["mmrl"]["table"], sides["plain"]["table"]
     # every decoder layer and every micro-batch dispatches ops on both sides; the plain loop's
@@ -70,23 +60,16 @@ def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     gradient norm; a setting that cannot be built is reported and the others still run."""
     out = tmp_path / "smoke.json"
     sides = "mmrl:full,mmrl:off+compile,plain:full+compile,plain:off"
-    run = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--sides", sides, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stdout = run_bench("gpu_mfu.py", "--smoke", "--sides", sides, "--out", str(out), timeout_s=600)
     result = json.loads(out.read_text())["result"]
     assert list(result["sides"]) == ["mmrl:full", "mmrl:off+compile", "plain:off"]
     assert result["failed"] == {"plain:full+compile": "ValueError: the plain loop compiles nothing"}
-    assert "plain:full+compile failed: ValueError" in run.stdout
+    assert "plain:full+compile failed: ValueError" in stdout
     reference = result["sides"]["mmrl:full"]["metrics"]
     for side in result["sides"].values():
         assert side["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert side["metrics"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    assert "mmrl:off+compile tokens/s:" in run.stdout and "x plain:off" in run.stdout
+    assert "mmrl:off+compile tokens/s:" in stdout and "x plain:off" in stdout
 
 
 def test_a_side_is_named_by_its_checkpointing_and_compilation():

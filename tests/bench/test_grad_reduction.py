@@ -4,29 +4,18 @@ micro-batch and once per optimizer step (``worker.actor.reduce_grads_once``), on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "grad_reduction.py"
+from _bench_run import run_bench
 
 
 @pytest.mark.distributed
 def test_reducing_once_per_step_starts_fewer_reductions_for_the_same_update(tmp_path):
     out = tmp_path / "grad_reduction.json"
-    command = [sys.executable, str(BENCH), "--widths", "smoke", "--rows", "4", "--repeats", "1"]
-    run = subprocess.run(
-        [*command, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    stdout = run_bench(
+        "grad_reduction.py", "--widths", "smoke", "--rows", "4", "--repeats", "1", "--out", str(out)
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "| gradients reduced | update s | reduce-scatters | loss | grad norm |" in run.stdout
+    assert "| gradients reduced | update s | reduce-scatters | loss | grad norm |" in stdout
     ranks = json.loads(out.read_text())["ranks"]
     assert len(ranks) == 2
     for figures in ranks:

@@ -151,10 +151,10 @@ def ray_cluster():
         ray.shutdown()
 
 
-def make_group(worker_cls: type, name_prefix: str, **kwargs) -> RayWorkerGroup:
-    pool = ResourcePool(nnodes=1, procs_per_node=2, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
+def make_group(worker_cls: type, name_prefix: str, procs: int = 2, args=(10.0,), **kwargs) -> RayWorkerGroup:
+    pool = ResourcePool(nnodes=1, procs_per_node=procs, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
     try:
-        return RayWorkerGroup(worker_cls, pool, args=(10.0,), name_prefix=name_prefix, **kwargs)
+        return RayWorkerGroup(worker_cls, pool, args=args, name_prefix=name_prefix, **kwargs)
     except BaseException:  # a group that failed to start holds no CPUs the next tests count
         pool.remove()
         raise
@@ -312,8 +312,7 @@ def _process_alive(pid: int) -> bool:
 
 
 def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
-    group = make_group(GlooWorker, "raiser")
-    try:
+    with make_group(GlooWorker, "raiser") as group:
         pids = group.call(GlooWorker.pid)
         start = time.monotonic()
         with pytest.raises(WorkerGroupError) as failure:
@@ -328,13 +327,10 @@ def test_raising_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> Non
         _assert_processes_exit(pids, within_s=FAST_S)
         with pytest.raises(WorkerGroupError, match="shut down"):
             group.call(GlooWorker.pid)
-    finally:
-        group.shutdown()
 
 
 def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
-    group = make_group(GlooWorker, "crasher", timeout_s=60.0)
-    try:
+    with make_group(GlooWorker, "crasher", timeout_s=60.0) as group:
         pids = group.call(GlooWorker.pid)
         start = time.monotonic()
         with pytest.raises(WorkerGroupError) as failure:
@@ -343,43 +339,30 @@ def test_dying_rank_fails_fast_while_peer_waits_in_barrier(ray_cluster) -> None:
         assert (failure.value.rank, failure.value.method) == (0, "exit_or_wait")
         assert "crasher_rank0 (rank 0 of 2) lost its process" in str(failure.value)
         _assert_processes_exit(pids, within_s=FAST_S)
-    finally:
-        group.shutdown()
 
 
 def test_a_dead_rank_is_blamed_rather_than_the_peer_its_death_failed(ray_cluster, monkeypatch) -> None:
     """Rank 1 raises first, rank 0's process dies a moment later: the group names rank 0's lost
     process (the root cause), not rank 1's exception (its symptom)."""
-    group = make_group(GlooWorker, "dying", timeout_s=60.0)
     # rank 0's death reaches the driver within the grace however loaded the machine (the wait ends at it)
     monkeypatch.setattr(worker_group_module, "LOST_PROCESS_GRACE_S", 30.0)
-    try:
+    with make_group(GlooWorker, "dying", timeout_s=60.0) as group:
         pids = group.call(GlooWorker.pid)
         with pytest.raises(WorkerGroupError) as failure:
             group.call(GlooWorker.exit_late_or_raise, failing_rank=0)
         assert (failure.value.rank, failure.value.method) == (0, "exit_late_or_raise")
         assert "dying_rank0 (rank 0 of 2) lost its process" in str(failure.value)
         _assert_processes_exit(pids, within_s=FAST_S)
-    finally:
-        group.shutdown()
 
 
 def test_call_past_timeout_stops_the_group(ray_cluster) -> None:
-    pool = ResourcePool(nnodes=1, procs_per_node=1, use_gpu=False, cpus_per_proc=CPUS_PER_RANK)
-    try:
-        group = RayWorkerGroup(Sleeper, pool, name_prefix="sleeper", timeout_s=1.0)
-    except BaseException:
-        pool.remove()
-        raise
-    try:
+    with make_group(Sleeper, "sleeper", procs=1, args=(), timeout_s=1.0) as group:
         pids = group.collect(group.call_async(Sleeper.pid), timeout_s=60)  # the 1 s is for the sleep
         start = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not finish 'sleep' within 1 s"):
             group.call(Sleeper.sleep, 60.0)
         assert time.monotonic() - start < FAST_S
         _assert_processes_exit(pids, within_s=FAST_S)
-    finally:
-        group.shutdown()
 
 
 def test_deferred_start_takes_late_arguments_once(ray_cluster) -> None:
