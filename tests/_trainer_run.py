@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import _warm_start as warm
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def run_main(overrides: list[str], save_dir, timeout_s: float = 300, env: dict |
     :func:`assert_left_nothing`), with ``env`` added to this process's environment; returns its
     metrics.jsonl rows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with subprocess.Popen(
+    with warm.start(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO_ROOT,
         env=env,
@@ -199,7 +200,7 @@ def run_killed(
     within that many seconds: a kill -9 of the driver leaks no process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMRL_FAULT_AT": fault}
     with open(log_path, "wb") as log:
-        run = subprocess.Popen(
+        run = warm.start(
             [sys.executable, "-m", "mmrl.trainer.main", *overrides],
             cwd=REPO_ROOT,
             env=env,
@@ -250,7 +251,7 @@ def merged_and_base(actor_dir, target_dir, base_path) -> tuple[dict, dict]:
 
     merger = [sys.executable, "scripts/model_merger.py", "--local_dir", str(actor_dir)]
     merger += ["--target_dir", str(target_dir)]
-    subprocess.run(merger, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    warm.run(merger, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
     return tuple(
         AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).state_dict()
         for path in (target_dir, base_path)

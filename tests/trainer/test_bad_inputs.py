@@ -29,6 +29,7 @@ from mmrl.trainer.main import main
 from mmrl.trainer.preflight import preflight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))  # tests/data/_av.py: audio and video
+import _warm_start as warm
 from _av import grey_frames, tone, write_video, write_wav  # noqa: E402
 
 # a case that takes longer did more than check inputs (Ray, a model's weights); a worker's first case also
@@ -389,7 +390,7 @@ def test_audio_at_another_rate_or_silent_is_no_error(inputs, media, clip):
 
 def _terminal(argv: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "MMRL_DEBUG": "0"}
-    return subprocess.run(
+    return warm.run(
         [sys.executable, "-m", "mmrl.trainer.main", *argv],
         cwd=REPO_ROOT,
         env=env,

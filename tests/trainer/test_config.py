@@ -8,10 +8,10 @@ import glob
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
+import _warm_start as warm
 import pytest
 import yaml
 
@@ -667,7 +667,7 @@ def test_example_config_render_follows_the_schema():
 
 
 def test_cli_user_error_exits_2_without_traceback(tmp_path):
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "mmrl.trainer.main", "data.max_pixel=3"],
         capture_output=True,
         text=True,
@@ -681,7 +681,7 @@ def test_cli_user_error_exits_2_without_traceback(tmp_path):
 
 def test_cli_dry_run_prints_resolved_config(run_files, tmp_path):
     args = valid_args(run_files)
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "mmrl.trainer.main", *args, "--dry-run"],
         capture_output=True,
         text=True,
@@ -765,7 +765,7 @@ def test_every_problem_is_reported_in_one_pass(tmp_path, run_files):
 
 
 def test_cli_reports_every_problem_and_exits_2(tmp_path, run_files):
-    result = subprocess.run(
+    result = warm.run(
         [
             sys.executable,
             "-m",

@@ -10,9 +10,9 @@ mid-trajectory; the metrics show the calls and the step trains on the model's to
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
+import _warm_start as warm
 import pytest
 import torch
 from _trainer_run import REPO_ROOT, ZOOM_CENTER_TOOL, run_main, small_run_overrides
@@ -74,7 +74,7 @@ def test_lora_run_trains_the_adapter_against_the_base_reference_on_tool_trajecto
     assert json.loads((actor_dir / "mmrl_state.json").read_text())["lora"]["rank"] == 4
 
     merged_dir = tmp_path / "merged"
-    subprocess.run(
+    warm.run(
         [
             sys.executable,
             "scripts/model_merger.py",

@@ -14,11 +14,11 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import _warm_start as warm
 import pytest
 from _ray_clients import assert_refuses_other_tokens
 from _trainer_run import REPO_ROOT, small_run_overrides
@@ -66,7 +66,7 @@ def two_node_cluster():
 
 def _run(overrides: list[str], save_dir: Path) -> tuple[str, list[dict]]:
     """The trainer's output and metrics.jsonl rows (it must exit 0)."""
-    run = subprocess.run(
+    run = warm.run(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides],
         cwd=REPO_ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

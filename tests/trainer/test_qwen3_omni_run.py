@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
+import _warm_start as warm
 import pytest
 import torch
 from _trainer_run import REPO_ROOT, small_run_overrides, train_on_both_backends
@@ -94,7 +94,7 @@ def test_the_resumed_step_starts_from_the_saved_one_and_merges_into_weights_that
         "--target_dir",
         str(merged_dir),
     ]
-    subprocess.run(merger, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    warm.run(merger, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
     merged, base = _state(merged_dir), _state(tiny_qwen3_omni_path)  # the full Omni class, thinker.* inside
     assert merged.keys() == base.keys()
     for name in (

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import _warm_start as warm
 import psutil
 import pytest
 import torch
@@ -157,7 +158,7 @@ def start_trainer(
     """The trainer CLI in a new session (its pid is the session id), output to ``log_path``; ``env`` is
     added to the environment."""
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
+        return warm.start(
             [sys.executable, "-m", "mmrl.trainer.main", f"config={config_file}", *extra],
             cwd=REPO_ROOT,
             env=trainer_env(env),
@@ -253,7 +254,7 @@ def logged_steps(save_dir: Path) -> int:
 
 def merge_checkpoint(actor_dir: Path, target_dir: Path, env: dict | None = None) -> None:
     """``scripts/model_merger.py`` on a checkpoint's actor folder; it must succeed."""
-    merge = subprocess.run(
+    merge = warm.run(
         [
             sys.executable,
             "scripts/model_merger.py",
@@ -972,7 +973,7 @@ def test_full_disk_at_save_time_stops_the_run_with_the_last_checkpoint_intact(ru
 def test_invalid_config_exits_2_naming_the_key(tmp_path, tiny_vl_path, shapes_data_dir):
     overrides = trainer_overrides(tiny_vl_path, shapes_data_dir, tmp_path / "run")
     bad = "worker.actor.micro_batch_size_per_device_for_update=3"
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "mmrl.trainer.main", *overrides, bad],
         cwd=REPO_ROOT,
         env=trainer_env(),
