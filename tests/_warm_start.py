@@ -15,11 +15,13 @@ Face cache paths, OpenMP's thread count), so a server serves only commands whose
 its own, except for the ``MMRL_*`` variables (only mmrl reads them, and the server never imports it);
 :func:`start` starts a server for an environment at its second command (a few in the whole suite), and
 the first command of each environment, any other command and commands beyond ``MAX_SERVERS`` servers
-start as plain subprocesses. ``MMRL_COLD_START=1`` turns the servers off.
+start as plain subprocesses. ``MMRL_COLD_START=1`` turns the servers off; ``MMRL_WARM_START_LOG=file`` counts
+warm and cold commands there.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -125,14 +127,19 @@ serve()
 """
 
 COLD = os.environ.get("MMRL_COLD_START", "").strip() not in ("", "0")
-MAX_SERVERS = 3  # per pytest worker: each holds ~0.6 GB
-_servers: dict[tuple, _Server] = {}
-_seen: dict[tuple, int] = {}
+MAX_SERVERS = 3  # per pytest worker, each ~0.5 GB: the least recently used one stops for a new one
+_servers: collections.OrderedDict[tuple, _Server] = collections.OrderedDict()
+_seen: collections.Counter[tuple] = collections.Counter()
 _lock = threading.Lock()
+# read by no library as it is imported: mmrl's own (the server never imports mmrl), and the test that
+# pytest names in every test's environment
+UNREAD_AT_IMPORT = ("MMRL_", "PYTEST_CURRENT_TEST")
 
 
 def _key(env: dict[str, str]) -> tuple:
-    return tuple(sorted((name, value) for name, value in env.items() if not name.startswith("MMRL_")))
+    return tuple(
+        sorted((name, value) for name, value in env.items() if not name.startswith(UNREAD_AT_IMPORT))
+    )
 
 
 class _Server:
@@ -158,7 +165,7 @@ class _Server:
         with self.lock:
             socket.send_fds(self.control, [json.dumps(header).encode()], [*stdio, status.fileno()])
 
-    def close(self) -> None:
+    def close(self) -> None:  # the server leaves at the end of its socket; its commands run on
         self.control.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
@@ -166,19 +173,30 @@ class _Server:
 
 def _server_for(env: dict[str, str]) -> _Server | None:
     """The server of ``env``'s commands; None for the first command of an environment (a server pays
-    for itself from the second) and beyond ``MAX_SERVERS``."""
+    for itself from the second) and once its server died."""
     if COLD:
         return None
     key = _key(env)
     with _lock:
-        _seen[key] = _seen.get(key, 0) + 1
-        server = _servers.get(key)
-        if server is not None:  # one server per environment: a dead one is not replaced
-            return server if server.alive() else None
-        if _seen[key] < 2 or len(_servers) >= MAX_SERVERS:
+        _seen[key] += 1
+        if key in _servers:
+            _servers.move_to_end(key)
+            server = _servers[key]
+            return server if server.alive() else None  # a dead one is not replaced
+        if _seen[key] < 2:
             return None
+        if len(_servers) >= MAX_SERVERS:
+            _servers.popitem(last=False)[1].close()
         server = _servers[key] = _Server(env)
+        _log(f"server {len(_servers)} started")
         return server
+
+
+def _log(line: str) -> None:
+    """A line in ``$MMRL_WARM_START_LOG`` when it names a file: how many commands start warm."""
+    if path := os.environ.get("MMRL_WARM_START_LOG"):
+        with open(path, "a") as log:
+            log.write(f"{os.getpid()} {line}\n")
 
 
 class WarmProcess:
@@ -302,6 +320,7 @@ def start(
     if args[:1] == [sys.executable] and len(args) > 1 and (module or args[1].endswith(".py")):
         header = {"module": module, "args": args[3:] if module else args[1:], "env": env, "cwd": cwd}
         process = _forked(header | {"new_session": start_new_session}, stdout, stderr)
+        _log(f"{'warm' if process else 'cold'} {' '.join(args[1:3])}")
         if process is not None:
             process.args, process._text = args, text
             return process

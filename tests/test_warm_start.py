@@ -3,6 +3,7 @@ arguments, path, working folder, environment, session, output, exit status, and 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -31,9 +32,15 @@ sys.exit(int(sys.argv[2]))
 
 
 @pytest.fixture
-def probe(tmp_path):
+def probe(tmp_path, monkeypatch):
+    """A folder with the probe script; servers of this test's own (the worker's others stay as they are)."""
     (tmp_path / "probe.py").write_text(PROBE)
-    return tmp_path
+    servers = collections.OrderedDict()
+    monkeypatch.setattr(warm, "_servers", servers)
+    monkeypatch.setattr(warm, "_seen", collections.Counter())
+    yield tmp_path
+    for server in servers.values():
+        server.close()
 
 
 def both(args: list[str], **kwargs) -> tuple:
@@ -53,7 +60,7 @@ def test_a_warm_command_gets_what_a_fresh_interpreter_would(probe):
         [sys.executable, str(probe / "probe.py"), "show", "3"],
     ):
         cold, result = both(args, cwd=probe, env=env)
-        assert warm._servers, "the second command of an environment is forked by its server"
+        assert len(warm._servers) == 1, "the second command of an environment is forked by its server"
         assert result.returncode == cold.returncode == 3
         assert json.loads(result.stdout) == json.loads(cold.stdout)
         assert result.stderr == cold.stderr == "to stderr\n"
