@@ -127,8 +127,8 @@ serve()
 """
 
 COLD = os.environ.get("MMRL_COLD_START", "").strip() not in ("", "0")
-MAX_SERVERS = 3  # per pytest worker, each ~0.5 GB: the least recently used one stops for a new one
-_servers: collections.OrderedDict[tuple, _Server] = collections.OrderedDict()
+MAX_SERVERS = 3  # per pytest worker, each ~0.5 GB: the least used one stops for a new one
+_servers: dict[tuple, _Server] = {}
 _seen: collections.Counter[tuple] = collections.Counter()
 _lock = threading.Lock()
 # read by no library as it is imported: mmrl's own (the server never imports mmrl), and the test that
@@ -180,13 +180,12 @@ def _server_for(env: dict[str, str]) -> _Server | None:
     with _lock:
         _seen[key] += 1
         if key in _servers:
-            _servers.move_to_end(key)
             server = _servers[key]
             return server if server.alive() else None  # a dead one is not replaced
         if _seen[key] < 2:
             return None
-        if len(_servers) >= MAX_SERVERS:
-            _servers.popitem(last=False)[1].close()
+        if len(_servers) >= MAX_SERVERS:  # the least used one makes room (the trainer runs' own stays)
+            _servers.pop(min(_servers, key=lambda known: _seen[known])).close()
         server = _servers[key] = _Server(env)
         _log(f"server {len(_servers)} started")
         return server

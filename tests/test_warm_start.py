@@ -35,7 +35,7 @@ sys.exit(int(sys.argv[2]))
 def probe(tmp_path, monkeypatch):
     """A folder with the probe script; servers of this test's own (the worker's others stay as they are)."""
     (tmp_path / "probe.py").write_text(PROBE)
-    servers = collections.OrderedDict()
+    servers = {}
     monkeypatch.setattr(warm, "_servers", servers)
     monkeypatch.setattr(warm, "_seen", collections.Counter())
     yield tmp_path
