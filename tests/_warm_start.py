@@ -2,7 +2,7 @@
 
 Every trainer command a test runs (runs to the end, killed runs, CLI runs that stop at a bad input)
 starts a Python that imports torch, transformers with its processors, Ray and OmegaConf before it
-reads its config: ~7 CPU-s on a 2-core AVX2 machine, for each of the suite's ~100 commands. Here a
+reads its config: ~8.5 CPU-s on a 2-core AVX2 machine, for each of the suite's ~60 commands. Here a
 server process per pytest worker imports those libraries once and forks a child per command. The
 child is the command: its own pid, process group and session (``start_new_session``), stdin, stdout
 and stderr, working folder, ``sys.argv``, ``sys.path[0]`` and environment as ``python -m`` would give
@@ -12,10 +12,11 @@ answers as much of :class:`subprocess.Popen` as the tests use.
 
 The libraries read some environment variables when they are imported (Ray's ``RAY_*``, the Hugging
 Face cache paths, OpenMP's thread count), so a server serves only commands whose environment equals
-its own, except for the ``MMRL_*`` variables (only mmrl reads them, and the server never imports it);
-:func:`start` starts a server for an environment at its second command (a few in the whole suite), and
+its own, except for the ``MMRL_*`` variables (only mmrl reads them, and the server never imports it)
+and pytest's ``PYTEST_CURRENT_TEST``; :func:`start` starts a server for an environment at its second command (a few in the whole suite), and
 the first command of each environment, any other command and commands beyond ``MAX_SERVERS`` servers
-start as plain subprocesses. ``MMRL_COLD_START=1`` turns the servers off; ``MMRL_WARM_START_LOG=file`` counts
+start as plain subprocesses. Not multiprocessing's forkserver: it has one environment per process,
+and its children leave by ``os._exit``, past Ray's atexit shutdown. ``MMRL_COLD_START=1`` turns the servers off; ``MMRL_WARM_START_LOG=file`` counts
 warm and cold commands there.
 """
 
@@ -224,12 +225,12 @@ class WarmProcess:
             return False
         finally:
             self._status.settimeout(None)
+        self._status.close()
         if len(data) < 16:  # the server died before the child: its status is lost
             self.returncode = -signal.SIGKILL
             return True
         _, status = struct.unpack("<qq", data)
         self.returncode = os.waitstatus_to_exitcode(status)
-        self._status.close()
         return True
 
     def communicate(self, timeout: float | None = None) -> tuple:
@@ -282,8 +283,8 @@ class WarmProcess:
 
 
 def _stdio_fd(spec, default: int, closers: list) -> tuple[int, object]:
-    """The fd the child gets for ``spec`` (PIPE, DEVNULL, STDOUT is handled by the caller, a file, None:
-    inherit), and our end of a pipe."""
+    """The fd the child gets for ``spec`` (PIPE, DEVNULL, a file, or None: ``default``, this process's
+    own), and our end of a PIPE; fds to close once the server has them go to ``closers``."""
     if spec is None:
         return default, None
     if spec == subprocess.DEVNULL:
@@ -335,7 +336,7 @@ def _forked(header: dict, stdout, stderr) -> WarmProcess | None:
     if server is None:
         return None
     closers: list[int] = []
-    pipes = []
+    pipes, ours = [], None
     try:
         stdin_fd, _ = _stdio_fd(subprocess.DEVNULL, 0, closers)
         out_fd, out_pipe = _stdio_fd(stdout, 1, closers)
@@ -350,8 +351,9 @@ def _forked(header: dict, stdout, stderr) -> WarmProcess | None:
     except OSError as err:  # the server is gone: every later command of its environment starts cold
         print(f"warm start: no server for this environment ({err}); plain subprocesses", file=sys.stderr)
         server.broken = True
-        for pipe in pipes:
-            pipe.close()
+        for pipe in [*pipes, ours]:
+            if pipe is not None:
+                pipe.close()
         return None
     finally:
         for fd in closers:
