@@ -33,8 +33,11 @@ sys.exit(int(sys.argv[2]))
 
 @pytest.fixture
 def probe(tmp_path, monkeypatch):
-    """A folder with the probe script; servers of this test's own (the worker's others stay as they are)."""
+    """A folder with the probe script; servers of this test's own (the worker's others stay as they are),
+    preloading one small module: what a server imported does not change what its commands get, and its
+    real imports (~8 CPU-s a server) run under every trainer command of the suite."""
     (tmp_path / "probe.py").write_text(PROBE)
+    monkeypatch.setattr(warm, "PRELOAD", ("json",))
     servers = {}
     monkeypatch.setattr(warm, "_servers", servers)
     monkeypatch.setattr(warm, "_seen", collections.Counter())
