@@ -10,6 +10,12 @@ kernel writes one record per process as it exits, with its whole CPU time (BSD p
 checkpoint) on each rollout backend, ``--repeats`` times, interleaved. The table holds the medians
 per kind of process (the rank, the driver, Ray's own processes, compilation's helpers) and the run's
 wall time; ``bench/results/run_cost.json`` keeps every record.
+
+    python bench/run_cost.py --suite [--pytest-args "-k lengths"]
+
+runs ``make test`` (what CI runs) instead, once, and prints its CPU seconds by kind of process, the
+share of the machine's cores it kept busy, and its wall time (``bench/results/suite_cost.json``). This
+process is the suite's subreaper, so a process whose parent exits first stays in the suite's lineage.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from harness import REPO, markdown_table, write_json
+from harness import REPO, busy_cpu_seconds, markdown_table, write_json
 
 # struct acct_v3 (linux/acct.h): flag, version, tty, exitcode, uid, gid, pid, ppid, btime, etime,
 # utime, stime, mem, io, rw, minflt, majflt, swaps (comp_t each), comm[16]
@@ -129,12 +135,106 @@ def one_run(config: str, backend: str, save_dir: str) -> dict:
     return {"wall_s": wall_s, "cpu_s": kinds, "processes": processes, "records": records}
 
 
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+SUITE_KINDS = (  # a process's command name (``comm``, 15 characters) → its kind, first match wins
+    ("ray::_WorkerHos", "training ranks (Ray actors)"),
+    ("ray::RewardScor", "reward workers"),
+    ("VLLM::", "vLLM's engine processes"),
+    ("[pytest-xdist", "the pytest workers (the tests in-process)"),
+    (RAY_HELPERS + ("ray::IDLE", "ray::Idle"), "Ray's own native processes and agents"),
+)
+
+
+def suite_kind(record: dict, by_pid: dict[int, dict], root: int) -> str | None:
+    """What ``record``'s process was to the suite run under ``root`` (this process, its subreaper):
+    None when it is not the suite's. A Python process is told by where it sits: started by a pytest
+    worker, further down (a forked trainer driver, Ray's helpers, gloo ranks), or adopted by ``root``
+    when its parent exited first."""
+    lineage, pid = [], record["pid"]
+    while pid in by_pid and pid != root and len(lineage) < 64:  # (the kernel may write one for root too)
+        lineage.append(by_pid[pid])
+        pid = by_pid[pid]["ppid"]
+    if pid != root or not lineage:
+        return None
+    comm = record["comm"]
+    for prefix, kind in SUITE_KINDS:
+        if comm.startswith(prefix):
+            return kind
+    if comm != "python":
+        return "other programs (make, shells, compilers, trackers' helpers)"
+    parent = by_pid.get(record["ppid"])
+    if record["ppid"] == root:
+        return "Python processes whose parent exited first"
+    if parent is not None and parent["comm"].startswith("[pytest-xdist"):
+        return "Python processes a test starts (trainer commands, CLI checks, merges, warm servers)"
+    if any(ancestor["comm"].startswith("ray::") for ancestor in lineage[1:]):
+        return "processes Ray's actors start"
+    if any(ancestor["comm"].startswith("[pytest-xdist") for ancestor in lineage[1:]):
+        return "their Python children (forked trainer drivers, Ray's helpers, gloo ranks)"
+    return "pytest's main process"
+
+
+def suite_cost(pytest_args: str) -> None:
+    """``make test`` under process accounting: its CPU by kind of process, printed and written."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise SystemExit(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+    command = ["make", "test", *([f"PYTEST_ARGS={pytest_args}"] if pytest_args else [])]
+    with accounting() as path:
+        busy_before, started = busy_cpu_seconds(), time.perf_counter()
+        run = subprocess.run(command, cwd=REPO)
+        wall_s, busy_s = time.perf_counter() - started, busy_cpu_seconds() - busy_before
+        time.sleep(3)  # what outlives the suite ends (its Ray sessions' last helpers)
+    with contextlib.suppress(ChildProcessError):  # the adopted ones
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    with open(path, "rb") as records_file:
+        records = read_records(records_file.read())
+    os.unlink(path)
+    by_pid = {record["pid"]: record for record in records}
+    cpu: dict[str, float] = {}
+    processes: dict[str, int] = {}
+    for record in records:
+        if (kind := suite_kind(record, by_pid, os.getpid())) is not None:
+            cpu[kind] = cpu.get(kind, 0.0) + record["cpu_s"]
+            processes[kind] = processes.get(kind, 0) + 1
+    total = sum(cpu.values())
+    rows = [
+        [kind, f"{seconds:,.0f}", f"{100 * seconds / total:.0f} %", processes[kind]]
+        for kind, seconds in sorted(cpu.items(), key=lambda item: -item[1])
+    ]
+    rows.append(["all", f"{total:,.0f}", "", sum(processes.values())])
+    print(markdown_table(["kind", "CPU-s", "share", "processes"], rows))
+    cores = os.cpu_count() or 1
+    print(
+        f"`{' '.join(command)}` exited {run.returncode} after {wall_s / 60:.1f} min; the machine's "
+        f"{cores} cores were busy {100 * busy_s / (wall_s * cores):.0f} % of it"
+    )
+    path = write_json(
+        "suite_cost.json",
+        {
+            "command": command,
+            "returncode": run.returncode,
+            "wall_s": wall_s,
+            "busy_cpu_s": busy_s,
+            "cpu_s": cpu,
+        },
+    )
+    print(f"written to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", nargs="*", choices=("hf", "vllm"), default=["hf", "vllm"])
     parser.add_argument("--config", default="examples/tiny_cpu.yaml")
+    parser.add_argument("--suite", action="store_true", help="run `make test` once instead: its CPU by kind")
+    parser.add_argument("--pytest-args", default="", help="with --suite: `make test`'s PYTEST_ARGS")
     args = parser.parse_args()
+    if args.suite:
+        suite_cost(args.pytest_args)
+        return
     runs: dict[str, list[dict]] = {backend: [] for backend in args.backends}
     with tempfile.TemporaryDirectory(prefix="mmrl-run-cost-") as scratch:
         for repeat in range(args.repeats):

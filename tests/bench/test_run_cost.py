@@ -67,3 +67,44 @@ def test_a_record_of_another_version_is_refused(bench):
     data = bench.RECORD.pack(0, 2, 0, 0, 0, 0, 1, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, b"x")
     with pytest.raises(SystemExit, match="version-3"):
         bench.read_records(data)
+
+
+def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
+    root, make, pytest_main, worker, server, driver, raylet = 5, 6, 7, 8, 9, 10, 11
+    data = b"".join(
+        [
+            _record(bench, make, root, "make", 1),
+            _record(bench, pytest_main, make, "python", 100),
+            _record(bench, worker, pytest_main, "[pytest-xdist i", 3000),
+            _record(bench, server, worker, "python", 800),  # a warm server the test started
+            _record(bench, driver, server, "python", 250),  # a trainer command it forked
+            _record(bench, 12, driver, "python", 90),  # Ray's dashboard head, started by the driver
+            _record(bench, raylet, driver, "raylet", 40),
+            _record(bench, 13, raylet, "ray::_WorkerHost", 1000),
+            _record(bench, 14, 13, "python", 20),  # a compile worker of the rank
+            _record(bench, 15, raylet, "ray::RewardScorer", 200),
+            _record(bench, 16, root, "python", 150),  # a gloo rank whose forkserver exited first
+            _record(bench, 17, 1, "python", 300),  # a process of the machine, not the suite's
+            _record(bench, 18, 4, "ray::_WorkerHost", 300),  # nor another job's rank
+            _record(bench, root, 4, "python", 10),  # nor the bench (a record of its pid may come)
+        ]
+    )
+    records = bench.read_records(data)
+    by_pid = {record["pid"]: record for record in records}
+    kinds = [bench.suite_kind(record, by_pid, root) for record in records]
+    assert kinds == [
+        "other programs (make, shells, compilers, trackers' helpers)",
+        "pytest's main process",
+        "the pytest workers (the tests in-process)",
+        "Python processes a test starts (trainer commands, CLI checks, merges, warm servers)",
+        "their Python children (forked trainer drivers, Ray's helpers, gloo ranks)",
+        "their Python children (forked trainer drivers, Ray's helpers, gloo ranks)",
+        "Ray's own native processes and agents",
+        "training ranks (Ray actors)",
+        "processes Ray's actors start",
+        "reward workers",
+        "Python processes whose parent exited first",
+        None,
+        None,
+        None,
+    ]
