@@ -175,6 +175,21 @@ def suite_kind(record: dict, by_pid: dict[int, dict], root: int) -> str | None:
     return "pytest's main process"
 
 
+def reap_until(pid: int | None) -> int | None:
+    """Reap this process's children, its own and those it adopted as their subreaper, as they exit
+    (an unreaped one stays a zombie, which tests that count what a run left behind would see), until
+    ``pid`` exits: its exit status; with None, those that have exited now."""
+    while True:
+        try:
+            child, status = os.waitpid(-1, 0 if pid is not None else os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if pid is None and child == 0:
+            return None
+        if child == pid:
+            return os.waitstatus_to_exitcode(status)
+
+
 def suite_cost(pytest_args: str) -> None:
     """``make test`` under process accounting: its CPU by kind of process, printed and written."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -183,12 +198,11 @@ def suite_cost(pytest_args: str) -> None:
     command = ["make", "test", *([f"PYTEST_ARGS={pytest_args}"] if pytest_args else [])]
     with accounting() as path:
         busy_before, started = busy_cpu_seconds(), time.perf_counter()
-        run = subprocess.run(command, cwd=REPO)
+        make = subprocess.Popen(command, cwd=REPO)
+        returncode = make.returncode = reap_until(make.pid)
         wall_s, busy_s = time.perf_counter() - started, busy_cpu_seconds() - busy_before
         time.sleep(3)  # what outlives the suite ends (its Ray sessions' last helpers)
-    with contextlib.suppress(ChildProcessError):  # the adopted ones
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+        reap_until(None)
     with open(path, "rb") as records_file:
         records = read_records(records_file.read())
     os.unlink(path)
@@ -208,14 +222,14 @@ def suite_cost(pytest_args: str) -> None:
     print(markdown_table(["kind", "CPU-s", "share", "processes"], rows))
     cores = os.cpu_count() or 1
     print(
-        f"`{' '.join(command)}` exited {run.returncode} after {wall_s / 60:.1f} min; the machine's "
+        f"`{' '.join(command)}` exited {returncode} after {wall_s / 60:.1f} min; the machine's "
         f"{cores} cores were busy {100 * busy_s / (wall_s * cores):.0f} % of it"
     )
     path = write_json(
         "suite_cost.json",
         {
             "command": command,
-            "returncode": run.returncode,
+            "returncode": returncode,
             "wall_s": wall_s,
             "busy_cpu_s": busy_s,
             "cpu_s": cpu,
