@@ -55,7 +55,9 @@ def read_records(data: bytes) -> list[dict]:
             raise SystemExit(f"not a version-3 process accounting record at byte {offset}")
         comm = fields[-1].split(b"\0")[0].decode(errors="replace")
         cpu_s = (comp_t(fields[10]) + comp_t(fields[11])) / TICKS_PER_S
-        records.append({"pid": fields[6], "ppid": fields[7], "comm": comm, "cpu_s": cpu_s})
+        records.append(
+            {"pid": fields[6], "ppid": fields[7], "comm": comm, "cpu_s": cpu_s, "started": fields[8]}
+        )
     return records
 
 
@@ -146,16 +148,33 @@ SUITE_KINDS = (  # a process's command name (``comm``, 15 characters) → its ki
 )
 
 
-def suite_kind(record: dict, by_pid: dict[int, dict], root: int) -> str | None:
+def records_by_pid(records: list[dict]) -> dict[int, list[dict]]:
+    """Each pid's records, in the order they were written: a suite outlives the kernel's 32,768 pids,
+    so a pid may be reused."""
+    by_pid: dict[int, list[dict]] = {}
+    for record in records:
+        by_pid.setdefault(record["pid"], []).append(record)
+    return by_pid
+
+
+def parent_of(record: dict, by_pid: dict[int, list[dict]]) -> dict | None:
+    """The record of ``record``'s parent: of the processes that held its parent's pid, the last one
+    started before it (None when the parent had not exited when the records were read)."""
+    earlier = [other for other in by_pid.get(record["ppid"], []) if other["started"] <= record["started"]]
+    return max(reversed(earlier), key=lambda other: other["started"], default=None)  # ties: the last
+
+
+def suite_kind(record: dict, by_pid: dict[int, list[dict]], root: int) -> str | None:
     """What ``record``'s process was to the suite run under ``root`` (this process, its subreaper):
     None when it is not the suite's. A Python process is told by where it sits: started by a pytest
     worker, further down (a forked trainer driver, Ray's helpers, gloo ranks), or adopted by ``root``
     when its parent exited first."""
-    lineage, pid = [], record["pid"]
-    while pid in by_pid and pid != root and len(lineage) < 64:  # (the kernel may write one for root too)
-        lineage.append(by_pid[pid])
-        pid = by_pid[pid]["ppid"]
-    if pid != root or not lineage:
+    lineage, current = [record], record
+    while current["ppid"] != root and len(lineage) < 64:  # (the kernel may write one of root's pid too)
+        if (current := parent_of(current, by_pid)) is None:
+            return None
+        lineage.append(current)
+    if current["ppid"] != root or record["pid"] == root:
         return None
     comm = record["comm"]
     for prefix, kind in SUITE_KINDS:
@@ -163,7 +182,7 @@ def suite_kind(record: dict, by_pid: dict[int, dict], root: int) -> str | None:
             return kind
     if comm != "python":
         return "other programs (make, shells, compilers, trackers' helpers)"
-    parent = by_pid.get(record["ppid"])
+    parent = parent_of(record, by_pid)
     if record["ppid"] == root:
         return "Python processes whose parent exited first"
     if parent is not None and parent["comm"].startswith("[pytest-xdist"):
@@ -206,7 +225,7 @@ def suite_cost(pytest_args: str) -> None:
     with open(path, "rb") as records_file:
         records = read_records(records_file.read())
     os.unlink(path)
-    by_pid = {record["pid"]: record for record in records}
+    by_pid = records_by_pid(records)
     cpu: dict[str, float] = {}
     processes: dict[str, int] = {}
     for record in records:
@@ -233,8 +252,12 @@ def suite_cost(pytest_args: str) -> None:
             "wall_s": wall_s,
             "busy_cpu_s": busy_s,
             "cpu_s": cpu,
+            "root": os.getpid(),
+            "records": records,
         },
     )
+    if returncode != 0:
+        raise SystemExit(returncode)
     print(f"written to {path}")
 
 

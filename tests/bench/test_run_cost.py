@@ -22,9 +22,9 @@ def bench():
     return module
 
 
-def _record(bench, pid: int, ppid: int, comm: str, utime: int, stime: int = 0) -> bytes:
+def _record(bench, pid: int, ppid: int, comm: str, utime: int, stime: int = 0, started: int = 100) -> bytes:
     return bench.RECORD.pack(
-        0, 3, 0, 0, 0, 0, pid, ppid, 0, 0.0, utime, stime, 0, 0, 0, 0, 0, 0, comm.encode()
+        0, 3, 0, 0, 0, 0, pid, ppid, started, 0.0, utime, stime, 0, 0, 0, 0, 0, 0, comm.encode()
     )
 
 
@@ -46,7 +46,13 @@ def test_records_are_decoded_and_sorted_by_kind(bench):
         ]
     )
     records = bench.read_records(data)
-    assert records[2] == {"pid": rank, "ppid": raylet, "comm": "ray::_WorkerHost", "cpu_s": 10.0}
+    assert records[2] == {
+        "pid": rank,
+        "ppid": raylet,
+        "comm": "ray::_WorkerHost",
+        "cpu_s": 10.0,
+        "started": 100,
+    }
     by_pid = {record["pid"]: record for record in records}
     kinds = [bench.kind_of(record, by_pid, driver) for record in records]
     assert kinds == [
@@ -73,9 +79,9 @@ def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
     root, make, pytest_main, worker, server, driver, raylet = 5, 6, 7, 8, 9, 10, 11
     data = b"".join(
         [
-            _record(bench, make, root, "make", 1),
-            _record(bench, pytest_main, make, "python", 100),
-            _record(bench, worker, pytest_main, "[pytest-xdist i", 3000),
+            _record(bench, make, root, "make", 1, started=80),
+            _record(bench, pytest_main, make, "python", 100, started=80),
+            _record(bench, worker, pytest_main, "[pytest-xdist i", 3000, started=80),
             _record(bench, server, worker, "python", 800),  # a warm server the test started
             _record(bench, driver, server, "python", 250),  # a trainer command it forked
             _record(bench, 12, driver, "python", 90),  # Ray's dashboard head, started by the driver
@@ -87,10 +93,15 @@ def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
             _record(bench, 17, 1, "python", 300),  # a process of the machine, not the suite's
             _record(bench, 18, 4, "ray::_WorkerHost", 300),  # nor another job's rank
             _record(bench, root, 4, "python", 10),  # nor the bench (a record of its pid may come)
+            # pids come round again: the server's pid held before by a test's shell, then by a later
+            # rank; the driver's parent is the one of them that started last before it
+            _record(bench, server, worker, "bash", 1, started=90),
+            _record(bench, server, raylet, "ray::_WorkerHost", 5, started=200),
         ]
     )
     records = bench.read_records(data)
-    by_pid = {record["pid"]: record for record in records}
+    by_pid = bench.records_by_pid(records)
+    assert bench.parent_of(records[4], by_pid) is records[3]
     kinds = [bench.suite_kind(record, by_pid, root) for record in records]
     assert kinds == [
         "other programs (make, shells, compilers, trackers' helpers)",
@@ -107,4 +118,6 @@ def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
         None,
         None,
         None,
+        "other programs (make, shells, compilers, trackers' helpers)",
+        "training ranks (Ray actors)",
     ]
