@@ -189,7 +189,8 @@ def suite_kind(record: dict, by_pid: dict[int, list[dict]], root: int) -> str | 
         return "Python processes a test starts (trainer commands, CLI checks, merges, warm servers)"
     if any(ancestor["comm"].startswith("ray::") for ancestor in lineage[1:]):
         return "processes Ray's actors start"
-    if any(ancestor["comm"].startswith("[pytest-xdist") for ancestor in lineage[1:]):
+    if lineage[-1]["comm"] == "python" or any(a["comm"].startswith("[pytest-xdist") for a in lineage[1:]):
+        # under a pytest worker, or under a server the root adopted when its worker exited first
         return "their Python children (forked trainer drivers, Ray's helpers, gloo ranks)"
     return "pytest's main process"
 

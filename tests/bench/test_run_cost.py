@@ -97,6 +97,9 @@ def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
             # rank; the driver's parent is the one of them that started last before it
             _record(bench, server, worker, "bash", 1, started=90),
             _record(bench, server, raylet, "ray::_WorkerHost", 5, started=200),
+            # a command forked by a warm server that outlived its pytest worker (root adopted it)
+            _record(bench, 19, 20, "python", 300, started=300),
+            _record(bench, 20, root, "python", 800, started=250),
         ]
     )
     records = bench.read_records(data)
@@ -120,4 +123,6 @@ def test_a_suites_processes_are_sorted_by_kind_and_by_where_they_sit(bench):
         None,
         "other programs (make, shells, compilers, trackers' helpers)",
         "training ranks (Ray actors)",
+        "their Python children (forked trainer drivers, Ray's helpers, gloo ranks)",
+        "Python processes whose parent exited first",
     ]
