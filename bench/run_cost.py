@@ -61,13 +61,37 @@ def read_records(data: bytes) -> list[dict]:
     return records
 
 
-def kind_of(record: dict, by_pid: dict[int, dict], driver: int) -> str | None:
+def records_by_pid(records: list[dict]) -> dict[int, list[dict]]:
+    """Each pid's records, in the order they were written: a suite outlives the kernel's 32,768 pids,
+    so a pid may be reused."""
+    by_pid: dict[int, list[dict]] = {}
+    for record in records:
+        by_pid.setdefault(record["pid"], []).append(record)
+    return by_pid
+
+
+def parent_of(record: dict, by_pid: dict[int, list[dict]]) -> dict | None:
+    """The record of ``record``'s parent: of the processes that held its parent's pid, the last one
+    started before it (None when the parent had not exited when the records were read)."""
+    earlier = [other for other in by_pid.get(record["ppid"], []) if other["started"] <= record["started"]]
+    return max(reversed(earlier), key=lambda other: other["started"], default=None)  # ties: the last
+
+
+def lineage_of(record: dict, by_pid: dict[int, list[dict]], root: int | None = None) -> list[dict]:
+    """``record``, then its recorded ancestors (those that exited too), up to the one whose parent is
+    ``root`` (the kernel may write a record of ``root``'s pid too: the walk stops short of it)."""
+    lineage = [record]
+    while lineage[-1]["ppid"] != root and len(lineage) < 64:
+        if (parent := parent_of(lineage[-1], by_pid)) is None:
+            break
+        lineage.append(parent)
+    return lineage
+
+
+def kind_of(record: dict, by_pid: dict[int, list[dict]], driver: int) -> str | None:
     """What ``record``'s process was to the run whose driver is ``driver``; None when it is not one of
     the run's (every process of a run descends from its driver: Ray's too, the driver starts them)."""
-    lineage, pid = [], record["pid"]
-    while pid in by_pid and len(lineage) < 64:  # the process, then its ancestors that exited too
-        lineage.append(by_pid[pid])
-        pid = by_pid[pid]["ppid"]
+    lineage = lineage_of(record, by_pid)
     if not any(ancestor["pid"] == driver for ancestor in lineage):
         return None
     comm = record["comm"]
@@ -126,7 +150,7 @@ def one_run(config: str, backend: str, save_dir: str) -> dict:
     if run.returncode != 0:
         raise SystemExit(f"the {backend} run failed:\n{run.stderr.decode(errors='replace')[-3000:]}")
     driver = next(r["pid"] for r in records if r["comm"] == "python" and r["ppid"] == os.getpid())
-    by_pid = {record["pid"]: record for record in records}
+    by_pid = records_by_pid(records)
     kinds: dict[str, float] = {}
     processes: dict[str, int] = {}
     for record in records:
@@ -148,33 +172,13 @@ SUITE_KINDS = (  # a process's command name (``comm``, 15 characters) → its ki
 )
 
 
-def records_by_pid(records: list[dict]) -> dict[int, list[dict]]:
-    """Each pid's records, in the order they were written: a suite outlives the kernel's 32,768 pids,
-    so a pid may be reused."""
-    by_pid: dict[int, list[dict]] = {}
-    for record in records:
-        by_pid.setdefault(record["pid"], []).append(record)
-    return by_pid
-
-
-def parent_of(record: dict, by_pid: dict[int, list[dict]]) -> dict | None:
-    """The record of ``record``'s parent: of the processes that held its parent's pid, the last one
-    started before it (None when the parent had not exited when the records were read)."""
-    earlier = [other for other in by_pid.get(record["ppid"], []) if other["started"] <= record["started"]]
-    return max(reversed(earlier), key=lambda other: other["started"], default=None)  # ties: the last
-
-
 def suite_kind(record: dict, by_pid: dict[int, list[dict]], root: int) -> str | None:
     """What ``record``'s process was to the suite run under ``root`` (this process, its subreaper):
     None when it is not the suite's. A Python process is told by where it sits: started by a pytest
     worker, further down (a forked trainer driver, Ray's helpers, gloo ranks), or adopted by ``root``
     when its parent exited first."""
-    lineage, current = [record], record
-    while current["ppid"] != root and len(lineage) < 64:  # (the kernel may write one of root's pid too)
-        if (current := parent_of(current, by_pid)) is None:
-            return None
-        lineage.append(current)
-    if current["ppid"] != root or record["pid"] == root:
+    lineage = lineage_of(record, by_pid, root)
+    if lineage[-1]["ppid"] != root or record["pid"] == root:
         return None
     comm = record["comm"]
     for prefix, kind in SUITE_KINDS:
@@ -182,10 +186,9 @@ def suite_kind(record: dict, by_pid: dict[int, list[dict]], root: int) -> str | 
             return kind
     if comm != "python":
         return "other programs (make, shells, compilers, trackers' helpers)"
-    parent = parent_of(record, by_pid)
     if record["ppid"] == root:
         return "Python processes whose parent exited first"
-    if parent is not None and parent["comm"].startswith("[pytest-xdist"):
+    if lineage[1]["comm"].startswith("[pytest-xdist"):  # its parent
         return "Python processes a test starts (trainer commands, CLI checks, merges, warm servers)"
     if any(ancestor["comm"].startswith("ray::") for ancestor in lineage[1:]):
         return "processes Ray's actors start"
@@ -257,9 +260,9 @@ def suite_cost(pytest_args: str) -> None:
             "records": records,
         },
     )
+    print(f"written to {path}")
     if returncode != 0:
         raise SystemExit(returncode)
-    print(f"written to {path}")
 
 
 def main() -> None:

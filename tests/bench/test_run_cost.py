@@ -53,7 +53,7 @@ def test_records_are_decoded_and_sorted_by_kind(bench):
         "cpu_s": 10.0,
         "started": 100,
     }
-    by_pid = {record["pid"]: record for record in records}
+    by_pid = bench.records_by_pid(records)
     kinds = [bench.kind_of(record, by_pid, driver) for record in records]
     assert kinds == [
         "started by a rank",
