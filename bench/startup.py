@@ -1,6 +1,6 @@
 """What a run's processes spend importing, with Python's cyclic garbage collector on and paused.
 
-    python bench/startup.py [--repeats 5] [--config examples/tiny_cpu.yaml] [--roles driver ...]
+    python bench/startup.py [--repeats 5] [--config examples/tiny_cpu.yaml] [--roles driver ...] [--size 3b-width]
 
 Every process of a run imports torch and transformers before it does anything (``mmrl.runtime.startup``).
 Each role's start-up runs in a fresh process, ``--repeats`` times with the collector on and as many
@@ -13,7 +13,10 @@ seconds of each (``time.process_time`` in that process):
 - reward worker: the scorer's module and the run's reward sources, built as a reward worker does
   (``mmrl.rewards.scorer``; it is handed decoded responses, so neither torch nor transformers);
 - vLLM engine module: what a rank imports when its rollout is vLLM, after its worker module (not
-  measured: torch and transformers are in by then).
+  measured: torch and transformers are in by then);
+- tokenizer and processor: the config's model's, loaded as the driver (twice: pre-flight, then the
+  trainer) and every training rank load them, after a rank's imports and transformers' (``--size
+  3b-width``: a model of the released vocabulary, what its 151,936 tokens cost).
 
 A second table is what the collections cost once a process runs, with the heap it built at start-up
 left to the collector and frozen out of its way (:func:`mmrl.runtime.startup.freeze_heap`), again
@@ -58,14 +61,27 @@ RewardScorer(pickle.loads(bytes.fromhex(PICKLED_CONFIG)))
     "vLLM engine module": """
 from vllm import LLM
 """,
+    "tokenizer and processor": """
+load_tokenizer_and_processor(MODEL_PATH or MODEL.tokenizer_or_model_path, MODEL.trust_remote_code)
+""",
 }
 # what a role's process has imported before the measured part (a rank imports its worker module first)
-BEFORE = {"vLLM engine module": "import mmrl.workers.fsdp_workers"}
+BEFORE = {
+    "vLLM engine module": "import mmrl.workers.fsdp_workers",
+    "tokenizer and processor": """
+import mmrl.workers.fsdp_workers
+from transformers import AutoProcessor, AutoTokenizer  # transformers' own import is not the load's
+from mmrl.config.loading import load_config
+from mmrl.data.processing import load_tokenizer_and_processor
+MODEL = load_config([f"config={CONFIG}"]).worker.actor.model
+""",
+}
 
 CHILD = """
 import contextlib, json, time
 from mmrl.runtime.startup import collector_paused
 CONFIG = {config!r}
+MODEL_PATH = {model!r}  # --size 3b-width's model folder, else None: the config's model
 PICKLED_CONFIG = {pickled!r}  # the config as Ray hands it to a reward worker
 {before}
 start = time.process_time()
@@ -138,10 +154,15 @@ def after_start_up_seconds(case: str, frozen: bool, config: str) -> float:
     )
 
 
-def cpu_seconds(role: str, paused: bool, config: str) -> float:
+def cpu_seconds(role: str, paused: bool, config: str, model: str | None) -> float:
     pickled = pickled_config(config) if role == "reward worker" else ""
     code = CHILD.format(
-        config=config, pickled=pickled, paused=paused, body=indented(ROLES[role]), before=BEFORE.get(role, "")
+        config=config,
+        model=model,
+        pickled=pickled,
+        paused=paused,
+        body=indented(ROLES[role]),
+        before=BEFORE.get(role, ""),
     )
     return run_child(code)
 
@@ -169,10 +190,24 @@ def main() -> None:
     parser.add_argument("--config", default="examples/tiny_cpu.yaml")
     parser.add_argument("--roles", nargs="*", choices=list(ROLES), default=list(ROLES))
     parser.add_argument("--after", nargs="*", choices=list(AFTER), default=list(AFTER))
+    parser.add_argument(
+        "--size",
+        choices=("config", "3b-width"),
+        default="config",
+        help="the tokenizer and processor row's model: the config's, or mmrl.demo.tiny's 3b-width Qwen2.5-VL "
+        "(the released 151,936-token vocabulary; built under assets/models the first time)",
+    )
     args = parser.parse_args()
+    model = None
+    if args.size == "3b-width":
+        from mmrl.demo.tiny import ensure_tiny_model
+
+        model = str(ensure_tiny_model("qwen2_5_vl", "3b-width", root=REPO / "assets" / "models"))
     results = {
         role: medians(
-            functools.partial(cpu_seconds, role, config=args.config), ("on", "paused"), args.repeats
+            functools.partial(cpu_seconds, role, config=args.config, model=model),
+            ("on", "paused"),
+            args.repeats,
         )
         for role in args.roles
     }

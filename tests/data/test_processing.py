@@ -20,6 +20,36 @@ def dataset(tiny_vl_path, shapes_data_dir) -> PromptDataset:
     return PromptDataset(str(shapes_data_dir / "train.jsonl"), tokenizer, processor, config)
 
 
+def test_a_model_folders_tokenizer_is_read_once_with_the_collector_paused(
+    tiny_vl_path, tiny_text_path, monkeypatch
+):
+    """The multimodal processor holds the tokenizer that is returned (not a second one parsed from the
+    same files), a text model's tokenizer is read once too, and Python's cyclic collector is paused while
+    a vocabulary loads, then on again (together 5.1 -> 2.0 CPU-s for the released vocabulary, in the
+    driver and every rank: bench/startup.py)."""
+    import gc
+
+    from transformers import PreTrainedTokenizerBase
+
+    reads = []  # (class, collector on) of each tokenizer read
+    read = PreTrainedTokenizerBase.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads.append((cls.__name__, gc.isenabled()))
+        return read(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "from_pretrained", classmethod(counted))
+    assert gc.isenabled()
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_vl_path))
+    assert processor.tokenizer is tokenizer
+    assert reads == [(type(tokenizer).__name__, False)]
+    reads.clear()
+    tokenizer, processor = load_tokenizer_and_processor(str(tiny_text_path))
+    assert processor is None
+    assert reads == [(type(tokenizer).__name__, False)]
+    assert gc.isenabled()
+
+
 def test_rows_of_a_prompt_share_its_processed_media_and_phases_reuse_them(dataset):
     prompts = collate_prompts([dataset[i] for i in range(4)], dataset.tokenizer.pad_token_id)
     batch = prompts.repeat(2, interleave=True)  # [a, a, b, b, ...] as generate returns them
