@@ -98,27 +98,26 @@ def load_tokenizer_and_processor(
     # The processor first: it holds the tokenizer (a text model's "processor" is its tokenizer), which is
     # then not parsed a second time; and a vocabulary's many objects load with the collector paused, which
     # would walk them again and again. Both: 5.1 -> 2.0 CPU-s for 151,936 tokens (bench/startup.py)
-    try:
-        with collector_paused():
-            processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        processor_error = None
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        processor, processor_error = None, err
-    if hasattr(processor, "image_processor"):
-        tokenizer = getattr(processor, "tokenizer", None)
-    else:
-        tokenizer = processor if isinstance(processor, PreTrainedTokenizerBase) else None
-        processor = None
-    if tokenizer is None:
+    with collector_paused():
         try:
-            with collector_paused():
+            processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            processor_error = None
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            processor, processor_error = None, err
+        if hasattr(processor, "image_processor"):
+            tokenizer = getattr(processor, "tokenizer", None)
+        else:
+            tokenizer = processor if isinstance(processor, PreTrainedTokenizerBase) else None
+            processor = None
+        if tokenizer is None:
+            try:
                 tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, TypeError, KeyError) as err:  # transformers' ways to say "no tokenizer"
-            raise ModelPathError(
-                f"{key}: no usable tokenizer in '{model_path}' ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                "copy the tokenizer files (tokenizer.json, tokenizer_config.json) from the base model, or set "
-                "worker.actor.model.tokenizer_path to a folder that has them"
-            ) from None
+            except (OSError, ValueError, TypeError, KeyError) as err:  # transformers' "no tokenizer"s
+                raise ModelPathError(
+                    f"{key}: no usable tokenizer in '{model_path}' ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0]}); copy the tokenizer files (tokenizer.json, tokenizer_config.json) "
+                    "from the base model, or set worker.actor.model.tokenizer_path to a folder that has them"
+                ) from None
     if isinstance(processor_error, (TypeError, KeyError)):
         raise processor_error  # the tokenizer loads: the processor itself is broken
     if chat_template_file is not None:
