@@ -5,6 +5,7 @@ update on the CPU, for mmrl and for a plain FSDP2 loop written here.
                             [--micro_batch 4] [--repeats 3] [--gradient_checkpointing]
                             [--baseline plain] [--peak_tflops 989]
     python bench/gpu_mfu.py --sides mmrl:full,mmrl:full+compile,mmrl:off+compile,plain:full,plain:off
+    python bench/gpu_mfu.py --sides mmrl:full+compile,mmrl:28+compile,mmrl:full+compile+keep+hold+once,plain:full
                             [--profile_sides mmrl:full+compile,plain:full]
     python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
     python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
@@ -28,9 +29,15 @@ busy = that kernel time / the median update's seconds. The profiled update's ker
 (matrix products, eager elementwise, compiled Triton kernels, copies and casts, reductions, attention,
 optimizer, collectives) and its top ops and kernels by device time are printed for each side.
 ``--sides`` times several settings in one process on the same weights and batch, each
-``name:checkpointing[+compile]``: ``mmrl`` or ``plain``, ``full`` (whole layers recomputed in the
-backward) or ``off``, ``+compile`` (mmrl only: its decoder layers compiled, the trainer's
-``worker.actor.model.compile_layers``); a side that fails is reported and the others still run.
+``name:checkpointing[+option...]``: ``mmrl`` or ``plain``; ``full`` (whole layers recomputed in the
+backward), ``off``, or a count N (only the first N decoder layers recompute, the others keep their
+activations: the trainer's ``worker.actor.model.gradient_checkpointing_layers``); options ``+compile``
+(mmrl only: its decoder layers compiled, ``worker.actor.model.compile_layers``), ``+keep`` (FSDP keeps
+each unit's gathered parameters from its forward to its backward: ``worker.actor.fsdp.enable_full_shard
+=false``), ``+hold`` (mmrl only: and from a micro-batch's backward to the next one's forward,
+``worker.actor.fsdp.reshard_after_backward=false``), ``+once`` (mmrl only: one gradient reduction per
+optimizer step, ``worker.actor.reduce_grads_once``). A side that fails is reported and the others still
+run.
 ``--profile_sides`` profiles only those (profiling takes an update and its analysis per side). At least
 one mmrl side must run: the figures at the top level of the output are the first one's.
 
@@ -69,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -81,6 +89,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -313,11 +322,14 @@ class MmrlSide:
         packed_attention: str = "sdpa",
         compiled: bool = False,
         reduce_grads_once: bool = False,
+        recomputed: int | None = None,
+        keep_gathered: bool = False,
+        hold_gathered: bool = False,
     ):
         import torch
         import torch.distributed as dist
 
-        from mmrl.config import ActorConfig
+        from mmrl.config import ActorConfig, FSDPConfig
         from mmrl.models.compiled import compile_layers
         from mmrl.models.prepare import prepare_for_training
         from mmrl.workers.actor import PolicyActor
@@ -330,16 +342,27 @@ class MmrlSide:
             model, packing=True, score_tokens=True, packed_attention=packed_attention
         )
         if checkpointing:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, recomputed)
         if compiled:
             compile_layers(model)
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
-        model = apply_fsdp2(model, mesh, param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        model = apply_fsdp2(
+            model,
+            mesh,
+            param_dtype=compute_dtype,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=not keep_gathered,
+        )
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
         self.actor = PolicyActor(
             model,
             ActorConfig(
-                padding_free=True, max_tokens_per_micro_batch=max_tokens, reduce_grads_once=reduce_grads_once
+                padding_free=True,
+                max_tokens_per_micro_batch=max_tokens,
+                reduce_grads_once=reduce_grads_once,
+                fsdp=FSDPConfig(
+                    enable_full_shard=not keep_gathered, reshard_after_backward=not hold_gathered
+                ),
             ),
             optimizer=optimizer,
             device=device,
@@ -392,6 +415,10 @@ class PlainSide:
         response_length: int,
         ragged: bool = False,
         compiled: bool = False,
+        recomputed: int | None = None,
+        keep_gathered: bool = False,
+        reduce_grads_once: bool = False,
+        hold_gathered: bool = False,
         **_,
     ):
         import torch
@@ -403,14 +430,22 @@ class PlainSide:
         self.param_tensors = sum(1 for _ in model.parameters())
         if compiled:
             raise ValueError("the plain loop compiles nothing")
+        if reduce_grads_once:
+            raise ValueError("the plain loop reduces its gradients in every micro-batch")
+        if hold_gathered:
+            raise ValueError("the plain loop reshards its parameters after every backward")
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+            if recomputed is not None:  # a user's two lines: only the first N layers recompute
+                for layer in model.model.language_model.layers[recomputed:]:
+                    layer.gradient_checkpointing = False
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
         for block in [*model.model.language_model.layers, *model.model.visual.blocks]:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        self.model = fully_shard(model, mesh=mesh, mp_policy=policy)
+            shard(block, reshard_after_forward=not keep_gathered)
+        self.model = shard(model)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, fused=True
         )
@@ -710,19 +745,47 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def parse_side(spec: str) -> tuple[str, bool, bool]:
-    """``name:checkpointing[+compile]``, e.g. ``mmrl:full``, ``mmrl:off+compile``, ``plain:full``: the
-    side, whether it checkpoints its layers' activations (``full``: whole layers, recomputed in the
-    backward; ``off``) and whether its decoder layers are compiled (mmrl only: the trainer's
-    ``worker.actor.model.compile_layers``, mmrl.models.compiled)."""
+class Side(NamedTuple):
+    """A ``--sides`` entry (:func:`parse_side`): the side's name and its settings."""
+
+    name: str
+    checkpointing: bool  # decoder layers (some or all) recompute their activations in the backward
+    recomputed: int | None = None  # only the first N decoder layers do (None: every one)
+    compiled: bool = False  # +compile
+    keep: bool = False  # +keep: each unit's gathered parameters kept from its forward to its backward
+    hold: bool = False  # +hold: and from a micro-batch's backward to the next one's forward
+    once: bool = False  # +once: one gradient reduction per optimizer step
+
+
+SIDE_OPTIONS = ("compile", "keep", "hold", "once")
+
+
+def parse_side(spec: str) -> Side:
+    """``name:checkpointing[+option...]``, e.g. ``mmrl:full``, ``mmrl:off+compile``, ``mmrl:28+compile``,
+    ``mmrl:full+compile+keep+once``, ``plain:full``: the side; whether its layers' activations are
+    checkpointed (``full``: every layer's, recomputed in the backward; ``off``; a count N: the first N
+    decoder layers', the trainer's ``gradient_checkpointing_layers``); its options (``compile``: the
+    decoder layers compiled, ``compile_layers``; ``keep``: FSDP's ``reshard_after_forward=False``,
+    ``fsdp.enable_full_shard=false``; ``hold``: ``fsdp.reshard_after_backward=false``; ``once``:
+    ``reduce_grads_once``)."""
     name, _, settings = spec.partition(":")
-    checkpointing, _, compiled = settings.partition("+")
-    if name not in SIDES or checkpointing not in ("off", "full") or compiled not in ("", "compile"):
+    checkpointing, *options = settings.split("+")
+    if (
+        name not in SIDES
+        or not (checkpointing in ("off", "full") or checkpointing.isdigit())
+        or not set(options) <= set(SIDE_OPTIONS)
+        or len(set(options)) < len(options)
+    ):
         raise SystemExit(
-            f"--sides {spec!r}: name:checkpointing[+compile], name one of {', '.join(SIDES)}, checkpointing "
-            "off or full"
+            f"--sides {spec!r}: name:checkpointing[+option...], name one of {', '.join(SIDES)}, "
+            f"checkpointing off, full or a count of decoder layers, options {', '.join(SIDE_OPTIONS)}"
         )
-    return name, checkpointing == "full", compiled == "compile"
+    return Side(
+        name,
+        checkpointing != "off",
+        int(checkpointing) if checkpointing.isdigit() else None,
+        *(option in options for option in SIDE_OPTIONS),
+    )
 
 
 def side_specs(args: argparse.Namespace) -> list[str]:
@@ -741,18 +804,20 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
     figures and the batch."""
     from mmrl.protocol import DataProto
 
-    name, checkpointing, compiled = parse_side(spec)
+    settings = parse_side(spec)
     start = time.perf_counter()
-    side = SIDES[name](
+    side = SIDES[settings.name](
         config,
         device,
         compute_dtype,
-        checkpointing,
+        settings.checkpointing,
         args.response_length,
         max_tokens=getattr(args, "max_tokens", None),
         packed_attention=getattr(args, "attention", "sdpa"),
-        compiled=compiled,
-        **mmrl_options(name, args),
+        compiled=settings.compiled,
+        recomputed=settings.recomputed,
+        keep_gathered=settings.keep,
+        **mmrl_options(settings.name, args, settings.once, settings.hold),
     )
     build_s = time.perf_counter() - start
     if "old_log_probs" not in batch.batch.keys():
@@ -769,9 +834,14 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
     return {**result, "build_s": build_s, "compiled_graphs": compiled_graphs() - graphs}, batch
 
 
-def mmrl_options(name: str, args: argparse.Namespace) -> dict:
-    """Keyword arguments of mmrl's side only: ``--reduce_grads_once`` (``worker.actor.reduce_grads_once``)."""
-    return {"reduce_grads_once": getattr(args, "reduce_grads_once", False)} if name == "mmrl" else {}
+def mmrl_options(name: str, args: argparse.Namespace, once: bool = False, hold: bool = False) -> dict:
+    """Keyword arguments of mmrl's side only: ``--reduce_grads_once`` or a side's ``+once``
+    (``worker.actor.reduce_grads_once``), ``+hold`` (``worker.actor.fsdp.reshard_after_backward``); the
+    plain loop is handed those it was given, to refuse them."""
+    options = {"reduce_grads_once": once, "hold_gathered": hold}
+    if name != "mmrl":
+        return {key: value for key, value in options.items() if value}
+    return {**options, "reduce_grads_once": once or getattr(args, "reduce_grads_once", False)}
 
 
 def compiled_graphs() -> int:

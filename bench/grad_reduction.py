@@ -1,5 +1,6 @@
 """The actor's update on 2 gloo ranks with its gradients reduced in every micro-batch (the default) and
-once per optimizer step (``worker.actor.reduce_grads_once``).
+once per optimizer step (``worker.actor.reduce_grads_once``), and with its parameters also gathered once
+per step (``worker.actor.fsdp.enable_full_shard=false``, ``worker.actor.fsdp.reshard_after_backward=false``).
 
     python bench/grad_reduction.py [--widths 3b] [--layers 2] [--vocab 8192] [--rows 8] [--repeats 3]
 
@@ -7,9 +8,9 @@ Each rank builds the Qwen2.5-VL layout of ``bench/gpu_mfu.py`` (random weights f
 decoder layers, 2 vision blocks, fp32: this CPU emulates bf16), shards it with mmrl's ``apply_fsdp2``
 over both ranks and runs ``PolicyActor.update_policy`` on its half of ``--rows`` text rows in
 micro-batches of one row, ``--repeats`` times after a warm-up, once per setting, each from the same
-weights. The table holds the median update seconds, the reduce-scatters FSDP2 started per update (every
-unit's, counted as they start) and the first update's loss and gradient norm (the same numbers both
-ways, to fp32 rounding). ``bench/results/grad_reduction.json`` keeps them. What is reduced once instead
+weights. The table holds the median update seconds, the all-gathers and reduce-scatters FSDP2 started in
+a timed update (every unit's, counted as they start) and the first update's loss and gradient norm (the
+same numbers every way, to fp32 rounding). ``bench/results/grad_reduction.json`` keeps them. What is reduced once instead
 of per micro-batch is the gradient traffic between ranks: on one rank there is none to save
 (``bench/gpu_mfu.py --reduce_grads_once`` counts that case's ops).
 """
@@ -25,21 +26,31 @@ from pathlib import Path
 from gpu_mfu import build_config, build_model, random_batch
 from harness import markdown_table, write_json
 
-SETTINGS = {"per micro-batch": False, "once per step": True}
+# name -> (reduce_grads_once, parameters gathered once per step)
+SETTINGS = {
+    "per micro-batch": (False, False),
+    "once per step": (True, False),
+    "once per step, parameters gathered once": (True, True),
+}
 
 
-def _counting_reductions() -> list[int]:
-    """A one-element list that counts the reduce-scatters FSDP2 starts in this process from now on."""
+def _counting_collectives() -> dict[str, int]:
+    """Counts of the all-gathers and reduce-scatters FSDP2 starts in this process from now on."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
-    count, reduce = [0], group_module.foreach_reduce
+    counts = {"gathers": 0, "reductions": 0}
+    gather, reduce = group_module.foreach_all_gather, group_module.foreach_reduce
 
-    def counted(*args, **kwargs):
-        count[0] += 1
+    def counted_gather(*args, **kwargs):
+        counts["gathers"] += 1
+        return gather(*args, **kwargs)
+
+    def counted_reduce(*args, **kwargs):
+        counts["reductions"] += 1
         return reduce(*args, **kwargs)
 
-    group_module.foreach_reduce = counted
-    return count
+    group_module.foreach_all_gather, group_module.foreach_reduce = counted_gather, counted_reduce
+    return counts
 
 
 def rank_job(rank: int, world_size: int, options: dict) -> dict:
@@ -47,7 +58,7 @@ def rank_job(rank: int, world_size: int, options: dict) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mmrl.config import ActorConfig
+    from mmrl.config import ActorConfig, FSDPConfig
     from mmrl.models.prepare import prepare_for_training
     from mmrl.protocol import DataProto
     from mmrl.workers.actor import PolicyActor
@@ -60,14 +71,21 @@ def rank_job(rank: int, world_size: int, options: dict) -> dict:
     batch = random_batch(rows, options["prompt_length"], response, options["vocab"], seed=0)
     shard = batch.chunk(world_size)[rank]
     mesh = init_device_mesh("cpu", (world_size,))
-    reductions = _counting_reductions()
+    collectives = _counting_collectives()
     results = {}
-    for name, once in SETTINGS.items():
+    for name, (once, gathered_once) in SETTINGS.items():
         model = build_model(config, device)
         prepare_for_training(model, packing=True, score_tokens=True)
-        model = apply_fsdp2(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model = apply_fsdp2(
+            model,
+            mesh,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=not gathered_once,
+        )
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
-        actor_config = ActorConfig(padding_free=True, reduce_grads_once=once)
+        fsdp = FSDPConfig(enable_full_shard=not gathered_once, reshard_after_backward=not gathered_once)
+        actor_config = ActorConfig(padding_free=True, reduce_grads_once=once, fsdp=fsdp)
         actor = PolicyActor(
             model, actor_config, optimizer=optimizer, device=device, max_response_length=response
         )
@@ -77,14 +95,15 @@ def rank_job(rank: int, world_size: int, options: dict) -> dict:
             data = data.union(DataProto.from_dict(tensors={"old_log_probs": old}))
         seconds, first = [], None
         for repeat in range(options["repeats"] + 1):  # the first is a warm-up
-            before, started = reductions[0], time.perf_counter()
+            before, started = dict(collectives), time.perf_counter()
             metrics = actor.update_policy(data, len(data), 1, ppo_epochs=1, temperature=1.0).metrics
             if repeat == 0:
                 first = {"loss": metrics["pg_loss"], "grad_norm": metrics["grad_norm"]}
-                reduced = reductions[0] - before
             else:
                 seconds.append(time.perf_counter() - started)
-        results[name] = {"update_s": statistics.median(seconds), "reductions": reduced, **first}
+            # of a timed update (the warm-up gathers every unit once more: fsdp_engine._gathered_once)
+            started_collectives = {kind: collectives[kind] - before[kind] for kind in collectives}
+        results[name] = {"update_s": statistics.median(seconds), **started_collectives, **first}
         del actor, model, optimizer
     return results
 
@@ -109,6 +128,7 @@ def main() -> None:
         [
             name,
             f"{results[0][name]['update_s']:.2f}",
+            results[0][name]["gathers"],
             results[0][name]["reductions"],
             f"{results[0][name]['loss']:.6f}",
             f"{results[0][name]['grad_norm']:.6f}",
@@ -120,7 +140,11 @@ def main() -> None:
         f"layers, vocabulary {args.vocab:,}; {args.rows} rows of {args.prompt_length} + {args.response_length} "
         f"tokens, micro-batches of one row ({args.rows // 2} per rank); fp32; median of {args.repeats} (rank 0)\n"
     )
-    print(markdown_table(["gradients reduced", "update s", "reduce-scatters", "loss", "grad norm"], table))
+    print(
+        markdown_table(
+            ["gradients reduced", "update s", "all-gathers", "reduce-scatters", "loss", "grad norm"], table
+        )
+    )
     payload = {"args": options, "ranks": results}
     if args.out is None:
         out = write_json("grad_reduction.json", payload)

@@ -360,7 +360,7 @@ class CriticConfig:
         return self.ulysses_size * self.ring_size
 
     def check(self) -> list[str]:
-        errors: list[str] = []
+        errors = self.model.check_checkpointing("worker.critic.model")
         _check_token_budget(errors, "critic", self.max_tokens_per_micro_batch)
         _check_token_budget(
             errors, "critic", self.max_tokens_per_micro_batch_for_experience, "_for_experience"

@@ -23,6 +23,9 @@ class ModelConfig:
     )
     override_config: dict[str, Any] = field(default_factory=dict)  # entries set on the HF config at load
     enable_gradient_checkpointing: bool = True  # recompute activations in backward (less memory)
+    # with enable_gradient_checkpointing: how many decoder layers recompute theirs, the first N (the
+    # others keep their activations: spare device memory spent on speed, docs/throughput.md); null = all
+    gradient_checkpointing_layers: int | None = None
     # torch.compile each decoder layer (its elementwise work fused: docs/throughput.md); the first steps
     # compile
     compile_layers: bool = False
@@ -31,6 +34,20 @@ class ModelConfig:
     # sequence: measured faster on H100/H200 with torch 2.11, docs/throughput.md) or torch's own
     # variable-length kernel (one call per layer; CUDA bf16/fp16). flash-attn, when installed, serves both
     packed_attention: str = "sdpa"
+
+    def check_checkpointing(self, key: str) -> list[str]:
+        """``gradient_checkpointing_layers`` (``key`` names the section: worker.actor.model, ...)."""
+        layers = self.gradient_checkpointing_layers
+        if layers is None:
+            return []
+        if layers < 0:
+            return [f"{key}.gradient_checkpointing_layers={layers} must be >= 0 (null: every decoder layer)"]
+        if not self.enable_gradient_checkpointing:
+            return [
+                f"{key}.gradient_checkpointing_layers={layers} is set with {key}.enable_gradient_checkpointing="
+                "false: no layer recomputes; set enable_gradient_checkpointing=true or unset the count"
+            ]
+        return []
 
 
 @dataclass(frozen=True)
@@ -95,7 +112,7 @@ class ActorModelConfig(ModelConfig):
 
     def check(self, config: PPOConfig) -> list[str]:
         """The adapter, and the disk cache of frozen towers' encodings."""
-        errors = self.lora.check()
+        errors = self.lora.check() + self.check_checkpointing("worker.actor.model")
         _check_encoding_cache(errors, config)
         return errors
 
@@ -141,6 +158,11 @@ class FSDPConfig:
     enable_full_shard: bool = (
         True  # free gathered parameters after forward (ZeRO-3); false = keep them for backward (ZeRO-2)
     )
+    # false: a micro-batch's backward leaves its gathered parameters for the next micro-batch's forward of
+    # the same optimizer step (no gather between them; the step's last backward reshards), holding the
+    # whole model in the compute dtype on every rank through a step. With enable_full_shard=false and
+    # the role's reduce_grads_once: one gather and one reduction per step
+    reshard_after_backward: bool = True
     enable_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters live on CPU
     # dtype of the stored weights: auto (fp32 for a trained model; a frozen reference: bf16 on GPU,
     # fp32 on CPU) | fp32 | bf16

@@ -227,10 +227,16 @@ def reshard_after_no_grad(model: nn.Module) -> None:
             module.reshard()
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute each layer's activations in backward (non-reentrant, so it composes with FSDP2)."""
+def enable_gradient_checkpointing(model: nn.Module, decoder_layers_recomputed: int | None = None) -> None:
+    """Recompute each layer's activations in backward (non-reentrant, so it composes with FSDP2); with
+    ``decoder_layers_recomputed`` (``gradient_checkpointing_layers``) only the first that many decoder
+    layers recompute and the others keep their activations (a count over the model's layers: all). The
+    towers' blocks recompute either way."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if decoder_layers_recomputed is not None:
+        for layer in decoder_layers(model)[decoder_layers_recomputed:]:
+            layer.gradient_checkpointing = False  # transformers' GradientCheckpointingLayer reads it per call
 
 
 def _adamw(
@@ -537,6 +543,24 @@ def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
+@contextlib.contextmanager
+def kept_gathered(module: nn.Module, keep: bool) -> Iterator[None]:
+    """The block's backward leaves every unit of FSDP2 ``module`` it gathered gathered (``keep``:
+    ``set_reshard_after_backward(False)``), so the next micro-batch's forward gathers none of them again
+    (with ``reshard_after_forward=False``, nor does its backward). The next backward outside such a block
+    reshards every unit, those it did not run too: FSDP's final backward callback runs the post-backward
+    of each (a vision tower kept from an earlier micro-batch), so no gathered copy outlives the
+    optimizer step that changes its shards."""
+    if not keep or not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        module.set_reshard_after_backward(True)
+
+
 def _gathered_once(module: nn.Module) -> None:
     """Gathers and reshards every FSDP2 unit of ``module`` once in its life, before its first backward
     without reductions: FSDP2 makes a unit's unsharded parameters at its first gather, and such a
@@ -605,6 +629,7 @@ def train_on_batch(
     padding_free: bool = False,
     fsdp_size: int | None = None,
     reduce_grads_once: bool = False,
+    reshard_after_backward: bool = True,
 ) -> dict[str, float]:
     """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
     ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows
@@ -626,6 +651,8 @@ def train_on_batch(
 
     ``reduce_grads_once`` (an FSDP2 module): a mini-batch's gradients are summed unsharded on each rank
     and reduced once, in its last micro-batch (:func:`gradient_sync`), instead of in every micro-batch.
+    ``reshard_after_backward=False``: a micro-batch's backward leaves the units it gathered gathered for
+    the next one's forward, the mini-batch's last backward reshards them (:func:`kept_gathered`).
     """
     gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
     # per micro-batch: its metric shares as one float64 vector (one cast, one add), keyed by their names
@@ -655,7 +682,11 @@ def train_on_batch(
             for index, (rows, flag) in enumerate(zip(plan, flags)):
                 micro_batch = mini_batch[row_selection(rows)]
                 last = index == len(plan) - 1
-                with gradient_sync(module, last or not reduce_grads_once), media_step(module, flag):
+                with (
+                    gradient_sync(module, last or not reduce_grads_once),
+                    kept_gathered(module, not (last or reshard_after_backward)),
+                    media_step(module, flag),
+                ):
                     loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
                     (loss * gradient_scale).backward()
                 names = tuple(shares)

@@ -178,7 +178,7 @@ def build_fsdp_model(
     elif model_config.freeze_vision_tower:
         freeze_vision_tower(module)
     if trainable and model_config.enable_gradient_checkpointing:
-        enable_gradient_checkpointing(module)
+        enable_gradient_checkpointing(module, model_config.gradient_checkpointing_layers)
     if model_config.compile_layers:
         compile_layers(module)
     buffer_dtype = resolve_dtype(fsdp.mp_buffer_dtype, device)  # FSDP2's policy leaves buffers alone

@@ -56,14 +56,25 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
 
 def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     """``--sides`` (the timed path, ``--smoke``: tiny, fp32, on the CPU): each named setting is built and
-    timed from the same weights and batch, compiled decoder layers included, with the same loss and
-    gradient norm; a setting that cannot be built is reported and the others still run."""
+    timed from the same weights and batch (compiled decoder layers; one of the two layers recomputing,
+    parameters kept gathered from forward to backward and across micro-batches, one gradient
+    reduction per step), with the same loss and gradient norm; a setting that cannot be built is
+    reported and the others still run."""
     out = tmp_path / "smoke.json"
-    sides = "mmrl:full,mmrl:off+compile,plain:full+compile,plain:off"
+    sides = "mmrl:full,mmrl:off+compile,mmrl:1+keep+hold+once,plain:full+compile,plain:1+keep,plain:off+hold,plain:off"
     stdout = run_bench("gpu_mfu.py", "--smoke", "--sides", sides, "--out", str(out), timeout_s=600)
     result = json.loads(out.read_text())["result"]
-    assert list(result["sides"]) == ["mmrl:full", "mmrl:off+compile", "plain:off"]
-    assert result["failed"] == {"plain:full+compile": "ValueError: the plain loop compiles nothing"}
+    assert list(result["sides"]) == [
+        "mmrl:full",
+        "mmrl:off+compile",
+        "mmrl:1+keep+hold+once",
+        "plain:1+keep",
+        "plain:off",
+    ]
+    assert result["failed"] == {
+        "plain:full+compile": "ValueError: the plain loop compiles nothing",
+        "plain:off+hold": "ValueError: the plain loop reshards its parameters after every backward",
+    }
     assert "plain:full+compile failed: ValueError" in stdout
     reference = result["sides"]["mmrl:full"]["metrics"]
     for side in result["sides"].values():
@@ -72,16 +83,25 @@ def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     assert "mmrl:off+compile tokens/s:" in stdout and "x plain:off" in stdout
 
 
-def test_a_side_is_named_by_its_checkpointing_and_compilation():
+def test_a_side_is_named_by_its_checkpointing_and_options():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_mfu", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.parse_side("mmrl:full+compile") == ("mmrl", True, True)
-    assert bench.parse_side("plain:off") == ("plain", False, False)
-    for spec_text in ("mmrl:sometimes", "mmrl", "torch:full", "mmrl:full+fast"):
-        with pytest.raises(SystemExit, match=r"name:checkpointing\[\+compile\]"):
+    assert bench.parse_side("mmrl:full+compile") == bench.Side("mmrl", True, None, compiled=True)
+    assert bench.parse_side("plain:off") == bench.Side("plain", False)
+    assert bench.parse_side("mmrl:28+once+keep") == bench.Side("mmrl", True, 28, keep=True, once=True)
+    assert bench.parse_side("mmrl:off+hold") == bench.Side("mmrl", False, hold=True)
+    for spec_text in (
+        "mmrl:sometimes",
+        "mmrl",
+        "torch:full",
+        "mmrl:full+fast",
+        "mmrl:-2",
+        "mmrl:full+keep+keep",
+    ):
+        with pytest.raises(SystemExit, match=r"name:checkpointing\[\+option\.\.\.\]"):
             bench.parse_side(spec_text)
 
 

@@ -62,11 +62,11 @@ class CountingBackend:
         self.backend = aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward"))
 
 
-def _actor(model_path, checkpointing: bool, backend=None):
+def _actor(model_path, checkpointing: bool, backend=None, recomputed: int | None = None):
     torch.manual_seed(0)
     model = training_model(model_path)
     if checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, recomputed)
     if backend is not None:
         assert compile_layers(model, backend) == len(decoder_layers(model))
     model.train()
@@ -77,24 +77,47 @@ def _update(actor, batch) -> dict:
     return actor.update_policy(batch, len(batch), 2, ppo_epochs=1, temperature=TEMPERATURE).metrics
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, checkpointing):
+def _layer_forwards(model) -> list[int]:
+    """Counts, per decoder layer, of its forward runs (a recomputation in the backward included)."""
+    counts = [0] * len(decoder_layers(model))
+    for index, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda *_, index=index: counts.__setitem__(index, counts[index] + 1))
+    return counts
+
+
+# (checkpointing, decoder layers recomputed): none, every layer's (null), the first layer's only
+SETTINGS = {"off": (False, None), "all": (True, None), "first": (True, 1)}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, setting):
+    """Eager and compiled, with every layer, one or none recomputing its activations in the backward
+    (``gradient_checkpointing_layers``): the same update as the eager one without checkpointing."""
     import torch._dynamo
 
+    checkpointing, recomputed = SETTINGS[setting]
     torch._dynamo.reset()
     counting = CountingBackend()
-    eager_model, eager_actor = _actor(tiny_vl_path, checkpointing)
+    _, reference = _actor(tiny_vl_path, False)
+    reference_metrics = _update(reference, batches[0])
+    eager_model, eager_actor = _actor(tiny_vl_path, checkpointing, recomputed=recomputed)
+    forwards = _layer_forwards(eager_model)
     eager_metrics = _update(eager_actor, batches[0])
-    model, actor = _actor(tiny_vl_path, checkpointing, counting.backend)
+    model, actor = _actor(tiny_vl_path, checkpointing, counting.backend, recomputed)
     metrics = _update(actor, batches[0])
     for name in ("pg_loss", "grad_norm", "entropy"):
+        assert eager_metrics[name] == pytest.approx(reference_metrics[name], rel=1e-5, abs=1e-7), name
         assert metrics[name] == pytest.approx(eager_metrics[name], rel=1e-5, abs=1e-7), name
     for (name, weight), eager_weight in zip(model.named_parameters(), eager_model.parameters()):
         torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6, msg=name)
+    # per micro-batch, a recomputing layer's forward ran twice (once more in the backward), the others once
+    layers = len(decoder_layers(model))
+    recomputing = 0 if not checkpointing else layers if recomputed is None else recomputed
+    assert forwards == [4] * recomputing + [2] * (layers - recomputing)
     # every layer ran compiled in each micro-batch's forward and backward, as two graphs (before and
-    # after its eager packed attention); under checkpointing its forward ran once more in the backward
-    assert counting.calls["backward"] >= len(decoder_layers(model)) * 2 * 2
-    assert counting.calls["forward"] == counting.calls["backward"] * (2 if checkpointing else 1)
+    # after its eager packed attention); a recomputing layer's forward once more in the backward
+    assert counting.calls["backward"] >= layers * 2 * 2
+    assert counting.calls["forward"] * layers == counting.calls["backward"] * (layers + recomputing)
 
 
 def test_new_layouts_of_packed_rows_compile_nothing_new(tiny_vl_path, batches):

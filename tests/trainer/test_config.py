@@ -392,6 +392,18 @@ def test_malformed_argument_and_missing_or_broken_yaml(tmp_path):
             ["algorithm.off_policy=decoupled", "algorithm.rollout_correction.rollout_is=token"],
             "algorithm.rollout_correction would weight it twice",
         ),
+        (
+            ["worker.actor.model.gradient_checkpointing_layers=-1"],
+            "worker.actor.model.gradient_checkpointing_layers=-1 must be >= 0 (null: every decoder layer)",
+        ),
+        (
+            [
+                "worker.critic.model.enable_gradient_checkpointing=false",
+                "worker.critic.model.gradient_checkpointing_layers=4",
+            ],
+            "worker.critic.model.gradient_checkpointing_layers=4 is set with "
+            "worker.critic.model.enable_gradient_checkpointing=false: no layer recomputes",
+        ),
     ],
 )
 def test_cross_field_rules(run_files, args, expected):

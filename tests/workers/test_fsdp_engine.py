@@ -19,6 +19,7 @@ from _batches import policy_actor, value_critic
 from _models import training_model
 from PIL import Image
 
+from mmrl.config import FSDPConfig
 from mmrl.core_algos import log_probs_from_logits
 from mmrl.demo.ranks import run_on_ranks
 from mmrl.models.inputs import build_forward_inputs, concat_multi_modal_inputs, response_head_outputs
@@ -154,6 +155,7 @@ def _sharded(
     cpu_offload=False,
     param_dtype=torch.float32,
     unused_parameter=False,
+    reshard_after_forward=True,
 ):
     from mmrl.workers.fsdp_engine import apply_fsdp2, enable_gradient_checkpointing
 
@@ -164,7 +166,14 @@ def _sharded(
         freeze_vision_tower(model)
     if checkpointing:
         enable_gradient_checkpointing(model)
-    return apply_fsdp2(model, mesh, param_dtype, torch.float32, cpu_offload=cpu_offload)
+    return apply_fsdp2(
+        model,
+        mesh,
+        param_dtype,
+        torch.float32,
+        cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward,
+    )
 
 
 def _response_log_prob_sum(model, batch: DataProto) -> torch.Tensor:
@@ -704,26 +713,32 @@ def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch
 MIXED_ORDER = [0, 2, 3, 1]  # rank 0: image row, text row; rank 1: text row, image row
 TEXT_ORDER = [2, 3, 2, 3]  # text rows only, on both ranks
 IMAGES_FIRST_ORDER = [0, 2, 1, 3]  # on both ranks an image row, then a text row: no rank calls the tower last
-# name -> (rows, reduce_grads_once): the tower job's runs (an update per micro-batch of one row, the
-# gradients reduced in each micro-batch or once, in the mini-batch's last)
+# name -> (rows, reduce_grads_once, gathered once): the tower job's runs (an update per micro-batch of
+# one row, the gradients reduced in each micro-batch or once, in the mini-batch's last; the parameters
+# gathered in each unit's forward and backward of each micro-batch, or kept gathered from a unit's first
+# forward to the mini-batch's last backward: fsdp.enable_full_shard=false, fsdp.reshard_after_backward=false)
 TOWER_RUNS = {
-    "mixed": (MIXED_ORDER, False),
-    "text": (TEXT_ORDER, False),
-    "mixed_reduced_once": (MIXED_ORDER, True),
-    "images_first_reduced_once": (IMAGES_FIRST_ORDER, True),
+    "mixed": (MIXED_ORDER, False, False),
+    "text": (TEXT_ORDER, False, False),
+    "mixed_reduced_once": (MIXED_ORDER, True, False),
+    "images_first_reduced_once": (IMAGES_FIRST_ORDER, True, False),
+    "mixed_gathered_once": (MIXED_ORDER, True, True),
 }
+FIRST_LAYER = "model.language_model.layers.0"
 
 
 def _recording_tower_collectives() -> list[tuple[str, str]]:
-    """``(kind, unit)`` of every all-gather and reduce-scatter FSDP2 issues for a vision tower unit from
-    now on in this process (the real collectives, noted as they start)."""
+    """``(kind, unit)`` of every all-gather and reduce-scatter FSDP2 issues for a vision tower unit, and
+    of every all-gather of the first decoder layer's, from now on in this process (the real
+    collectives, noted as they start)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
     record: list[tuple[str, str]] = []
     unshard, reduce = group_module.FSDPParamGroup.unshard, group_module.foreach_reduce
 
     def recording_unshard(self, *args, **kwargs):
-        if "visual" in self._module_fqn and not self.is_unsharded and self._all_gather_result is None:
+        gathers = not self.is_unsharded and self._all_gather_result is None
+        if gathers and ("visual" in self._module_fqn or self._module_fqn == FIRST_LAYER):
             record.append(("all_gather", self._module_fqn))
         return unshard(self, *args, **kwargs)
 
@@ -749,21 +764,24 @@ def _tower_job(rank: int, world_size: int, model_path: str, batch: DataProto) ->
     mesh = init_device_mesh("cpu", (world_size,))
     record = _recording_tower_collectives()
     results: dict = {}
-    for name, (order, reduce_once) in TOWER_RUNS.items():
+    for name, (order, reduce_once, gathered_once) in TOWER_RUNS.items():
         shard = batch[order].chunk(world_size)[rank]
-        model = _sharded(model_path, mesh, checkpointing=True)
+        model = _sharded(model_path, mesh, checkpointing=True, reshard_after_forward=not gathered_once)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=reduce_once)
+        fsdp = FSDPConfig(enable_full_shard=not gathered_once, reshard_after_backward=not gathered_once)
+        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=reduce_once, fsdp=fsdp)
         del record[:]
         log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
-        log_prob_collectives = list(record)
+        log_prob_collectives = [entry for entry in record if entry[1] != FIRST_LAYER]
         del record[:]
         metrics = actor.update_policy(shard, len(shard), 1, 1, TEMPERATURE).metrics
         results[name] = {
             "state": _full_state(model),
             "metrics": metrics,
             "log_probs": log_probs,
-            "update_collectives": list(record),
+            "update_collectives": [entry for entry in record if entry[1] != FIRST_LAYER],
+            "layer_gathers": record.count(("all_gather", FIRST_LAYER)),
+            "gathered_after_update": _gathered_parameters(model),
             "log_prob_collectives": log_prob_collectives,
             "placeholders": tower_sync(model).placeholder_calls,
         }
@@ -860,6 +878,25 @@ def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
         gather, reduce = ("all_gather", "model.visual"), ("reduce_scatter", "model.visual")
         assert result["mixed_reduced_once"]["update_collectives"] == [gather, gather, gather, reduce], rank
         assert result["images_first_reduced_once"]["update_collectives"] == [gather, gather, reduce], rank
+        # and the parameters kept gathered through the step: the tower's first gather (in the first
+        # micro-batch) serves the second too
+        assert result["mixed_gathered_once"]["update_collectives"] == [gather, gather, reduce], rank
+
+
+@pytest.mark.distributed
+def test_parameters_kept_gathered_through_a_step_are_gathered_once_and_resharded_before_it(tower_results):
+    """A decoder layer's gathers in an update of two micro-batches under gradient checkpointing: its
+    forward and its backward in each (4), one more before the first update that reduces once
+    (``_gathered_once``); kept gathered from its first forward to the last backward
+    (``fsdp.enable_full_shard=false``, ``fsdp.reshard_after_backward=false``), one in the step (and
+    ``_gathered_once``'s). Every unit is resharded after the update (none left gathered across the
+    optimizer step), and the update is the one of every other run (test_tower_unit_update_equals_one_rank)."""
+    for rank, result in enumerate(tower_results):
+        assert result["mixed"]["layer_gathers"] == 4, rank
+        assert result["mixed_reduced_once"]["layer_gathers"] == 5, rank
+        assert result["mixed_gathered_once"]["layer_gathers"] == 2, rank
+        for name in TOWER_RUNS:
+            assert result[name]["gathered_after_update"] == [], (rank, name)
 
 
 def _bf16_reduced_once_job(rank: int, world_size: int, model_path: str, data: DataProto) -> dict:
@@ -990,24 +1027,27 @@ def test_two_rank_weight_push_gathers_shards_already_cast(two_rank_results):
 
 def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
     """The worker's builder with rank 0's copy broadcast (rank 1 starts on the meta device) and with every
-    rank reading the weights: actor (tied head, compiled decoder layers), critic (value head, CPU
-    offload), actor with LoRA. Broadcast chunks of 1 MiB: the embedding travels in several, one across
+    rank reading the weights: actor (tied head, compiled decoder layers, the first recomputing its
+    activations), critic (value head, CPU offload), actor with LoRA. Broadcast chunks of 1 MiB: the embedding travels in several, one across
     the shard boundary."""
     from torch.distributed.tensor import DTensor
 
-    from mmrl.config import FSDPConfig, LoraConfig, ModelConfig
+    from mmrl.config import LoraConfig, ModelConfig
     from mmrl.workers import fsdp_engine
     from mmrl.workers.fsdp_workers import build_fsdp_model
 
     fsdp_engine.BROADCAST_CHUNK_BYTES = 1024**2
 
-    results, digests, compiled = {}, {}, {}
+    results, digests, compiled, recomputing = {}, {}, {}, {}
     for label, role, lora in (("actor", "actor", None), ("critic", "critic", None), ("lora", "actor", 4)):
         for rank0_init in (True, False):
             torch.manual_seed(0)  # the adapter's initialisation
             model = build_fsdp_model(
                 model_path,
-                ModelConfig(compile_layers=label == "actor"),
+                ModelConfig(
+                    compile_layers=label == "actor",
+                    gradient_checkpointing_layers=1 if label == "actor" else None,
+                ),
                 FSDPConfig(enable_cpu_offload=label == "critic"),
                 role,
                 torch.device("cpu"),
@@ -1025,13 +1065,14 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
             compiled[label, rank0_init] = [
                 layer._compiled_call_impl is not None for layer in decoder_layers(model)
             ]
+            recomputing[label, rank0_init] = [layer.gradient_checkpointing for layer in decoder_layers(model)]
             state = {  # adapters included
                 name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 for name, tensor in model.state_dict().items()
             }
             buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
             results[label, rank0_init] = (state, buffers, _gathered_parameters(model))
-    results["digests"], results["compiled"] = digests, compiled
+    results["digests"], results["compiled"], results["recomputing"] = digests, compiled, recomputing
     return results
 
 
@@ -1064,6 +1105,12 @@ def test_two_rank_build_from_rank0_equals_every_rank_reading_the_weights(tiny_vl
     for result in results:
         for (label, _), layers in result["compiled"].items():
             assert layers == [label == "actor"] * len(layers) and layers, label
+        # and gradient_checkpointing_layers: the actor's first decoder layer recomputes, the rest keep
+        # their activations; without the count every layer recomputes
+        for (label, _), layers in result["recomputing"].items():
+            assert layers == (
+                [True] + [False] * (len(layers) - 1) if label == "actor" else [True] * len(layers)
+            )
     adapter = {name: tensor for name, tensor in results[1]["lora", True][0].items() if "lora_A" in name}
     assert adapter and all(tensor.abs().sum() > 0 for tensor in adapter.values())  # rank 0's random A
 
