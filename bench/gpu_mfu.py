@@ -5,7 +5,7 @@ update on the CPU, for mmrl and for a plain FSDP2 loop written here.
                             [--micro_batch 4] [--repeats 3] [--gradient_checkpointing]
                             [--baseline plain] [--peak_tflops 989]
     python bench/gpu_mfu.py --sides mmrl:full,mmrl:full+compile,mmrl:off+compile,plain:full,plain:off
-    python bench/gpu_mfu.py --sides mmrl:full+compile,mmrl:28+compile,mmrl:full+compile+keep+hold+once,plain:full
+    python bench/gpu_mfu.py --sides mmrl:full+compile,mmrl:full+compile+head,mmrl:28+compile+keep+hold,plain:full
                             [--profile_sides mmrl:full+compile,plain:full]
     python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
     python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
@@ -32,10 +32,11 @@ optimizer, collectives) and its top ops and kernels by device time are printed f
 ``name:checkpointing[+option...]``: ``mmrl`` or ``plain``; ``full`` (whole layers recomputed in the
 backward), ``off``, or a count N (only the first N decoder layers recompute, the others keep their
 activations: the trainer's ``worker.actor.model.gradient_checkpointing_layers``); options ``+compile``
-(mmrl only: its decoder layers compiled, ``worker.actor.model.compile_layers``), ``+keep`` (FSDP keeps
+(mmrl only: its decoder layers compiled, ``worker.actor.model.compile_layers``), ``+head`` (mmrl only:
+its log-prob head's chunk math compiled, ``worker.actor.model.compile_head``), ``+keep`` (FSDP keeps
 each unit's gathered parameters from its forward to its backward: ``worker.actor.fsdp.enable_full_shard
 =false``), ``+hold`` (mmrl only: and from a micro-batch's backward to the next one's forward,
-``worker.actor.fsdp.reshard_after_backward=false``), ``+once`` (mmrl only: one gradient reduction per
+``worker.actor.keep_params_gathered``), ``+once`` (mmrl only: one gradient reduction per
 optimizer step, ``worker.actor.reduce_grads_once``). A side that fails is reported and the others still
 run.
 ``--profile_sides`` profiles only those (profiling takes an update and its analysis per side). At least
@@ -325,12 +326,13 @@ class MmrlSide:
         recomputed: int | None = None,
         keep_gathered: bool = False,
         hold_gathered: bool = False,
+        compiled_head: bool = False,
     ):
         import torch
         import torch.distributed as dist
 
         from mmrl.config import ActorConfig, FSDPConfig
-        from mmrl.models.compiled import compile_layers
+        from mmrl.models.compiled import compile_head, compile_layers
         from mmrl.models.prepare import prepare_for_training
         from mmrl.workers.actor import PolicyActor
         from mmrl.workers.fsdp_engine import apply_fsdp2, build_optimizer, enable_gradient_checkpointing
@@ -345,6 +347,8 @@ class MmrlSide:
             enable_gradient_checkpointing(model, recomputed)
         if compiled:
             compile_layers(model)
+        if compiled_head:
+            compile_head(model)
         mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
         model = apply_fsdp2(
             model,
@@ -360,9 +364,8 @@ class MmrlSide:
                 padding_free=True,
                 max_tokens_per_micro_batch=max_tokens,
                 reduce_grads_once=reduce_grads_once,
-                fsdp=FSDPConfig(
-                    enable_full_shard=not keep_gathered, reshard_after_backward=not hold_gathered
-                ),
+                keep_params_gathered=hold_gathered,
+                fsdp=FSDPConfig(enable_full_shard=not keep_gathered),
             ),
             optimizer=optimizer,
             device=device,
@@ -419,6 +422,7 @@ class PlainSide:
         keep_gathered: bool = False,
         reduce_grads_once: bool = False,
         hold_gathered: bool = False,
+        compiled_head: bool = False,
         **_,
     ):
         import torch
@@ -428,7 +432,7 @@ class PlainSide:
         model = build_model(config, device)
         self.params = sum(p.numel() for p in model.parameters())
         self.param_tensors = sum(1 for _ in model.parameters())
-        if compiled:
+        if compiled or compiled_head:
             raise ValueError("the plain loop compiles nothing")
         if reduce_grads_once:
             raise ValueError("the plain loop reduces its gradients in every micro-batch")
@@ -752,12 +756,13 @@ class Side(NamedTuple):
     checkpointing: bool  # decoder layers (some or all) recompute their activations in the backward
     recomputed: int | None = None  # only the first N decoder layers do (None: every one)
     compiled: bool = False  # +compile
+    head: bool = False  # +head: the log-prob head's chunk math compiled
     keep: bool = False  # +keep: each unit's gathered parameters kept from its forward to its backward
     hold: bool = False  # +hold: and from a micro-batch's backward to the next one's forward
     once: bool = False  # +once: one gradient reduction per optimizer step
 
 
-SIDE_OPTIONS = ("compile", "keep", "hold", "once")
+SIDE_OPTIONS = ("compile", "head", "keep", "hold", "once")
 
 
 def parse_side(spec: str) -> Side:
@@ -765,8 +770,8 @@ def parse_side(spec: str) -> Side:
     ``mmrl:full+compile+keep+once``, ``plain:full``: the side; whether its layers' activations are
     checkpointed (``full``: every layer's, recomputed in the backward; ``off``; a count N: the first N
     decoder layers', the trainer's ``gradient_checkpointing_layers``); its options (``compile``: the
-    decoder layers compiled, ``compile_layers``; ``keep``: FSDP's ``reshard_after_forward=False``,
-    ``fsdp.enable_full_shard=false``; ``hold``: ``fsdp.reshard_after_backward=false``; ``once``:
+    decoder layers compiled, ``compile_layers``; ``head``: ``compile_head``; ``keep``: FSDP's ``reshard_after_forward=False``,
+    ``fsdp.enable_full_shard=false``; ``hold``: ``keep_params_gathered``; ``once``:
     ``reduce_grads_once``)."""
     name, _, settings = spec.partition(":")
     checkpointing, *options = settings.split("+")
@@ -817,7 +822,7 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
         compiled=settings.compiled,
         recomputed=settings.recomputed,
         keep_gathered=settings.keep,
-        **mmrl_options(settings.name, args, settings.once, settings.hold),
+        **mmrl_options(settings.name, args, settings.once, settings.hold, settings.head),
     )
     build_s = time.perf_counter() - start
     if "old_log_probs" not in batch.batch.keys():
@@ -834,11 +839,13 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
     return {**result, "build_s": build_s, "compiled_graphs": compiled_graphs() - graphs}, batch
 
 
-def mmrl_options(name: str, args: argparse.Namespace, once: bool = False, hold: bool = False) -> dict:
+def mmrl_options(
+    name: str, args: argparse.Namespace, once: bool = False, hold: bool = False, head: bool = False
+) -> dict:
     """Keyword arguments of mmrl's side only: ``--reduce_grads_once`` or a side's ``+once``
-    (``worker.actor.reduce_grads_once``), ``+hold`` (``worker.actor.fsdp.reshard_after_backward``); the
-    plain loop is handed those it was given, to refuse them."""
-    options = {"reduce_grads_once": once, "hold_gathered": hold}
+    (``worker.actor.reduce_grads_once``), ``+hold`` (``worker.actor.keep_params_gathered``), ``+head``
+    (``worker.actor.model.compile_head``); the plain loop is handed those it was given, to refuse them."""
+    options = {"reduce_grads_once": once, "hold_gathered": hold, "compiled_head": head}
     if name != "mmrl":
         return {key: value for key, value in options.items() if value}
     return {**options, "reduce_grads_once": once or getattr(args, "reduce_grads_once", False)}

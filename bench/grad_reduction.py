@@ -1,6 +1,6 @@
 """The actor's update on 2 gloo ranks with its gradients reduced in every micro-batch (the default) and
 once per optimizer step (``worker.actor.reduce_grads_once``), and with its parameters also gathered once
-per step (``worker.actor.fsdp.enable_full_shard=false``, ``worker.actor.fsdp.reshard_after_backward=false``).
+per step (``worker.actor.fsdp.enable_full_shard=false``, ``worker.actor.keep_params_gathered``).
 
     python bench/grad_reduction.py [--widths 3b] [--layers 2] [--vocab 8192] [--rows 8] [--repeats 3]
 
@@ -18,7 +18,6 @@ of per micro-batch is the gradient traffic between ranks: on one rank there is n
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -84,8 +83,12 @@ def rank_job(rank: int, world_size: int, options: dict) -> dict:
             reshard_after_forward=not gathered_once,
         )
         optimizer = build_optimizer(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
-        fsdp = FSDPConfig(enable_full_shard=not gathered_once, reshard_after_backward=not gathered_once)
-        actor_config = ActorConfig(padding_free=True, reduce_grads_once=once, fsdp=fsdp)
+        actor_config = ActorConfig(
+            padding_free=True,
+            reduce_grads_once=once,
+            keep_params_gathered=gathered_once,
+            fsdp=FSDPConfig(enable_full_shard=not gathered_once),
+        )
         actor = PolicyActor(
             model, actor_config, optimizer=optimizer, device=device, max_response_length=response
         )
@@ -146,11 +149,7 @@ def main() -> None:
         )
     )
     payload = {"args": options, "ranks": results}
-    if args.out is None:
-        out = write_json("grad_reduction.json", payload)
-    else:
-        out = args.out
-        out.write_text(json.dumps(payload, indent=2) + "\n")
+    out = write_json("grad_reduction.json", payload, args.out)
     print(f"\nwritten to {out}")
 
 

@@ -472,8 +472,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    out = RESULTS / name
+def write_json(name: str, payload: dict[str, Any], out: Path | None = None) -> Path:
+    """``payload`` as JSON in ``bench/results/name``, or in ``out`` (a bench's ``--out``)."""
+    out = RESULTS / name if out is None else out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     return out

@@ -184,6 +184,11 @@ class ActorConfig(PolicyLossConfig):
     # gradient of the model held on every rank's device until then (memory, CPU offload or not); the
     # step is the same to that dtype's rounding
     reduce_grads_once: bool = False
+    # FSDP2 parameters left gathered from one micro-batch's backward to the next one's forward of the same
+    # optimizer step (set_reshard_after_backward; the step's last backward reshards): no gather between
+    # them, for the whole model in the compute dtype on every rank through the step. With
+    # fsdp.enable_full_shard=false, each unit is gathered once per step
+    keep_params_gathered: bool = False
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks (actor and ref)
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     model: ActorModelConfig = field(default_factory=ActorModelConfig)
@@ -346,6 +351,7 @@ class CriticConfig:
     # packed tokens per forward of the no-grad value pass; null = max_tokens_per_micro_batch
     max_tokens_per_micro_batch_for_experience: int | None = None
     reduce_grads_once: bool = False  # one gradient reduction per optimizer step, as the actor's
+    keep_params_gathered: bool = False  # parameters gathered across a step's micro-batches, as the actor's
     ulysses_size: int = 1  # sequence parallel: attention heads split over this many ranks
     ring_size: int = 1  # sequence parallel: each sequence split over this many Ulysses groups in a ring
     # model_path null = the actor's folder; the other model keys are the critic's own

@@ -100,6 +100,9 @@ class ActorModelConfig(ModelConfig):
     # frozen towers (freeze_vision_tower, the reference's): each distinct image/video is encoded once per
     # step and its embeddings kept for the step's passes; false = every pass encodes (less memory)
     share_encodings: bool = True
+    # torch.compile the log-prob head's per-chunk math (actor and reference): log-softmax, entropies and
+    # their gradient fused over each [chunk, vocab] block instead of ~10 eager passes (docs/throughput.md)
+    compile_head: bool = False
 
     @property
     def tokenizer_or_model_path(self) -> str | None:
@@ -158,11 +161,6 @@ class FSDPConfig:
     enable_full_shard: bool = (
         True  # free gathered parameters after forward (ZeRO-3); false = keep them for backward (ZeRO-2)
     )
-    # false: a micro-batch's backward leaves its gathered parameters for the next micro-batch's forward of
-    # the same optimizer step (no gather between them; the step's last backward reshards), holding the
-    # whole model in the compute dtype on every rank through a step. With enable_full_shard=false and
-    # the role's reduce_grads_once: one gather and one reduction per step
-    reshard_after_backward: bool = True
     enable_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters live on CPU
     # dtype of the stored weights: auto (fp32 for a trained model; a frozen reference: bf16 on GPU,
     # fp32 on CPU) | fp32 | bf16

@@ -1,4 +1,5 @@
-"""``torch.compile`` of a model's decoder layers, each on its own (regional compilation).
+"""``torch.compile`` of a model's decoder layers, each on its own (regional compilation), and of its
+log-prob head's per-chunk math (:func:`compile_head`).
 
 A compiled layer runs its norms, rotary embedding, residual adds and MLP activation as few fused
 kernels, forward and backward; the matrix products and the attention kernel stay library calls. On an
@@ -27,6 +28,7 @@ from torch import nn
 from mmrl.models.attention import eager_under_compile, layer_packed_sequences
 from mmrl.models.families import family_of
 from mmrl.models.loading import decoder_layers
+from mmrl.models.token_scoring import compiled_chunk_math, token_scoring_head
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +81,18 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> in
             total,
         )
     return len(layers)
+
+
+def compile_head(model: nn.Module, backend: str | Callable = "inductor") -> bool:
+    """Compile the per-chunk math of ``model``'s log-prob head (``worker.actor.model.compile_head``):
+    the log-softmax, entropies and their gradient on each chunk's ``[chunk, vocab]`` logits
+    (:class:`mmrl.models.token_scoring.ChunkMath`), fused into a few kernels; the head's matrix products
+    stay library calls. False for a model without the head (a critic's value head)."""
+    import torch._dynamo
+
+    head = token_scoring_head(model)
+    if head is None:
+        return False
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    head.chunk_math = compiled_chunk_math(backend)
+    return True

@@ -25,8 +25,9 @@ is the plain linear head (generation, warm-up, rollout weight sync are untouched
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,15 +56,83 @@ class TokenScoring:
     spread_top_k: int = 0  # > 0: a third output, KL(u_K || p) over the spread_top_k largest logits
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    """``(hidden W^T + b) / temperature`` in fp32: ``[C, D] -> [C, V]`` (the matmul in the weight's
-    dtype, as the plain head computes it)."""
-    return F.linear(hidden, weight, bias).float().div_(temperature)
-
-
 def _top_k_or_none(top_k: int, vocab_size: int) -> int | None:
     """``top_k`` when it selects part of the vocabulary, else None (the whole vocabulary)."""
     return top_k if 0 < top_k < vocab_size else None
+
+
+def _chunk_scores(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int | None, spread_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's ``(log p(y), H, lse, spread, whole-vocabulary H)``, fp32 ``[C]`` each, from its head
+    output ``logits = h W^T + b`` [C, V] (the head's dtype), ``z = logits / T`` in fp32."""
+    logits = logits.float().div_(temperature)  # [C, V]: z
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1)  # [C]
+    spreads = torch.zeros_like(picked)
+    if spread_k is not None:  # KL(u_K || p) = lse - mean(z_K) - log k; lse added below
+        spreads = -logits.topk(spread_k, dim=-1, sorted=False).values.mean(-1) - math.log(spread_k)
+    entropies = None
+    if top_k is not None:  # before z is changed in place below
+        top = logits.topk(top_k, dim=-1, sorted=False).values  # [C, k]
+        top_lse = torch.logsumexp(top, dim=-1)
+        entropies = top_lse - (top - top_lse[:, None]).exp_().mul_(top).sum(-1)
+    maxes = logits.amax(-1, keepdim=True)  # [C, 1]: m
+    # One [C, V] buffer, changed in place (logsumexp and a probability tensor would take two more):
+    # e = exp(z - m), S = sum e, lse = m + log S, and with p = e / S the entropy
+    # H = -sum p log p = log S - sum e (z - m) / S, where e (z - m) = xlogy(e, e): 0 where e underflows
+    # to 0, so never 0 * -inf
+    shifted = logits.sub_(maxes).exp_()
+    sums = shifted.sum(-1)  # [C]
+    lses = maxes.squeeze(-1) + sums.log()
+    weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
+    full_entropies = sums.log() - weighted / sums
+    if spread_k is not None:
+        spreads = spreads + lses
+    return picked - lses, full_entropies if entropies is None else entropies, lses, spreads, full_entropies
+
+
+def _chunk_logits_grad(
+    logits: torch.Tensor,
+    lses: torch.Tensor,
+    targets: torch.Tensor,
+    grad_log_probs: torch.Tensor | None,
+    grad_entropies: torch.Tensor | None,
+    entropies: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    spread: tuple[torch.Tensor, int] | None,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's gradient wrt its head output ``logits`` [C, V] (``dz / dlogits = 1 / T``), in the
+    logits' dtype, and its fp32 sum over the rows (the bias's gradient) with ``bias_grad``."""
+    log_p = logits.float().div_(temperature).sub_(lses[:, None])  # [C, V]
+    grad = _chunk_logit_grad(log_p, targets, grad_log_probs, grad_entropies, entropies, top_k, spread)
+    grad = grad.div_(temperature)
+    return grad.to(logits.dtype), grad.sum(0) if bias_grad else None
+
+
+@dataclass(frozen=True)
+class ChunkMath:
+    """What the head runs on each chunk's ``[C, V]`` output: :func:`_chunk_scores` in the forward,
+    :func:`_chunk_logits_grad` in the backward, eagerly or compiled (:func:`compiled_chunk_math`); the
+    matrix products around them stay outside."""
+
+    scores: Callable = _chunk_scores
+    logits_grad: Callable = _chunk_logits_grad
+
+
+EAGER_CHUNK_MATH = ChunkMath()
+
+
+@functools.cache
+def compiled_chunk_math(backend: str | Callable = "inductor") -> ChunkMath:
+    """The chunk math compiled with ``backend`` (one per process and backend): each fused into a few
+    kernels that read the chunk's ``[C, V]`` logits once or twice, where the eager ops make ~10 passes
+    over ``[C, V]`` fp32 buffers each way (docs/throughput.md)."""
+    return ChunkMath(
+        torch.compile(_chunk_scores, backend=backend),
+        torch.compile(_chunk_logits_grad, backend=backend),
+    )
 
 
 class _ChunkedTokenScores(torch.autograd.Function):
@@ -75,45 +144,29 @@ class _ChunkedTokenScores(torch.autograd.Function):
     ``dH / dz_K = -q (log q + H)`` (0 elsewhere). Backward recomputes one chunk's ``z`` (and ``K``) from
     the saved ``h`` and its saved ``lse``, so memory beyond ``[N]`` vectors is one ``[C, V]`` buffer in
     forward (changed in place: 1/3 of logsumexp's and a probability tensor's; plus ``[C, k]`` for a
-    top-k entropy) and two in backward, each freed before the next chunk's.
+    top-k entropy) and two in backward, each freed before the next chunk's. ``chunk_math`` runs the
+    math on each chunk's head output (:class:`ChunkMath`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k, spread_k):
-        log_probs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-        entropies, lses = torch.empty_like(log_probs), torch.empty_like(log_probs)
-        spreads, full_entropies = torch.zeros_like(log_probs), torch.empty_like(log_probs)
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, chunk, entropy_grad, top_k, spread_k, chunk_math
+    ):
+        columns = [[] for _ in range(5)]  # per chunk: log p(y), H, lse, spread, whole-vocabulary H
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [C, V]: z
-            picked = logits.gather(-1, targets[rows, None]).squeeze(-1)  # [C]
-            if spread_k is not None:  # KL(u_K || p) = lse - mean(z_K) - log k; lse added below
-                top_mean = logits.topk(spread_k, dim=-1, sorted=False).values.mean(-1)
-                spreads[rows] = -top_mean - math.log(spread_k)
-            if top_k is not None:  # before z is changed in place below
-                top = logits.topk(top_k, dim=-1, sorted=False).values  # [C, k]
-                top_lse = torch.logsumexp(top, dim=-1)
-                entropies[rows] = top_lse - (top - top_lse[:, None]).exp_().mul_(top).sum(-1)
-            maxes = logits.amax(-1, keepdim=True)  # [C, 1]: m
-            # One [C, V] buffer, changed in place (logsumexp and a probability tensor would take two
-            # more): e = exp(z - m), S = sum e, lse = m + log S, and with p = e / S the entropy
-            # H = -sum p log p = log S - sum e (z - m) / S, where e (z - m) = xlogy(e, e): 0 where e
-            # underflows to 0, so never 0 * -inf
-            shifted = logits.sub_(maxes).exp_()
-            sums = shifted.sum(-1)  # [C]
-            lse = maxes.squeeze(-1) + sums.log()
-            log_probs[rows] = picked - lse
-            if spread_k is not None:
-                spreads[rows] += lse
-            weighted = shifted.xlogy_(shifted).sum(-1)  # [C]: sum e (z - m)
-            full_entropies[rows] = sums.log() - weighted / sums
-            if top_k is None:
-                entropies[rows] = full_entropies[rows]
-            lses[rows] = lse
-            del logits, shifted  # freed before the next chunk's buffer is allocated
+            logits = F.linear(hidden[rows], weight, bias)  # [C, V], in the weight's dtype
+            for column, values in zip(
+                columns, chunk_math.scores(logits, targets[rows], temperature, top_k, spread_k)
+            ):
+                column.append(values)
+            del logits  # freed before the next chunk's buffer is allocated
+        log_probs, entropies, lses, spreads, full_entropies = (
+            torch.cat(column) if column else hidden.new_empty(0, dtype=torch.float32) for column in columns
+        )
         ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
         ctx.temperature, ctx.chunk, ctx.entropy_grad, ctx.top_k = temperature, chunk, entropy_grad, top_k
-        ctx.spread_k = spread_k
+        ctx.spread_k, ctx.chunk_math = spread_k, chunk_math
         # one call: each call replaces the set of non-differentiable outputs
         ctx.mark_non_differentiable(
             full_entropies, *([] if entropy_grad else [entropies]), *([] if spread_k else [spreads])
@@ -129,8 +182,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
         if ctx.spread_k is None:
             grad_spreads = None
         if grad_log_probs is None and grad_entropies is None and grad_spreads is None:
-            return None, None, None, None, None, None, None, None, None
-        temperature = ctx.temperature
+            return None, None, None, None, None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # one running sum over the chunks ([V, D]: it does not grow with the tokens), in the weight's dtype
         # and updated in place: a bf16 sum is rounded once per chunk (what the unchunked matmul does
@@ -140,25 +192,27 @@ class _ChunkedTokenScores(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, **fp32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            log_p = _chunk_logits(hidden[rows], weight, bias, temperature).sub_(lses[rows, None])  # [C, V]
-            grad_z = _chunk_logit_grad(
-                log_p,
+            grad_logits, grad_bias_part = ctx.chunk_math.logits_grad(
+                F.linear(hidden[rows], weight, bias),
+                lses[rows],
                 targets[rows],
                 None if grad_log_probs is None else grad_log_probs[rows],
                 None if grad_entropies is None else grad_entropies[rows],
                 entropies[rows],
+                ctx.temperature,
                 ctx.top_k,
                 None if grad_spreads is None else (grad_spreads[rows], ctx.spread_k),
-            ).div_(temperature)  # dz / dlogits = 1 / T
+                grad_bias is not None,
+            )
             if grad_hidden is not None:
-                grad_hidden[rows] = grad_z.to(weight.dtype) @ weight
+                grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad_z.T.to(weight.dtype), hidden[rows])  # in place: no second [V, D]
+                grad_weight.addmm_(grad_logits.T, hidden[rows])  # in place: no second [V, D]
             if grad_bias is not None:
-                grad_bias += grad_z.sum(0)
-            del grad_z, log_p  # freed before the next chunk's buffers are allocated
+                grad_bias += grad_bias_part
+            del grad_logits  # freed before the next chunk's buffers are allocated
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _chunk_logit_grad(
@@ -207,6 +261,7 @@ def chunked_token_scores(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scoring: TokenScoring,
+    chunk_math: ChunkMath = EAGER_CHUNK_MATH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log_softmax(z)[targets], entropy(softmax(z)), spread, full entropy)`` with
     ``z = (hidden W^T + b) / T``, fp32 (the entropy over the top ``scoring.entropy_top_k`` logits when
@@ -240,6 +295,7 @@ def chunked_token_scores(
         scoring.entropy_grad,
         top_k,
         spread_k,
+        chunk_math,
     )
     return tuple(output.reshape(shape) for output in outputs)
 
@@ -250,6 +306,7 @@ class TokenScoringHead(nn.Linear):
     whole-vocabulary entropy), fp32 (``[N, 4]`` with ``scoring.rows``)."""
 
     scoring: TokenScoring | None = None
+    chunk_math: ChunkMath = EAGER_CHUNK_MATH  # compiled by mmrl.models.compiled.compile_head
 
     @classmethod
     def replacing(cls, head: nn.Linear) -> TokenScoringHead:
@@ -264,7 +321,8 @@ class TokenScoringHead(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scoring is None:
             return super().forward(hidden)
-        return torch.stack(chunked_token_scores(hidden, self.weight, self.bias, self.scoring), dim=-1)
+        scores = chunked_token_scores(hidden, self.weight, self.bias, self.scoring, self.chunk_math)
+        return torch.stack(scores, dim=-1)
 
 
 def token_scoring_head(model: nn.Module) -> TokenScoringHead | None:

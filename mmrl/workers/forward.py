@@ -196,7 +196,7 @@ def train_role(
             padding_free=role.config.padding_free,
             fsdp_size=fsdp_size(role.sequence_parallel),
             reduce_grads_once=role.config.reduce_grads_once,
-            reshard_after_backward=role.config.fsdp.reshard_after_backward,
+            keep_params_gathered=role.config.keep_params_gathered,
         )
     if role.lr_scheduler is not None:
         role.lr_scheduler.step()

@@ -232,11 +232,22 @@ def enable_gradient_checkpointing(model: nn.Module, decoder_layers_recomputed: i
     ``decoder_layers_recomputed`` (``gradient_checkpointing_layers``) only the first that many decoder
     layers recompute and the others keep their activations (a count over the model's layers: all). The
     towers' blocks recompute either way."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    if decoder_layers_recomputed is not None:
-        for layer in decoder_layers(model)[decoder_layers_recomputed:]:
-            layer.gradient_checkpointing = False  # transformers' GradientCheckpointingLayer reads it per call
+    if decoder_layers_recomputed is None:
+        return
+    layers = decoder_layers(model)
+    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    if other is not None:
+        raise ValueError(
+            f"gradient_checkpointing_layers={decoder_layers_recomputed}: {type(other).__name__}, a decoder "
+            f"layer of {type(model).__name__}, is not a transformers GradientCheckpointingLayer, so it cannot "
+            "be checkpointed on its own; unset gradient_checkpointing_layers"
+        )
+    for layer in layers[decoder_layers_recomputed:]:
+        layer.gradient_checkpointing = False  # read by GradientCheckpointingLayer at each call
 
 
 def _adamw(
@@ -629,7 +640,7 @@ def train_on_batch(
     padding_free: bool = False,
     fsdp_size: int | None = None,
     reduce_grads_once: bool = False,
-    reshard_after_backward: bool = True,
+    keep_params_gathered: bool = False,
 ) -> dict[str, float]:
     """``epochs`` passes over this rank's ``data``: one optimizer step per mini-batch of
     ``mini_batch_size`` rows, gradients accumulated over micro-batches of ``micro_batch_size`` rows
@@ -651,8 +662,8 @@ def train_on_batch(
 
     ``reduce_grads_once`` (an FSDP2 module): a mini-batch's gradients are summed unsharded on each rank
     and reduced once, in its last micro-batch (:func:`gradient_sync`), instead of in every micro-batch.
-    ``reshard_after_backward=False``: a micro-batch's backward leaves the units it gathered gathered for
-    the next one's forward, the mini-batch's last backward reshards them (:func:`kept_gathered`).
+    ``keep_params_gathered``: a micro-batch's backward leaves the units it gathered gathered for the next
+    one's forward, the mini-batch's last backward reshards them (:func:`kept_gathered`).
     """
     gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
     # per micro-batch: its metric shares as one float64 vector (one cast, one add), keyed by their names
@@ -684,7 +695,7 @@ def train_on_batch(
                 last = index == len(plan) - 1
                 with (
                     gradient_sync(module, last or not reduce_grads_once),
-                    kept_gathered(module, not (last or reshard_after_backward)),
+                    kept_gathered(module, keep_params_gathered and not last),
                     media_step(module, flag),
                 ):
                     loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)

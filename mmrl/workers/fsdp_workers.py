@@ -53,7 +53,7 @@ from mmrl.data.processing import (
     load_tokenizer_and_processor,
 )
 from mmrl.dispatch import rows_per_data_parallel_share, rows_per_rank
-from mmrl.models.compiled import compile_layers
+from mmrl.models.compiled import compile_head, compile_layers
 from mmrl.models.encoding_cache import (
     EncodingCache,
     enable_encoding_cache,
@@ -181,6 +181,8 @@ def build_fsdp_model(
         enable_gradient_checkpointing(module, model_config.gradient_checkpointing_layers)
     if model_config.compile_layers:
         compile_layers(module)
+    if isinstance(model_config, ActorModelConfig) and model_config.compile_head:
+        compile_head(module)
     buffer_dtype = resolve_dtype(fsdp.mp_buffer_dtype, device)  # FSDP2's policy leaves buffers alone
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner.named_buffers(recurse=False):

@@ -56,17 +56,17 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
 
 def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     """``--sides`` (the timed path, ``--smoke``: tiny, fp32, on the CPU): each named setting is built and
-    timed from the same weights and batch (compiled decoder layers; one of the two layers recomputing,
+    timed from the same weights and batch (compiled decoder layers and head; one of the two layers recomputing,
     parameters kept gathered from forward to backward and across micro-batches, one gradient
     reduction per step), with the same loss and gradient norm; a setting that cannot be built is
     reported and the others still run."""
     out = tmp_path / "smoke.json"
-    sides = "mmrl:full,mmrl:off+compile,mmrl:1+keep+hold+once,plain:full+compile,plain:1+keep,plain:off+hold,plain:off"
+    sides = "mmrl:full,mmrl:off+compile+head,mmrl:1+keep+hold+once,plain:full+compile,plain:1+keep,plain:off+hold,plain:off"
     stdout = run_bench("gpu_mfu.py", "--smoke", "--sides", sides, "--out", str(out), timeout_s=600)
     result = json.loads(out.read_text())["result"]
     assert list(result["sides"]) == [
         "mmrl:full",
-        "mmrl:off+compile",
+        "mmrl:off+compile+head",
         "mmrl:1+keep+hold+once",
         "plain:1+keep",
         "plain:off",
@@ -80,7 +80,7 @@ def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     for side in result["sides"].values():
         assert side["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert side["metrics"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    assert "mmrl:off+compile tokens/s:" in stdout and "x plain:off" in stdout
+    assert "mmrl:off+compile+head tokens/s:" in stdout and "x plain:off" in stdout
 
 
 def test_a_side_is_named_by_its_checkpointing_and_options():
@@ -92,7 +92,7 @@ def test_a_side_is_named_by_its_checkpointing_and_options():
     assert bench.parse_side("mmrl:full+compile") == bench.Side("mmrl", True, None, compiled=True)
     assert bench.parse_side("plain:off") == bench.Side("plain", False)
     assert bench.parse_side("mmrl:28+once+keep") == bench.Side("mmrl", True, 28, keep=True, once=True)
-    assert bench.parse_side("mmrl:off+hold") == bench.Side("mmrl", False, hold=True)
+    assert bench.parse_side("mmrl:off+hold+head") == bench.Side("mmrl", False, head=True, hold=True)
     for spec_text in (
         "mmrl:sometimes",
         "mmrl",

@@ -98,7 +98,7 @@ def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, se
     checkpointing, recomputed = SETTINGS[setting]
     torch._dynamo.reset()
     counting = CountingBackend()
-    _, reference = _actor(tiny_vl_path, False)
+    reference_model, reference = _actor(tiny_vl_path, False)
     reference_metrics = _update(reference, batches[0])
     eager_model, eager_actor = _actor(tiny_vl_path, checkpointing, recomputed=recomputed)
     forwards = _layer_forwards(eager_model)
@@ -108,7 +108,10 @@ def test_compiled_layers_run_and_give_the_eager_update(tiny_vl_path, batches, se
     for name in ("pg_loss", "grad_norm", "entropy"):
         assert eager_metrics[name] == pytest.approx(reference_metrics[name], rel=1e-5, abs=1e-7), name
         assert metrics[name] == pytest.approx(eager_metrics[name], rel=1e-5, abs=1e-7), name
-    for (name, weight), eager_weight in zip(model.named_parameters(), eager_model.parameters()):
+    for (name, weight), eager_weight, reference_weight in zip(
+        model.named_parameters(), eager_model.parameters(), reference_model.parameters()
+    ):
+        torch.testing.assert_close(eager_weight, reference_weight, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6, msg=name)
     # per micro-batch, a recomputing layer's forward ran twice (once more in the backward), the others once
     layers = len(decoder_layers(model))
@@ -155,3 +158,42 @@ def test_layers_routing_to_experts_or_carrying_a_sequence_state_stay_eager(
     assert compiled_layers(load_model(str(tiny_qwen3_5_path))) == []  # linear attention, per sequence
     dense = load_model(str(tiny_vl_path))
     assert compiled_layers(dense) == list(decoder_layers(dense))
+
+
+def test_a_compiled_head_gives_the_eager_update_and_log_probs(tiny_vl_path, batches):
+    """``compile_head``: the log-prob head's chunk math compiled (the compiler's capture, no code
+    generation here; tests/models/test_token_scoring.py generates it), with chunks of 4 response tokens
+    (several per micro-batch, the last partial): the no-grad log-probs, the update's metrics and every
+    weight equal the eager head's; the compiled math ran in the forward and in the backward. A model
+    without the head (a critic's value head) is left as it is."""
+    import torch._dynamo
+
+    from mmrl.models.compiled import compile_head
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, token_scoring_head
+
+    torch._dynamo.reset()
+    counting = CountingBackend()
+    settings = {**ACTOR_SETTINGS, "log_prob_chunk_tokens": 4}
+    models, actors = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = training_model(tiny_vl_path)
+        if compiled:
+            assert compile_head(model, counting.backend)
+            assert token_scoring_head(model).chunk_math is not EAGER_CHUNK_MATH
+        model.train()
+        models.append(model)
+        actors.append(policy_actor(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings))
+    expected, _ = actors[0].compute_log_probs(batches[0], 2, TEMPERATURE)
+    log_probs, _ = actors[1].compute_log_probs(batches[0], 2, TEMPERATURE)
+    torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+    scored = counting.calls["forward"]
+    assert scored >= 2  # a chunk's scores per micro-batch, at least
+    expected_metrics, metrics = (_update(actor, batches[0]) for actor in actors)
+    for name in ("pg_loss", "grad_norm", "entropy"):
+        assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
+    for (name, weight), eager_weight in zip(models[1].named_parameters(), models[0].parameters()):
+        torch.testing.assert_close(weight, eager_weight, rtol=1e-5, atol=1e-6, msg=name)
+    # the update ran the compiled scores (forward) and logit gradients (backward) of each chunk
+    assert counting.calls["forward"] >= scored + 2 * 2
+    assert not compile_head(training_model(tiny_vl_path, role="critic"))

@@ -263,3 +263,49 @@ def test_no_tensor_holds_every_token_times_the_vocabulary(tiny_vl_path, chunk_to
         assert recorder.max_rows <= chunk_tokens
     else:
         assert recorder.max_rows >= num_tokens
+
+
+# (dtype, chunk, bias, entropy_grad, entropy_top_k, spread_top_k) over 10 rows: a partial last chunk
+COMPILED_CASES = (
+    (torch.float32, 3, True, True, 0, 0),
+    (torch.float32, 4, False, False, 4, 3),
+    (torch.bfloat16, 4, False, True, 0, 0),
+)
+
+
+def _scores_and_grads(chunk_math, dtype, chunk, with_bias, entropy_grad, top_k, spread_k):
+    generator = torch.Generator().manual_seed(3)
+    hidden = (0.3 * torch.randn(10, 8, generator=generator)).to(dtype).requires_grad_()
+    weight = torch.randn(11, 8, generator=generator).to(dtype).requires_grad_()
+    bias = torch.randn(11, generator=generator).to(dtype).requires_grad_() if with_bias else None
+    targets = torch.randint(0, 11, (10,), generator=generator)
+    coefficients = torch.randn(3, 10, generator=generator)
+    scoring = TokenScoring(
+        targets, TEMPERATURE, chunk, entropy_grad, entropy_top_k=top_k, spread_top_k=spread_k
+    )
+    outputs = chunked_token_scores(hidden, weight, bias, scoring, chunk_math)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+    differentiable = [outputs[0]] + [outputs[1]] * entropy_grad + [outputs[2]] * (spread_k > 0)
+    loss = sum((c * o).sum() for c, o in zip(coefficients, differentiable))
+    return outputs, _grads(inputs, loss)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_chunk_math_equals_the_eager_ops(backend):
+    """``compile_head``'s chunk math (``compiled_chunk_math``): the values and gradients of the eager
+    ops, in fp32 and bf16, with a partial last chunk (a second shape), a bias, a differentiable or
+    logged entropy, a top-k entropy and the spread term; ``aot_eager`` traces and functionalizes the
+    in-place ops, ``inductor`` also generates the fused kernels (one case: the compiler's C++ builds)."""
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, compiled_chunk_math
+
+    compiled = compiled_chunk_math(backend)
+    assert compiled.scores is not EAGER_CHUNK_MATH.scores
+    for case in COMPILED_CASES[:1] if backend == "inductor" else COMPILED_CASES:
+        expected_outputs, expected_grads = _scores_and_grads(EAGER_CHUNK_MATH, *case)
+        outputs, grads = _scores_and_grads(compiled, *case)
+        tolerance = {"atol": 1e-5, "rtol": 1e-5} if case[0] == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+        for output, expected in zip(outputs, expected_outputs):
+            torch.testing.assert_close(output, expected, **tolerance)
+        for grad, expected in zip(grads, expected_grads):
+            assert grad.dtype == case[0]
+            torch.testing.assert_close(grad, expected, **tolerance)

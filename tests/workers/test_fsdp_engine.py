@@ -363,6 +363,19 @@ def test_critic_has_an_untied_small_value_head(tiny_vl_path):
     assert torch.equal(load_model(str(tiny_vl_path), role="critic").lm_head.weight, head.weight)
 
 
+def test_checkpointing_some_layers_needs_layers_transformers_can_checkpoint_one_by_one(tiny_vl_path):
+    from mmrl.workers.fsdp_engine import enable_gradient_checkpointing
+
+    model = load_model(str(tiny_vl_path))
+    enable_gradient_checkpointing(model, 1)
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False]
+    decoder_layers(model)[1] = torch.nn.Identity()  # as a remote-code layer of its own class
+    with pytest.raises(
+        ValueError, match="Identity, a decoder layer of .* unset gradient_checkpointing_layers"
+    ):
+        enable_gradient_checkpointing(model, 1)
+
+
 def test_freeze_vision_tower_freezes_exactly_the_tower(tiny_vl_path):
     model = load_model(str(tiny_vl_path))
     frozen = freeze_vision_tower(model)
@@ -713,16 +726,19 @@ def test_two_rank_critic_values_and_update_equal_one_rank(tiny_vl_path, vl_batch
 MIXED_ORDER = [0, 2, 3, 1]  # rank 0: image row, text row; rank 1: text row, image row
 TEXT_ORDER = [2, 3, 2, 3]  # text rows only, on both ranks
 IMAGES_FIRST_ORDER = [0, 2, 1, 3]  # on both ranks an image row, then a text row: no rank calls the tower last
-# name -> (rows, reduce_grads_once, gathered once): the tower job's runs (an update per micro-batch of
-# one row, the gradients reduced in each micro-batch or once, in the mini-batch's last; the parameters
-# gathered in each unit's forward and backward of each micro-batch, or kept gathered from a unit's first
-# forward to the mini-batch's last backward: fsdp.enable_full_shard=false, fsdp.reshard_after_backward=false)
+# name -> (rows, reduce_grads_once, kept for the backward, kept across micro-batches): the tower job's
+# runs (an update per micro-batch of one row, the gradients reduced in each micro-batch or once, in the
+# mini-batch's last; each unit's parameters gathered in its forward and again in its backward, or kept
+# from forward to backward (fsdp.enable_full_shard=false), and kept from a micro-batch's backward to
+# the next one's forward (keep_params_gathered))
 TOWER_RUNS = {
-    "mixed": (MIXED_ORDER, False, False),
-    "text": (TEXT_ORDER, False, False),
-    "mixed_reduced_once": (MIXED_ORDER, True, False),
-    "images_first_reduced_once": (IMAGES_FIRST_ORDER, True, False),
-    "mixed_gathered_once": (MIXED_ORDER, True, True),
+    "mixed": (MIXED_ORDER, False, False, False),
+    "text": (TEXT_ORDER, False, False, False),
+    "mixed_reduced_once": (MIXED_ORDER, True, False, False),
+    "images_first_reduced_once": (IMAGES_FIRST_ORDER, True, False, False),
+    "mixed_gathered_once": (MIXED_ORDER, True, True, True),
+    "images_first_gathered_once": (IMAGES_FIRST_ORDER, True, True, True),
+    "mixed_kept_across": (MIXED_ORDER, False, False, True),
 }
 FIRST_LAYER = "model.language_model.layers.0"
 
@@ -764,12 +780,18 @@ def _tower_job(rank: int, world_size: int, model_path: str, batch: DataProto) ->
     mesh = init_device_mesh("cpu", (world_size,))
     record = _recording_tower_collectives()
     results: dict = {}
-    for name, (order, reduce_once, gathered_once) in TOWER_RUNS.items():
+    for name, (order, reduce_once, kept_for_backward, kept_across) in TOWER_RUNS.items():
         shard = batch[order].chunk(world_size)[rank]
-        model = _sharded(model_path, mesh, checkpointing=True, reshard_after_forward=not gathered_once)
+        model = _sharded(model_path, mesh, checkpointing=True, reshard_after_forward=not kept_for_backward)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-        fsdp = FSDPConfig(enable_full_shard=not gathered_once, reshard_after_backward=not gathered_once)
-        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, reduce_grads_once=reduce_once, fsdp=fsdp)
+        actor = policy_actor(
+            model,
+            optimizer,
+            **ACTOR_SETTINGS,
+            reduce_grads_once=reduce_once,
+            keep_params_gathered=kept_across,
+            fsdp=FSDPConfig(enable_full_shard=not kept_for_backward),
+        )
         del record[:]
         log_probs, _ = actor.compute_log_probs(shard, 1, TEMPERATURE)
         log_prob_collectives = [entry for entry in record if entry[1] != FIRST_LAYER]
@@ -879,24 +901,62 @@ def test_tower_unit_is_gathered_only_where_some_rank_has_media(tower_results):
         assert result["mixed_reduced_once"]["update_collectives"] == [gather, gather, gather, reduce], rank
         assert result["images_first_reduced_once"]["update_collectives"] == [gather, gather, reduce], rank
         # and the parameters kept gathered through the step: the tower's first gather (in the first
-        # micro-batch) serves the second too
+        # micro-batch) serves the second too; kept from the first micro-batch, not called in the
+        # second (text rows on both ranks), it is reduced (and resharded) after the last backward
         assert result["mixed_gathered_once"]["update_collectives"] == [gather, gather, reduce], rank
+        assert result["images_first_gathered_once"]["update_collectives"] == [gather, gather, reduce], rank
+        # kept across micro-batches alone, reduced in each: one gather, two reductions
+        assert result["mixed_kept_across"]["update_collectives"] == [gather, reduce, reduce], rank
 
 
 @pytest.mark.distributed
 def test_parameters_kept_gathered_through_a_step_are_gathered_once_and_resharded_before_it(tower_results):
     """A decoder layer's gathers in an update of two micro-batches under gradient checkpointing: its
     forward and its backward in each (4), one more before the first update that reduces once
-    (``_gathered_once``); kept gathered from its first forward to the last backward
-    (``fsdp.enable_full_shard=false``, ``fsdp.reshard_after_backward=false``), one in the step (and
-    ``_gathered_once``'s). Every unit is resharded after the update (none left gathered across the
-    optimizer step), and the update is the one of every other run (test_tower_unit_update_equals_one_rank)."""
+    (``_gathered_once``); kept from a micro-batch's backward to the next one's forward
+    (``keep_params_gathered``), the second forward's gather saved (3); and kept from forward to backward
+    too (``fsdp.enable_full_shard=false``), one in the step (and ``_gathered_once``'s). Every unit is
+    resharded after the update (none left gathered across the optimizer step), and the update is the
+    one of every other run (test_tower_unit_update_equals_one_rank)."""
     for rank, result in enumerate(tower_results):
         assert result["mixed"]["layer_gathers"] == 4, rank
         assert result["mixed_reduced_once"]["layer_gathers"] == 5, rank
+        assert result["mixed_kept_across"]["layer_gathers"] == 3, rank
         assert result["mixed_gathered_once"]["layer_gathers"] == 2, rank
+        assert result["images_first_gathered_once"]["layer_gathers"] == 2, rank
         for name in TOWER_RUNS:
             assert result[name]["gathered_after_update"] == [], (rank, name)
+
+
+def _kept_gathered_epochs_job(rank: int, world_size: int, model_path: str, data: DataProto) -> dict:
+    """Two epochs over the rows in micro-batches of one row (two optimizer steps), the parameters
+    gathered per unit call or kept through each step: the state after each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    shard = data.chunk(world_size)[rank]
+    results = {}
+    for kept in (False, True):
+        model = _sharded(model_path, mesh, reshard_after_forward=not kept)
+        optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        fsdp = FSDPConfig(enable_full_shard=not kept)
+        actor = policy_actor(model, optimizer, **ACTOR_SETTINGS, keep_params_gathered=kept, fsdp=fsdp)
+        actor.update_policy(shard, len(shard), 1, 2, TEMPERATURE)
+        results[kept] = _full_state(model)
+    return results
+
+
+@pytest.mark.distributed
+def test_parameters_kept_gathered_never_outlive_an_optimizer_step(tiny_vl_path, vl_batch):
+    """The second epoch's first forward runs on the weights the first epoch's step made: a gathered copy
+    kept past that step would hold the old ones, and the second step would differ."""
+    results = run_on_ranks(
+        _kept_gathered_epochs_job, 2, str(tiny_vl_path), vl_batch[MIXED_ORDER], timeout_s=300
+    )
+    initial = _unique_state(training_model(str(tiny_vl_path)))
+    for result in results:
+        _assert_states_close(result[True], result[False], atol=1e-6)
+        assert any(not torch.equal(result[True][key], initial[key]) for key in initial)
 
 
 def _bf16_reduced_once_job(rank: int, world_size: int, model_path: str, data: DataProto) -> dict:
@@ -1032,7 +1092,8 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
     the shard boundary."""
     from torch.distributed.tensor import DTensor
 
-    from mmrl.config import LoraConfig, ModelConfig
+    from mmrl.config import ActorModelConfig, LoraConfig
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, token_scoring_head
     from mmrl.workers import fsdp_engine
     from mmrl.workers.fsdp_workers import build_fsdp_model
 
@@ -1044,8 +1105,9 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
             torch.manual_seed(0)  # the adapter's initialisation
             model = build_fsdp_model(
                 model_path,
-                ModelConfig(
+                ActorModelConfig(
                     compile_layers=label == "actor",
+                    compile_head=label == "actor",
                     gradient_checkpointing_layers=1 if label == "actor" else None,
                 ),
                 FSDPConfig(enable_cpu_offload=label == "critic"),
@@ -1065,6 +1127,8 @@ def _rank0_build_job(rank: int, world_size: int, model_path: str) -> dict:
             compiled[label, rank0_init] = [
                 layer._compiled_call_impl is not None for layer in decoder_layers(model)
             ]
+            head = token_scoring_head(model)  # none on the critic
+            compiled[label, rank0_init].append(head is not None and head.chunk_math is not EAGER_CHUNK_MATH)
             recomputing[label, rank0_init] = [layer.gradient_checkpointing for layer in decoder_layers(model)]
             state = {  # adapters included
                 name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -1101,7 +1165,8 @@ def test_two_rank_build_from_rank0_equals_every_rank_reading_the_weights(tiny_vl
     labelled = [digest for ranks in digests for key, digest in ranks.items() if key[0] != "lora"]
     assert len(labelled) == 8 and labelled[0][0] is not None and all(d == labelled[0] for d in labelled)
     assert all(ranks["lora", init] == [None] for ranks in digests for init in (True, False))
-    # worker.actor.model.compile_layers reaches the built model: every decoder layer compiled, sharded
+    # worker.actor.model.compile_layers and compile_head reach the built model: every decoder layer and
+    # the log-prob head's chunk math compiled, sharded
     for result in results:
         for (label, _), layers in result["compiled"].items():
             assert layers == [label == "actor"] * len(layers) and layers, label
