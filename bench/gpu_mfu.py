@@ -770,9 +770,9 @@ def parse_side(spec: str) -> Side:
     ``mmrl:full+compile+keep+once``, ``plain:full``: the side; whether its layers' activations are
     checkpointed (``full``: every layer's, recomputed in the backward; ``off``; a count N: the first N
     decoder layers', the trainer's ``gradient_checkpointing_layers``); its options (``compile``: the
-    decoder layers compiled, ``compile_layers``; ``head``: ``compile_head``; ``keep``: FSDP's ``reshard_after_forward=False``,
-    ``fsdp.enable_full_shard=false``; ``hold``: ``keep_params_gathered``; ``once``:
-    ``reduce_grads_once``)."""
+    decoder layers compiled, ``compile_layers``; ``head``: ``compile_head``; ``keep``: FSDP's
+    ``reshard_after_forward=False``, ``fsdp.enable_full_shard=false``; ``hold``:
+    ``keep_params_gathered``; ``once``: ``reduce_grads_once``)."""
     name, _, settings = spec.partition(":")
     checkpointing, *options = settings.split("+")
     if (

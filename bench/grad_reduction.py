@@ -9,9 +9,10 @@ decoder layers, 2 vision blocks, fp32: this CPU emulates bf16), shards it with m
 over both ranks and runs ``PolicyActor.update_policy`` on its half of ``--rows`` text rows in
 micro-batches of one row, ``--repeats`` times after a warm-up, once per setting, each from the same
 weights. The table holds the median update seconds, the all-gathers and reduce-scatters FSDP2 started in
-a timed update (every unit's, counted as they start) and the first update's loss and gradient norm (the
-same numbers every way, to fp32 rounding). ``bench/results/grad_reduction.json`` keeps them. What is reduced once instead
-of per micro-batch is the gradient traffic between ranks: on one rank there is none to save
+the last timed update (every unit's, counted as they start; the warm-up gathers every unit once more
+for the first update that reduces once) and the warm-up update's loss and gradient norm (the same
+numbers every way, to fp32 rounding). ``bench/results/grad_reduction.json`` keeps them. What is reduced
+once instead of per micro-batch is the gradient traffic between ranks: on one rank there is none to save
 (``bench/gpu_mfu.py --reduce_grads_once`` counts that case's ops).
 """
 

@@ -8,8 +8,9 @@ log-prob of each target, the log-sum-exp and the entropy (:func:`_chunk_scores`)
 gradient wrt the logits (:func:`_chunk_logits_grad`), for a log-prob loss alone and with an entropy
 bonus. This times that math alone on random logits (scale 3, the released vocabulary by default; the
 matrix products around it are the same either way and left out): eager ops against the same
-functions compiled by inductor (after a warm-up that compiles). Logits in bf16 on a GPU, fp32 on the
-CPU (no bf16 arithmetic on this machine's kind). Median seconds of ``--repeats`` calls, each on a fresh
+functions compiled by inductor (after a warm-up that compiles). Logits in ``--dtype``: by default bf16
+on a GPU (the actor's compute dtype there), fp32 on the CPU (mmrl's compute dtype there); the math
+itself runs in fp32 either way. Median seconds of ``--repeats`` calls, each on a fresh
 copy of the logits (the math works in place on them; the copy is not timed), the compiled results'
 largest difference from the eager ones, and on a GPU the peak memory each call allocates above its
 inputs. ``bench/results/token_head.json`` keeps them.
@@ -98,10 +99,13 @@ def _largest_difference(result, reference) -> float:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, compiled_chunk_math
+    from mmrl.models.compiled import compiled_chunk_math
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (3 * torch.randn(args.tokens, args.vocab, generator=generator, device=device)).to(dtype)
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
@@ -133,6 +137,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     args = parser.parse_args()
 

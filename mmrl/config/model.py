@@ -100,8 +100,7 @@ class ActorModelConfig(ModelConfig):
     # frozen towers (freeze_vision_tower, the reference's): each distinct image/video is encoded once per
     # step and its embeddings kept for the step's passes; false = every pass encodes (less memory)
     share_encodings: bool = True
-    # torch.compile the log-prob head's per-chunk math (actor and reference): log-softmax, entropies and
-    # their gradient fused over each [chunk, vocab] block instead of ~10 eager passes (docs/throughput.md)
+    # torch.compile the log-prob head's per-chunk math (actor and reference; docs/throughput.md)
     compile_head: bool = False
 
     @property

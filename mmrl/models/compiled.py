@@ -20,6 +20,7 @@ sequence (Qwen3.5's linear attention runs each packed sequence on its own, by it
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ from torch import nn
 from mmrl.models.attention import eager_under_compile, layer_packed_sequences
 from mmrl.models.families import family_of
 from mmrl.models.loading import decoder_layers
-from mmrl.models.token_scoring import compiled_chunk_math, token_scoring_head
+from mmrl.models.token_scoring import ChunkMath, token_scoring_head
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +84,29 @@ def compile_layers(model: nn.Module, backend: str | Callable = "inductor") -> in
     return len(layers)
 
 
-def compile_head(model: nn.Module, backend: str | Callable = "inductor") -> bool:
-    """Compile the per-chunk math of ``model``'s log-prob head (``worker.actor.model.compile_head``):
-    the log-softmax, entropies and their gradient on each chunk's ``[chunk, vocab]`` logits
-    (:class:`mmrl.models.token_scoring.ChunkMath`), fused into a few kernels; the head's matrix products
-    stay library calls. False for a model without the head (a critic's value head)."""
+@functools.cache
+def compiled_chunk_math(backend: str | Callable = "inductor") -> ChunkMath:
+    """The log-prob head's chunk math (:class:`mmrl.models.token_scoring.ChunkMath`) compiled with
+    ``backend``, once per process and backend, each function whole (``fullgraph``: a graph break is an
+    error, not a silent eager fallback); the chunk's row count turns dynamic after its first change."""
+    import torch
     import torch._dynamo
 
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    eager = ChunkMath()
+    return ChunkMath(
+        torch.compile(eager.scores, backend=backend, fullgraph=True),
+        torch.compile(eager.logits_grad, backend=backend, fullgraph=True),
+    )
+
+
+def compile_head(model: nn.Module, backend: str | Callable = "inductor") -> bool:
+    """Compile the per-chunk math of ``model``'s log-prob head (``worker.actor.model.compile_head``):
+    the log-softmax, entropies and their gradient on each chunk's ``[chunk, vocab]`` logits, fused into
+    a few kernels (docs/throughput.md, step 10); the head's matrix products stay library calls. False
+    for a model without the head (a critic's value head)."""
     head = token_scoring_head(model)
     if head is None:
         return False
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     head.chunk_math = compiled_chunk_math(backend)
     return True

@@ -25,7 +25,6 @@ is the plain linear head (generation, warm-up, rollout weight sync are untouched
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,12 +60,21 @@ def _top_k_or_none(top_k: int, vocab_size: int) -> int | None:
     return top_k if 0 < top_k < vocab_size else None
 
 
+def _scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / T`` in fp32: in place on fp32 ``logits`` when eager (no second ``[C, V]`` buffer; the
+    caller passes the head output it no longer needs), out of place when compiled (a graph input changed
+    in place is copied back after the graph: one more pass)."""
+    if torch.compiler.is_compiling():
+        return logits.float() / temperature
+    return logits.float().div_(temperature)
+
+
 def _chunk_scores(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int | None, spread_k: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's ``(log p(y), H, lse, spread, whole-vocabulary H)``, fp32 ``[C]`` each, from its head
-    output ``logits = h W^T + b`` [C, V] (the head's dtype), ``z = logits / T`` in fp32."""
-    logits = logits.float().div_(temperature)  # [C, V]: z
+    output ``logits = h W^T + b`` [C, V] (the head's dtype; consumed), ``z = logits / T`` in fp32."""
+    logits = _scaled_fp32(logits, temperature)  # [C, V]: z (a bf16 head output is freed here)
     picked = logits.gather(-1, targets[:, None]).squeeze(-1)  # [C]
     spreads = torch.zeros_like(picked)
     if spread_k is not None:  # KL(u_K || p) = lse - mean(z_K) - log k; lse added below
@@ -103,36 +111,27 @@ def _chunk_logits_grad(
     spread: tuple[torch.Tensor, int] | None,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's gradient wrt its head output ``logits`` [C, V] (``dz / dlogits = 1 / T``), in the
-    logits' dtype, and its fp32 sum over the rows (the bias's gradient) with ``bias_grad``."""
-    log_p = logits.float().div_(temperature).sub_(lses[:, None])  # [C, V]
+    """One chunk's gradient wrt its head output ``logits`` [C, V] (consumed; ``dz / dlogits = 1 / T``), in
+    the logits' dtype, and its fp32 sum over the rows (the bias's gradient) with ``bias_grad``."""
+    dtype = logits.dtype
+    log_p = _scaled_fp32(logits, temperature).sub_(lses[:, None])  # [C, V]
+    del logits  # a bf16 head output: freed before the gradient's buffers
     grad = _chunk_logit_grad(log_p, targets, grad_log_probs, grad_entropies, entropies, top_k, spread)
     grad = grad.div_(temperature)
-    return grad.to(logits.dtype), grad.sum(0) if bias_grad else None
+    return grad.to(dtype), grad.sum(0) if bias_grad else None
 
 
 @dataclass(frozen=True)
 class ChunkMath:
     """What the head runs on each chunk's ``[C, V]`` output: :func:`_chunk_scores` in the forward,
-    :func:`_chunk_logits_grad` in the backward, eagerly or compiled (:func:`compiled_chunk_math`); the
-    matrix products around them stay outside."""
+    :func:`_chunk_logits_grad` in the backward, eagerly or compiled
+    (:func:`mmrl.models.compiled.compiled_chunk_math`); the matrix products around them stay outside."""
 
     scores: Callable = _chunk_scores
     logits_grad: Callable = _chunk_logits_grad
 
 
 EAGER_CHUNK_MATH = ChunkMath()
-
-
-@functools.cache
-def compiled_chunk_math(backend: str | Callable = "inductor") -> ChunkMath:
-    """The chunk math compiled with ``backend`` (one per process and backend): each fused into a few
-    kernels that read the chunk's ``[C, V]`` logits once or twice, where the eager ops make ~10 passes
-    over ``[C, V]`` fp32 buffers each way (docs/throughput.md)."""
-    return ChunkMath(
-        torch.compile(_chunk_scores, backend=backend),
-        torch.compile(_chunk_logits_grad, backend=backend),
-    )
 
 
 class _ChunkedTokenScores(torch.autograd.Function):
@@ -155,12 +154,12 @@ class _ChunkedTokenScores(torch.autograd.Function):
         columns = [[] for _ in range(5)]  # per chunk: log p(y), H, lse, spread, whole-vocabulary H
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(hidden[rows], weight, bias)  # [C, V], in the weight's dtype
-            for column, values in zip(
-                columns, chunk_math.scores(logits, targets[rows], temperature, top_k, spread_k)
-            ):
+            # the head output [C, V] (the weight's dtype) is passed unnamed: the chunk math consumes it
+            scores = chunk_math.scores(
+                F.linear(hidden[rows], weight, bias), targets[rows], temperature, top_k, spread_k
+            )
+            for column, values in zip(columns, scores):
                 column.append(values)
-            del logits  # freed before the next chunk's buffer is allocated
         log_probs, entropies, lses, spreads, full_entropies = (
             torch.cat(column) if column else hidden.new_empty(0, dtype=torch.float32) for column in columns
         )

@@ -238,15 +238,17 @@ def enable_gradient_checkpointing(model: nn.Module, decoder_layers_recomputed: i
     model.config.use_cache = False
     if decoder_layers_recomputed is None:
         return
-    layers = decoder_layers(model)
-    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    kept = decoder_layers(model)[
+        decoder_layers_recomputed:
+    ]  # none for a count over the layers: all recompute
+    other = next((layer for layer in kept if not isinstance(layer, GradientCheckpointingLayer)), None)
     if other is not None:
         raise ValueError(
             f"gradient_checkpointing_layers={decoder_layers_recomputed}: {type(other).__name__}, a decoder "
             f"layer of {type(model).__name__}, is not a transformers GradientCheckpointingLayer, so it cannot "
             "be checkpointed on its own; unset gradient_checkpointing_layers"
         )
-    for layer in layers[decoder_layers_recomputed:]:
+    for layer in kept:
         layer.gradient_checkpointing = False  # read by GradientCheckpointingLayer at each call
 
 

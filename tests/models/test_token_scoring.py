@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _batches import TEMPERATURE, build_batch
+from _compiling import CountingBackend
 from _models import training_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -290,17 +291,23 @@ def _scores_and_grads(chunk_math, dtype, chunk, with_bias, entropy_grad, top_k, 
     return outputs, _grads(inputs, loss)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["counting", "inductor"])
 def test_compiled_chunk_math_equals_the_eager_ops(backend):
     """``compile_head``'s chunk math (``compiled_chunk_math``): the values and gradients of the eager
     ops, in fp32 and bf16, with a partial last chunk (a second shape), a bias, a differentiable or
-    logged entropy, a top-k entropy and the spread term; ``aot_eager`` traces and functionalizes the
-    in-place ops, ``inductor`` also generates the fused kernels (one case: the compiler's C++ builds)."""
-    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, compiled_chunk_math
+    logged entropy, a top-k entropy and the spread term. ``counting``: the compiler's capture and
+    functionalization of the in-place ops, and the compiled graphs ran for every chunk each way;
+    ``inductor`` also generates the fused kernels (one case: the compiler's C++ builds)."""
+    from torch._dynamo.utils import counters
 
-    compiled = compiled_chunk_math(backend)
-    assert compiled.scores is not EAGER_CHUNK_MATH.scores
-    for case in COMPILED_CASES[:1] if backend == "inductor" else COMPILED_CASES:
+    from mmrl.models.compiled import compiled_chunk_math
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH
+
+    counting = CountingBackend()
+    compiled = compiled_chunk_math(counting.backend if backend == "counting" else backend)
+    counters.clear()
+    cases = COMPILED_CASES[:1] if backend == "inductor" else COMPILED_CASES
+    for case in cases:
         expected_outputs, expected_grads = _scores_and_grads(EAGER_CHUNK_MATH, *case)
         outputs, grads = _scores_and_grads(compiled, *case)
         tolerance = {"atol": 1e-5, "rtol": 1e-5} if case[0] == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
@@ -309,3 +316,17 @@ def test_compiled_chunk_math_equals_the_eager_ops(backend):
         for grad, expected in zip(grads, expected_grads):
             assert grad.dtype == case[0]
             torch.testing.assert_close(grad, expected, **tolerance)
+    assert counters["stats"]["unique_graphs"] >= 2  # both functions compiled
+    if backend == "counting":  # no-grad graphs (inside the autograd function) count as forward ones
+        chunks = sum(-(-10 // case[1]) for case in cases)  # each case's chunks of its 10 rows
+        assert counting.calls["forward"] == 2 * chunks  # the scores forward, the logit gradient backward
+
+
+def test_no_rows_score_nothing_and_pass_no_gradient():
+    hidden = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    scoring = TokenScoring(torch.zeros(0, dtype=torch.long), TEMPERATURE, 4, True)
+    outputs = chunked_token_scores(hidden, weight, None, scoring)
+    assert [tuple(output.shape) for output in outputs] == [(0,)] * 4
+    grads = _grads([hidden, weight], outputs[0].sum() + outputs[1].sum())
+    assert grads[0].shape == (0, 8) and not grads[1].any()
