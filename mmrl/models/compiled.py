@@ -29,7 +29,7 @@ from torch import nn
 from mmrl.models.attention import eager_under_compile, layer_packed_sequences
 from mmrl.models.families import family_of
 from mmrl.models.loading import decoder_layers
-from mmrl.models.token_scoring import ChunkMath, token_scoring_head
+from mmrl.models.token_scoring import EAGER_CHUNK_MATH, ChunkMath, token_scoring_head
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,9 @@ def compiled_chunk_math(backend: str | Callable = "inductor") -> ChunkMath:
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    eager = ChunkMath()
     return ChunkMath(
-        torch.compile(eager.scores, backend=backend, fullgraph=True),
-        torch.compile(eager.logits_grad, backend=backend, fullgraph=True),
+        torch.compile(EAGER_CHUNK_MATH.scores, backend=backend, fullgraph=True),
+        torch.compile(EAGER_CHUNK_MATH.logits_grad, backend=backend, fullgraph=True),
     )
 
 

@@ -664,8 +664,7 @@ def train_on_batch(
 
     ``reduce_grads_once`` (an FSDP2 module): a mini-batch's gradients are summed unsharded on each rank
     and reduced once, in its last micro-batch (:func:`gradient_sync`), instead of in every micro-batch.
-    ``keep_params_gathered``: a micro-batch's backward leaves the units it gathered gathered for the next
-    one's forward, the mini-batch's last backward reshards them (:func:`kept_gathered`).
+    ``keep_params_gathered``: units stay gathered between a mini-batch's micro-batches (:func:`kept_gathered`).
     """
     gradient_scale = fsdp_size if fsdp_size is not None else data_parallel_size(group)
     # per micro-batch: its metric shares as one float64 vector (one cast, one add), keyed by their names
@@ -695,11 +694,8 @@ def train_on_batch(
             for index, (rows, flag) in enumerate(zip(plan, flags)):
                 micro_batch = mini_batch[row_selection(rows)]
                 last = index == len(plan) - 1
-                with (
-                    gradient_sync(module, last or not reduce_grads_once),
-                    kept_gathered(module, keep_params_gathered and not last),
-                    media_step(module, flag),
-                ):
+                sync, keep = last or not reduce_grads_once, keep_params_gathered and not last
+                with gradient_sync(module, sync), kept_gathered(module, keep), media_step(module, flag):
                     loss, shares = micro_batch_loss(micro_batch, num_tokens, num_seqs)
                     (loss * gradient_scale).backward()
                 names = tuple(shares)
