@@ -1,6 +1,8 @@
-"""The log-prob head's per-chunk math, eager against compiled (``worker.actor.model.compile_head``).
+"""The log-prob head's per-chunk math, eager against compiled (``worker.actor.model.compile_head``);
+with ``--whole``, the whole head against a plain one and Liger's fused linear cross-entropy.
 
     python bench/token_head.py [--tokens 1024] [--vocab 151936] [--repeats 5] [--device cpu|cuda]
+    python bench/token_head.py --whole [--tokens 4096] [--width 2048] [--chunk_tokens 1024] ...
 
 The head (``mmrl.models.token_scoring``) multiplies each chunk of ``--tokens`` response positions by
 the output weight, then runs its chunk math on the ``[tokens, vocab]`` logits: in the forward the
@@ -14,6 +16,17 @@ itself runs in fp32 either way. Median seconds of ``--repeats`` calls, each on a
 copy of the logits (the math works in place on them; the copy is not timed), the compiled results'
 largest difference from the eager ones, and on a GPU the peak memory each call allocates above its
 inputs. ``bench/results/token_head.json`` keeps them.
+
+``--whole`` times the whole head, forward and backward, on ``--tokens`` hidden rows of ``--width``
+(one micro-batch's response tokens: 8 rows of 512 are 4,096) and an output weight ``[vocab, width]``,
+the loss ``sum(g * log p(y))`` with random per-token weights ``g`` (what a policy loss hands the head):
+the plain loop's head (the whole ``[tokens, vocab]`` logits, an fp32 log-softmax, a gather), mmrl's
+chunked head (``mmrl.models.token_scoring.chunked_token_scores``, ``--chunk_tokens`` rows a chunk; it
+computes each token's entropy too) with its chunk math eager and compiled, and, on a GPU where
+``liger_kernel`` imports, Liger's ``LigerFusedLinearCrossEntropyLoss`` (``reduction="none"``: its
+per-token loss is ``-log p(y)``; no entropy). Median seconds of each direction, the peak memory above
+the inputs on a GPU, and the largest difference of the log-probs and both gradients from the plain
+head's, relative to the largest value. ``bench/results/token_head_whole.json`` keeps them.
 """
 
 from __future__ import annotations
@@ -130,20 +143,176 @@ def run(args: argparse.Namespace) -> dict:
     return {"device": str(device), "dtype": str(dtype), "torch": torch.__version__, "rows": rows}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=1024, help="rows of one chunk (log_prob_chunk_tokens)")
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
-    parser.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
-    )
-    parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
-    args = parser.parse_args()
+def _liger_head(device, temperature: float) -> tuple[object | None, str]:
+    """Liger's fused linear cross-entropy as a log-prob head, or None and why not."""
+    if device.type != "cuda":
+        return None, "Liger's kernels are Triton's: a GPU only"
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as error:  # not installed, or built for another torch or Triton
+        return None, f"liger_kernel does not import ({type(error).__name__}: {error})"
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")  # per token: -log p(y), deferred gradients
 
-    result = run(args)
+    def head(hidden, weight, targets):
+        return -loss(weight, hidden if temperature == 1.0 else hidden / temperature, targets)
+
+    return head, ""
+
+
+def _heads(device, temperature: float, chunk_tokens: int) -> tuple[dict, dict]:
+    """The heads timed by ``--whole``, name -> (computes entropies, ``head(hidden, weight, targets)`` ->
+    fp32 log-probs [N]), and the heads left out, name -> why."""
+    import torch
+    from torch.nn import functional as F
+
+    from mmrl.models.compiled import compiled_chunk_math
+    from mmrl.models.token_scoring import EAGER_CHUNK_MATH, TokenScoring, chunked_token_scores
+
+    def plain(hidden, weight, targets):
+        logits = F.linear(hidden, weight).float() / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+    def chunked(chunk_math):
+        def head(hidden, weight, targets):
+            scoring = TokenScoring(targets, temperature, chunk_tokens)
+            return chunked_token_scores(hidden, weight, None, scoring, chunk_math)[0]
+
+        return head
+
+    heads = {
+        "plain": (False, plain),
+        "mmrl": (True, chunked(EAGER_CHUNK_MATH)),
+        "mmrl compiled": (True, chunked(compiled_chunk_math("inductor"))),
+    }
+    liger, why = _liger_head(device, temperature)
+    if liger is not None:
+        heads["liger"] = (False, liger)
+    return heads, ({} if liger is not None else {"liger": why})
+
+
+def _timed_head(head, hidden, weight, targets, weights, repeats: int, device) -> dict:
+    """Median forward and backward seconds of ``head`` under the loss ``sum(weights * log p)`` after a
+    warm-up, the peak MiB above the inputs (GPU) and the last call's log-probs and gradients."""
+    import torch
+
+    forward_s, backward_s, peak = [], [], None
+    for repeat in range(repeats + 1):  # the first call warms up (and compiles)
+        hidden.grad = weight.grad = None
+        _synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        log_probs = head(hidden, weight, targets)
+        _synchronize(device)
+        middle = time.perf_counter()
+        (weights * log_probs).sum().backward()
+        _synchronize(device)
+        if repeat:
+            forward_s.append(middle - started)
+            backward_s.append(time.perf_counter() - middle)
+        if device.type == "cuda":
+            peak = (torch.cuda.max_memory_allocated() - base) / MiB
+    return {
+        "forward_s": statistics.median(forward_s),
+        "backward_s": statistics.median(backward_s),
+        "peak_mib": peak,
+        "outputs": (log_probs.detach().float(), hidden.grad.float(), weight.grad.float()),
+    }
+
+
+def _relative_difference(result, reference) -> float:
+    import torch
+
+    return float((result - reference).abs().max() / reference.abs().max().clamp_min(torch.finfo().tiny))
+
+
+def run_whole(args: argparse.Namespace) -> dict:
+    """The whole head, each of :func:`_heads`, on the same hidden rows, weight, targets and loss."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def normal(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator, device=device)).to(dtype)
+
+    hidden = normal(args.tokens, args.width).requires_grad_()
+    # logits of standard deviation ~3, as the chunk math's bench draws them
+    weight = normal(args.vocab, args.width, scale=3 / args.width**0.5).requires_grad_()
+    targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
+    weights = torch.randn(args.tokens, generator=generator, device=device)
+    heads, left_out = _heads(device, args.temperature, args.chunk_tokens)
+    timings = {}
+    for name, (_, head) in heads.items():
+        try:
+            timings[name] = _timed_head(head, hidden, weight, targets, weights, args.repeats, device)
+        except Exception as error:  # reported; the other heads still run (the plain one is the reference)
+            if name == "plain":
+                raise
+            left_out[name] = f"failed: {type(error).__name__}: {error}"
+    reference = timings["plain"]["outputs"]
+    rows = []
+    for name, timing in timings.items():
+        entropies = heads[name][0]
+        differences = [_relative_difference(a, b) for a, b in zip(timing["outputs"], reference)]
+        rows.append(
+            {
+                "head": name,
+                "entropies": entropies,
+                "forward_s": timing["forward_s"],
+                "backward_s": timing["backward_s"],
+                "peak_mib": timing["peak_mib"],
+                "log_prob_difference": differences[0],
+                "hidden_grad_difference": differences[1],
+                "weight_grad_difference": differences[2],
+            }
+        )
+    result = {"device": str(device), "dtype": str(dtype), "torch": torch.__version__, "rows": rows}
+    return result | {"left_out": left_out}
+
+
+def _print_whole(args: argparse.Namespace, result: dict) -> None:
+    print(
+        f"the whole log-prob head on {args.tokens:,} rows of {args.width:,}, vocabulary {args.vocab:,} "
+        f"({result['dtype']}, {result['device']}, torch {result['torch']}), chunks of "
+        f"{args.chunk_tokens:,} rows, median of {args.repeats}; differences relative to the plain head's "
+        "largest value\n"
+    )
+    gpu = result["device"].startswith("cuda")
+    plain = next(row for row in result["rows"] if row["head"] == "plain")
+    headers = ["head", "entropies", "forward s", "backward s", "both / plain's"]
+    headers += ["peak MiB"] * gpu + [
+        "log-prob difference",
+        "hidden grad difference",
+        "weight grad difference",
+    ]
+    table = []
+    for row in result["rows"]:
+        both = row["forward_s"] + row["backward_s"]
+        cells = [
+            row["head"],
+            "yes" if row["entropies"] else "no",
+            f"{row['forward_s']:.4f}",
+            f"{row['backward_s']:.4f}",
+            f"{both / (plain['forward_s'] + plain['backward_s']):.2f}",
+        ]
+        if gpu:
+            cells.append(f"{row['peak_mib']:.0f}")
+        cells += [
+            f"{row[key]:.1e}"
+            for key in ("log_prob_difference", "hidden_grad_difference", "weight_grad_difference")
+        ]
+        table.append(cells)
+    print(markdown_table(headers, table))
+    for name, why in result["left_out"].items():
+        print(f"\nleft out: {name}: {why}")
+
+
+def _print_math(args: argparse.Namespace, result: dict) -> None:
     print(
         f"the log-prob head's chunk math on [{args.tokens:,}, {args.vocab:,}] logits ({result['dtype']}, "
         f"{result['device']}, torch {result['torch']}), median of {args.repeats}\n"
@@ -163,8 +332,30 @@ def main() -> None:
             cells += [f"{row['eager_peak_mib']:.0f}", f"{row['compiled_peak_mib']:.0f}"]
         table.append(cells)
     print(markdown_table(headers + (["eager peak MiB", "compiled peak MiB"] if gpu else []), table))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tokens", type=int, default=1024, help="rows: of one chunk, or with --whole of the head's input"
+    )
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--whole", action="store_true", help="the whole head against a plain one and Liger's")
+    parser.add_argument("--width", type=int, default=2048, help="--whole: the hidden width (3B's: 2,048)")
+    parser.add_argument("--chunk_tokens", type=int, default=1024, help="--whole: mmrl's rows per chunk")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
+    args = parser.parse_args()
+
+    result = (run_whole if args.whole else run)(args)
+    (_print_whole if args.whole else _print_math)(args, result)
     payload = {"args": {key: value for key, value in vars(args).items() if key != "out"}, "result": result}
-    out = write_json("token_head.json", payload, args.out)
+    out = write_json("token_head_whole.json" if args.whole else "token_head.json", payload, args.out)
     print(f"\nwritten to {out}")
 
 

@@ -28,3 +28,24 @@ def test_the_compiled_chunk_math_is_timed_against_the_eager_ops_on_the_same_numb
     for row in rows:
         assert row["eager_s"] > 0 and row["compiled_s"] > 0
         assert row["largest_difference"] < 1e-4  # fp32: the same values, summed in another order
+
+
+def test_the_whole_head_is_timed_against_the_plain_head_on_the_same_numbers(tmp_path):
+    out = tmp_path / "token_head_whole.json"
+    stdout = run_bench(
+        "token_head.py",
+        "--whole",
+        *("--tokens", "40", "--width", "16", "--vocab", "300", "--chunk_tokens", "20"),
+        *("--temperature", "0.7", "--repeats", "1", "--device", "cpu", "--out", str(out)),
+    )
+    assert "| head | entropies | forward s | backward s | both / plain's |" in stdout
+    assert "left out: liger: Liger's kernels are Triton's: a GPU only" in stdout
+    result = json.loads(out.read_text())["result"]
+    rows = {row["head"]: row for row in result["rows"]}
+    assert list(rows) == ["plain", "mmrl", "mmrl compiled"]
+    assert [row["entropies"] for row in rows.values()] == [False, True, True]
+    for row in rows.values():
+        assert row["forward_s"] > 0 and row["backward_s"] > 0
+        # fp32, two chunks of 20 rows, a temperature: the plain head's numbers
+        for key in ("log_prob_difference", "hidden_grad_difference", "weight_grad_difference"):
+            assert row[key] < 1e-5, (row["head"], key, row[key])
