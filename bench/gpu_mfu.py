@@ -7,6 +7,7 @@ update on the CPU, for mmrl and for a plain FSDP2 loop written here.
     python bench/gpu_mfu.py --sides mmrl:full,mmrl:full+compile,mmrl:off+compile,plain:full,plain:off
     python bench/gpu_mfu.py --sides mmrl:full+compile,mmrl:full+compile+head,mmrl:28+compile+keep+hold,plain:full
                             [--profile_sides mmrl:full+compile,plain:full]
+    python bench/gpu_mfu.py --varied --sides plain:full,mmrl:full+compile,mmrl:full+compile+budget
     python bench/gpu_mfu.py --device cpu   # op counts (the default without CUDA): 3B widths, 2 layers
     python bench/gpu_mfu.py --device cpu --widths small   # the same counts at narrow widths (fast)
     python bench/gpu_mfu.py --smoke [--baseline plain]   # the timed path on the CPU, tiny config (a check)
@@ -16,7 +17,11 @@ sizes; nothing is downloaded), with random fp32 weights (seed 0) on the GPU. mmr
 trainer's: ``prepare_for_training``, mmrl's ``apply_fsdp2`` on a one-rank group with bf16 compute and
 fp32 reduction, AdamW from ``build_optimizer``, one ``PolicyActor.update_policy`` (PPO loss, one
 optimizer step over micro-batches of ``--micro_batch`` rows, padding-free). Work: ``--rows`` text rows
-of ``--prompt_length`` random prompt and ``--response_length`` random response tokens. With
+of ``--prompt_length`` random prompt and ``--response_length`` random response tokens, every token
+valid; ``--varied`` pads them as a rollout hands them over (left-padded prompts, responses of 1/8 to
+all of ``--response_length`` in a random row order: micro-batches of so many rows then hold uneven
+token counts; ``--ragged`` pads them less): mmrl packs the valid tokens, the plain loop passes the
+attention mask, and tokens/s and MFU count the valid tokens. With
 ``--baseline plain`` the same model (same seed) and batch go through :class:`PlainSide` too: a plain
 FSDP2 loop (``fully_shard`` per decoder layer and vision block, the same mixed precision, fused AdamW,
 ``logits_to_keep`` for the response tokens, a log-softmax gather, the same PPO loss, torch's
@@ -37,8 +42,10 @@ its log-prob head's chunk math compiled, ``worker.actor.model.compile_head``), `
 each unit's gathered parameters from its forward to its backward: ``worker.actor.fsdp.enable_full_shard
 =false``), ``+hold`` (mmrl only: and from a micro-batch's backward to the next one's forward,
 ``worker.actor.keep_params_gathered``), ``+once`` (mmrl only: one gradient reduction per
-optimizer step, ``worker.actor.reduce_grads_once``). A side that fails is reported and the others still
-run.
+optimizer step, ``worker.actor.reduce_grads_once``), ``+budget`` (mmrl only: micro-batches of at most
+``--max_tokens`` packed tokens, by default what ``--micro_batch`` unpadded rows hold, instead of
+``--micro_batch`` rows: ``worker.actor.max_tokens_per_micro_batch``; the table gives each side's
+micro-batches per update). A side that fails is reported and the others still run.
 ``--profile_sides`` profiles only those (profiling takes an update and its analysis per side). At least
 one mmrl side must run: the figures at the top level of the output are the first one's.
 
@@ -219,11 +226,14 @@ def random_batch(
     seed: int = 0,
     images: bool = False,
     ragged: bool = False,
+    varied: bool = False,
 ):
     """Random rows, every token valid; advantages random, old log-probs filled in later. ``images``:
     each prompt begins with an image (random pixels, :data:`IMAGE_GRID`) in its placeholder tokens.
     ``ragged``: row r's prompt left-padded by 2r and its response right-padded by 3r tokens (modulo
-    half their lengths), as a rollout hands rows over."""
+    half their lengths), as a rollout hands rows over. ``varied``: the prompts padded so too, the
+    responses' lengths spread evenly from 1/8 of ``response_length`` to all of it, in a random row order
+    (a rollout's spread, where micro-batches of so many rows hold uneven token counts)."""
     import torch
 
     from mmrl.protocol import DataProto
@@ -235,10 +245,17 @@ def random_batch(
     responses = torch.randint(low, high, (rows, response_length), generator=generator)
     response_mask = torch.ones(rows, response_length, dtype=torch.long)
     prompt_mask = torch.ones(rows, prompt_length, dtype=torch.long)
-    if ragged:
+    if ragged or varied:
         for row in range(rows):
             prompt_mask[row, : 2 * row % (prompt_length // 2)] = 0
             response_mask[row, response_length - 3 * row % (response_length // 2) :] = 0
+    if varied:
+        shortest = max(1, response_length // 8)
+        spread = (
+            torch.linspace(shortest, response_length, rows) if rows > 1 else torch.tensor([response_length])
+        )
+        lengths = spread.round().long()[torch.randperm(rows, generator=generator)]
+        response_mask = (torch.arange(response_length)[None, :] < lengths[:, None]).long()
     token_types = torch.zeros(rows, prompt_length + response_length, dtype=torch.long)
     non_tensors = {}
     if images:
@@ -702,11 +719,17 @@ def run(args: argparse.Namespace) -> dict:
     config = build_config(args.model, layers=getattr(args, "layers", None))
     text = dict(TEXT_CONFIGS[args.model], num_hidden_layers=config.text_config.num_hidden_layers)
     compute_dtype = torch.float32 if args.smoke else torch.bfloat16
-    batch = random_batch(args.rows, args.prompt_length, args.response_length, text["vocab_size"])
-    tokens = args.rows * (args.prompt_length + args.response_length)
-    flops = update_flops(
-        text, [args.prompt_length + args.response_length] * args.rows, args.rows * args.response_length
+    batch = random_batch(
+        args.rows,
+        args.prompt_length,
+        args.response_length,
+        text["vocab_size"],
+        ragged=getattr(args, "ragged", False),
+        varied=getattr(args, "varied", False),
     )
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()  # valid tokens: padding is no work done
+    tokens = sum(lengths)
+    flops = update_flops(text, lengths, int(batch.batch["response_mask"].sum()))
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     peak = peak_tflops(device_name, args.peak_tflops)
     sides = {}
@@ -743,6 +766,7 @@ def run(args: argparse.Namespace) -> dict:
         "attention": kernel,
         "failed": failed,
         "tokens_per_update": tokens,
+        "padded_tokens_per_update": args.rows * (args.prompt_length + args.response_length),
         "tflops_per_update": flops / 1e12,
         "peak_tflops": peak,
         "sides": sides,
@@ -760,9 +784,10 @@ class Side(NamedTuple):
     keep: bool = False  # +keep: each unit's gathered parameters kept from its forward to its backward
     hold: bool = False  # +hold: and from a micro-batch's backward to the next one's forward
     once: bool = False  # +once: one gradient reduction per optimizer step
+    budget: bool = False  # +budget: micro-batches by token budget, not by row count
 
 
-SIDE_OPTIONS = ("compile", "head", "keep", "hold", "once")
+SIDE_OPTIONS = ("compile", "head", "keep", "hold", "once", "budget")
 
 
 def parse_side(spec: str) -> Side:
@@ -772,7 +797,8 @@ def parse_side(spec: str) -> Side:
     decoder layers', the trainer's ``gradient_checkpointing_layers``); its options (``compile``: the
     decoder layers compiled, ``compile_layers``; ``head``: ``compile_head``; ``keep``: FSDP's
     ``reshard_after_forward=False``, ``fsdp.enable_full_shard=false``; ``hold``:
-    ``keep_params_gathered``; ``once``: ``reduce_grads_once``)."""
+    ``keep_params_gathered``; ``once``: ``reduce_grads_once``; ``budget``: micro-batches of at most
+    ``--max_tokens`` packed tokens, ``max_tokens_per_micro_batch``)."""
     name, _, settings = spec.partition(":")
     checkpointing, *options = settings.split("+")
     if (
@@ -794,13 +820,15 @@ def parse_side(spec: str) -> Side:
 
 
 def side_specs(args: argparse.Namespace) -> list[str]:
-    """``--sides``, or the sides ``--gradient_checkpointing`` and ``--baseline`` name (mmrl, and the
-    plain loop with ``--baseline plain``, both checkpointing whole layers or not at all)."""
+    """``--sides``, or the sides ``--gradient_checkpointing`` and ``--baseline`` name (mmrl, by token
+    budget with ``--max_tokens``, and the plain loop with ``--baseline plain``, both checkpointing whole
+    layers or not at all)."""
     if getattr(args, "sides", None):
         return list(args.sides)
     setting = "full" if args.gradient_checkpointing else "off"
     plain = [f"plain:{setting}"] if getattr(args, "baseline", None) == "plain" else []
-    return [f"mmrl:{setting}", *plain]
+    budget = "+budget" if getattr(args, "max_tokens", None) else ""
+    return [f"mmrl:{setting}{budget}", *plain]
 
 
 def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Namespace):
@@ -808,8 +836,13 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
     the batch's ``old_log_probs`` (its own, from the same weights as every side's). Returns the side's
     figures and the batch."""
     from mmrl.protocol import DataProto
+    from mmrl.workers.fsdp_engine import micro_batch_rows
 
     settings = parse_side(spec)
+    if settings.budget and settings.name != "mmrl":
+        raise ValueError("the plain loop batches by row count")
+    budget = token_budget(args) if settings.budget else None
+    padded = {"ragged": padded_rows(args)} if settings.name == "plain" else {}
     start = time.perf_counter()
     side = SIDES[settings.name](
         config,
@@ -817,14 +850,16 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
         compute_dtype,
         settings.checkpointing,
         args.response_length,
-        max_tokens=getattr(args, "max_tokens", None),
+        max_tokens=budget,
         packed_attention=getattr(args, "attention", "sdpa"),
         compiled=settings.compiled,
         recomputed=settings.recomputed,
         keep_gathered=settings.keep,
+        **padded,
         **mmrl_options(settings.name, args, settings.once, settings.hold, settings.head),
     )
     build_s = time.perf_counter() - start
+    micro_batches = len(micro_batch_rows(batch.batch["attention_mask"], args.micro_batch, budget))
     if "old_log_probs" not in batch.batch.keys():
         old = side.log_probs(side.prepare(batch), args.micro_batch)
         batch = batch.union(DataProto.from_dict(tensors={"old_log_probs": old}))
@@ -836,7 +871,20 @@ def time_side(spec: str, config, device, compute_dtype, batch, args: argparse.Na
     finally:
         del side
         release()
-    return {**result, "build_s": build_s, "compiled_graphs": compiled_graphs() - graphs}, batch
+    result.update(build_s=build_s, compiled_graphs=compiled_graphs() - graphs, micro_batches=micro_batches)
+    return result, batch
+
+
+def token_budget(args: argparse.Namespace) -> int:
+    """A ``+budget`` side's packed tokens per micro-batch: ``--max_tokens``, by default what a
+    micro-batch of ``--micro_batch`` unpadded rows holds."""
+    return getattr(args, "max_tokens", None) or args.micro_batch * (args.prompt_length + args.response_length)
+
+
+def padded_rows(args: argparse.Namespace) -> bool:
+    """Whether the batch's rows carry padding (``--ragged``, ``--varied``): the plain loop then passes
+    the attention mask."""
+    return bool(getattr(args, "ragged", False) or getattr(args, "varied", False))
 
 
 def mmrl_options(
@@ -880,6 +928,8 @@ def _defaults() -> dict:
         "baseline": None,
         "attention": "auto",
         "max_tokens": None,
+        "ragged": False,
+        "varied": False,
         "sides": None,
         "profile_sides": None,
     }
@@ -910,18 +960,28 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
         if args.smoke
         else "bf16 compute / fp32 master weights, FSDP2 on 1 GPU"
     )
+    padding = (
+        f" padded, {result['tokens_per_update']:,} valid ({'--varied' if args.varied else '--ragged'})"
+        if padded_rows(args)
+        else ""
+    )
+    budget = (
+        f" (+budget sides: {token_budget(args):,} tokens)"
+        if any("+budget" in spec for spec in result["sides"])
+        else ""
+    )
     print(
         f"\nactor update, {args.rows} rows x ({args.prompt_length} prompt + {args.response_length} response) "
-        f"tokens, micro-batch {args.micro_batch}"
-        f"{f' (mmrl: {args.max_tokens} tokens)' if args.max_tokens else ''}, {setting}, gradient "
-        f"checkpointing per side (name:checkpointing[+compile]); mmrl's attention: "
-        f"{result['attention']}; median of {args.repeats}; {result['device']}, torch {result['torch']}\n"
+        f"tokens{padding}, micro-batch {args.micro_batch}{budget}, {setting}, gradient "
+        f"checkpointing per side (name:checkpointing[+option...]); mmrl's attention: "
+        f"{result['attention']}; median of {args.repeats}; {result['device']}, torch {result['torch']}; "
+        "tokens/s and MFU count valid tokens\n"
     )
     print(
-        "| side | params | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
+        "| side | params | micro-batches | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
         "| log-prob tokens/s | host s / kernel s | GPU busy | loss | grad norm | graphs compiled |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, side in result["sides"].items():
         mfu = "-" if side["mfu"] is None else f"{side['mfu']:.1%}"
         memory = "-" if side["peak_memory_gib"] is None else f"{side['peak_memory_gib']:.1f}"
@@ -931,7 +991,8 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
         )  # fmt: skip
         busy = "-" if side.get("gpu_busy") is None else f"{side['gpu_busy']:.0%}"
         print(
-            f"| {name} | {side['params'] / 1e9:.2f}B | {side['update_s']:.3f} | {side['tokens_per_s']:.0f} "
+            f"| {name} | {side['params'] / 1e9:.2f}B | {side['micro_batches']} | {side['update_s']:.3f} "
+            f"| {side['tokens_per_s']:.0f} "
             f"| {side['achieved_tflops']:.1f} | {mfu} | {memory} | {side['optimizer_step_s']:.3f} "
             f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {busy} | {side['metrics']['loss']:.6f} "
             f"| {side['metrics']['grad_norm']:.6f} | {side['compiled_graphs']} |"
@@ -1036,7 +1097,7 @@ def count_side(name: str, args: argparse.Namespace, batch) -> dict:
         config = build_config(
             args.widths, layers=layers, vision_depth=args.vision_depth, vocab=args.vocab, images=args.images
         )
-        ragged = {"ragged": args.ragged} if name == "plain" else {}
+        ragged = {"ragged": padded_rows(args)} if name == "plain" else {}
         options = {**ragged, **mmrl_options(name, args)}
         side = SIDES[name](config, device, torch.bfloat16, True, args.response_length, **options)
         batch = side.prepare(batch)
@@ -1108,6 +1169,7 @@ def op_counts(args: argparse.Namespace) -> dict:
         args.vocab,
         images=args.images,
         ragged=args.ragged,
+        varied=args.varied,
     )
     # old log-probs: those of near-uniform logits (random weights), so that the ratio is near 1 and no
     # token is clipped (a clipped token's gradient is zero); the same for both sides
@@ -1193,7 +1255,8 @@ def main() -> None:
         "--max_tokens",
         type=int,
         default=None,
-        help="mmrl: token-budget micro-batches (max_tokens_per_micro_batch)",
+        help="the token budget of mmrl's +budget sides (max_tokens_per_micro_batch; default --micro_batch "
+        "unpadded rows' tokens); without --sides, mmrl's side runs by it",
     )
     parser.add_argument(
         "--reduce_grads_once",
@@ -1217,7 +1280,12 @@ def main() -> None:
     parser.add_argument(
         "--ragged",
         action="store_true",
-        help="CPU mode, text rows: left-padded prompts and right-padded responses of uneven lengths",
+        help="text rows: left-padded prompts and right-padded responses of uneven lengths",
+    )
+    parser.add_argument(
+        "--varied",
+        action="store_true",
+        help="text rows padded as --ragged, the responses 1/8 to all of --response_length long (a rollout's spread)",
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     parser.add_argument(
@@ -1232,8 +1300,8 @@ def main() -> None:
         args.model, args.rows, args.prompt_length, args.response_length, args.repeats = "smoke", 4, 16, 16, 1
         args.micro_batch = min(args.micro_batch, 2)
     elif device == "cpu":
-        if args.ragged and args.images:
-            parser.error("--ragged pads text rows only; leave out --images")
+        if (args.ragged or args.varied) and args.images:
+            parser.error("--ragged and --varied pad text rows only; leave out --images")
         if args.sides or args.profile_sides:
             parser.error(
                 "--sides and --profile_sides time sides on a GPU (or with --smoke); the CPU mode counts both"

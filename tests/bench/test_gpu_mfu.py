@@ -56,17 +56,25 @@ def test_cpu_mode_counts_both_sides_and_mmrl_does_no_more_host_work_per_paramete
 
 def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     """``--sides`` (the timed path, ``--smoke``: tiny, fp32, on the CPU): each named setting is built and
-    timed from the same weights and batch (compiled decoder layers and head; one of the two layers recomputing,
-    parameters kept gathered from forward to backward and across micro-batches, one gradient
-    reduction per step), with the same loss and gradient norm; a setting that cannot be built is
-    reported and the others still run."""
+    timed from the same weights and batch (compiled decoder layers and head, micro-batches by token
+    budget; one of the two layers recomputing, parameters kept gathered from forward to backward and
+    across micro-batches, one gradient reduction per step), with the same loss and gradient norm, on
+    rows padded to a rollout's spread of lengths (mmrl packs them, the plain loop passes their mask); a
+    setting that cannot be built is reported and the others still run."""
     out = tmp_path / "smoke.json"
-    sides = "mmrl:full,mmrl:off+compile+head,mmrl:1+keep+hold+once,plain:full+compile,plain:1+keep,plain:off+hold,plain:off"
-    stdout = run_bench("gpu_mfu.py", "--smoke", "--sides", sides, "--out", str(out), timeout_s=600)
+    sides = (
+        "mmrl:full,mmrl:off+compile+head+budget,mmrl:1+keep+hold+once,"
+        "plain:full+compile,plain:1+keep,plain:off+hold,plain:off+budget,plain:off"
+    )
+    stdout = run_bench(
+        "gpu_mfu.py",
+        *("--smoke", "--varied", "--max_tokens", "100", "--sides", sides, "--out", str(out)),
+        timeout_s=600,
+    )
     result = json.loads(out.read_text())["result"]
     assert list(result["sides"]) == [
         "mmrl:full",
-        "mmrl:off+compile+head",
+        "mmrl:off+compile+head+budget",
         "mmrl:1+keep+hold+once",
         "plain:1+keep",
         "plain:off",
@@ -74,13 +82,21 @@ def test_sides_time_several_settings_in_one_run_on_the_same_numbers(tmp_path):
     assert result["failed"] == {
         "plain:full+compile": "ValueError: the plain loop compiles nothing",
         "plain:off+hold": "ValueError: the plain loop reshards its parameters after every backward",
+        "plain:off+budget": "ValueError: the plain loop batches by row count",
     }
     assert "plain:full+compile failed: ValueError" in stdout
+    # 4 rows of 16 prompt + 16 response tokens, padded: only the valid tokens count as work
+    assert result["padded_tokens_per_update"] == 128
+    assert 4 * 16 // 2 < result["tokens_per_update"] < 128
+    # by row count: 2 micro-batches of 2 rows; the budget of 100 tokens holds the 4 rows in one
+    micro_batches = {spec: side["micro_batches"] for spec, side in result["sides"].items()}
+    assert micro_batches == {spec: 1 if "+budget" in spec else 2 for spec in result["sides"]}
     reference = result["sides"]["mmrl:full"]["metrics"]
     for side in result["sides"].values():
         assert side["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert side["metrics"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    assert "mmrl:off+compile+head tokens/s:" in stdout and "x plain:off" in stdout
+    assert "mmrl:off+compile+head+budget tokens/s:" in stdout and "x plain:off" in stdout
+    assert "+budget sides: 100 tokens" in stdout
 
 
 def test_a_side_is_named_by_its_checkpointing_and_options():
@@ -93,6 +109,7 @@ def test_a_side_is_named_by_its_checkpointing_and_options():
     assert bench.parse_side("plain:off") == bench.Side("plain", False)
     assert bench.parse_side("mmrl:28+once+keep") == bench.Side("mmrl", True, 28, keep=True, once=True)
     assert bench.parse_side("mmrl:off+hold+head") == bench.Side("mmrl", False, head=True, hold=True)
+    assert bench.parse_side("mmrl:full+budget") == bench.Side("mmrl", True, budget=True)
     for spec_text in (
         "mmrl:sometimes",
         "mmrl",
