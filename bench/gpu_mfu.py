@@ -27,7 +27,9 @@ FSDP2 loop (``fully_shard`` per decoder layer and vision block, the same mixed p
 ``logits_to_keep`` for the response tokens, a log-softmax gather, the same PPO loss, torch's
 ``clip_grad_norm_``). mmrl's batch carries its ``position_ids`` column, numbered once as the trainer
 numbers a rollout batch. Each side: a warm-up update, then ``--repeats`` timed ones (median,
-``torch.cuda.synchronize`` around each), the optimizer step timed on its own (clipping included), the
+``torch.cuda.synchronize`` around each; the GPU's SM clock and power draw sampled over them through
+NVML where torch reads it: a side whose kernels each take longer at a lower clock is power-bound, not
+slower code), the optimizer step timed on its own (clipping included), the
 no-grad log-prob pass timed, and one update profiled: host-bound share = CPU time of the ops (self,
 summed) / GPU kernel time (kernels only, each counted once); above 1 the GPU waits on the host. GPU
 busy = that kernel time / the median update's seconds. The profiled update's kernel time by kind
@@ -92,6 +94,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -645,6 +648,62 @@ def host_and_kernel_seconds(side, batch, micro_batch: int, device) -> tuple[floa
     return host / 1e6, kernel / 1e6
 
 
+class DeviceSampler:
+    """The GPU's SM clock (MHz) and power draw (W), read every ``interval_s`` by a thread while the
+    ``with`` block runs: whether a side's kernels ran at the clock another side's did (a GPU at its
+    power limit lowers its clock, and every kernel takes longer). ``read`` returns one ``(MHz, W)``
+    reading; None (no NVML) leaves both figures None."""
+
+    def __init__(self, read: Callable[[], tuple[float, float]] | None, interval_s: float = 0.05):
+        self.read, self.interval_s = read, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(self.read())
+
+    def __enter__(self) -> DeviceSampler:
+        if self.read is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def clock_mhz(self) -> float | None:
+        """The median SM clock over the block (None: nothing read)."""
+        return statistics.median(mhz for mhz, _ in self.samples) if self.samples else None
+
+    @property
+    def power_w(self) -> float | None:
+        """The mean power draw over the block (None: nothing read)."""
+        return statistics.fmean(watts for _, watts in self.samples) if self.samples else None
+
+
+def nvml_reader(device) -> Callable[[], tuple[float, float]] | None:
+    """``device``'s ``(SM clock MHz, power W)`` through torch's NVML queries, or None on the CPU or
+    where NVML is not at hand (torch reads it through ``pynvml``, the ``nvidia-ml-py`` package)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+
+    def read() -> tuple[float, float]:
+        return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3  # mW
+
+    try:
+        read()
+    except Exception:  # no pynvml, or a driver without these queries
+        return None
+    return read
+
+
 def measure_side(side, batch, args, device) -> dict:
     """Timed updates (median of ``--repeats`` after a warm-up), the optimizer step's seconds, the
     no-grad log-prob pass's seconds, peak memory and the host-bound share, of one side."""
@@ -673,9 +732,10 @@ def measure_side(side, batch, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     side.step_context = timed_step
     update_s = []
-    for _ in range(args.repeats):
-        seconds, metrics = timed(lambda: side.update(batch, args.micro_batch))
-        update_s.append(seconds)
+    with DeviceSampler(nvml_reader(device)) as sampler:
+        for _ in range(args.repeats):
+            seconds, metrics = timed(lambda: side.update(batch, args.micro_batch))
+            update_s.append(seconds)
     side.step_context = contextlib.nullcontext
     log_prob_s = timed(lambda: side.log_probs(batch, args.log_prob_micro_batch or args.micro_batch))[0]
     peak = torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None
@@ -697,6 +757,8 @@ def measure_side(side, batch, args, device) -> dict:
         "kernel_s": kernel_s,
         "host_per_kernel": host_s / kernel_s if host_s and kernel_s else None,
         "gpu_busy": min(1.0, kernel_s / statistics.median(update_s)) if kernel_s else None,
+        "sm_clock_mhz": sampler.clock_mhz,
+        "power_w": sampler.power_w,
         "top_ops": getattr(side, "top_ops", []),
         "kernel_kinds": getattr(side, "kernel_kinds", {}),
         "product_kernels": getattr(side, "product_kernels", {}),
@@ -979,9 +1041,10 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
     )
     print(
         "| side | params | micro-batches | update s | tokens/s | TFLOP/s | MFU | peak GiB | optimizer step s "
-        "| log-prob tokens/s | host s / kernel s | GPU busy | loss | grad norm | graphs compiled |"
+        "| log-prob tokens/s | host s / kernel s | GPU busy | SM MHz | power W | loss | grad norm "
+        "| graphs compiled |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, side in result["sides"].items():
         mfu = "-" if side["mfu"] is None else f"{side['mfu']:.1%}"
         memory = "-" if side["peak_memory_gib"] is None else f"{side['peak_memory_gib']:.1f}"
@@ -990,11 +1053,14 @@ def print_timings(args: argparse.Namespace, result: dict) -> None:
             else f"{side['host_s']:.2f} / {side['kernel_s']:.2f} ({side['host_per_kernel']:.2f})"
         )  # fmt: skip
         busy = "-" if side.get("gpu_busy") is None else f"{side['gpu_busy']:.0%}"
+        clock = "-" if side.get("sm_clock_mhz") is None else f"{side['sm_clock_mhz']:.0f}"
+        power = "-" if side.get("power_w") is None else f"{side['power_w']:.0f}"
         print(
             f"| {name} | {side['params'] / 1e9:.2f}B | {side['micro_batches']} | {side['update_s']:.3f} "
             f"| {side['tokens_per_s']:.0f} "
             f"| {side['achieved_tflops']:.1f} | {mfu} | {memory} | {side['optimizer_step_s']:.3f} "
-            f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {busy} | {side['metrics']['loss']:.6f} "
+            f"| {side['log_prob_tokens_per_s']:.0f} | {host} | {busy} | {clock} | {power} "
+            f"| {side['metrics']['loss']:.6f} "
             f"| {side['metrics']['grad_norm']:.6f} | {side['compiled_graphs']} |"
         )
     kinds = {spec: side["kernel_kinds"] for spec, side in result["sides"].items() if side["kernel_kinds"]}

@@ -147,3 +147,31 @@ def test_kernels_are_sorted_by_kind_and_product_kernels_compared_side_by_side(ca
         "| sm90_xmma_c | - | 2, 3.0 |",
         "| nvjet_b | 2, 1.0 | - |",
     ]
+
+
+def test_the_device_sampler_reads_the_clock_and_power_while_its_block_runs():
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("gpu_mfu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    readings = iter([(1980.0, 690.0), (1755.0, 700.0), (1755.0, 698.0)] + [(1500.0, 650.0)] * 1000)
+    with bench.DeviceSampler(lambda: next(readings), interval_s=0.01) as sampler:
+        while len(sampler.samples) < 3:
+            time.sleep(0.005)
+    taken = len(sampler.samples)
+    time.sleep(0.05)
+    assert len(sampler.samples) == taken  # no reading after the block
+    first = [(1980.0, 690.0), (1755.0, 700.0), (1755.0, 698.0)]
+    assert sampler.samples[:3] == first
+    clocks = sorted(mhz for mhz, _ in sampler.samples)
+    assert sampler.clock_mhz == pytest.approx((clocks[(taken - 1) // 2] + clocks[taken // 2]) / 2)
+    assert sampler.power_w == pytest.approx(sum(watts for _, watts in sampler.samples) / taken)
+    # no NVML (the CPU): nothing read, no figures
+    with bench.DeviceSampler(None) as idle:
+        time.sleep(0.02)
+    assert idle.samples == [] and idle.clock_mhz is None and idle.power_w is None
+    import torch
+
+    assert bench.nvml_reader(torch.device("cpu")) is None
