@@ -251,6 +251,8 @@ def random_batch(
     if ragged or varied:
         for row in range(rows):
             prompt_mask[row, : 2 * row % (prompt_length // 2)] = 0
+    if ragged and not varied:
+        for row in range(rows):
             response_mask[row, response_length - 3 * row % (response_length // 2) :] = 0
     if varied:
         shortest = max(1, response_length // 8)
@@ -1255,11 +1257,12 @@ def op_counts(args: argparse.Namespace) -> dict:
 
 
 def print_op_counts(args: argparse.Namespace, result: dict) -> None:
+    padding = f", padded (--{'varied' if args.varied else 'ragged'})" if padded_rows(args) else ""
     print(
         f"\naten ops dispatched, Qwen2.5-VL-3B layout at {args.widths} widths, {args.layers} decoder layers, {args.vision_depth} "
         f"vision blocks, vocabulary {args.vocab:,}; {args.rows} rows x ({args.prompt_length} prompt + "
         f"{args.response_length} response) tokens{', an image of 4 x 4 patches each' if args.images else ''}"
-        f"{', padded (--ragged)' if args.ragged else ''}; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
+        f"{padding}; bf16 compute / fp32 master, FSDP2 on 1 CPU rank "
         f"(gloo), gradient checkpointing on; torch {result['torch']}\n"
     )
     mmrl, plain = result["sides"]["mmrl"]["table"], result["sides"]["plain"]["table"]

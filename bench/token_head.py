@@ -18,13 +18,17 @@ largest difference from the eager ones, and on a GPU the peak memory each call a
 inputs. ``bench/results/token_head.json`` keeps them.
 
 ``--whole`` times the whole head, forward and backward, on ``--tokens`` hidden rows of ``--width``
-(one micro-batch's response tokens: 8 rows of 512 are 4,096) and an output weight ``[vocab, width]``,
+(one micro-batch's response tokens: 8 rows of 512, 4,096, by default) and an output weight ``[vocab, width]``,
 the loss ``sum(g * log p(y))`` with random per-token weights ``g`` (what a policy loss hands the head):
 the plain loop's head (the whole ``[tokens, vocab]`` logits, an fp32 log-softmax, a gather), mmrl's
 chunked head (``mmrl.models.token_scoring.chunked_token_scores``, ``--chunk_tokens`` rows a chunk; it
 computes each token's entropy too) with its chunk math eager and compiled, and, on a GPU where
 ``liger_kernel`` imports, Liger's ``LigerFusedLinearCrossEntropyLoss`` (``reduction="none"``: its
-per-token loss is ``-log p(y)``; no entropy). Median seconds of each direction, the peak memory above
+per-token loss is ``-log p(y)``, its gradient deferred to the backward; no entropy) at its own chunk
+size (its logits bounded by the input's size: 64 rows a chunk at the 3B width and vocabulary) and at
+about ``--chunk_tokens`` rows a chunk. Liger, as configured here by default, sums the weight's gradient
+over its chunks in bf16 and casts each token's upstream gradient to bf16 (mmrl's head sums in the
+weight's dtype over its fewer chunks): its gradient differences measure that too. Median seconds of each direction, the peak memory above
 the inputs on a GPU, and the largest difference of the log-probs and both gradients from the plain
 head's, relative to the largest value. ``bench/results/token_head_whole.json`` keeps them.
 """
@@ -32,6 +36,7 @@ head's, relative to the largest value. ``bench/results/token_head_whole.json`` k
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -143,51 +148,97 @@ def run(args: argparse.Namespace) -> dict:
     return {"device": str(device), "dtype": str(dtype), "torch": torch.__version__, "rows": rows}
 
 
-def _liger_head(device, temperature: float) -> tuple[object | None, str]:
-    """Liger's fused linear cross-entropy as a log-prob head, or None and why not."""
+def _liger_chunk_rows(rows: int, width: int, vocab: int, chunk_mem_const: int) -> int:
+    """The rows of each chunk Liger's fused linear cross-entropy (0.8.5) takes for ``rows`` x ``width``
+    hidden rows and a ``vocab``-row weight: its ``[chunk, vocab]`` logits bounded by ``chunk_mem_const``
+    x ``rows`` x ``width`` elements, the chunk a power of two."""
+    pieces = math.ceil(vocab / (chunk_mem_const * width))
+    return min(2 ** math.ceil(math.log2(math.ceil(rows / pieces))), rows)
+
+
+def _liger_heads(device, temperature: float, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Liger's fused linear cross-entropy as log-prob heads (:func:`_heads`' layout), at its own chunk
+    size and, where that differs, at about ``--chunk_tokens`` rows a chunk (its ``chunk_mem_const``,
+    which only the function takes); or none, and why not."""
     if device.type != "cuda":
-        return None, "Liger's kernels are Triton's: a GPU only"
+        return {}, {"liger": "Liger's kernels are Triton's: a GPU only"}
     try:
+        from importlib.metadata import version
+
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except Exception as error:  # not installed, or built for another torch or Triton
-        return None, f"liger_kernel does not import ({type(error).__name__}: {error})"
+        return {}, {"liger": f"liger_kernel does not import ({type(error).__name__}: {error})"}
     loss = LigerFusedLinearCrossEntropyLoss(reduction="none")  # per token: -log p(y), deferred gradients
 
-    def head(hidden, weight, targets):
-        return -loss(weight, hidden if temperature == 1.0 else hidden / temperature, targets)
+    def scaled(hidden):
+        return hidden if temperature == 1.0 else hidden / temperature
 
-    return head, ""
+    def default(hidden, weight, targets):
+        return -loss(weight, scaled(hidden), targets)
+
+    matched = max(1, math.ceil(args.vocab * args.chunk_tokens / (args.width * args.tokens)))
+
+    def larger_chunks(hidden, weight, targets):
+        # the Function's arguments in 0.8.5's order: bias, ce_weight, ignore_index, lse_square_scale,
+        # label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
+        # return_token_accuracy, return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const
+        options = (
+            None,
+            None,
+            -100,
+            0.0,
+            0.0,
+            "none",
+            None,
+            False,
+            None,
+            False,
+            False,
+            False,
+            None,
+            None,
+            matched,
+        )
+        return -LigerFusedLinearCrossEntropyFunction.apply(scaled(hidden), weight, targets, *options)[0]
+
+    name = f"liger {version('liger-kernel')}"
+    rows = {const: _liger_chunk_rows(args.tokens, args.width, args.vocab, const) for const in (1, matched)}
+    heads = {name: (False, rows[1], default)}
+    if rows[matched] != rows[1]:
+        heads[f"{name}, larger chunks"] = (False, rows[matched], larger_chunks)
+    return heads, {}
 
 
-def _heads(device, temperature: float, chunk_tokens: int) -> tuple[dict, dict]:
-    """The heads timed by ``--whole``, name -> (computes entropies, ``head(hidden, weight, targets)`` ->
-    fp32 log-probs [N]), and the heads left out, name -> why."""
+def _heads(device, temperature: float, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The heads timed by ``--whole``, name -> (computes entropies, rows a chunk, ``head(hidden, weight,
+    targets)`` -> fp32 log-probs [N]), and the heads left out, name -> why."""
     import torch
     from torch.nn import functional as F
 
     from mmrl.models.compiled import compiled_chunk_math
     from mmrl.models.token_scoring import EAGER_CHUNK_MATH, TokenScoring, chunked_token_scores
 
-    def plain(hidden, weight, targets):
-        logits = F.linear(hidden, weight).float() / temperature
+    def plain(hidden, weight, targets):  # the plain loop's: divided only by a temperature it has
+        logits = F.linear(hidden, weight).float()
+        logits = logits if temperature == 1.0 else logits / temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
     def chunked(chunk_math):
         def head(hidden, weight, targets):
-            scoring = TokenScoring(targets, temperature, chunk_tokens)
+            scoring = TokenScoring(targets, temperature, args.chunk_tokens)
             return chunked_token_scores(hidden, weight, None, scoring, chunk_math)[0]
 
         return head
 
+    chunk = min(args.chunk_tokens, args.tokens)
     heads = {
-        "plain": (False, plain),
-        "mmrl": (True, chunked(EAGER_CHUNK_MATH)),
-        "mmrl compiled": (True, chunked(compiled_chunk_math("inductor"))),
+        "plain": (False, args.tokens, plain),
+        "mmrl": (True, chunk, chunked(EAGER_CHUNK_MATH)),
+        "mmrl compiled": (True, chunk, chunked(compiled_chunk_math("inductor"))),
     }
-    liger, why = _liger_head(device, temperature)
-    if liger is not None:
-        heads["liger"] = (False, liger)
-    return heads, ({} if liger is not None else {"liger": why})
+    liger, left_out = _liger_heads(device, temperature, args)
+    return heads | liger, left_out
 
 
 def _timed_head(head, hidden, weight, targets, weights, repeats: int, device) -> dict:
@@ -245,9 +296,9 @@ def run_whole(args: argparse.Namespace) -> dict:
     weight = normal(args.vocab, args.width, scale=3 / args.width**0.5).requires_grad_()
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
     weights = torch.randn(args.tokens, generator=generator, device=device)
-    heads, left_out = _heads(device, args.temperature, args.chunk_tokens)
+    heads, left_out = _heads(device, args.temperature, args)
     timings = {}
-    for name, (_, head) in heads.items():
+    for name, (_, _, head) in heads.items():
         try:
             timings[name] = _timed_head(head, hidden, weight, targets, weights, args.repeats, device)
         except Exception as error:  # reported; the other heads still run (the plain one is the reference)
@@ -257,12 +308,13 @@ def run_whole(args: argparse.Namespace) -> dict:
     reference = timings["plain"]["outputs"]
     rows = []
     for name, timing in timings.items():
-        entropies = heads[name][0]
+        entropies, chunk_rows, _ = heads[name]
         differences = [_relative_difference(a, b) for a, b in zip(timing["outputs"], reference)]
         rows.append(
             {
                 "head": name,
                 "entropies": entropies,
+                "chunk_rows": chunk_rows,
                 "forward_s": timing["forward_s"],
                 "backward_s": timing["backward_s"],
                 "peak_mib": timing["peak_mib"],
@@ -278,13 +330,12 @@ def run_whole(args: argparse.Namespace) -> dict:
 def _print_whole(args: argparse.Namespace, result: dict) -> None:
     print(
         f"the whole log-prob head on {args.tokens:,} rows of {args.width:,}, vocabulary {args.vocab:,} "
-        f"({result['dtype']}, {result['device']}, torch {result['torch']}), chunks of "
-        f"{args.chunk_tokens:,} rows, median of {args.repeats}; differences relative to the plain head's "
-        "largest value\n"
+        f"({result['dtype']}, {result['device']}, torch {result['torch']}), median of {args.repeats}; "
+        "differences relative to the plain head's largest value\n"
     )
     gpu = result["device"].startswith("cuda")
     plain = next(row for row in result["rows"] if row["head"] == "plain")
-    headers = ["head", "entropies", "forward s", "backward s", "both / plain's"]
+    headers = ["head", "entropies", "rows a chunk", "forward s", "backward s", "both / plain's"]
     headers += ["peak MiB"] * gpu + [
         "log-prob difference",
         "hidden grad difference",
@@ -296,6 +347,7 @@ def _print_whole(args: argparse.Namespace, result: dict) -> None:
         cells = [
             row["head"],
             "yes" if row["entropies"] else "no",
+            f"{row['chunk_rows']:,}",
             f"{row['forward_s']:.4f}",
             f"{row['backward_s']:.4f}",
             f"{both / (plain['forward_s'] + plain['backward_s']):.2f}",
@@ -337,20 +389,26 @@ def _print_math(args: argparse.Namespace, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--tokens", type=int, default=1024, help="rows: of one chunk, or with --whole of the head's input"
+        "--tokens",
+        type=int,
+        default=None,
+        help="rows: of one chunk (default 1,024), or with --whole of the head's input (default 4,096)",
     )
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--whole", action="store_true", help="the whole head against a plain one and Liger's")
     parser.add_argument("--width", type=int, default=2048, help="--whole: the hidden width (3B's: 2,048)")
     parser.add_argument("--chunk_tokens", type=int, default=1024, help="--whole: mmrl's rows per chunk")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls (>= 1) after a warm-up")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
     parser.add_argument(
         "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu"
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default bench/results/...)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats: at least 1")
+    args.tokens = args.tokens or (4096 if args.whole else 1024)
 
     result = (run_whole if args.whole else run)(args)
     (_print_whole if args.whole else _print_math)(args, result)
