@@ -180,27 +180,25 @@ def _liger_heads(device, temperature: float, args: argparse.Namespace) -> tuple[
     matched = max(1, math.ceil(args.vocab * args.chunk_tokens / (args.width * args.tokens)))
 
     def larger_chunks(hidden, weight, targets):
-        # the Function's arguments in 0.8.5's order: bias, ce_weight, ignore_index, lse_square_scale,
-        # label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
-        # return_token_accuracy, return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const
-        options = (
-            None,
-            None,
-            -100,
-            0.0,
-            0.0,
-            "none",
-            None,
-            False,
-            None,
-            False,
-            False,
-            False,
-            None,
-            None,
-            matched,
-        )
-        return -LigerFusedLinearCrossEntropyFunction.apply(scaled(hidden), weight, targets, *options)[0]
+        options = {  # the Function's arguments after input, weight and target, in 0.8.5's order
+            "bias": None,
+            "ce_weight": None,
+            "ignore_index": -100,
+            "lse_square_scale": 0.0,
+            "label_smoothing": 0.0,
+            "reduction": "none",
+            "softcap": None,
+            "return_z_loss": False,
+            "accum_dtype": None,
+            "use_token_scaling": False,
+            "return_token_accuracy": False,
+            "return_predicted_tokens": False,
+            "ce_impl": None,
+            "ce_mode": None,
+            "chunk_mem_const": matched,
+        }
+        apply = LigerFusedLinearCrossEntropyFunction.apply  # positional only (autograd.Function)
+        return -apply(scaled(hidden), weight, targets, *options.values())[0]
 
     name = f"liger {version('liger-kernel')}"
     rows = {const: _liger_chunk_rows(args.tokens, args.width, args.vocab, const) for const in (1, matched)}
