@@ -53,6 +53,16 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+def _device_and_dtype(args: argparse.Namespace):
+    """``--device`` (cuda where present) and ``--dtype`` (bf16 on cuda, fp32 on the CPU) as torch's."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+
+
 def _calls(logits, targets, temperature: float, entropy_bonus: bool) -> dict:
     """The chunk math's two calls on ``logits`` (each given a fresh copy by :func:`_timed`)."""
     import torch
@@ -120,10 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     from mmrl.models.compiled import compiled_chunk_math
     from mmrl.models.token_scoring import EAGER_CHUNK_MATH
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    ]
+    device, dtype = _device_and_dtype(args)
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (3 * torch.randn(args.tokens, args.vocab, generator=generator, device=device)).to(dtype)
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
@@ -280,10 +287,7 @@ def run_whole(args: argparse.Namespace) -> dict:
     """The whole head, each of :func:`_heads`, on the same hidden rows, weight, targets and loss."""
     import torch
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    ]
+    device, dtype = _device_and_dtype(args)
     generator = torch.Generator(device=device).manual_seed(0)
 
     def normal(*shape, scale=1.0):

@@ -238,9 +238,8 @@ def enable_gradient_checkpointing(model: nn.Module, decoder_layers_recomputed: i
     model.config.use_cache = False
     if decoder_layers_recomputed is None:
         return
-    kept = decoder_layers(model)[
-        decoder_layers_recomputed:
-    ]  # none for a count over the layers: all recompute
+    # the layers that keep their activations (none for a count over the layers: all recompute)
+    kept = decoder_layers(model)[decoder_layers_recomputed:]
     other = next((layer for layer in kept if not isinstance(layer, GradientCheckpointingLayer)), None)
     if other is not None:
         raise ValueError(
